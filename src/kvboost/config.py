@@ -1,0 +1,69 @@
+"""Every engine knob in one validated dataclass."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from .results import RecomputeStrategy
+
+_GIB = 1024**3
+
+
+def default_memory_budget() -> int:
+    """A quarter of physical memory, capped at 4 GiB: a hot system prompt fits, the host keeps breathing."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * _GIB
+    return int(min(4 * _GIB, max(256 * 1024**2, total // 4)))
+
+
+@dataclass
+class EngineConfig:
+    chunk_size: int = 128
+    max_chunks: int | None = None  # entry cap for the memory tier; bytes decide when None
+    memory_budget_bytes: int | None = None  # None: default_memory_budget()
+    recompute_overlap: int = 16
+    recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE
+    recompute_ratio: float = 0.15
+    kv_cache_bits: int = 16
+    disk_cache_dir: str | None = None
+    disk_budget_bytes: int | None = None
+    redis_url: str | None = None
+    redis_ttl_s: int | None = 24 * 3600
+    cache_salt: str | None = None  # default tenant; a request may override it
+    chunk_boundary_window: int = 0
+    sink_tokens: int = 0
+    device: str | None = None
+    write_back: bool = True  # store new full chunks (prompt + output) after each generate
+
+    def __post_init__(self) -> None:
+        self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
+        _require(isinstance(self.chunk_size, int) and 8 <= self.chunk_size <= 8192,
+                 f"chunk_size must be an int in [8, 8192], got {self.chunk_size!r}")
+        _require(self.max_chunks is None or (isinstance(self.max_chunks, int) and self.max_chunks > 0),
+                 f"max_chunks must be a positive int or None, got {self.max_chunks!r}")
+        if self.memory_budget_bytes is None:
+            self.memory_budget_bytes = default_memory_budget()
+        _require(isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes >= 0,
+                 f"memory_budget_bytes must be a non-negative int, got {self.memory_budget_bytes!r}")
+        _require(self.recompute_overlap >= 0, f"recompute_overlap must be >= 0, got {self.recompute_overlap}")
+        _require(0.0 <= float(self.recompute_ratio) <= 1.0,
+                 f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        _require(self.kv_cache_bits in (4, 8, 16), f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits!r}")
+        _require(self.chunk_boundary_window >= 0 and self.chunk_boundary_window < self.chunk_size // 2,
+                 f"chunk_boundary_window must be in [0, chunk_size/2), got {self.chunk_boundary_window}")
+        _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

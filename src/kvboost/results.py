@@ -1,0 +1,126 @@
+"""What the engine hands back: result dataclasses and the public enums."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class GenerationMode(str, Enum):
+    """How much cached K/V a request may use.
+
+    BASELINE: nothing read or written; a plain full prefill.
+    PREFIX_CACHE: exact prefix-chain reuse of whole chunks only (what exact-prefix caches do).
+    CHUNK_KV_REUSE: exact chain, token-granular tail matching, and (where enabled)
+        content matches at other positions with repair.
+    """
+
+    BASELINE = "baseline"
+    PREFIX_CACHE = "prefix_cache"
+    CHUNK_KV_REUSE = "chunk_kv_reuse"
+
+    @classmethod
+    def parse(cls, value: "GenerationMode | str") -> "GenerationMode":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown mode {value!r}; expected one of: {names}") from None
+
+
+class RecomputeStrategy(str, Enum):
+    """How K/V reused at another position is repaired (exact prefix matches never are)."""
+
+    SELECTIVE = "selective"
+    CACHEBLEND = "cacheblend"
+    NONE = "none"
+
+    @classmethod
+    def parse(cls, value: "RecomputeStrategy | str") -> "RecomputeStrategy":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown recompute_strategy {value!r}; expected one of: {names}") from None
+
+
+@dataclass
+class GenerationResult:
+    mode: str
+    prompt: str
+    output_text: str
+    generated_tokens: int
+    ttft_ms: float
+    total_ms: float
+    tokens_per_sec: float
+    kv_reuse_ratio: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (EOS or stop string) | "length"
+    exact_tokens: int = 0  # reused from an exact prefix chain
+    approximate_tokens: int = 0  # reused from a content match at another position
+    recomputed_tokens: int = 0  # reused tokens whose K/V was recomputed by repair
+    lookup_ms: float = 0.0  # hashing + matching + assembly, inside ttft_ms
+    first_token_logits: "object | None" = field(default=None, repr=False)  # torch.Tensor when requested
+
+    @property
+    def text(self) -> str:
+        return self.output_text
+
+
+@dataclass
+class WarmResult:
+    """Outcome of warm(); truthy when at least one chunk was stored."""
+
+    chunks_stored: int
+    chunks_already_cached: int
+    tokens: int
+    elapsed_ms: float
+    warnings: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.chunks_stored + self.chunks_already_cached > 0
+
+    def __int__(self) -> int:
+        return self.chunks_stored
+
+
+@dataclass
+class PromptCheck:
+    prompt_preview: str
+    identical: bool
+    reused_chunks: int
+    cached_tokens: int
+    max_logit_diff: float
+    baseline_tokens: list[int]
+    reused_tokens: list[int]
+    first_token_agrees: bool = True
+    first_token_kl: float = 0.0
+
+
+@dataclass
+class CorrectnessReport:
+    """Per-prompt comparison of BASELINE against cached generation; truthy only if all match."""
+
+    checks: list[PromptCheck]
+    max_new_tokens: int
+
+    @property
+    def all_identical(self) -> bool:
+        return bool(self.checks) and all(c.identical for c in self.checks)
+
+    @property
+    def max_logit_diff(self) -> float:
+        return max((c.max_logit_diff for c in self.checks), default=0.0)
+
+    def __bool__(self) -> bool:
+        return self.all_identical
+
+    def summary(self) -> str:
+        ok = sum(c.identical for c in self.checks)
+        return (f"{ok}/{len(self.checks)} prompts identical to baseline; "
+                f"max first-token logit diff {self.max_logit_diff:.2e}")

@@ -1,0 +1,95 @@
+"""The unit of storage (one chunk's K/V for every layer) and the protocol every tier implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class ChunkRecord:
+    """One chunk's K/V, computed in full context at positions [start, start + len(token_ids)).
+
+    keys[i] / values[i] are layer i's tensors shaped [kv_heads, n_tokens, head_dim] (batch dim dropped).
+    parent_key is the prefix-chain key of the chunk before it (None for the first chunk), which is
+    what lets a lookup find partial chunks at token granularity among a parent's children.
+    """
+
+    key: str
+    parent_key: str | None
+    content_key: str
+    token_ids: tuple[int, ...]
+    start: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys) + sum(
+            t.numel() * t.element_size() for t in self.values)
+
+    def meta(self) -> "ChunkMeta":
+        return ChunkMeta(self.key, self.parent_key, self.content_key, self.token_ids, self.start)
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a lookup needs before deciding to load K/V."""
+
+    key: str
+    parent_key: str | None
+    content_key: str
+    token_ids: tuple[int, ...]
+    start: int
+
+
+@dataclass
+class TierStats:
+    name: str
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int | None = None
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    errors: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("entries", "bytes", "budget_bytes", "hits", "misses", "evictions",
+                                           "promotions", "errors")}
+        d.update(self.extra)
+        return d
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    """A tier. get() returns full-precision K/V (tiers that quantize dequantize on load) or None.
+
+    A tier never raises on a damaged or unreachable backend during get/put: it counts an error
+    and behaves as a miss, because a cache must never fail a request.
+    """
+
+    name: str
+
+    def get(self, key: str) -> ChunkRecord | None: ...
+
+    def put(self, record: ChunkRecord) -> bool: ...
+
+    def contains(self, key: str) -> bool: ...
+
+    def children(self, parent_key: str | None) -> list[ChunkMeta]: ...
+
+    def by_content(self, content_key: str) -> list[ChunkMeta]: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def stats(self) -> TierStats: ...

@@ -1,0 +1,167 @@
+"""In-process tier: byte budget, frequency-and-recency-aware eviction, parent/content indexes."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from .base import ChunkMeta, ChunkRecord, TierStats
+
+
+class Codec(Protocol):
+    """Turns a record into a (smaller) payload and back; quantizing tiers plug in here."""
+
+    def encode(self, record: ChunkRecord) -> object: ...
+
+    def decode(self, payload: object) -> ChunkRecord: ...
+
+    def nbytes(self, payload: object) -> int: ...
+
+
+@dataclass
+class _Entry:
+    meta: ChunkMeta
+    payload: object
+    nbytes: int
+    hits: int
+    priority: float
+    last_tick: int
+
+
+class MemoryStore:
+    """LFU with dynamic aging (LFU-DA): priority = age floor + hits.
+
+    A system prompt hit on every request keeps climbing; a chunk that was popular long ago is
+    overtaken as the age floor rises with each eviction. A parent chunk is touched whenever its
+    children are, so eviction takes the tails of chains first and chains never lose their heads
+    while their tails remain.
+    """
+
+    name = "memory"
+
+    def __init__(self, budget_bytes: int, max_entries: int | None = None, codec: Codec | None = None,
+                 on_evict: Callable[[ChunkRecord], None] | None = None):
+        self.budget_bytes = int(budget_bytes)
+        self.max_entries = max_entries
+        self.codec = codec
+        self.on_evict = on_evict  # the tiered store spills evicted chunks to the next tier here
+        self._entries: dict[str, _Entry] = {}
+        self._children: dict[str | None, set[str]] = defaultdict(set)
+        self._by_content: dict[str, set[str]] = defaultdict(set)
+        self._bytes = 0
+        self._age_floor = 0.0
+        self._tick = 0
+        self._lock = threading.RLock()
+        self._stats = TierStats(self.name, budget_bytes=self.budget_bytes)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def get(self, key: str) -> ChunkRecord | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._touch(entry)
+            self._stats.hits += 1
+            payload = entry.payload
+        return self._decode(payload)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def children(self, parent_key: str | None) -> list[ChunkMeta]:
+        with self._lock:
+            return [self._entries[k].meta for k in self._children.get(parent_key, ()) if k in self._entries]
+
+    def by_content(self, content_key: str) -> list[ChunkMeta]:
+        with self._lock:
+            return [self._entries[k].meta for k in self._by_content.get(content_key, ()) if k in self._entries]
+
+    # ---- writes ------------------------------------------------------------------------------
+    def put(self, record: ChunkRecord) -> bool:
+        payload = self.codec.encode(record) if self.codec else record
+        nbytes = self.codec.nbytes(payload) if self.codec else record.nbytes
+        if nbytes > self.budget_bytes:
+            return False
+        with self._lock:
+            old = self._entries.get(record.key)
+            if old is not None:
+                self._touch(old)
+                return True
+            self._tick += 1
+            entry = _Entry(record.meta(), payload, nbytes, hits=0, priority=self._age_floor, last_tick=self._tick)
+            self._entries[record.key] = entry
+            self._children[record.parent_key].add(record.key)
+            self._by_content[record.content_key].add(record.key)
+            self._bytes += nbytes
+            evicted = self._evict_over_budget(protect=record.key)
+        if self.on_evict:
+            for victim in evicted:
+                self.on_evict(victim)
+        return record.key in self._entries
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._remove(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._remove(key)
+            self._age_floor = 0.0
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            self._stats.entries = len(self._entries)
+            self._stats.bytes = self._bytes
+            return TierStats(**vars(self._stats))
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _touch(self, entry: _Entry) -> None:
+        self._tick += 1
+        entry.hits += 1
+        entry.priority = self._age_floor + entry.hits
+        entry.last_tick = self._tick
+
+    def _over_budget(self) -> bool:
+        return self._bytes > self.budget_bytes or (
+            self.max_entries is not None and len(self._entries) > self.max_entries)
+
+    def _evict_over_budget(self, protect: str) -> list[ChunkRecord]:
+        if not self._over_budget():
+            return []
+        # Lowest priority first; among equals the deepest chunk (a chain's tail) and the stalest go first.
+        order = sorted(self._entries.items(), key=lambda kv: (kv[1].priority, -kv[1].meta.start, kv[1].last_tick))
+        evicted: list[ChunkRecord] = []
+        for key, entry in order:
+            if not self._over_budget():
+                break
+            if key == protect:
+                continue
+            self._age_floor = max(self._age_floor, entry.priority)
+            if self.on_evict:
+                evicted.append(self._decode(entry.payload))
+            self._remove(key)
+            self._stats.evictions += 1
+        return evicted
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._bytes -= entry.nbytes
+        self._children[entry.meta.parent_key].discard(key)
+        if not self._children[entry.meta.parent_key]:
+            del self._children[entry.meta.parent_key]
+        self._by_content[entry.meta.content_key].discard(key)
+        if not self._by_content[entry.meta.content_key]:
+            del self._by_content[entry.meta.content_key]
+
+    def _decode(self, payload: object) -> ChunkRecord:
+        return self.codec.decode(payload) if self.codec else payload  # type: ignore[return-value]
