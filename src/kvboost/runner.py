@@ -1,0 +1,187 @@
+"""Forward pieces over a pooled, preallocated KV workspace.
+
+Hugging Face's DynamicCache concatenates the whole cache on every forward. On a long prefix that is
+a fresh allocation (page faults included) of every layer's K and V per step: at 7k tokens on
+SmolLM2 it costs more than the suffix's own compute. The workspace keeps one buffer per layer
+that lives across requests; cache layers write new K/V into it in place and hand attention views.
+It also remembers which token ids its first positions hold, so a request that shares a prefix with
+the previous one (a chat's next turn, a repeated system prompt) finds that K/V already in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+_GROW_STEP = 256
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+
+
+class InPlaceLayer(CacheLayerMixin):
+    """A full-attention cache layer that writes into the workspace buffer of its layer."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, workspace: "KVWorkspace", layer_idx: int, length: int):
+        super().__init__()
+        self.workspace = workspace
+        self.layer_idx = layer_idx
+        self.length = length
+        self.is_initialized = True
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        k_buf, v_buf = self.workspace.buffers(self.layer_idx)
+        self.keys = k_buf[:, :, : self.length]
+        self.values = v_buf[:, :, : self.length]
+        self.dtype, self.device = k_buf.dtype, k_buf.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        end = self.length + n
+        self.workspace.ensure_layer_capacity(self.layer_idx, end)
+        k_buf, v_buf = self.workspace.buffers(self.layer_idx)
+        k_buf[:, :, self.length:end].copy_(key_states)
+        v_buf[:, :, self.length:end].copy_(value_states)
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._refresh_views()
+
+    def reset(self) -> None:
+        self.length = 0
+        self._refresh_views()
+
+
+class KVWorkspace:
+    """Per-layer K/V buffers [batch, kv_heads, capacity, head_dim] reused across requests."""
+
+    def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, batch_size: int = 1,
+                 max_positions: int | None = None):
+        self.shapes = shapes
+        self.dtype = dtype
+        self.device = device
+        self.batch_size = batch_size
+        self.max_positions = max_positions
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self.capacity = 0
+        # Token ids whose K/V (computed in full context, under `resident_tag`) sit at positions [0, len).
+        self.resident_ids: list[int] = []
+        self.resident_tag: str | None = None
+        self._allocate(0)
+
+    # ---- buffers ------------------------------------------------------------------------------
+    def _allocate(self, capacity: int, keep: int = 0) -> None:
+        new_k, new_v = [], []
+        for i, s in enumerate(self.shapes):
+            k = torch.empty(self.batch_size, s.kv_heads, capacity, s.head_dim_k, dtype=self.dtype, device=self.device)
+            v = torch.empty(self.batch_size, s.kv_heads, capacity, s.head_dim_v, dtype=self.dtype, device=self.device)
+            if keep and self._k:
+                k[:, :, :keep].copy_(self._k[i][:, :, :keep])
+                v[:, :, :keep].copy_(self._v[i][:, :, :keep])
+            new_k.append(k)
+            new_v.append(v)
+        self._k, self._v, self.capacity = new_k, new_v, capacity
+
+    def _grown(self, needed: int) -> int:
+        target = max(needed, int(self.capacity * 1.5))
+        target = -(-target // _GROW_STEP) * _GROW_STEP
+        if self.max_positions:
+            target = max(needed, min(target, self.max_positions))
+        return target
+
+    def ensure_capacity(self, needed: int, keep: int) -> None:
+        if needed > self.capacity:
+            self._allocate(self._grown(needed), keep=keep)
+
+    def ensure_layer_capacity(self, layer_idx: int, needed: int) -> None:
+        # Growth during a forward (decode past the planned length): grow every layer together, keeping
+        # what each holds; layers not yet updated this step keep their shorter valid length.
+        if needed > self.capacity:
+            self._allocate(self._grown(needed), keep=self.capacity)
+
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._k[layer_idx], self._v[layer_idx]
+
+    def release(self) -> None:
+        """Give the buffers' memory back (the next request reallocates)."""
+        self._allocate(0)
+        self.resident_ids, self.resident_tag = [], None
+
+    # ---- contents -----------------------------------------------------------------------------
+    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
+              n_tokens: int | None = None) -> None:
+        """Copy one chunk's per-layer K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to positions start..."""
+        for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
+            n = k.shape[-2] if n_tokens is None else n_tokens
+            self._k[i][:, :, start:start + n].copy_(k[..., :n, :])
+            self._v[i][:, :, start:start + n].copy_(v[..., :n, :])
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Owned copies of positions [start, end) of one batch row: safe to store after the buffers move on."""
+        keys = [k[row, :, start:end].clone() for k in self._k]
+        values = [v[row, :, start:end].clone() for v in self._v]
+        return keys, values
+
+    def make_cache(self, length: int) -> Cache:
+        return Cache(layers=[InPlaceLayer(self, i, length) for i in range(len(self.shapes))])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._k + self._v)
+
+
+def probe_layer_shapes(model: torch.nn.Module) -> tuple[list[LayerShape], torch.dtype]:
+    """Run one token through the model to learn each layer's cached K/V shape and dtype."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
+    cache = out.past_key_values
+    shapes, dtype = [], None
+    for layer in cache.layers:
+        if layer.keys is None:
+            raise ValueError(f"{type(model).__name__}: a cache layer holds no keys; KV sharing layers are unsupported")
+        shapes.append(LayerShape(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]))
+        dtype = layer.keys.dtype
+    return shapes, dtype
+
+
+def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, cache: Cache,
+                   logits_to_keep: int = 1) -> torch.Tensor:
+    """Run tokens after what the cache holds; returns float32 logits of the last `logits_to_keep` positions.
+
+    Shape: [batch, logits_to_keep, vocab]. Positions follow from the cache length, as in generate().
+    """
+    device = next(model.parameters()).device
+    ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor([token_ids], dtype=torch.long)
+    ids = ids.to(device)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    return out.logits.float()

@@ -1,0 +1,104 @@
+"""Next-token choice and stopping: greedy, temperature, top-k, top-p, seeds, EOS and stop strings."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    do_sample: bool | None = None  # None: sample exactly when temperature > 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}",
+                                      "max_new_tokens")
+        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                                      "temperature")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an int >= 0, got {self.top_k!r}", "top_k")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an int, got {self.seed!r}", "seed")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if len(self.stop) > 16:
+            raise InvalidRequestError("at most 16 stop strings", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        if self.do_sample is False:
+            return True
+        return self.temperature == 0.0
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class Sampler:
+    """Picks tokens from float32 logits [vocab]. A seeded sampler is reproducible on its own generator."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator(device="cpu")
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(torch.argmax(logits).item())
+        probs = self.probabilities(logits)
+        # Sample on the CPU generator so a seed means the same tokens on every device.
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        scores = logits.float() / max(p.temperature, 1e-5)
+        if p.top_k and p.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+            # Drop tokens once the mass before them already reaches top_p; the best token always stays.
+            drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
+            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+        return torch.softmax(scores, dim=-1)
+
+
+def find_stop(text: str, stops: list[str]) -> int:
+    """Index where the earliest stop string begins in text, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def held_back_length(text: str, stops: list[str]) -> int:
+    """How many trailing characters could still grow into a stop string, so a stream must not emit them yet."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                longest = max(longest, k)
+                break
+    return longest

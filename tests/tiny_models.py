@@ -1,0 +1,42 @@
+"""Tiny random decoder models (fp32, seeded) that share SmolLM2's tokenizer, so tests need no hub."""
+from __future__ import annotations
+
+import torch
+
+TINY_ARCHS = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.1)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+    elif arch == "phi3":
+        cfg = tf.Phi3Config(**common)
+    elif arch == "gemma2":
+        # A window shorter than the test prompts, so the sliding layers' masking is exercised.
+        cfg = tf.Gemma2Config(**common, head_dim=16, sliding_window=48, query_pre_attn_scalar=16)
+    elif arch == "gemma3":
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=48, query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_tiny_model(arch: str, tokenizer, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, len(tokenizer), **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.eval()
