@@ -1,0 +1,184 @@
+"""`kvboost bench prefix`: TTFT of full prefill, KVBoost, and the floor, side by side in one run.
+
+The floor is what no cache can beat: prefill of exactly the tokens KVBoost did not reuse, over a
+Hugging Face DynamicCache that already holds the rest (built before the clock starts). Each
+measurement uses a different question, so no run is helped by the previous run's suffix.
+KVBoost is measured twice: with the prefix resident in its workspace (a repeated system prompt,
+the common case) and loaded from the chunk store (the workspace forgotten first).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from transformers import DynamicCache
+
+
+@dataclass
+class PrefixRow:
+    prefix_tokens: int
+    prompt_tokens: int
+    baseline_ms: float
+    kvboost_ms: float  # prefix resident in the workspace
+    kvboost_store_ms: float  # prefix copied from the chunk store
+    floor_ms: float
+    floor_store_ms: float
+    keys_and_match_ms: float  # hashing every chunk + exact-chain lookup
+    cached_tokens: int
+    identical_first_token: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.kvboost_ms / self.floor_ms
+
+    @property
+    def ratio_store(self) -> float:
+        return self.kvboost_store_ms / self.floor_store_ms
+
+
+def _prefix_text(tokenizer, n_tokens: int) -> str:
+    from .workloads import load_rag
+
+    docs, _ = load_rag()
+    text = ""
+    for doc in list(docs.values()) * 50:
+        text += doc["title"] + "\n" + doc["text"] + "\n\n"
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= n_tokens:
+            return tokenizer.decode(ids[:n_tokens])
+    raise RuntimeError("not enough workload text")
+
+
+def _questions() -> list[str]:
+    from .workloads import load_system_prompt
+
+    _, qs = load_system_prompt()
+    return [q["question"] if isinstance(q, dict) else str(q) for q in qs]
+
+
+class _Floor:
+    """A DynamicCache holding ids[:split], cloned fresh for each timed suffix prefill."""
+
+    def __init__(self, model):
+        self.model = model
+        self.ids: list[int] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _prepare(self, ids: list[int], split: int) -> None:
+        reuse = 0
+        while reuse < min(len(self.ids), split) and self.ids[reuse] == ids[reuse]:
+            reuse += 1
+        if reuse < len(self.ids):  # rebuild from scratch: the cached prefix does not extend to this split
+            self.ids, self.layers = [], []
+        cache = self._fresh()
+        if split > len(self.ids):
+            self.model(input_ids=torch.tensor([ids[len(self.ids):split]]), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+            self.layers = [(l.keys, l.values) for l in cache.layers]
+            self.ids = list(ids[:split])
+
+    def _fresh(self) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        for i, (k, v) in enumerate(self.layers):
+            cache.update(k.clone(), v.clone(), i)
+        return cache
+
+    def ttft_ms(self, ids: list[int], split: int) -> tuple[float, int]:
+        self._prepare(ids, split)
+        cache = self._fresh()
+        t0 = time.perf_counter()
+        logits = self.model(input_ids=torch.tensor([ids[split:]]), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())
+        return (time.perf_counter() - t0) * 1e3, token
+
+
+def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, json_path: str | None,
+                     plot_path: str | None) -> list[PrefixRow]:
+    from .. import KVBoost
+    from .plots import plot_lines, write_json
+
+    console = Console()
+    with console.status("loading model"):
+        engine = KVBoost.from_pretrained(model_name)
+    tok, model = engine.tokenizer, engine.model
+    questions = _questions()
+    rows: list[PrefixRow] = []
+    with Progress(console=console, transient=True) as progress, torch.inference_mode():
+        task = progress.add_task("prefix bench", total=len(lengths) * repeats)
+        for n in lengths:
+            prefix = _prefix_text(tok, n)
+            engine.clear_cache()
+            engine.warm(prefix)
+            floor = _Floor(model)
+            samples: dict[str, list[float]] = {k: [] for k in ("base", "ws", "store", "floor", "floor_store", "keys")}
+            cached, agree = 0, True
+            qi = 0
+
+            def prompt_for() -> str:
+                nonlocal qi
+                qi += 1
+                return f"{prefix}\n\nQuestion: {questions[qi % len(questions)]} (case {qi})\nAnswer:"
+
+            engine.generate(prompt_for(), 1)  # warm-up: first-call allocations, thread pools
+            for r in range(repeats):
+                engine.forget_workspace()
+                p = prompt_for()
+                store = engine.generate(p, 1)
+                ms, _ = floor.ttft_ms(engine.encode(p), store.cached_tokens)
+                samples["store"].append(store.ttft_ms)
+                samples["floor_store"].append(ms)
+
+                p = prompt_for()
+                ids = engine.encode(p)
+                t0 = time.perf_counter()
+                engine.chunker.split(ids)
+                from ..reuse.match import match_exact
+                match_exact(engine.store, engine.chunker.split(ids), engine.config.chunk_size)
+                samples["keys"].append((time.perf_counter() - t0) * 1e3 / 2)
+                fast = engine.generate(p, 1)
+                ms, floor_token = floor.ttft_ms(ids, fast.cached_tokens)
+                samples["ws"].append(fast.ttft_ms)
+                samples["floor"].append(ms)
+                cached = fast.cached_tokens
+                agree &= fast.output_token_ids[:1] == [floor_token]
+                if r < max(1, min(3, repeats)):  # full prefill is slow at 7k; three samples suffice
+                    samples["base"].append(engine.generate(prompt_for(), 1, mode="baseline").ttft_ms)
+                progress.advance(task)
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            rows.append(PrefixRow(n, len(ids), med["base"], med["ws"], med["store"], med["floor"],
+                                  med["floor_store"], med["keys"], cached, agree))
+    _print(console, rows)
+    if json_path:
+        write_json(json_path, {"benchmark": "prefix", "model": model_name or "embedded SmolLM2-135M-Instruct",
+                               "device": str(engine.device), "threads": torch.get_num_threads(), "repeats": repeats,
+                               "rows": [asdict(r) | {"ratio": r.ratio, "ratio_store": r.ratio_store} for r in rows]})
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        series = {
+            "baseline (full prefill)": [(r.prefix_tokens, r.baseline_ms) for r in rows],
+            "KVBoost (workspace)": [(r.prefix_tokens, r.kvboost_ms) for r in rows],
+            "KVBoost (from store)": [(r.prefix_tokens, r.kvboost_store_ms) for r in rows],
+            "floor (suffix over HF cache)": [(r.prefix_tokens, r.floor_ms) for r in rows],
+        }
+        plot_lines(series, "TTFT vs cached prefix length", "cached prefix tokens", "TTFT (ms)", plot_path)
+        console.print(f"wrote {plot_path}")
+    return rows
+
+
+def _print(console: Console, rows: list[PrefixRow]) -> None:
+    table = Table(title="Prefix reuse: TTFT (median ms)")
+    for col in ("prefix tok", "baseline", "KVBoost", "floor", "KVBoost/floor", "KVBoost store", "floor",
+                "store/floor", "speedup vs baseline", "keys+match", "first token = floor"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.prefix_tokens), f"{r.baseline_ms:.0f}", f"{r.kvboost_ms:.1f}", f"{r.floor_ms:.1f}",
+                      f"{r.ratio:.2f}", f"{r.kvboost_store_ms:.1f}", f"{r.floor_store_ms:.1f}", f"{r.ratio_store:.2f}",
+                      f"{r.baseline_ms / r.kvboost_ms:.1f}x", f"{r.keys_and_match_ms:.2f}",
+                      "yes" if r.identical_first_token else "NO")
+    console.print(table)

@@ -1,0 +1,82 @@
+"""Command line: kvboost demo | verify | bench ... | cost | serve."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print side-by-side tables, JSON and plots.")
+app.add_typer(bench_app, name="bench")
+
+ModelOpt = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id (default: embedded SmolLM2-135M).")
+
+
+@app.command()
+def demo(model: Optional[str] = ModelOpt,
+         questions: int = typer.Option(4, min=1, max=20, help="How many questions to ask."),
+         max_new_tokens: int = typer.Option(32, min=1, help="Tokens per answer.")):
+    """Warm a ~1,000-token system prompt, answer questions, compare baseline vs reused TTFT."""
+    from .demo import run_demo
+
+    run_demo(model, questions, max_new_tokens)
+
+
+@app.command()
+def verify(model: Optional[str] = ModelOpt,
+           max_new_tokens: int = typer.Option(32, min=1),
+           prompt: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="Prompt(s) to check (repeatable).")):
+    """Check that cached generation is token-identical to plain generation on this model."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import KVBoost
+
+    console = Console()
+    with console.status("loading model"):
+        engine = KVBoost.from_pretrained(model)
+    with console.status("comparing baseline and cached generation"):
+        report = engine.verify_correctness(prompt or None, max_new_tokens)
+    table = Table(title=f"verify_correctness ({max_new_tokens} greedy tokens)")
+    for col in ("prompt", "reused chunks", "identical", "max logit diff", "first-token KL"):
+        table.add_column(col)
+    for c in report.checks:
+        table.add_row(c.prompt_preview, str(c.reused_chunks), "yes" if c.identical else "NO",
+                      f"{c.max_logit_diff:.2e}", f"{c.first_token_kl:.2e}")
+    console.print(table)
+    console.print(report.summary())
+    raise typer.Exit(0 if report else 1)
+
+
+@bench_app.command("prefix")
+def bench_prefix(model: Optional[str] = ModelOpt,
+                 lengths: str = typer.Option("1000,2000,4000,7000", help="Cached prefix lengths in tokens."),
+                 repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
+                 json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
+                 plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot.")):
+    """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
+    from .bench.prefix import run_prefix_bench
+
+    run_prefix_bench(model, [int(x) for x in lengths.split(",") if x.strip()], repeats, json_path, plot_path)
+
+
+def _register_optional() -> None:
+    # Commands whose modules may be absent in a trimmed install register only when importable.
+    try:
+        from .bench.cost import cost_command
+        app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(
+            cost_command)
+    except ImportError:
+        pass
+
+
+_register_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
