@@ -6,16 +6,9 @@ keys. Layers past 0 see attention outputs, which depend only on relative positio
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-try:
-    import kvboost  # noqa: F401
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import transformers as tf
 
