@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .errors import InvalidRequestError
+
 
 class GenerationMode(str, Enum):
     """How much cached K/V a request may use.
@@ -26,7 +28,7 @@ class GenerationMode(str, Enum):
             return cls(str(value).lower())
         except ValueError:
             names = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown mode {value!r}; expected one of: {names}") from None
+            raise InvalidRequestError(f"unknown mode {value!r}; expected one of: {names}", "mode") from None
 
 
 class RecomputeStrategy(str, Enum):
@@ -44,7 +46,8 @@ class RecomputeStrategy(str, Enum):
             return cls(str(value).lower())
         except ValueError:
             names = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown recompute_strategy {value!r}; expected one of: {names}") from None
+            raise InvalidRequestError(f"unknown recompute_strategy {value!r}; expected one of: {names}",
+                                          "recompute_strategy") from None
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""The product site's GPU-cost calculator, as a pure function plus the ``kvboost cost`` CLI command.
+
+Model: every reused prefix token is a token the GPU does not have to prefill.
+
+    tokens_saved_per_day = requests_per_day * prefix_tokens * reuse_rate
+    gpu_seconds_per_day  = tokens_saved_per_day / prefill_tokens_per_s
+    gpu_hours_per_day    = gpu_seconds_per_day / 3600
+    usd_per_month        = gpu_seconds_per_day * usd_per_gpu_hour * 30 / 3600   (30-day month)
+    usd_per_year         = 12 * usd_per_month
+
+Bench JSON schema read by ``read_bench_rates`` / ``--from-bench`` (any benchmark may emit it):
+
+    {"reuse_rate": 0.86, "prefill_tokens_per_s": 10000.0, ...}
+or  {"summary": {"reuse_rate": 0.86, "prefill_tokens_per_s": 10000.0}, ...}
+
+``reuse_rate`` is the fraction of prompt-prefix tokens served from cache (0..1); ``prefill_tokens_per_s``
+is the measured baseline prefill throughput. Top-level keys win over ``summary``; other keys are ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .plots import write_json
+
+# The product site's example; the CLI uses these when neither a flag nor a bench file gives a value.
+DEFAULT_REQUESTS_PER_DAY = 100_000
+DEFAULT_PREFIX_TOKENS = 4_000
+DEFAULT_REUSE_RATE = 0.86
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+DEFAULT_USD_PER_GPU_HOUR = 0.75
+DAYS_PER_MONTH = 30
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    requests_per_day: float
+    prefix_tokens: float
+    reuse_rate: float
+    prefill_tokens_per_s: float
+    usd_per_gpu_hour: float
+    tokens_saved_per_day: float
+    gpu_seconds_per_day: float
+    gpu_hours_per_day: float
+    usd_per_day: float
+    usd_per_month: float
+    usd_per_year: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchRates:
+    reuse_rate: float
+    prefill_tokens_per_s: float
+    source: str  # path of the bench JSON the rates came from
+
+
+class BenchSchemaError(ValueError):
+    """The bench JSON lacks ``reuse_rate`` / ``prefill_tokens_per_s`` or holds invalid values."""
+
+
+def _number(name: str, value: Any) -> float:
+    # bool is an int subclass; True as "1 request/day" is always a bug upstream.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefill_tokens_per_s: Any,
+              usd_per_gpu_hour: Any) -> tuple[float, float, float, float, float]:
+    req = _number("requests_per_day", requests_per_day)
+    pre = _number("prefix_tokens", prefix_tokens)
+    reuse = _number("reuse_rate", reuse_rate)
+    rate = _number("prefill_tokens_per_s", prefill_tokens_per_s)
+    usd = _number("usd_per_gpu_hour", usd_per_gpu_hour)
+    if req < 0:
+        raise ValueError(f"requests_per_day must be >= 0, got {req:g}")
+    if pre < 0:
+        raise ValueError(f"prefix_tokens must be >= 0, got {pre:g}")
+    if not 0.0 <= reuse <= 1.0:
+        raise ValueError(f"reuse_rate must be within [0, 1], got {reuse:g}")
+    if rate <= 0:
+        raise ValueError(f"prefill_tokens_per_s must be > 0, got {rate:g}")
+    if usd <= 0:
+        raise ValueError(f"usd_per_gpu_hour must be > 0, got {usd:g}")
+    return req, pre, reuse, rate, usd
+
+
+def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: float, prefill_tokens_per_s: float,
+                  usd_per_gpu_hour: float) -> CostEstimate:
+    """GPU time and money saved per day/month/year by reusing cached prefixes (formulas in the module doc).
+
+    Raises ValueError for negative volumes, a reuse rate outside [0, 1], or non-positive prefill rate or price.
+    """
+    req, pre, reuse, rate, usd = _validate(requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
+                                           usd_per_gpu_hour)
+    tokens = req * pre * reuse
+    gpu_s = tokens / rate
+    usd_day = gpu_s * usd / 3600
+    usd_month = usd_day * DAYS_PER_MONTH
+    return CostEstimate(requests_per_day=req, prefix_tokens=pre, reuse_rate=reuse, prefill_tokens_per_s=rate,
+                        usd_per_gpu_hour=usd, tokens_saved_per_day=tokens, gpu_seconds_per_day=gpu_s,
+                        gpu_hours_per_day=gpu_s / 3600, usd_per_day=usd_day, usd_per_month=usd_month,
+                        usd_per_year=12 * usd_month)
+
+
+def _lookup(data: dict[str, Any], key: str, path: Path) -> Any:
+    if key in data:
+        return data[key]
+    summary = data.get("summary")
+    if isinstance(summary, dict) and key in summary:
+        return summary[key]
+    raise BenchSchemaError(
+        f"{path}: no {key!r} found; expected a top-level key or one inside a 'summary' object, e.g. "
+        '{"reuse_rate": 0.86, "prefill_tokens_per_s": 10000} or {"summary": {...}}')
+
+
+def read_bench_rates(path: str | Path) -> BenchRates:
+    """Read ``reuse_rate`` and ``prefill_tokens_per_s`` from a benchmark JSON (schema in the module doc)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchSchemaError(f"{p}: bench file not found") from None
+    except json.JSONDecodeError as e:
+        raise BenchSchemaError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BenchSchemaError(f"{p}: expected a JSON object at the top level, got {type(data).__name__}")
+    try:
+        reuse = _number("reuse_rate", _lookup(data, "reuse_rate", p))
+        rate = _number("prefill_tokens_per_s", _lookup(data, "prefill_tokens_per_s", p))
+    except BenchSchemaError:
+        raise
+    except ValueError as e:
+        raise BenchSchemaError(f"{p}: {e}") from None
+    if not 0.0 <= reuse <= 1.0:
+        raise BenchSchemaError(f"{p}: reuse_rate must be within [0, 1], got {reuse:g}")
+    if rate <= 0:
+        raise BenchSchemaError(f"{p}: prefill_tokens_per_s must be > 0, got {rate:g}")
+    return BenchRates(reuse_rate=reuse, prefill_tokens_per_s=rate, source=str(p))
+
+
+def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
+                      prefill_source: str | None = None) -> Table:
+    """Inputs then savings, formatted the way the product site shows them; sources name bench files."""
+    table = Table(title="KVBoost prefill savings estimate", show_header=True)
+    table.add_column("Quantity")
+    table.add_column("Value", justify="right")
+    rows = [
+        ("Requests per day", f"{est.requests_per_day:,.0f}"),
+        ("Shared prefix tokens per request", f"{est.prefix_tokens:,.0f}"),
+        ("Prefix reuse rate" + (f" (from {reuse_source})" if reuse_source else ""), f"{est.reuse_rate:.1%}"),
+        ("Prefill throughput" + (f" (from {prefill_source})" if prefill_source else ""),
+         f"{est.prefill_tokens_per_s:,.0f} tok/s"),
+        ("GPU price", f"${est.usd_per_gpu_hour:,.2f}/h"),
+        ("Prefill tokens saved per day", f"{est.tokens_saved_per_day:,.0f}"),
+        ("GPU-hours saved per day", f"{est.gpu_hours_per_day:,.2f}"),
+        ("Saved per month (30 days)", f"${est.usd_per_month:,.2f}"),
+        ("Saved per year", f"${est.usd_per_year:,.2f}"),
+    ]
+    for i, (k, v) in enumerate(rows):
+        table.add_row(k, v, end_section=(i == 4))  # rule between inputs and results
+    return table
+
+
+def _plain(value: Any) -> Any:
+    # Calling cost_command() from Python leaves unspecified parameters as typer OptionInfo objects.
+    return value.default if isinstance(value, typer.models.OptionInfo) else value
+
+
+def cost_command(
+    requests_per_day: float = typer.Option(DEFAULT_REQUESTS_PER_DAY, "--requests-per-day",
+                                           help="Requests served per day."),
+    prefix_tokens: float = typer.Option(DEFAULT_PREFIX_TOKENS, "--prefix-tokens",
+                                        help="Shared prefix length per request, in tokens."),
+    reuse_rate: Optional[float] = typer.Option(
+        None, "--reuse-rate", show_default=False,
+        help=f"Fraction of prefix tokens served from cache, 0..1. Default: the --from-bench value, else {DEFAULT_REUSE_RATE}."),
+    prefill_rate: Optional[float] = typer.Option(
+        None, "--prefill-rate", show_default=False,
+        help="Baseline prefill throughput in tokens/s. "
+             f"Default: the --from-bench value, else {DEFAULT_PREFILL_TOKENS_PER_S:g}."),
+    usd_per_gpu_hour: float = typer.Option(DEFAULT_USD_PER_GPU_HOUR, "--usd-per-gpu-hour",
+                                           help="GPU price in USD per hour."),
+    from_bench: Optional[Path] = typer.Option(
+        None, "--from-bench", help="Bench JSON providing reuse_rate and prefill_tokens_per_s (explicit flags win)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the estimate to this JSON file."),
+) -> CostEstimate:
+    """Estimate GPU time and money saved by KV-cache prefix reuse."""
+    requests_per_day, prefix_tokens, reuse_rate, prefill_rate, usd_per_gpu_hour, from_bench, json_path = map(
+        _plain, (requests_per_day, prefix_tokens, reuse_rate, prefill_rate, usd_per_gpu_hour, from_bench, json_path))
+    reuse_src = prefill_src = None  # which bench file each rate came from, for the table and the JSON
+    try:
+        if from_bench is not None:
+            rates = read_bench_rates(from_bench)
+            if reuse_rate is None:
+                reuse_rate, reuse_src = rates.reuse_rate, rates.source
+            if prefill_rate is None:
+                prefill_rate, prefill_src = rates.prefill_tokens_per_s, rates.source
+        est = estimate_cost(requests_per_day, prefix_tokens,
+                            DEFAULT_REUSE_RATE if reuse_rate is None else reuse_rate,
+                            DEFAULT_PREFILL_TOKENS_PER_S if prefill_rate is None else prefill_rate, usd_per_gpu_hour)
+    except ValueError as e:  # includes BenchSchemaError; typer renders it as a usage error (exit code 2)
+        raise typer.BadParameter(str(e)) from None
+    Console().print(render_cost_table(est, reuse_source=reuse_src, prefill_source=prefill_src))
+    if json_path is not None:
+        write_json(json_path, {**est.to_dict(), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
+    return est
