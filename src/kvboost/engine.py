@@ -13,10 +13,11 @@ from .compat import check_model_compatibility
 from .config import EngineConfig
 from .errors import ContextLengthError, InvalidRequestError
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
+from .reuse.assemble import Assembly, content_state
 from .reuse.match import ExactMatch, common_prefix_length, match_exact
 from .runner import KVWorkspace, forward_tokens, probe_layer_shapes
 from .sampling import Sampler, SamplingParams, find_stop, held_back_length
-from .store.base import ChunkRecord
+from .store.base import ChunkMeta, ChunkRecord
 from .store.memory import MemoryStore
 
 Messages = list[dict]
@@ -31,6 +32,9 @@ class _Plan:
     from_workspace: int
     segments_copied: int
     lookup_ms: float
+    # Content matches placed (re-positioned) after reuse_len; approximate, so repaired and never stored.
+    assembly: "Assembly | None" = None
+    content_fallback: str | None = None  # why content matches were found but not used
 
 
 @dataclass
@@ -146,8 +150,13 @@ class InferenceEngine:
     def _tag(self, salt: str | None) -> str:
         return self.namespace + "|" + (salt or "")
 
-    def _plan(self, ids: list[int], mode: GenerationMode, salt: str | None, capacity: int) -> _Plan:
-        """Put every reusable position's K/V into the workspace; decide where prefill starts."""
+    def _plan(self, ids: list[int], mode: GenerationMode, salt: str | None, capacity: int,
+              approximate: bool = False) -> _Plan:
+        """Put every reusable position's K/V into the workspace; decide where prefill starts.
+
+        With `approximate` (CHUNK_KV_REUSE only), stored content found after the exact prefix is also placed,
+        re-positioned, into the workspace (plan.assembly); the caller must then run reuse.repair over it.
+        """
         t0 = time.perf_counter()
         ws = self.workspace
         if mode is GenerationMode.BASELINE:
@@ -170,7 +179,13 @@ class InferenceEngine:
                 continue
             ws.write(seg.record.keys, seg.record.values, seg.start, seg.n_tokens)
             copied += 1
-        return _Plan(reuse_len, reuse_len, min(resident, reuse_len), copied, (time.perf_counter() - t0) * 1e3)
+        assembly = fallback = None
+        if approximate and token_granular and getattr(self.config, "content_reuse", True):
+            # Sink tokens stay fresh: content is never placed before position sink_tokens.
+            start = max(reuse_len, self.config.sink_tokens)
+            assembly, fallback = content_state(self).assemble(ws, self.store, ids, start, limit, salt)
+        return _Plan(reuse_len, reuse_len, min(resident, reuse_len), copied, (time.perf_counter() - t0) * 1e3,
+                     assembly, fallback)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
@@ -219,9 +234,20 @@ class InferenceEngine:
         with self._lock, torch.inference_mode():
             ws = self.workspace
             ws.resident_tag = None  # until this run finishes, the workspace holds no trustworthy prefix
-            plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new)
-            cache = ws.make_cache(plan.reuse_len)
-            logits = forward_tokens(self.model, ids[plan.reuse_len:], cache)[0, -1]
+            plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new, approximate=True)
+            recomputed = 0
+            if plan.assembly is not None:
+                from .reuse.repair import repair_forward
+
+                cfg = self.config
+                repaired = repair_forward(self.model, ws, ids, plan.reuse_len, plan.assembly.mask(len(ids)),
+                                          plan.assembly.seams, cfg.recompute_strategy, cfg.recompute_ratio,
+                                          cfg.recompute_overlap)
+                logits, recomputed = repaired.logits, repaired.recomputed
+                cache = ws.make_cache(len(ids))
+            else:
+                cache = ws.make_cache(plan.reuse_len)
+                logits = forward_tokens(self.model, ids[plan.reuse_len:], cache)[0, -1]
             first_logits = logits.clone() if return_logits else None
             token = sampler(logits)
             ttft_ms = (time.perf_counter() - t0) * 1e3
@@ -254,6 +280,10 @@ class InferenceEngine:
                 # sample the next one. A forward that raised part-way leaves layers at different lengths,
                 # so the workspace then claims nothing.
                 fed = (ids + generated)[: cache.get_seq_length()]
+                if plan.assembly is not None:
+                    # Everything from the first placed token on attended to approximate K/V: only the exact
+                    # prefix may be trusted by the next request or stored under prefix-chain keys.
+                    fed = fed[: plan.reuse_len]
                 if completed or _consistent(cache):
                     ws.resident_ids, ws.resident_tag = fed, self._tag(salt)
             text = self.tokenizer.decode(generated, skip_special_tokens=True) if finish == "length" else text
@@ -266,42 +296,52 @@ class InferenceEngine:
             if mode is not GenerationMode.BASELINE and self.config.write_back:
                 self._write_back(fed, salt)
         total_ms = (time.perf_counter() - t0) * 1e3
-        self._count(mode, len(ids), plan)
+        self._count(mode, len(ids), plan.reuse_len, plan.lookup_ms)
+        approx = plan.assembly.n_tokens if plan.assembly is not None else 0
         stream.result = GenerationResult(
             mode=mode.value, prompt=prompt_text, output_text=text, generated_tokens=len(generated),
             ttft_ms=ttft_ms, total_ms=total_ms,
             tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
-            kv_reuse_ratio=plan.reuse_len / len(ids), prompt_tokens=len(ids), cached_tokens=plan.reuse_len,
-            output_token_ids=list(generated), finish_reason=finish, exact_tokens=plan.exact_tokens,
+            kv_reuse_ratio=(plan.reuse_len + approx) / len(ids), prompt_tokens=len(ids),
+            cached_tokens=plan.reuse_len + approx, output_token_ids=list(generated), finish_reason=finish,
+            exact_tokens=plan.exact_tokens, approximate_tokens=approx, recomputed_tokens=recomputed,
             lookup_ms=plan.lookup_ms, first_token_logits=first_logits)
 
-    def _count(self, mode: GenerationMode, n_prompt: int, plan: _Plan) -> None:
+    def _count(self, mode: GenerationMode, n_prompt: int, cached: int, lookup_ms: float) -> None:
         c = self._counters
         c.requests += 1
         c.prompt_tokens += n_prompt
-        c.cached_tokens += plan.reuse_len
-        c.lookup_ms += plan.lookup_ms
+        c.cached_tokens += cached
+        c.lookup_ms += lookup_ms
         c.by_mode[mode.value] = c.by_mode.get(mode.value, 0) + 1
 
     # ---- storing ------------------------------------------------------------------------------
-    def _write_back(self, seq: list[int], salt: str | None) -> tuple[int, int]:
-        """Store every chunk of seq not stored yet (its K/V is in the workspace); returns (new, existing)."""
+    def _write_back(self, seq: list[int], salt: str | None, source: KVWorkspace | None = None,
+                    row: int = 0) -> tuple[int, int]:
+        """Store every chunk of seq not stored yet (its K/V is in `source` row `row`, by default the engine's
+        workspace); returns (new, existing)."""
+        source = source if source is not None else self.workspace
         new = existing = 0
         size = self.config.chunk_size
+        index = content_state(self).index  # every stored chunk is findable by content at other positions too
         for chunk in self.chunker.split(seq, salt):
+            meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
             if self.store.contains(chunk.prefix_key):
                 existing += 1
+                index.add(meta, salt)  # e.g. stored by a disk tier in an earlier process
                 continue
-            keys, values = self.workspace.read(chunk.start, chunk.end)
+            keys, values = source.read(chunk.start, chunk.end, row=row)
             record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
                                  chunk.start, keys, values)
             if self.store.put(record):
                 new += 1
+                index.add(meta, salt)
             if len(chunk.token_ids) == size:
                 # A partial sibling that this full chunk extends is now dead weight.
                 for meta in self.store.children(chunk.parent_key):
                     if len(meta.token_ids) < size and chunk.token_ids[:len(meta.token_ids)] == meta.token_ids:
                         self.store.delete(meta.key)
+                        index.discard(meta.key)
         self._counters.chunks_written += new
         return new, existing
 
@@ -332,11 +372,69 @@ class InferenceEngine:
                             "it is stored as a partial chunk")
         return WarmResult(new, existing, len(ids), (time.perf_counter() - t0) * 1e3, warnings)
 
+    def _warm_ids(self, ids: list[int], salt: str | None) -> None:
+        """Compute and store the K/V of token ids (a prefix several batched requests share)."""
+        with self._lock, torch.inference_mode():
+            ws = self.workspace
+            ws.resident_tag = None
+            plan = self._plan(ids + [0], GenerationMode.CHUNK_KV_REUSE, salt, capacity=len(ids) + 1)
+            cache = ws.make_cache(plan.reuse_len)
+            if plan.reuse_len < len(ids):
+                forward_tokens(self.model, ids[plan.reuse_len:], cache)
+            ws.resident_ids, ws.resident_tag = list(ids), self._tag(salt)
+            self._write_back(ids, salt)
+
+    # ---- batches ------------------------------------------------------------------------------
+    def generate_batch(self, prompts: Sequence[str | Messages], max_new_tokens: int = 64, *,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                       stop: str | Sequence[str] | None = None, seed: int | None = None,
+                       mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
+                       max_batch_size: int | None = None) -> list[GenerationResult]:
+        """Generate for many prompts at once: a shared prefix is computed or loaded once, decode steps run
+        batched. Results come back in input order; greedy outputs equal those of generate()."""
+        from .continuous import BatchRunner
+
+        t0 = time.perf_counter()
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list", "prompts")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                do_sample=do_sample, seed=seed,
+                                stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []))
+        mode = GenerationMode.parse(mode)
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:
+            self._check_context(len(ids))
+        runner = BatchRunner(self, max_batch_size=max_batch_size or len(prompts))
+        handles = [runner.add(ids, params, p if isinstance(p, str) else self.tokenizer.decode(ids), cache_salt,
+                              mode, t_start=t0) for p, ids in zip(prompts, encoded)]
+        while runner.has_work():
+            runner.step()
+        for h in handles:
+            if h.error is not None:
+                raise h.error
+        return [h.result for h in handles]
+
+    def generate_many(self, prompts: Sequence[str | Messages], max_new_tokens: int = 64, **kwargs
+                      ) -> list[GenerationResult]:
+        """Like generate_batch, but prompts are grouped by shared prefix chunks and each group runs as one
+        batch, so unrelated prompts never pad each other out. Results come back in input order."""
+        from .batch import group_by_prefix
+
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list", "prompts")
+        encoded = [self.encode(p) for p in prompts]
+        groups = group_by_prefix([str(i) for i in range(len(prompts))], encoded, self.config.chunk_size)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for members in groups.values():
+            for i, r in zip(members, self.generate_batch([prompts[i] for i in members], max_new_tokens, **kwargs)):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         c = self._counters
-        stats = self.store.stats()
-        tiers = {t.name: t.as_dict() for t in stats} if isinstance(stats, list) else {stats.name: stats.as_dict()}
+        per_tier = self.store.tier_stats() if hasattr(self.store, "tier_stats") else {"memory": self.store.stats()}
+        tiers = {name: t.as_dict() for name, t in per_tier.items()}
         return {
             "requests": c.requests, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
             "reuse_ratio": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,

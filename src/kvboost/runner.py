@@ -99,9 +99,11 @@ class KVWorkspace:
     # ---- buffers ------------------------------------------------------------------------------
     def _allocate(self, capacity: int, keep: int = 0) -> None:
         new_k, new_v = [], []
+        # Zeroed, not empty: a batched step attends over other rows' padding columns with a mask, and
+        # masked garbage that happens to be NaN still poisons the softmax (0 * NaN = NaN).
         for i, s in enumerate(self.shapes):
-            k = torch.empty(self.batch_size, s.kv_heads, capacity, s.head_dim_k, dtype=self.dtype, device=self.device)
-            v = torch.empty(self.batch_size, s.kv_heads, capacity, s.head_dim_v, dtype=self.dtype, device=self.device)
+            k = torch.zeros(self.batch_size, s.kv_heads, capacity, s.head_dim_k, dtype=self.dtype, device=self.device)
+            v = torch.zeros(self.batch_size, s.kv_heads, capacity, s.head_dim_v, dtype=self.dtype, device=self.device)
             if keep and self._k:
                 k[:, :, :keep].copy_(self._k[i][:, :, :keep])
                 v[:, :, :keep].copy_(self._v[i][:, :, :keep])

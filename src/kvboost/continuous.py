@@ -1,0 +1,296 @@
+"""Continuous batching: rows join at any step and leave when done; decode steps run batched.
+
+Each row owns one batch slot of a KVWorkspace; its K/V sits at buffer columns equal to its token
+positions, so RoPE positions stay natural and no row ever has gaps. A decode step writes every
+row's new token at that row's own column and attends over the longest row's length, with a 2D
+padding mask keeping each row to its own columns. Rows that arrive together and share prefix
+chunks have that prefix computed (or loaded) once and copied into each slot from one tensor.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .batch import find_common_chunk_prefix
+from .decoding import OutputTracker
+from .results import GenerationMode, GenerationResult
+from .reuse.match import match_exact
+from .runner import KVWorkspace
+from .sampling import Sampler, SamplingParams
+
+
+class _SlotLayer(CacheLayerMixin):
+    """Writes new K/V at given columns of given slots; returns views over slots [lo, hi)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, ws: KVWorkspace, layer_idx: int, slots: slice, write_cols: torch.Tensor | int, past: int):
+        super().__init__()
+        self.ws, self.layer_idx, self.slots = ws, layer_idx, slots
+        self.write_cols = write_cols  # int: one row's prefill start; tensor [rows]: decode column per row
+        self.past = past
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        k_buf, v_buf = self.ws.buffers(self.layer_idx)
+        k_rows, v_rows = k_buf[self.slots], v_buf[self.slots]
+        if isinstance(self.write_cols, int):
+            end = self.write_cols + key_states.shape[-2]
+            k_rows[:, :, self.write_cols:end].copy_(key_states)
+            v_rows[:, :, self.write_cols:end].copy_(value_states)
+        else:
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            k_rows[rows, :, self.write_cols] = key_states[:, :, 0]
+            v_rows[rows, :, self.write_cols] = value_states[:, :, 0]
+            end = self.past + 1
+        self.keys, self.values = k_rows[:, :, :end], v_rows[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.past
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+@dataclass
+class SequenceHandle:
+    """A request inside the runner. Deltas are taken by another thread; cancel() from any thread."""
+
+    prompt_text: str
+    prompt_tokens: int
+    finished: bool = False
+    result: GenerationResult | None = None
+    error: Exception | None = None
+    _deltas: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _cancelled: bool = False
+
+    def take_deltas(self) -> list[str]:
+        with self._lock:
+            out, self._deltas = self._deltas, []
+        return out
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _push(self, delta: str) -> None:
+        if delta:
+            with self._lock:
+                self._deltas.append(delta)
+
+
+@dataclass
+class _Row:
+    handle: SequenceHandle
+    ids: list[int]
+    params: SamplingParams
+    sampler: Sampler
+    tracker: OutputTracker
+    mode: GenerationMode
+    salt: str | None
+    t_start: float
+    slot: int = -1
+    length: int = 0  # tokens whose K/V is in the slot
+    next_token: int = -1
+    cached: int = 0
+    ttft_ms: float = 0.0
+    lookup_ms: float = 0.0
+
+
+class BatchRunner:
+    def __init__(self, engine, max_batch_size: int = 16):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.engine = engine
+        # Ragged rows share one query offset in the mask; a sliding window computed from it would be wrong
+        # for the shorter rows, so models with sliding-window layers decode one row at a time.
+        self.max_batch_size = 1 if has_sliding_layers(engine.model) else max_batch_size
+        shapes = engine.workspace.shapes
+        self.ws = KVWorkspace(shapes, engine.kv_dtype, engine.device, batch_size=max_batch_size,
+                              max_positions=engine.max_context)
+        self._pending: list[_Row] = []
+        self._active: list[_Row] = []  # _active[i].slot == i
+        self._lock = threading.Lock()
+
+    # ---- public ---------------------------------------------------------------------------------
+    def add(self, ids: list[int], params: SamplingParams, prompt_text: str, cache_salt: str | None = None,
+            mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE, t_start: float | None = None) -> SequenceHandle:
+        self.engine._check_context(len(ids))
+        max_new = params.max_new_tokens
+        if self.engine.max_context is not None:
+            max_new = min(max_new, self.engine.max_context - len(ids))
+        handle = SequenceHandle(prompt_text, len(ids))
+        row = _Row(handle, list(ids), params, Sampler(params), OutputTracker(
+            self.engine.tokenizer, self.engine.eos_token_ids, params.stop, max_new), GenerationMode.parse(mode),
+            cache_salt, t_start if t_start is not None else time.perf_counter())
+        with self._lock:
+            self._pending.append(row)
+        return handle
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._pending or self._active)
+
+    def active_count(self) -> int:
+        return len(self._active)
+
+    def step(self) -> None:
+        with self.engine._lock, torch.inference_mode():
+            self._drop_cancelled()
+            self._admit()
+            if self._active:
+                self._decode()
+
+    # ---- admission: prefill new rows -------------------------------------------------------------
+    def _admit(self) -> None:
+        with self._lock:
+            room = self.max_batch_size - len(self._active)
+            waiting = list(self._pending)
+            new, self._pending = self._pending[:room], self._pending[room:]
+        if not new:
+            return
+        self._compute_shared_prefixes(waiting)
+        need = max([r.length for r in self._active] + [len(r.ids) + r.tracker.max_new_tokens for r in new])
+        self.ws.ensure_capacity(need, keep=max([r.length for r in self._active], default=0))
+        for row in new:
+            row.slot = len(self._active)
+            try:
+                self._prefill(row)
+            except Exception as exc:  # one bad row must not take the batch down
+                self._fail(row, exc)
+                continue
+            self._active.append(row)
+            self._after_sample(row)
+
+    def _compute_shared_prefixes(self, rows: list[_Row]) -> None:
+        """A prefix that several new rows share but the store lacks is computed once, not once per row."""
+        engine = self.engine
+        size = engine.config.chunk_size
+        groups: dict[tuple, list[_Row]] = {}
+        for r in rows:
+            if r.mode is not GenerationMode.BASELINE and len(r.ids) > size:
+                groups.setdefault((r.salt, tuple(r.ids[:size])), []).append(r)
+        for group in groups.values():
+            if len(group) >= 2:
+                common = find_common_chunk_prefix([r.ids for r in group], size)
+                engine._warm_ids(group[0].ids[:common], group[0].salt)
+
+    def _prefill(self, row: _Row) -> None:
+        engine, t0 = self.engine, time.perf_counter()
+        reuse, segments = 0, []
+        if row.mode is not GenerationMode.BASELINE:
+            granular = row.mode is GenerationMode.CHUNK_KV_REUSE
+            match = match_exact(engine.store, engine.chunker.split(row.ids, row.salt), engine.config.chunk_size,
+                                granular)
+            reuse, segments = min(match.length, len(row.ids) - 1), match.segments
+        for seg in segments:
+            if seg.start < reuse:
+                n = min(seg.n_tokens, reuse - seg.start)
+                for i, (k, v) in enumerate(zip(seg.record.keys, seg.record.values)):
+                    k_buf, v_buf = self.ws.buffers(i)
+                    k_buf[row.slot, :, seg.start:seg.start + n].copy_(k[:, :n])
+                    v_buf[row.slot, :, seg.start:seg.start + n].copy_(v[:, :n])
+        row.lookup_ms = (time.perf_counter() - t0) * 1e3
+        row.cached = reuse
+        slots = slice(row.slot, row.slot + 1)
+        cache = Cache(layers=[_SlotLayer(self.ws, i, slots, reuse, reuse) for i in range(len(self.ws.shapes))])
+        ids = torch.tensor([row.ids[reuse:]], device=engine.device)
+        logits = engine.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        row.length = len(row.ids)
+        row.next_token = row.sampler(logits[0, -1].float())
+        row.ttft_ms = (time.perf_counter() - row.t_start) * 1e3
+
+    # ---- decode: one token for every active row --------------------------------------------------
+    def _decode(self) -> None:
+        rows = self._active
+        n = len(rows)
+        lengths = torch.tensor([r.length for r in rows], device=self.engine.device)
+        past = int(lengths.max())
+        self.ws.ensure_capacity(past + 1, keep=past)
+        mask = torch.arange(past + 1, device=lengths.device)[None, :] <= lengths[:, None]
+        cache = Cache(layers=[_SlotLayer(self.ws, i, slice(0, n), lengths, past) for i in range(len(self.ws.shapes))])
+        ids = torch.tensor([[r.next_token] for r in rows], device=self.engine.device)
+        logits = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=lengths[:, None],
+                                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        for i, row in enumerate(rows):
+            row.length += 1
+            row.next_token = row.sampler(logits[i, -1].float())
+        for row in list(rows):
+            self._after_sample(row)
+
+    def _after_sample(self, row: _Row) -> None:
+        row.handle._push(row.tracker.feed(row.next_token))
+        if row.tracker.finished:
+            self._finish(row)
+
+    # ---- leaving ---------------------------------------------------------------------------------
+    def _finish(self, row: _Row) -> None:
+        engine = self.engine
+        fed = (row.ids + row.tracker.tokens)[: row.length]
+        if row.mode is not GenerationMode.BASELINE and engine.config.write_back:
+            engine._write_back(fed, row.salt, source=self.ws, row=row.slot)
+        total_ms = (time.perf_counter() - row.t_start) * 1e3
+        t = row.tracker
+        row.handle.result = GenerationResult(
+            mode=row.mode.value, prompt=row.handle.prompt_text, output_text=t.text, generated_tokens=len(t.tokens),
+            ttft_ms=row.ttft_ms, total_ms=total_ms,
+            tokens_per_sec=len(t.tokens) / (total_ms / 1e3) if total_ms > 0 else 0.0,
+            kv_reuse_ratio=row.cached / len(row.ids), prompt_tokens=len(row.ids), cached_tokens=row.cached,
+            output_token_ids=list(t.tokens), finish_reason=t.finish_reason, exact_tokens=row.cached,
+            lookup_ms=row.lookup_ms)
+        engine._count(row.mode, len(row.ids), row.cached, row.lookup_ms)
+        self._release(row)
+        row.handle.finished = True
+
+    def _fail(self, row: _Row, exc: Exception) -> None:
+        row.handle.error = exc
+        if row in self._active:
+            self._release(row)
+        row.handle.finished = True
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            for row in [r for r in self._pending if r.handle.cancelled]:
+                self._pending.remove(row)
+                row.handle.finished = True
+        for row in [r for r in self._active if r.handle.cancelled]:
+            self._release(row)
+            row.handle.finished = True
+
+    def _release(self, row: _Row) -> None:
+        """Free the row's slot; the last active row moves into it so active slots stay 0..n-1."""
+        idx = self._active.index(row)
+        last = self._active[-1]
+        if last is not row:
+            for i in range(len(self.ws.shapes)):
+                k_buf, v_buf = self.ws.buffers(i)
+                k_buf[idx, :, :last.length].copy_(k_buf[last.slot, :, :last.length])
+                v_buf[idx, :, :last.length].copy_(v_buf[last.slot, :, :last.length])
+            last.slot = idx
+            self._active[idx] = last
+        self._active.pop()
+
+
+def has_sliding_layers(model) -> bool:
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any("sliding" in str(t) for t in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False

@@ -1,0 +1,52 @@
+"""Turning sampled tokens into text: EOS, stop strings, and stream-safe deltas."""
+from __future__ import annotations
+
+from .sampling import find_stop, held_back_length
+
+
+class OutputTracker:
+    """Feed sampled tokens one by one; get text deltas that are safe to show and the finish state.
+
+    A delta never ends inside an incomplete UTF-8 sequence nor inside a possible stop string, so a
+    streamed answer never shows text that the final answer does not contain.
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], stop: list[str], max_new_tokens: int):
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.stop = stop
+        self.max_new_tokens = max_new_tokens
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.finished = False
+        self.finish_reason = "length"
+        self.last_token_fed_to_model = True  # False when the final sampled token was never run through the model
+
+    def feed(self, token: int) -> str:
+        """Register one sampled token; returns the new visible text (possibly empty)."""
+        if token in self.eos:
+            self.finished, self.finish_reason = True, "stop"
+            return self._flush()
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cut = find_stop(self.text, self.stop) if self.stop else -1
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finished, self.finish_reason = True, "stop"
+            self.last_token_fed_to_model = False
+            return self._flush()
+        if len(self.tokens) >= self.max_new_tokens:
+            self.finished, self.last_token_fed_to_model = True, False
+            return self._flush()
+        safe = len(self.text) - held_back_length(self.text, self.stop)
+        if self.text.endswith("\ufffd"):  # incomplete UTF-8: wait for the next bytes
+            safe = min(safe, len(self.text.rstrip("\ufffd")))
+        if safe > self.emitted:
+            delta, self.emitted = self.text[self.emitted:safe], safe
+            return delta
+        return ""
+
+    def _flush(self) -> str:
+        delta, self.emitted = self.text[self.emitted:], len(self.text)
+        return delta

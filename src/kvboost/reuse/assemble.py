@@ -1,0 +1,164 @@
+"""Place content matches into the workspace at their new positions.
+
+A stored chunk's keys carry the rotary phase of the position they were computed at. Moving them to another
+offset is one exact rotation per token by the position difference, with the model's own rotary settings
+(reuse/rope.py). Values carry no position and are copied. Whatever cannot be rotated exactly is refused
+here, before anything is written, so the engine prefills those tokens instead: a silent wrong position
+would be worse than no reuse.
+
+The result is approximate by design: K/V of a document computed after other text (or alone) is not the K/V
+it would have after this prompt's text, except in layer 0. reuse/repair.py decides what to recompute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runner import KVWorkspace
+from ..store.base import ChunkRecord, ChunkStore
+from .content import ContentIndex, ContentSegment, Piece
+from .rope import RotaryInfo, rerotate_keys, rotary_info_for
+
+
+@dataclass
+class Assembly:
+    """What was placed: approximate K/V at `positions` of the workspace, in runs that each begin at a seam."""
+
+    segments: list[ContentSegment] = field(default_factory=list)
+    n_tokens: int = 0
+
+    @property
+    def seams(self) -> list[int]:
+        return [s.start for s in self.segments]
+
+    def mask(self, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Bool [length]: True where the workspace holds placed (approximate) K/V."""
+        out = torch.zeros(length, dtype=torch.bool, device=device)
+        for seg in self.segments:
+            for p in seg.pieces:
+                out[p.start:p.end] = True
+        return out
+
+
+def rotation_support(model: torch.nn.Module) -> tuple[list[RotaryInfo] | None, str | None]:
+    """Per-layer rotary settings when every layer's keys can be moved exactly; else (None, reason).
+
+    No src/dst lengths are passed on purpose: we do not know the length of the forward pass that produced a
+    stored chunk, so length-dependent schemes (dynamic NTK, longrope) are refused rather than guessed.
+    """
+    infos = rotary_info_for(model)
+    if not infos:
+        return None, "model has no decoder layers"
+    for i, info in enumerate(infos):
+        if not info.exact:
+            return None, f"layer {i}: {info.reason}"
+    return infos, None
+
+
+def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:
+    """Layers sharing one rotation (same inv_freq and rotary_dim), so cos/sin are built once per piece."""
+    groups: dict[tuple, tuple[RotaryInfo, list[int]]] = {}
+    for i, info in enumerate(infos):
+        key = (info.rotary_dim, info.inv_freq.numpy().tobytes())
+        groups.setdefault(key, (info, []))[1].append(i)
+    return list(groups.values())
+
+
+def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentIndex, ids: list[int],
+                   segments: list[ContentSegment], infos: list[RotaryInfo]) -> Assembly:
+    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at the piece's positions.
+
+    A piece whose record is gone (evicted) or whose ids disagree is dropped and its positions are left for
+    prefill; the run after a dropped piece starts a new segment (it has a seam again).
+    """
+    records: dict[str, ChunkRecord | None] = {}
+    groups = _groups(infos)
+    placed: list[ContentSegment] = []
+    n_placed = 0
+    for seg in segments:
+        current: list[Piece] = []
+        for piece in seg.pieces:
+            if piece.key not in records:
+                records[piece.key] = store.get(piece.key)
+                if records[piece.key] is None:
+                    index.discard(piece.key)
+            record = records[piece.key]
+            ok = record is not None and (record.token_ids[piece.offset:piece.offset + piece.n_tokens]
+                                         == tuple(ids[piece.start:piece.end]))
+            if not ok:
+                if current:
+                    placed.append(ContentSegment(current))
+                current = []
+                continue
+            _write_piece(workspace, record, piece, groups)
+            current.append(piece)
+            n_placed += piece.n_tokens
+        if current:
+            placed.append(ContentSegment(current))
+    return Assembly(placed, n_placed)
+
+
+def _write_piece(workspace: KVWorkspace, record: ChunkRecord, piece: Piece,
+                 groups: list[tuple[RotaryInfo, list[int]]]) -> None:
+    sl = slice(piece.offset, piece.offset + piece.n_tokens)
+    values = [v[..., sl, :] for v in record.values]
+    keys: list[torch.Tensor] = [k[..., sl, :] for k in record.keys]
+    if piece.delta != 0:
+        for info, layers in groups:
+            if len({keys[i].shape for i in layers}) == 1:
+                # One rotation for the whole group: stacking costs a copy, building cos/sin per layer costs more.
+                moved = rerotate_keys(torch.stack([keys[i] for i in layers]), piece.delta, info,
+                                      src_positions=piece.src_start)
+                for j, i in enumerate(layers):
+                    keys[i] = moved[j]
+            else:
+                for i in layers:
+                    keys[i] = rerotate_keys(keys[i], piece.delta, info, src_positions=piece.src_start)
+    workspace.write(keys, values, piece.start, piece.n_tokens)
+
+
+class ContentState:
+    """Per-engine content reuse state: the window index and the model's (cached) eligibility verdict."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.index = ContentIndex()
+        self._infos: list[RotaryInfo] | None = None
+        self._reason: str | None = None
+        self._checked = False
+
+    def eligibility(self) -> tuple[list[RotaryInfo] | None, str | None]:
+        """Rotary settings if both re-rotation and the layer-wise repair are exact for this model."""
+        if not self._checked:
+            from .repair import repair_support
+
+            infos, reason = rotation_support(self.model)
+            self._infos, self._reason = infos, reason or repair_support(self.model)
+            if self._reason is not None:
+                self._infos = None
+            self._checked = True
+        return self._infos, self._reason
+
+    def assemble(self, workspace: KVWorkspace, store: ChunkStore, ids: list[int], start: int, stop: int,
+                 salt: str | None) -> tuple[Assembly | None, str | None]:
+        """Find content matches in ids[start:stop] and place them; (None, reason) when nothing was placed."""
+        if stop - start <= 0 or not len(self.index):
+            return None, None
+        segments = self.index.find(ids, start, stop, salt)
+        if not segments:
+            return None, None
+        infos, reason = self.eligibility()
+        if infos is None:
+            # Matches exist but cannot be placed exactly: the engine prefills them instead.
+            return None, reason
+        assembly = place_segments(workspace, store, self.index, ids, segments, infos)
+        return (assembly, None) if assembly.n_tokens else (None, "matched chunks are no longer stored")
+
+
+def content_state(engine) -> ContentState:
+    """The engine's ContentState, created on first use (kept in the engine's __dict__)."""
+    state = engine.__dict__.get("_content_state")
+    if state is None:
+        state = engine.__dict__.setdefault("_content_state", ContentState(engine.model))
+    return state

@@ -1,0 +1,87 @@
+"""`kvboost serve` / `kvboost-server`: load a model and serve the OpenAI-compatible API."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import Optional
+
+import typer
+
+from ..results import GenerationMode, RecomputeStrategy
+
+
+def serve_command(
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port (0: pick a free one)."),
+    recompute_strategy: RecomputeStrategy = typer.Option(RecomputeStrategy.SELECTIVE, case_sensitive=False,
+                                                         help="Repair of K/V reused at other positions."),
+    kv_cache_bits: int = typer.Option(16, help="Stored K/V precision: 16, 8 or 4 bits."),
+    batch_window_ms: float = typer.Option(20.0, min=0.0, help="How long an idle worker waits to batch requests."),
+    max_batch_size: int = typer.Option(16, min=1, help="Rows per batch (1: one request at a time)."),
+    disk_cache_dir: Optional[str] = typer.Option(None, help="Spill K/V chunks to this directory."),
+    redis_url: Optional[str] = typer.Option(None, help="Share K/V chunks through Redis (redis://host:port/db)."),
+    api_key: Optional[str] = typer.Option(None, envvar="KVBOOST_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model name clients use (default: model's name)."),
+    max_queue: int = typer.Option(256, min=1, help="Waiting requests before 429 Too Many Requests."),
+    chunk_size: int = typer.Option(128, min=8, help="Tokens per cached K/V chunk."),
+    reuse: GenerationMode = typer.Option(GenerationMode.CHUNK_KV_REUSE, "--reuse-mode", case_sensitive=False,
+                                         help="K/V reuse for every request (baseline: none, for comparisons)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, mps (default: best available)."),
+    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16 (default: fp32 on CPU)."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+    access_log: bool = typer.Option(False, help="Log every request line."),
+) -> None:
+    """Serve an OpenAI-compatible API (chat, completions, streaming) with KV-cache reuse across requests."""
+    import uvicorn
+
+    from .. import KVBoost
+    from .app import create_app
+    from .background import bind_socket
+    from .settings import ServerSettings
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServerSettings(model=model, served_model_name=served_model_name, host=host, port=port,
+                                  api_key=api_key, max_queue=max_queue, max_batch_size=max_batch_size,
+                                  batch_window_ms=batch_window_ms, mode=reuse)
+        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, recompute_strategy=recompute_strategy,
+                                         kv_cache_bits=kv_cache_bits, disk_cache_dir=disk_cache_dir,
+                                         redis_url=redis_url, chunk_size=chunk_size)
+        sock = bind_socket(host, port)
+    except (ValueError, OSError, ImportError) as exc:
+        typer.echo(f"kvboost serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    app = create_app(engine, settings)
+    scheduler = app.state.kvboost.scheduler
+    bound = sock.getsockname()
+    shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    typer.echo(f"KVBoost server listening on http://{shown_host}:{bound[1]}  (model '{settings.model_id}', "
+               f"{scheduler.mode_name}, reuse {settings.mode.value}"
+               f"{', API key required' if settings.api_key else ''})")
+    if not settings.api_key and not _is_loopback(host):
+        typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it",
+                   err=True)
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=10)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    """Console script `kvboost-server`."""
+    typer.run(serve_command)
+
+
+if __name__ == "__main__":
+    main()

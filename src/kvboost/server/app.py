@@ -1,0 +1,300 @@
+"""The FastAPI app: OpenAI-compatible routes over one engine and its scheduler.
+
+POST /v1/chat/completions, POST /v1/completions (SSE streaming with `data: [DONE]`), GET /v1/models[/{id}],
+GET /v1/stats (engine.cache_stats + scheduler counters, never a 500), GET /health, GET /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import __version__
+from ..results import GenerationResult
+from .errors import APIError, install_error_handlers, to_api_error, validation_message
+from .metrics import ServerMetrics
+from .prepare import Prepared, prepare_chat, prepare_completion
+from .render import DONE, ChatRenderer, CompletionRenderer, Renderer, sse
+from .scheduler import Job, QueueFullError, Scheduler
+from .schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
+from .settings import ServerSettings
+
+log = logging.getLogger("kvboost.server")
+
+_DISCONNECT_POLL_S = 0.5  # non-streaming requests check this often whether their client is still there
+BodyT = TypeVar("BodyT", bound=BaseModel)
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    settings: ServerSettings
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    tokenizer_lock: threading.Lock
+    started: int
+
+
+def create_app(engine, settings: ServerSettings | None = None, scheduler: Scheduler | None = None) -> FastAPI:
+    """The app for an engine that is already loaded. The scheduler's worker runs while the app is up."""
+    settings = settings or ServerSettings()
+    lock = scheduler.tokenizer_lock if scheduler is not None else threading.Lock()
+    scheduler = scheduler or Scheduler(engine, settings.max_batch_size, settings.batch_window_ms, settings.max_queue,
+                                       tokenizer_lock=lock)
+    metrics = ServerMetrics(scheduler.queue_depth, scheduler.active_count,
+                            lambda: _cache_stats(engine).get("reuse_ratio", 0.0))
+    state = ServerState(engine, settings, scheduler, metrics, lock, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.stop)
+
+    app = FastAPI(title="KVBoost", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kvboost = state
+    install_error_handlers(app)
+    app.add_middleware(GatewayMiddleware, settings=settings, metrics=metrics)
+    _add_routes(app, state)
+    return app
+
+
+class GatewayMiddleware:
+    """Bearer-token check on /v1 routes (when an API key is set) and request counting by route and status."""
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics):
+        self.app = app
+        self.settings = settings
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        route = next((r for r in _ROUTES if path == r or path.startswith(r + "/")), "other")
+        status = 500
+
+        async def counting_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.settings.api_key and path.startswith("/v1") and not self._authorized(scope):
+                await APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key").response()(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                          str(self.settings.api_key).encode())
+        return False
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    settings, scheduler, metrics = state.settings, state.scheduler, state.metrics
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = scheduler.alive
+        body = {"status": "ok" if ok else "unhealthy", "model": settings.model_id, "worker_alive": ok,
+                "queued": scheduler.queue_depth(), "active": scheduler.active_count()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return dump(ModelList(data=[ModelCard(id=settings.model_id, created=state.started)]))
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        _check_model(settings, model)
+        return dump(ModelCard(id=settings.model_id, created=state.started))
+
+    @app.get("/v1/stats")
+    async def stats() -> JSONResponse:
+        body: dict[str, Any] = {"model": settings.model_id, "mode": settings.mode.value}
+        body["scheduler"] = _guard(scheduler.snapshot)
+        body["cache"] = _cache_stats(state.engine)
+        return JSONResponse(_json_safe(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = await parse_body(request, ChatCompletionRequest)
+        _check_model(settings, req.model)
+        prepared = prepare_chat(state.engine, req, settings, state.tokenizer_lock)
+        return await _respond(state, prepared, ChatRenderer(settings.model_id, _fingerprint(state)),
+                              req.cache_salt, request, t0)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = await parse_body(request, CompletionRequest)
+        _check_model(settings, req.model)
+        prepared = prepare_completion(state.engine, req, settings, state.tokenizer_lock)
+        return await _respond(state, prepared, CompletionRenderer(settings.model_id, _fingerprint(state)),
+                              req.cache_salt, request, t0)
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding); 400 otherwise."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"could not parse the JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise APIError(400, message, param=param, code="invalid_request") from None
+
+
+def _check_model(settings: ServerSettings, name: str) -> None:
+    if not settings.accepts_model(name):
+        raise APIError(404, f"The model '{name}' does not exist. This server serves '{settings.model_id}'.",
+                       param="model", code="model_not_found")
+
+
+def _fingerprint(state: ServerState) -> str:
+    return f"kvboost-{__version__}"
+
+
+async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, salt: str | None,
+                   request: Request, t0: float) -> Response:
+    job = Job(prepared.ids, prepared.params, prepared.prompt_text, prepared.source, asyncio.get_running_loop(),
+              cache_salt=salt, mode=state.settings.mode, t_start=t0)
+    try:
+        state.scheduler.submit(job)
+    except QueueFullError as exc:
+        state.metrics.outcomes.labels(renderer.endpoint, "rejected").inc()
+        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
+    if prepared.stream:
+        return StreamingResponse(_sse(state, job, renderer, prepared.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(job.cancel))  # runs after a disconnect as well
+    result = await _collect(state, job, renderer, request)
+    return JSONResponse(renderer.full(result))
+
+
+async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Request) -> GenerationResult:
+    """Wait for a non-streaming request's result; cancel it if the client goes away meanwhile."""
+    metrics, endpoint = state.metrics, renderer.endpoint
+    first = True
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise APIError(499, "client closed the request", code="client_closed") from None
+                continue
+            if first:
+                metrics.ttft.labels(endpoint).observe(time.perf_counter() - job.t_start)
+                first = False
+            if kind == "delta":
+                continue
+            job.finished = True
+            if kind == "error":
+                metrics.outcomes.labels(endpoint, "error").inc()
+                raise to_api_error(payload)
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - job.t_start)
+            metrics.observe_result(endpoint, payload)
+            return payload
+    finally:
+        if not job.finished:
+            job.cancel()
+            metrics.outcomes.labels(endpoint, "cancelled").inc()
+
+
+async def _sse(state: ServerState, job: Job, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+    """role chunk, content chunks, final chunk with finish_reason, usage chunk if asked for, [DONE]."""
+    metrics, endpoint = state.metrics, renderer.endpoint
+    first = True
+    try:
+        head = renderer.head()
+        if head is not None:
+            yield sse(head)
+        async for kind, payload in job.stream():
+            if first:
+                metrics.ttft.labels(endpoint).observe(time.perf_counter() - job.t_start)
+                first = False
+            if kind == "delta":
+                yield sse(renderer.delta(payload))
+            elif kind == "done":
+                metrics.latency.labels(endpoint).observe(time.perf_counter() - job.t_start)
+                metrics.observe_result(endpoint, payload)
+                yield sse(renderer.final(payload))
+                if include_usage:
+                    yield sse(renderer.usage(payload))
+            else:  # the headers are out: the error travels in the stream, where the OpenAI SDK raises it
+                metrics.outcomes.labels(endpoint, "error").inc()
+                log.warning("request failed mid-stream: %r", payload)
+                yield sse(to_api_error(payload).body())
+        yield DONE
+    finally:
+        if not job.finished:  # the client went away: stop generating for it
+            job.cancel()
+            metrics.outcomes.labels(endpoint, "cancelled").inc()
+
+
+def _guard(fn) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _json_safe(value: Any) -> Any:
+    """Plain JSON: non-finite floats become null, unknown objects their str()."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return str(value)
+
+
+def _cache_stats(engine) -> dict:
+    """engine.cache_stats(), retried once (the worker may be mutating a store), and never an exception."""
+    for _ in range(3):
+        try:
+            return dict(engine.cache_stats())
+        except Exception as exc:  # noqa: PERF203
+            error = exc
+    return {"error": f"cache statistics unavailable: {type(error).__name__}: {error}"}

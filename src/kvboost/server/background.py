@@ -1,0 +1,70 @@
+"""Run an app with uvicorn on a loopback port in a background thread (tests, benchmarks, notebooks)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+class BackgroundServer:
+    """`with BackgroundServer(app) as srv:` serves on srv.base_url until the block ends."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 startup_timeout_s: float = 60.0):
+        self.app = app
+        self.host = host
+        self.port = port
+        self.log_level = log_level
+        self.startup_timeout_s = startup_timeout_s
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundServer":
+        sock = bind_socket(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=self.log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="kvboost-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server on {self.base_url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one, read it back with getsockname)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,94 @@
+"""OpenAI-style error bodies {"error": {message, type, param, code}} and the handlers that produce them."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ContextLengthError, InvalidRequestError
+
+log = logging.getLogger("kvboost.server")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status that the client should see as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type_: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_ or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Any exception as the APIError a client should see: engine validation → 400, the unknown → 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    return APIError(500, f"internal error while generating: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter (dotted path) from pydantic / FastAPI errors."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"could not parse the JSON body: {first.get('msg', '')}".rstrip(": "), None
+    text = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors())
+        return APIError(400, message, param=param, code="invalid_request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)
+                        ).response()
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return to_api_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _unknown(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return to_api_error(exc).response()

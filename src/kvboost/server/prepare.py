@@ -1,0 +1,144 @@
+"""From a validated OpenAI request to what the worker needs: token ids, SamplingParams, prompt text.
+
+Everything a client can get wrong is found here, before the request is queued or a stream starts, so it
+reaches the client as an HTTP 400 with the OpenAI error body (never as a broken stream).
+
+Sampling follows OpenAI semantics: temperature omitted → 1.0 (sampling), temperature 0 → greedy
+(argmax, no division), top_p omitted → 1.0. Chat without max_tokens may use the rest of the context
+window; /v1/completions without max_tokens generates 16 tokens (OpenAI's legacy default).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ContextLengthError, InvalidRequestError
+from ..sampling import SamplingParams
+from .errors import APIError
+from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from .settings import ServerSettings
+
+_PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # engine argument → OpenAI request field
+_FALLBACK_MAX_TOKENS = 4096  # chat without max_tokens on a model that declares no context size
+
+
+@dataclass
+class Prepared:
+    ids: list[int]
+    params: SamplingParams
+    prompt_text: str
+    source: str | list[dict]  # the prompt string or the chat messages as plain dicts
+    stream: bool
+    include_usage: bool
+
+
+def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
+    _reject_common(req)
+    extra = req.model_extra or {}
+    if extra.get("logprobs") or extra.get("top_logprobs"):
+        raise _unsupported("logprobs are not supported by this server", "logprobs")
+    if extra.get("tools") or extra.get("functions"):
+        raise _unsupported("tool / function calling is not supported by this server", "tools")
+    fmt = extra.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise _unsupported(f"response_format {fmt.get('type')!r} is not supported; only 'text'", "response_format")
+    messages = [_plain_message(i, m) for i, m in enumerate(req.messages)]
+    with lock:
+        ids = _encode(engine, None, messages, "messages")
+        prompt_text = engine.tokenizer.decode(ids)
+    _check_context(engine, len(ids), "messages")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        room = engine.max_context - len(ids) if engine.max_context else _FALLBACK_MAX_TOKENS
+        max_tokens = max(1, room)
+    return Prepared(ids, _sampling(req, max_tokens), prompt_text, messages, bool(req.stream), _usage_wanted(req))
+
+
+def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
+                       lock: threading.Lock) -> Prepared:
+    _reject_common(req)
+    extra = req.model_extra or {}
+    if extra.get("echo"):
+        raise _unsupported("echo is not supported by this server", "echo")
+    if extra.get("suffix"):
+        raise _unsupported("suffix (insertion) is not supported by this server", "suffix")
+    if extra.get("logprobs") is not None:
+        raise _unsupported("logprobs are not supported by this server", "logprobs")
+    best_of = extra.get("best_of")
+    if best_of not in (None, 1):
+        raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if prompt and not isinstance(prompt[0], str):
+            raise _unsupported("token-id prompts are not supported; send the prompt as text", "prompt")
+        if len(prompt) != 1:
+            raise APIError(400, "send exactly one prompt string per request" if prompt else "prompt is empty",
+                           param="prompt", code="invalid_value")
+        prompt = prompt[0]
+    with lock:
+        ids = _encode(engine, prompt, None, "prompt")
+    _check_context(engine, len(ids), "prompt")
+    max_tokens = req.max_tokens or settings.default_completion_tokens
+    return Prepared(ids, _sampling(req, max_tokens), prompt, prompt, bool(req.stream), _usage_wanted(req))
+
+
+# ---- pieces ------------------------------------------------------------------------------------------
+def _reject_common(req: _Sampling) -> None:
+    if req.n not in (None, 1):
+        raise _unsupported("n other than 1 is not supported by this server; send several requests instead", "n")
+
+
+def _unsupported(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    content = m.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise _unsupported(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                                   f"messages.{i}.content")
+            parts.append(part.text)
+        text = "\n".join(parts)
+    role = "system" if m.role == "developer" else m.role
+    return {"role": role, "content": text}
+
+
+def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str) -> list[int]:
+    try:
+        return engine.encode(prompt, messages)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=param if exc.param in ("prompt", "messages", None) else exc.param,
+                       code="invalid_value") from None
+    except Exception as exc:  # e.g. a chat template that rejects this sequence of roles
+        raise APIError(400, f"could not render the {param}: {type(exc).__name__}: {exc}", param=param,
+                       code="invalid_value") from None
+
+
+def _check_context(engine, n_prompt: int, param: str) -> None:
+    limit = engine.max_context
+    if limit is not None and n_prompt >= limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens, but the {param} has {n_prompt} tokens "
+            f"(at least one position must stay free for the reply). Shorten the {param}.", param)
+
+
+def _sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+                              stop=stop)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=_PARAM_NAMES.get(exc.param or "", exc.param), code="invalid_value") from None
+
+
+def _usage_wanted(req: _Sampling) -> bool:
+    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)

@@ -1,0 +1,319 @@
+"""The one worker thread that runs every request, and the bounded queue that feeds it.
+
+torch and the engine's KV workspace are not for concurrent use, so all engine work happens on a single
+worker thread. Requests enter a bounded queue (full → QueueFullError → HTTP 429); the worker pushes
+each request's events (text deltas, then the result or an error) back to the asyncio side with
+`loop.call_soon_threadsafe`.
+
+Two ways to run:
+* batched (`kvboost.continuous.BatchRunner`, max_batch_size > 1): an idle worker waits up to the batch
+  window for more requests, adds them together (rows sharing prefix chunks prefill against one copy of
+  the shared K/V), then steps the runner; between steps, newly queued requests join the running batch
+  and finished or cancelled rows leave (continuous batching).
+* single (max_batch_size == 1, or no BatchRunner installed): one request at a time via
+  engine.generate_stream; consecutive requests sharing a prefix still reuse it from the workspace/store.
+
+A request's failure is delivered to that request only; the worker survives everything.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Literal, Union
+
+from ..results import GenerationMode, GenerationResult
+from ..sampling import SamplingParams
+
+log = logging.getLogger("kvboost.server")
+
+Event = Union[tuple[Literal["delta"], str], tuple[Literal["done"], GenerationResult],
+              tuple[Literal["error"], BaseException]]
+RunnerFactory = Callable[..., Any]
+
+
+class QueueFullError(Exception):
+    """The request queue is at max_queue; the client should retry after `retry_after` seconds."""
+
+    def __init__(self, max_queue: int, retry_after: int):
+        super().__init__(f"the server's request queue is full ({max_queue} waiting); retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+class ShuttingDownError(Exception):
+    """The server stopped before this request ran."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the worker. Created on the event loop; events come back to it."""
+
+    ids: list[int]
+    params: SamplingParams
+    prompt_text: str
+    source: str | list[dict]  # the prompt or chat messages (single mode hands these to generate_stream)
+    loop: asyncio.AbstractEventLoop
+    cache_salt: str | None = None
+    mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
+    t_start: float = field(default_factory=time.perf_counter)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    result: GenerationResult | None = None
+    finished: bool = False  # set on the event loop when the last event was taken
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Thread-safe: the worker drops the request if queued, or stops its generation at the next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def emit(self, kind: str, payload: Any) -> None:
+        """From the worker thread: hand one event to the event loop (dropped if the loop has closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    async def stream(self) -> AsyncIterator[Event]:
+        """Events until (and including) the final "done" or "error"."""
+        while True:
+            event = await self.events.get()
+            if event[0] != "delta":
+                self.finished = True
+                if event[0] == "done":
+                    self.result = event[1]
+            yield event
+            if self.finished:
+                return
+
+
+@dataclass
+class SchedulerStats:
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    batches: int = 0  # batch mode: runner.step() calls that prefilled or decoded something
+    max_rows: int = 0  # batch mode: the most rows seen in one step
+
+
+def default_runner_factory() -> RunnerFactory | None:
+    try:
+        from ..continuous import BatchRunner
+    except ImportError:
+        return None
+    return BatchRunner
+
+
+class Scheduler:
+    def __init__(self, engine, max_batch_size: int = 16, batch_window_ms: float = 20.0, max_queue: int = 256,
+                 runner_factory: RunnerFactory | None | Literal["auto"] = "auto",
+                 tokenizer_lock: threading.Lock | None = None):
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_ms / 1e3
+        self.max_queue = max_queue
+        self.runner_factory = default_runner_factory() if runner_factory == "auto" else runner_factory
+        self.tokenizer_lock = tokenizer_lock or threading.Lock()
+        self.stats = SchedulerStats()
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._active = 0
+        self._start_lock = threading.Lock()
+
+    # ---- control, from any thread ----------------------------------------------------------------
+    @property
+    def batched(self) -> bool:
+        return self.runner_factory is not None and self.max_batch_size > 1
+
+    @property
+    def mode_name(self) -> str:
+        return f"continuous batching (max {self.max_batch_size} rows)" if self.batched else "one request at a time"
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._main, name="kvboost-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        while True:  # whoever still waits gets an answer
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            job.emit("error", ShuttingDownError("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        if not self.alive and not self._stop.is_set():
+            self.start()  # a worker that died somehow is replaced rather than leaving requests hanging
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.stats.rejected += 1
+            raise QueueFullError(self.max_queue, self.retry_after()) from None
+
+    def retry_after(self) -> int:
+        return 1 if self.batched else max(1, min(30, self._queue.qsize() // 4))
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def active_count(self) -> int:
+        return self._active
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        return {"mode": "batched" if self.batched else "single", "worker_alive": self.alive,
+                "queued": self.queue_depth(), "active": self.active_count(), "max_queue": self.max_queue,
+                "max_batch_size": self.max_batch_size, "batch_window_ms": self.batch_window_s * 1e3,
+                "completed": s.completed, "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
+                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows}
+
+    # ---- the worker thread ---------------------------------------------------------------------------
+    def _main(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.batched:
+                    self._batch_loop()
+                else:
+                    self._single_loop()
+            except Exception:  # a bug in the loop itself: log, and keep serving
+                log.exception("scheduler worker loop failed; restarting it")
+                self._active = 0
+                time.sleep(0.05)
+
+    def _next(self, wait_s: float = 0.0) -> Job | None:
+        """The next queued job still wanted (cancelled ones are dropped here) within wait_s seconds, or None."""
+        deadline = time.perf_counter() + wait_s
+        while True:
+            try:
+                job = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                return None
+            if not job.cancelled:
+                return job
+            self.stats.cancelled += 1
+
+    # single: one request at a time through engine.generate_stream
+    def _single_loop(self) -> None:
+        while not self._stop.is_set():
+            job = self._next(0.1)
+            if job is not None:
+                self._active = 1
+                try:
+                    self._run_one(job)
+                finally:
+                    self._active = 0
+
+    def _run_one(self, job: Job) -> None:
+        p = job.params
+        try:
+            with self.tokenizer_lock:  # generate_stream tokenizes eagerly; the event loop tokenizes too
+                prompt, messages = (job.source, None) if isinstance(job.source, str) else (None, job.source)
+                stream = self.engine.generate_stream(
+                    prompt, p.max_new_tokens, messages=messages, mode=job.mode, temperature=p.temperature,
+                    top_p=p.top_p, top_k=p.top_k, do_sample=p.do_sample, stop=p.stop or None, seed=p.seed,
+                    cache_salt=job.cache_salt)
+            for delta in stream:
+                if job.cancelled or self._stop.is_set():
+                    stream.close()
+                    self.stats.cancelled += 1
+                    return
+                job.emit("delta", delta)
+        except Exception as exc:  # this request fails; the worker goes on
+            self.stats.failed += 1
+            job.emit("error", exc)
+            return
+        self.stats.completed += 1
+        job.emit("done", stream.result)
+
+    # batched: continuous batching over BatchRunner
+    def _batch_loop(self) -> None:
+        assert self.runner_factory is not None
+        runner = self.runner_factory(self.engine, max_batch_size=self.max_batch_size)
+        rows: dict[Job, Any] = {}  # job → its runner handle
+        while not self._stop.is_set():
+            if not rows and not runner.has_work():
+                job = self._next(0.1)
+                if job is None:
+                    continue
+                self._admit(runner, job, rows)
+                # The batch window: requests arriving now prefill together (shared prefix K/V loaded once).
+                deadline = time.perf_counter() + self.batch_window_s
+                while len(rows) < self.max_batch_size:
+                    job = self._next(max(0.0, deadline - time.perf_counter()))
+                    if job is None:
+                        break
+                    self._admit(runner, job, rows)
+            else:  # running: whatever queued meanwhile joins the next step
+                while len(rows) < self.max_batch_size:
+                    job = self._next()
+                    if job is None:
+                        break
+                    self._admit(runner, job, rows)
+            for job, handle in rows.items():
+                if job.cancelled:
+                    handle.cancel()
+            self._active = len(rows)
+            if not rows and not runner.has_work():
+                continue
+            try:
+                runner.step()
+            except Exception as exc:  # the batch is lost, the worker is not: fail its rows, start afresh
+                log.exception("batch step failed; failing %d request(s)", len(rows))
+                for job in rows:
+                    self.stats.failed += 1
+                    job.emit("error", exc)
+                rows.clear()
+                self._active = 0
+                runner = self.runner_factory(self.engine, max_batch_size=self.max_batch_size)
+                continue
+            self.stats.batches += 1
+            self.stats.max_rows = max(self.stats.max_rows, len(rows))
+            self._deliver(rows)
+            self._active = len(rows)
+        for job, handle in rows.items():  # shutting down
+            handle.cancel()
+            job.emit("error", ShuttingDownError("the server is shutting down"))
+        self._active = 0
+
+    def _admit(self, runner, job: Job, rows: dict[Job, Any]) -> None:
+        try:
+            rows[job] = runner.add(job.ids, job.params, job.prompt_text, cache_salt=job.cache_salt, mode=job.mode,
+                                   t_start=job.t_start)
+        except Exception as exc:
+            self.stats.failed += 1
+            job.emit("error", exc)
+
+    def _deliver(self, rows: dict[Job, Any]) -> None:
+        for job, handle in list(rows.items()):
+            deltas = handle.take_deltas()
+            if deltas and not job.cancelled:
+                job.emit("delta", "".join(deltas))
+            if not handle.finished:
+                continue
+            del rows[job]
+            if handle.error is not None:
+                self.stats.failed += 1
+                job.emit("error", handle.error)
+            elif job.cancelled or handle.result is None:
+                self.stats.cancelled += 1
+            else:
+                self.stats.completed += 1
+                job.emit("done", handle.result)

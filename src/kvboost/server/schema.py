@@ -1,0 +1,144 @@
+"""Pydantic models of the OpenAI request and response bodies this server speaks.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion); unknown
+fields are accepted and ignored, as OpenAI-compatible clients send many optional ones. Fields that would
+change the result and are not supported (n > 1, logprobs, tools, echo...) are rejected in prepare.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # omitted → 1.0, as OpenAI; 0 → greedy
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    n: Optional[int] = Field(None, ge=1)
+    user: Optional[str] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    # KVBoost extensions (OpenAI clients pass them through extra_body)
+    top_k: Optional[int] = Field(None, ge=0)
+    cache_salt: Optional[str] = None  # tenant isolation: K/V is shared only between equal salts
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+
+
+# ---- responses --------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: Optional[str] = None
+
+
+class ChunkDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvboost"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

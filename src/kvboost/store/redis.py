@@ -1,0 +1,344 @@
+"""Redis tier: the disk tier's verified binary format, shared across hosts, bounded in latency.
+
+Keys (all under kvboost:{namespace}:):
+  chunk:{key}            the serialized record (TTL)
+  meta:{key}             JSON ChunkMeta, so children()/by_content() never download K/V (TTL)
+  children:{json(parent)} set of child keys      content:{content_key} set of keys (TTL, refreshed on use)
+Redis may evict any of these under maxmemory or let them expire independently, so every index entry is
+checked against its blob: a member whose blob is gone is a miss and is removed from the index.
+
+Redis being down, hung or full must never fail or slow a request: every call has a socket timeout of
+~0.25 s, redis-py's own retries are disabled, and a circuit breaker skips Redis entirely after repeated
+connection failures, probing again after an exponentially growing backoff.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .base import ChunkMeta, ChunkRecord, TierStats
+from .quant import DEFAULT_GROUP_SIZE, QuantCodec
+from .serialize import RecordError, dumps, loads
+
+try:  # optional dependency: kvboost[redis]
+    import redis as _redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError:  # pragma: no cover - exercised only without redis-py
+    _redis = None
+
+# Failures that mean "the server is unreachable": they feed the circuit breaker. Other RedisErrors
+# (OOM under noeviction, wrong type...) are the server answering, so they only count as errors.
+_UNREACHABLE: tuple[type[BaseException], ...] = (OSError,)
+if _redis is not None:
+    _UNREACHABLE = (_redis.exceptions.ConnectionError, _redis.exceptions.TimeoutError, OSError)
+
+
+@dataclass
+class CircuitBreaker:
+    """closed -> (threshold consecutive failures) -> open -> (backoff elapsed) -> one probe -> closed/open.
+
+    Each failed probe doubles the backoff up to max_backoff_s; a success resets it.
+    """
+
+    failure_threshold: int = 2
+    base_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    failures: int = 0
+    opened: int = 0
+    _open_until: float = 0.0
+    _backoff_s: float = 0.0
+    _is_open: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def allow(self) -> bool:
+        with self._lock:
+            if not self._is_open:
+                return True
+            now = time.monotonic()
+            if now < self._open_until:
+                return False
+            self._open_until = now + self._backoff_s  # this caller probes; the others keep skipping
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures = 0
+            self._is_open = False
+            self._backoff_s = self.base_backoff_s
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            if self._is_open:
+                self._backoff_s = min(self.max_backoff_s, max(self._backoff_s, self.base_backoff_s) * 2)
+            elif self.failures >= self.failure_threshold:
+                self._is_open = True
+                self.opened += 1
+                self._backoff_s = self.base_backoff_s
+            else:
+                return
+            self._open_until = time.monotonic() + self._backoff_s
+
+    def blocked(self) -> bool:
+        """Whether allow() would refuse right now, without taking the probe slot."""
+        with self._lock:
+            return self._is_open and time.monotonic() < self._open_until
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            if not self._is_open:
+                return "closed"
+            return "open" if time.monotonic() < self._open_until else "half-open"
+
+
+def _never_raises(default):
+    """A cache must not fail a request: anything unexpected is counted as an error and answered with `default`."""
+    def wrap(method):
+        @functools.wraps(method)
+        def safe(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                self._count("errors")
+                return default() if callable(default) else default
+        return safe
+    return wrap
+
+
+class RedisStore:
+    name = "redis"
+
+    def __init__(self, url: str, namespace: str, ttl_s: int | None = None, socket_timeout: float = 0.25,
+                 bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, breaker: CircuitBreaker | None = None):
+        if _redis is None:
+            raise ImportError("RedisStore needs redis-py: pip install 'kvboost[redis]'")
+        self.namespace = namespace
+        self.ttl_s = int(ttl_s) if ttl_s else None
+        self.codec = QuantCodec(bits, group_size) if bits < 16 else None
+        self.breaker = breaker or CircuitBreaker()
+        self._prefix = f"kvboost:{namespace}:"
+        # retry=0: redis-py would otherwise retry 10 times with backoff, turning a dead server into seconds.
+        self.client = _redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._lock = threading.Lock()
+        self._stats = TierStats(self.name)
+        self._counters = {"short_circuited": 0, "corrupt_dropped": 0, "stale_index_cleaned": 0,
+                          "rejected_writes": 0}
+
+    # ---- key layout ------------------------------------------------------------------------------
+    def chunk_key(self, key: str) -> str:
+        return f"{self._prefix}chunk:{key}"
+
+    def meta_key(self, key: str) -> str:
+        return f"{self._prefix}meta:{key}"
+
+    def children_key(self, parent_key: str | None) -> str:
+        return f"{self._prefix}children:{json.dumps(parent_key)}"
+
+    def content_key(self, content_key: str) -> str:
+        return f"{self._prefix}content:{content_key}"
+
+    # ---- reads -----------------------------------------------------------------------------------
+    def get(self, key: str) -> ChunkRecord | None:
+        try:
+            record = self._get(key)
+        except Exception:
+            self._count("errors")
+            record = None
+        self._count("hits" if record is not None else "misses")
+        return record
+
+    def _get(self, key: str) -> ChunkRecord | None:
+        record = None
+        results = self._run(lambda p: self._fetch(p, key))
+        if results is not None:
+            blob, raw_meta = results[0], results[1]
+            if blob is None:
+                if raw_meta is not None:  # blob expired or was evicted before its index entry
+                    self._forget([(key, raw_meta)], "stale_index_cleaned")
+            else:
+                try:
+                    record = loads(blob, self.namespace, key)
+                except RecordError:
+                    self._forget([(key, raw_meta)], "corrupt_dropped")
+        return record
+
+    def _fetch(self, pipe, key: str) -> None:
+        if self.ttl_s:  # sliding expiry: a chunk in use stays
+            pipe.getex(self.chunk_key(key), ex=self.ttl_s)
+            pipe.getex(self.meta_key(key), ex=self.ttl_s)
+        else:
+            pipe.get(self.chunk_key(key))
+            pipe.get(self.meta_key(key))
+
+    @_never_raises(False)
+    def contains(self, key: str) -> bool:
+        results = self._run(lambda p: p.exists(self.chunk_key(key)))
+        return bool(results and results[0])
+
+    @_never_raises(list)
+    def children(self, parent_key: str | None) -> list[ChunkMeta]:
+        return self._index_members(self.children_key(parent_key))
+
+    @_never_raises(list)
+    def by_content(self, content_key: str) -> list[ChunkMeta]:
+        return self._index_members(self.content_key(content_key))
+
+    def _index_members(self, set_key: str) -> list[ChunkMeta]:
+        def read(pipe):
+            pipe.smembers(set_key)
+            if self.ttl_s:
+                pipe.expire(set_key, self.ttl_s)  # an index in use stays as long as its members
+        results = self._run(read)
+        if not results or not results[0]:
+            return []
+        members = [m.decode() for m in results[0]]
+
+        def check(pipe):
+            for m in members:
+                pipe.get(self.meta_key(m))
+                pipe.exists(self.chunk_key(m))
+        checked = self._run(check)
+        if checked is None:
+            return []
+        metas: list[ChunkMeta] = []
+        stale: list[tuple[str, bytes | None]] = []
+        for i, member in enumerate(members):
+            raw_meta, has_blob = checked[2 * i], checked[2 * i + 1]
+            meta = _parse_meta(member, raw_meta)
+            if meta is None or not has_blob:
+                stale.append((member, raw_meta))
+            else:
+                metas.append(meta)
+        if stale:  # one round trip however many members Redis evicted or expired
+            self._forget(stale, "stale_index_cleaned", also_from=set_key)
+        return metas
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = TierStats(**vars(self._stats))
+            s.extra = dict(self._counters)
+        s.extra["breaker"] = self.breaker.state
+        s.extra["breaker_opened"] = self.breaker.opened
+        return s
+
+    # ---- writes ----------------------------------------------------------------------------------
+    @_never_raises(False)
+    def put(self, record: ChunkRecord) -> bool:
+        if self.breaker.blocked():  # do not even serialize for a server we know is down
+            self._count("short_circuited")
+            return False
+        blob = dumps(record, self.namespace, self.codec)
+        meta = json.dumps({"parent_key": record.parent_key, "content_key": record.content_key,
+                           "start": record.start, "token_ids": list(record.token_ids)})
+
+        def write(pipe):
+            ex = self.ttl_s
+            pipe.set(self.chunk_key(record.key), blob, ex=ex)
+            pipe.set(self.meta_key(record.key), meta, ex=ex)
+            for set_key in (self.children_key(record.parent_key), self.content_key(record.content_key)):
+                pipe.sadd(set_key, record.key)
+                if ex:
+                    pipe.expire(set_key, ex)
+        return self._run(write, transaction=True, checked=True) is not None
+
+    @_never_raises(None)
+    def delete(self, key: str) -> None:
+        results = self._run(lambda p: p.get(self.meta_key(key)))
+        self._forget([(key, results[0] if results else None)], None)
+
+    def clear(self) -> None:
+        """Delete every key of this namespace (SCAN, so a large keyspace does not block Redis)."""
+        pattern = _glob_escape(self._prefix) + "*"
+        try:
+            if not self.breaker.allow():
+                self._count("short_circuited")
+                return
+            batch = []
+            for k in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(k)
+                if len(batch) >= 1000:
+                    self.client.delete(*batch)
+                    batch.clear()
+            if batch:
+                self.client.delete(*batch)
+            self.breaker.success()
+        except _UNREACHABLE:
+            self.breaker.failure()
+            self._count("errors")
+        except Exception:
+            self._count("errors")
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _run(self, build, transaction: bool = False, checked: bool = False) -> list | None:
+        """Run one pipeline (one round trip); None on any failure, which is counted, never raised."""
+        if not self.breaker.allow():
+            self._count("short_circuited")
+            return None
+        try:
+            pipe = self.client.pipeline(transaction=transaction)
+            build(pipe)
+            results = pipe.execute(raise_on_error=True)
+        except _UNREACHABLE:
+            self.breaker.failure()
+            self._count("errors")
+            return None
+        except Exception as exc:
+            self.breaker.success()  # the server answered; it is up, just unwilling (e.g. OOM under noeviction)
+            self._count("errors")
+            if checked and (isinstance(exc, _redis.exceptions.OutOfMemoryError) or "OOM" in str(exc)):
+                self._count("rejected_writes")
+            return None
+        self.breaker.success()
+        return results
+
+    def _forget(self, entries: list[tuple[str, bytes | None]], counter: str | None,
+                also_from: str | None = None) -> None:
+        """Remove keys' blobs, metas and index memberships in one round trip (best effort).
+
+        entries: (key, its raw meta if known), the meta naming the index sets the key belongs to.
+        """
+        def drop(pipe):
+            for key, raw_meta in entries:
+                meta = _parse_meta(key, raw_meta)
+                sets = {also_from} if also_from else set()
+                if meta is not None:
+                    sets |= {self.children_key(meta.parent_key), self.content_key(meta.content_key)}
+                pipe.delete(self.chunk_key(key), self.meta_key(key))
+                for set_key in sets:
+                    pipe.srem(set_key, key)
+        self._run(drop)
+        if counter:
+            self._count(counter, len(entries))
+
+    def _count(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            if field in self._counters:
+                self._counters[field] += n
+            else:
+                setattr(self._stats, field, getattr(self._stats, field) + n)
+
+
+def _parse_meta(key: str, raw: bytes | None) -> ChunkMeta | None:
+    if raw is None:
+        return None
+    try:
+        d = json.loads(raw)
+        return ChunkMeta(key, d["parent_key"], d["content_key"], tuple(int(t) for t in d["token_ids"]), int(d["start"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)

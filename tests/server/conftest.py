@@ -1,0 +1,83 @@
+"""Live servers on 127.0.0.1 (uvicorn in a background thread) for the openai-SDK tests."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvboost import KVBoost
+from kvboost.server import BackgroundServer, ServerSettings, create_app
+
+from ..tiny_models import make_tiny_model
+
+TINY_NAME = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A random 3-layer llama with SmolLM2's tokenizer (and chat template), saved like any --model folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama", tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    return KVBoost.from_pretrained(str(tiny_model_dir), chunk_size=16)
+
+
+class Live:
+    """A running server: its URL, app state (scheduler, metrics) and ready-made clients."""
+
+    def __init__(self, srv: BackgroundServer, app):
+        self.srv = srv
+        self.app = app
+        self.url = srv.base_url
+        self.state = app.state.kvboost
+
+    @property
+    def scheduler(self):
+        return self.state.scheduler
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120.0, **kw)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60.0)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.scheduler.queue_depth() or self.scheduler.active_count():
+            assert time.monotonic() < deadline, f"server still busy: {self.scheduler.snapshot()}"
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def live_server(engine, **settings) -> Iterator[Live]:
+    settings.setdefault("served_model_name", TINY_NAME)
+    app = create_app(engine, ServerSettings(**settings))
+    with BackgroundServer(app) as srv:
+        yield Live(srv, app)
+
+
+@pytest.fixture(scope="module")
+def start_server() -> Callable:
+    return live_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_engine, tiny_model_dir) -> Iterator[Live]:
+    """The default server: continuous batching (when BatchRunner is installed), tiny model."""
+    with live_server(tiny_engine, model=str(tiny_model_dir)) as live:
+        yield live
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return server.client()

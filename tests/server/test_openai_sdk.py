@@ -1,0 +1,130 @@
+"""The real openai SDK against a live server: chat, streaming, completions, models, sampling semantics."""
+from __future__ import annotations
+
+import pytest
+
+from ..prompts import text_with_tokens, words
+from .conftest import TINY_NAME, live_server
+
+
+@pytest.fixture(scope="module", params=["batched", "single"])
+def live(request, tiny_engine, tiny_model_dir):
+    """Each test runs on the continuous-batching worker and on the one-request-at-a-time worker."""
+    size = 16 if request.param == "batched" else 1
+    with live_server(tiny_engine, model=str(tiny_model_dir), max_batch_size=size) as srv:
+        yield srv
+
+
+@pytest.fixture
+def sdk(live):
+    return live.client()
+
+
+def _messages(seed: int, n_words: int = 30) -> list[dict]:
+    return [{"role": "system", "content": "You are terse. " + words(n_words, seed)},
+            {"role": "user", "content": f"question {seed}: " + words(6, seed + 100)}]
+
+
+def test_chat_completion_greedy_matches_the_library(sdk, live, tiny_engine):
+    msgs = _messages(1)
+    r = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=8, temperature=0)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == TINY_NAME and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content  # temperature 0 is greedy, not an empty divide-by-zero sample
+    assert choice.finish_reason in ("length", "stop")
+    expected = tiny_engine.generate(messages=msgs, max_new_tokens=8)
+    assert choice.message.content == expected.output_text
+    assert r.usage.prompt_tokens == expected.prompt_tokens
+    assert r.usage.completion_tokens == expected.generated_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_chat_role_deltas_finish_usage_done(sdk):
+    msgs = _messages(2)
+    full = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=10, temperature=0)
+    chunks = list(sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == full.choices[0].finish_reason
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == full.usage.completion_tokens
+    # The same prompt again: its K/V is reused, and usage says so the way OpenAI does.
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(sdk):
+    chunks = list(sdk.chat.completions.create(model=TINY_NAME, messages=_messages(3), max_tokens=4, temperature=0,
+                                              stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_cached_tokens_reported_for_a_shared_system_prompt(sdk, tiny_engine):
+    system = {"role": "system", "content": text_with_tokens(tiny_engine.tokenizer, 120, seed=4)}
+    first = sdk.chat.completions.create(model=TINY_NAME, max_tokens=2, temperature=0,
+                                        messages=[system, {"role": "user", "content": "first question"}])
+    second = sdk.chat.completions.create(model=TINY_NAME, max_tokens=2, temperature=0,
+                                         messages=[system, {"role": "user", "content": "another one"}])
+    assert second.usage.prompt_tokens_details.cached_tokens >= 96  # six 16-token chunks of the system prompt
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens - 1
+
+
+def test_text_completion_and_its_stream(sdk, tiny_engine):
+    prompt = words(20, seed=5)
+    r = sdk.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text
+    assert r.choices[0].text == tiny_engine.generate(prompt, 6).output_text
+    chunks = list(sdk.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_default_to_16_tokens(sdk):
+    r = sdk.completions.create(model=TINY_NAME, prompt=words(10, seed=6), temperature=0)
+    assert r.usage.completion_tokens <= 16
+    assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 16
+
+
+def test_seeded_sampling_is_reproducible_and_default_temperature_samples(sdk):
+    msgs = _messages(7)
+    a = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=12, temperature=1.0, seed=123)
+    b = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=12, temperature=1.0, seed=123)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    # temperature omitted means 1.0, as with OpenAI: random text from a random model differs from greedy.
+    greedy = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=12, temperature=0)
+    sampled = {sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=12, seed=s
+                                           ).choices[0].message.content for s in (1, 2, 3)}
+    assert sampled != {greedy.choices[0].message.content}
+
+
+def test_stop_strings_and_max_completion_tokens(sdk):
+    msgs = _messages(8)
+    full = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_completion_tokens=16, temperature=0)
+    assert full.usage.completion_tokens <= 16
+    text = full.choices[0].message.content
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_models_are_listed_and_accepted_by_name_or_path(sdk, tiny_model_dir):
+    models = sdk.models.list()
+    assert [m.id for m in models.data] == [TINY_NAME]
+    assert sdk.models.retrieve(TINY_NAME).id == TINY_NAME
+    r = sdk.completions.create(model=str(tiny_model_dir), prompt="hello", max_tokens=2, temperature=0)
+    assert r.model == TINY_NAME
+
+
+def test_list_content_parts_and_developer_role(sdk):
+    r = sdk.chat.completions.create(model=TINY_NAME, max_tokens=3, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}])
+    assert r.choices[0].message.content is not None

@@ -1,0 +1,62 @@
+"""Deterministic synthetic chunk records, shared by the tests and the subprocess writers they spawn.
+
+Run as a script it is a writer process: `python _synth.py DIR NAMESPACE FIRST LAST BUDGET [LAYERS HEADS TOKENS DIM]`
+writes records FIRST..LAST-1 into a DiskStore, printing each index once stored (the parent reads
+these lines to know when to kill it). With KVBOOST_TEST_GO=PATH it prints "ready" and waits for PATH to exist.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+import torch  # noqa: E402
+
+from kvboost.store.base import ChunkRecord  # noqa: E402
+
+
+def make_record(seed: int, layers: int = 4, heads: int = 2, tokens: int = 16, head_dim: int = 16,
+                dtype: torch.dtype = torch.float32, parent_key: str | None = None, content_key: str | None = None,
+                key: str | None = None, start: int = 0) -> ChunkRecord:
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(heads, tokens, head_dim, generator=g).to(dtype) for _ in range(layers)]
+    values = [torch.randn(heads, tokens, head_dim, generator=g).to(dtype) for _ in range(layers)]
+    token_ids = tuple(int(t) for t in torch.randint(0, 50_000, (tokens,), generator=g))
+    return ChunkRecord(key or f"chunk-{seed}", parent_key, content_key or f"content-{seed}", token_ids, start,
+                       keys, values)
+
+
+def same(a: ChunkRecord, b: ChunkRecord) -> bool:
+    return (a.meta() == b.meta() and len(a.keys) == len(b.keys)
+            and all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _writer(argv: list[str]) -> None:
+    from kvboost.store.disk import DiskStore
+
+    directory, namespace, first, last, budget = argv[:5]
+    shape = [int(x) for x in argv[5:9]] if len(argv) >= 9 else [8, 4, 128, 64]
+    store = DiskStore(directory, int(budget) if int(budget) > 0 else None, namespace=namespace)
+    go = os.environ.get("KVBOOST_TEST_GO")
+    if go:  # start line: both writers begin together, so their writes really interleave
+        print("ready", flush=True)
+        while not os.path.exists(go):
+            time.sleep(0.001)
+    for i in range(int(first), int(last)):
+        rec = make_record(i, *shape)
+        ok = store.put(rec)
+        print(f"{i} {int(ok)}", flush=True)
+    store.close()
+
+
+if __name__ == "__main__":
+    _writer(sys.argv[1:])
