@@ -61,6 +61,18 @@ def bench_prefix(model: Optional[str] = ModelOpt,
     run_prefix_bench(model, [int(x) for x in lengths.split(",") if x.strip()], repeats, json_path, plot_path)
 
 
+@bench_app.command("quant")
+def bench_quant(model: Optional[str] = ModelOpt,
+                prompts: int = typer.Option(109, min=1, help="Chat prompts (system prompt warmed, first user turn)."),
+                new_tokens: int = typer.Option(16, min=1, help="Greedy tokens compared per prompt."),
+                json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
+                plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot.")):
+    """Bytes per cached token and fidelity of int8 / int4 KV storage against 16-bit."""
+    from .bench.quant import run_quant_bench
+
+    run_quant_bench(model, prompts, new_tokens, json_path, plot_path)
+
+
 def _register_optional() -> None:
     # Commands whose modules may be absent in a trimmed install register only when importable.
     try:
