@@ -73,6 +73,21 @@ def bench_quant(model: Optional[str] = ModelOpt,
     run_quant_bench(model, prompts, new_tokens, json_path, plot_path)
 
 
+@bench_app.command("multiturn")
+def bench_multiturn(model: Optional[str] = ModelOpt,
+                    conversations: int = typer.Option(8, min=1, help="Conversations to replay (of 64 shipped)."),
+                    turns: int = typer.Option(8, min=1, help="At most this many user turns per conversation."),
+                    new_tokens: int = typer.Option(32, min=1, help="Greedy tokens per reply."),
+                    json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
+                    plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot."),
+                    peer_python: Optional[str] = typer.Option(None, "--peer-python",
+                                                              help="Python of a virtualenv with another kvboost.")):
+    """Replay chats turn by turn: plain transformers, the manual prefix-cache recipe, KVBoost (and a peer)."""
+    from .bench.multiturn import run_multiturn_bench
+
+    run_multiturn_bench(model, conversations, turns, new_tokens, json_path, plot_path, peer_python)
+
+
 def _register_optional() -> None:
     # Commands whose modules may be absent in a trimmed install register only when importable.
     try:

@@ -1,0 +1,242 @@
+"""`kvboost bench multiturn`: replay chats turn by turn, as a chat client does, for several systems at once.
+
+Systems, all on the same model object, in the same run:
+  plain    transformers with no cache: full prefill of the whole history every turn
+  manual   the careful hand-written recipe: keep the previous turn's DynamicCache, crop it to the
+           part the new prompt shares, prefill only the rest (the floor for that turn)
+  kvboost  KVBoost.generate(messages=...)
+  peer     optional: another package driven in a subprocess (--peer-python)
+Every system sees the same history: each turn appends the plain system's reply (the reference).
+"""
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from transformers import DynamicCache
+
+from ..reuse.match import common_prefix_length
+
+
+@dataclass
+class TurnSample:
+    conversation: str
+    turn: int
+    prompt_tokens: int
+    plain_ms: float
+    manual_ms: float
+    kvboost_ms: float
+    kvboost_reuse: float
+    kvboost_tokens_per_s: float
+    identical: bool
+    manual_identical: bool
+    peak_rss_mb: float
+    peer_ms: float | None = None
+    peer_reuse: float | None = None
+    peer_identical: bool | None = None
+
+
+@dataclass
+class TurnSummary:
+    turn: int
+    n: int
+    prompt_tokens: float
+    plain_p50: float
+    manual_p50: float
+    kvboost_p50: float
+    kvboost_p90: float
+    reuse: float
+    identical_rate: float
+    tokens_per_s: float
+    peak_rss_mb: float
+    peer_p50: float | None = None
+    peer_reuse: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _greedy(model, ids: list[int], cache: DynamicCache, start: int, n: int, eos: set[int]) -> tuple[float, list[int]]:
+    """Prefill ids[start:] over `cache`, then decode greedily; returns (ttft_ms, tokens)."""
+    t0 = time.perf_counter()
+    logits = model(input_ids=torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits
+    token = int(logits[0, -1].argmax())
+    ttft = (time.perf_counter() - t0) * 1e3
+    out = []
+    while token not in eos:
+        out.append(token)
+        if len(out) >= n:
+            break
+        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+        token = int(logits[0, -1].argmax())
+    return ttft, out
+
+
+class _Manual:
+    """The hand-written prefix-cache recipe a careful transformers user would write."""
+
+    def __init__(self, model):
+        self.model = model
+        self.ids: list[int] = []
+        self.cache: DynamicCache | None = None
+
+    def run(self, ids: list[int], n: int, eos: set[int]) -> tuple[float, list[int]]:
+        shared = min(common_prefix_length(self.ids, ids), len(ids) - 1)
+        if self.cache is None or shared == 0:
+            cache, shared = DynamicCache(config=self.model.config), 0
+        else:
+            cache = self.cache
+            extra = cache.get_seq_length() - shared
+            if extra:
+                cache.crop(-extra)  # drop what the new prompt does not share (e.g. a re-tokenized reply)
+        ttft, out = _greedy(self.model, ids, cache, shared, n, eos)
+        self.ids, self.cache = (ids + out)[: cache.get_seq_length()], cache
+        return ttft, out
+
+
+class _Peer:
+    """Another package in its own interpreter; one JSON request per line on stdin, one answer per line."""
+
+    def __init__(self, python: str, model_dir: str):
+        driver = Path(__file__).with_name("peer_driver.py")
+        self.proc = subprocess.Popen([python, str(driver), model_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        ready = self.proc.stdout.readline()
+        if not ready.startswith("{"):
+            raise RuntimeError(f"peer driver failed to start: {ready!r}")
+
+    def run(self, prompt: str, n: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_new_tokens": n}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, new_tokens: int,
+                        json_path: str | None, plot_path: str | None, peer_python: str | None = None
+                        ) -> list[TurnSummary]:
+    from .. import KVBoost
+    from .workloads import load_conversations
+
+    console = Console()
+    with console.status("loading model"):
+        engine = KVBoost.from_pretrained(model_name)
+    model, tok = engine.model, engine.tokenizer
+    eos = engine.eos_token_ids
+    peer = None
+    if peer_python:
+        from ..loading import embedded_model_dir, is_embedded
+        peer = _Peer(peer_python, str(embedded_model_dir()) if is_embedded(model_name) else model_name)
+    samples: list[TurnSample] = []
+    convs = load_conversations()[:conversations]
+    with Live(console=console, refresh_per_second=2) as live, torch.inference_mode():
+        for ci, conv in enumerate(convs):
+            manual = _Manual(model)
+            messages = [{"role": "system", "content": conv["system"]}]
+            for t, user in enumerate(conv["turns"][:turns]):
+                messages.append({"role": "user", "content": user})
+                ids = engine.encode(messages=messages)
+                plain_ttft, reference = _greedy(model, ids, DynamicCache(config=model.config), 0, new_tokens, eos)
+                manual_ttft, manual_out = manual.run(ids, new_tokens, eos)
+                r = engine.generate(messages=messages, max_new_tokens=new_tokens)
+                s = TurnSample(conv["id"], t + 1, len(ids), plain_ttft, manual_ttft, r.ttft_ms, r.kv_reuse_ratio,
+                               r.tokens_per_sec, r.output_token_ids == reference, manual_out == reference,
+                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                if peer is not None:
+                    prompt_text = tok.decode(ids)
+                    p = peer.run(prompt_text, new_tokens)
+                    s.peer_ms, s.peer_reuse = p["ttft_ms"], p["kv_reuse_ratio"]
+                    s.peer_identical = p["output_text"].strip() == tok.decode(reference, skip_special_tokens=True).strip()
+                samples.append(s)
+                messages.append({"role": "assistant", "content": tok.decode(reference, skip_special_tokens=True)})
+                live.update(_table(summarize(samples), f"conversation {ci + 1}/{len(convs)}, turn {t + 1}"))
+    if peer is not None:
+        peer.close()
+    summary = summarize(samples)
+    if json_path:
+        from .plots import write_json
+        overall = _overall(samples)
+        write_json(json_path, {"benchmark": "multiturn", "model": model_name or "embedded SmolLM2-135M-Instruct",
+                               "conversations": len(convs), "turns": turns, "new_tokens": new_tokens,
+                               "summary": overall, "reuse_rate": overall["kvboost_reuse_from_turn2"],
+                               "prefill_tokens_per_s": overall["plain_prefill_tokens_per_s"],
+                               "per_turn": [asdict(x) for x in summary], "samples": [asdict(x) for x in samples]})
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        from .plots import plot_lines
+        series = {"plain transformers (no cache)": [(x.turn, x.plain_p50) for x in summary],
+                  "manual prefix-cache recipe": [(x.turn, x.manual_p50) for x in summary],
+                  "KVBoost": [(x.turn, x.kvboost_p50) for x in summary]}
+        if peer is not None:
+            series["peer"] = [(x.turn, x.peer_p50) for x in summary]
+        plot_lines(series, "Multi-turn replay: TTFT p50 by turn", "turn", "TTFT p50 (ms)", plot_path)
+        console.print(f"wrote {plot_path}")
+    return summary
+
+
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(samples: list[TurnSample]) -> list[TurnSummary]:
+    out = []
+    for turn in sorted({s.turn for s in samples}):
+        ss = [s for s in samples if s.turn == turn]
+        peer = [s.peer_ms for s in ss if s.peer_ms is not None]
+        out.append(TurnSummary(
+            turn, len(ss), statistics.mean(s.prompt_tokens for s in ss), _p([s.plain_ms for s in ss], .5),
+            _p([s.manual_ms for s in ss], .5), _p([s.kvboost_ms for s in ss], .5), _p([s.kvboost_ms for s in ss], .9),
+            statistics.mean(s.kvboost_reuse for s in ss), sum(s.identical for s in ss) / len(ss),
+            statistics.mean(s.kvboost_tokens_per_s for s in ss), max(s.peak_rss_mb for s in ss),
+            _p(peer, .5) if peer else None,
+            statistics.mean(s.peer_reuse for s in ss if s.peer_reuse is not None) if peer else None))
+    return out
+
+
+def _overall(samples: list[TurnSample]) -> dict:
+    later = [s for s in samples if s.turn >= 2]
+    plain_rate = sum(s.prompt_tokens for s in samples) / (sum(s.plain_ms for s in samples) / 1e3)
+    return {
+        "turns_measured": len(samples),
+        "identical_rate": sum(s.identical for s in samples) / len(samples),
+        "manual_identical_rate": sum(s.manual_identical for s in samples) / len(samples),
+        "kvboost_reuse_from_turn2": statistics.mean(s.kvboost_reuse for s in later) if later else 0.0,
+        "kvboost_over_manual_p50": _p([s.kvboost_ms / s.manual_ms for s in later], .5) if later else None,
+        "plain_prefill_tokens_per_s": plain_rate,
+    }
+
+
+def _table(summary: list[TurnSummary], caption: str) -> Table:
+    table = Table(title="Multi-turn replay (TTFT ms)", caption=caption)
+    cols = ["turn", "n", "prompt tok", "plain p50", "manual p50", "KVBoost p50", "KVBoost p90", "KVB/manual",
+            "reuse", "identical", "tok/s", "peak RSS MB"]
+    if any(s.peer_p50 is not None for s in summary):
+        cols += ["peer p50", "peer reuse"]
+    for c in cols:
+        table.add_column(c, justify="right")
+    for s in summary:
+        row = [str(s.turn), str(s.n), f"{s.prompt_tokens:.0f}", f"{s.plain_p50:.0f}", f"{s.manual_p50:.0f}",
+               f"{s.kvboost_p50:.0f}", f"{s.kvboost_p90:.0f}", f"{s.kvboost_p50 / s.manual_p50:.2f}",
+               f"{s.reuse:.1%}", f"{s.identical_rate:.0%}", f"{s.tokens_per_s:.1f}", f"{s.peak_rss_mb:.0f}"]
+        if len(cols) > 12:
+            row += [f"{s.peer_p50:.0f}" if s.peer_p50 is not None else "-",
+                    f"{s.peer_reuse:.1%}" if s.peer_reuse is not None else "-"]
+        table.add_row(*row)
+    return table
