@@ -7,7 +7,24 @@ from enum import Enum
 from .errors import InvalidRequestError
 
 
-class GenerationMode(str, Enum):
+_PARAM_NAMES = {"GenerationMode": "mode", "RecomputeStrategy": "recompute_strategy"}
+
+
+class _ParsableEnum(str, Enum):
+    @classmethod
+    def parse(cls, value):
+        """The member for a member or its (case-insensitive) value; InvalidRequestError otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            param = _PARAM_NAMES[cls.__name__]
+            raise InvalidRequestError(f"unknown {param} {value!r}; expected one of: {names}", param) from None
+
+
+class GenerationMode(_ParsableEnum):
     """How much cached K/V a request may use.
 
     BASELINE: nothing read or written; a plain full prefill.
@@ -20,34 +37,13 @@ class GenerationMode(str, Enum):
     PREFIX_CACHE = "prefix_cache"
     CHUNK_KV_REUSE = "chunk_kv_reuse"
 
-    @classmethod
-    def parse(cls, value: "GenerationMode | str") -> "GenerationMode":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(m.value for m in cls)
-            raise InvalidRequestError(f"unknown mode {value!r}; expected one of: {names}", "mode") from None
 
-
-class RecomputeStrategy(str, Enum):
+class RecomputeStrategy(_ParsableEnum):
     """How K/V reused at another position is repaired (exact prefix matches never are)."""
 
     SELECTIVE = "selective"
     CACHEBLEND = "cacheblend"
     NONE = "none"
-
-    @classmethod
-    def parse(cls, value: "RecomputeStrategy | str") -> "RecomputeStrategy":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(m.value for m in cls)
-            raise InvalidRequestError(f"unknown recompute_strategy {value!r}; expected one of: {names}",
-                                          "recompute_strategy") from None
 
 
 @dataclass

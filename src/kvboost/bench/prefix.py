@@ -101,6 +101,7 @@ class _Floor:
 def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, json_path: str | None,
                      plot_path: str | None) -> list[PrefixRow]:
     from .. import KVBoost
+    from ..reuse.match import match_exact
     from .plots import plot_lines, write_json
 
     console = Console()
@@ -138,7 +139,6 @@ def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, j
                 ids = engine.encode(p)
                 t0 = time.perf_counter()
                 engine.chunker.split(ids)
-                from ..reuse.match import match_exact
                 match_exact(engine.store, engine.chunker.split(ids), engine.config.chunk_size)
                 samples["keys"].append((time.perf_counter() - t0) * 1e3 / 2)
                 fast = engine.generate(p, 1)
@@ -172,9 +172,12 @@ def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, j
 
 
 def _print(console: Console, rows: list[PrefixRow]) -> None:
-    table = Table(title="Prefix reuse: TTFT (median ms)")
-    for col in ("prefix tok", "baseline", "KVBoost", "floor", "KVBoost/floor", "KVBoost store", "floor",
-                "store/floor", "speedup vs baseline", "keys+match", "first token = floor"):
+    table = Table(title="Prefix reuse: TTFT, median ms", caption=(
+        "full = no cache; kvb = KVBoost, prefix resident in its workspace; store = KVBoost, prefix copied from "
+        "the chunk store; floor = prefill of the same uncached tokens over a DynamicCache already holding the "
+        "rest; lookup = hashing + chain match; same = first token equals the floor's"))
+    for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor", "speedup",
+                "lookup", "same"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r.prefix_tokens), f"{r.baseline_ms:.0f}", f"{r.kvboost_ms:.1f}", f"{r.floor_ms:.1f}",
