@@ -5,10 +5,21 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print side-by-side tables, JSON and plots.")
 app.add_typer(bench_app, name="bench")
+
+def load_engine(model: str | None, **options):
+    """KVBoost.from_pretrained, with a one-line error instead of a traceback for a bad model argument."""
+    from . import KVBoost
+
+    try:
+        return KVBoost.from_pretrained(model, **options)
+    except (OSError, ValueError, ImportError) as exc:
+        typer.echo(f"error: cannot load model {model or '(embedded)'!r}: {str(exc).splitlines()[0]}", err=True)
+        raise typer.Exit(2) from None
+
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id (default: embedded SmolLM2-135M).")
 
@@ -31,11 +42,9 @@ def verify(model: Optional[str] = ModelOpt,
     from rich.console import Console
     from rich.table import Table
 
-    from . import KVBoost
-
     console = Console()
     with console.status("loading model"):
-        engine = KVBoost.from_pretrained(model)
+        engine = load_engine(model)
     with console.status("comparing baseline and cached generation"):
         report = engine.verify_correctness(prompt or None, max_new_tokens)
     table = Table(title=f"verify_correctness ({max_new_tokens} greedy tokens)")

@@ -9,7 +9,7 @@ from rich.table import Table
 
 
 def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
-    from . import KVBoost
+    from .cli import load_engine
     from .bench.workloads import load_system_prompt
 
     console = Console()
@@ -17,7 +17,7 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
     questions = [q["question"] if isinstance(q, dict) else str(q) for q in questions][:n_questions]
     t0 = time.perf_counter()
     with console.status("loading model (first run converts the embedded GGUF once, ~20 s)"):
-        engine = KVBoost.from_pretrained(model)
+        engine = load_engine(model)
     console.print(f"model loaded in {time.perf_counter() - t0:.1f} s "
                   f"({type(engine.model).__name__}, {engine.kv_dtype}, chunk {engine.config.chunk_size})")
     system_messages = [{"role": "system", "content": system}]

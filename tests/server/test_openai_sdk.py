@@ -70,8 +70,8 @@ def test_cached_tokens_reported_for_a_shared_system_prompt(sdk, tiny_engine):
                                         messages=[system, {"role": "user", "content": "first question"}])
     second = sdk.chat.completions.create(model=TINY_NAME, max_tokens=2, temperature=0,
                                          messages=[system, {"role": "user", "content": "another one"}])
+    assert first.usage.prompt_tokens > 120
     assert second.usage.prompt_tokens_details.cached_tokens >= 96  # six 16-token chunks of the system prompt
-    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens - 1
 
 
 def test_text_completion_and_its_stream(sdk, tiny_engine):

@@ -14,7 +14,6 @@ import json
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -127,12 +126,12 @@ class _Peer:
 def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, new_tokens: int,
                         json_path: str | None, plot_path: str | None, peer_python: str | None = None
                         ) -> list[TurnSummary]:
-    from .. import KVBoost
+    from ..cli import load_engine
     from .workloads import load_conversations
 
     console = Console()
     with console.status("loading model"):
-        engine = KVBoost.from_pretrained(model_name)
+        engine = load_engine(model_name)
     model, tok = engine.model, engine.tokenizer
     eos = engine.eos_token_ids
     peer = None

@@ -100,13 +100,13 @@ class _Floor:
 
 def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, json_path: str | None,
                      plot_path: str | None) -> list[PrefixRow]:
-    from .. import KVBoost
+    from ..cli import load_engine
     from ..reuse.match import match_exact
     from .plots import plot_lines, write_json
 
     console = Console()
     with console.status("loading model"):
-        engine = KVBoost.from_pretrained(model_name)
+        engine = load_engine(model_name)
     tok, model = engine.tokenizer, engine.model
     questions = _questions()
     rows: list[PrefixRow] = []

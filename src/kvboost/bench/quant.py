@@ -39,11 +39,12 @@ def _prompts(limit: int) -> list[tuple[list[dict], list[dict]]]:
 def run_quant_bench(model_name: str | None, n_prompts: int, new_tokens: int, json_path: str | None,
                     plot_path: str | None) -> list[QuantRow]:
     from .. import KVBoost
+    from ..cli import load_engine
     from .plots import plot_bars, write_json
 
     console = Console()
     with console.status("loading model"):
-        reference = KVBoost.from_pretrained(model_name)
+        reference = load_engine(model_name)
     engines = {16: reference}
     for bits in (8, 4):
         engines[bits] = KVBoost(reference.model, reference.tokenizer, kv_cache_bits=bits)

@@ -8,6 +8,8 @@ from typing import Any
 from ..loading import EMBEDDED_MODEL, is_embedded
 from ..results import GenerationMode
 
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what clients written for the hub model send
+
 
 @dataclass
 class ServerSettings:
@@ -46,7 +48,7 @@ class ServerSettings:
         if name == self.model_id:
             return True
         if is_embedded(self.model):
-            return is_embedded(name)
+            return is_embedded(name) or name.lower() == EMBEDDED_HUB_ID.lower()
         given = str(self.model)
         if name == given:
             return True
