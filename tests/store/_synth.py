@@ -10,7 +10,6 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 
 import torch  # noqa: E402

@@ -37,6 +37,7 @@ CHECK_LAYER = 1  # layer 0's K/V equals the stored K/V (no context yet), so laye
 GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+_SCORE = ["v"]
 
 
 @dataclass
@@ -112,9 +113,22 @@ class ScatterLayer(CacheLayerMixin):
         k_buf, v_buf = self.workspace.buffers(self.layer_idx)
         pos = self.positions
         if self.score_rows is not None:
+            src = pos.index_select(0, self.score_rows)
             new_v = value_states.index_select(2, self.score_rows).float()
-            old_v = v_buf.index_select(2, pos.index_select(0, self.score_rows)).float()
-            self.deviation = (new_v - old_v).pow(2).sum(dim=(0, 1, 3))
+            old_v = v_buf.index_select(2, src).float()
+            dv = (new_v - old_v).pow(2).sum(dim=(0, 1, 3))
+            new_k = key_states.index_select(2, self.score_rows).float()
+            old_k = k_buf.index_select(2, src).float()
+            dk = (new_k - old_k).pow(2).sum(dim=(0, 1, 3))
+            mode = _SCORE[0]
+            if mode == "v":
+                self.deviation = dv
+            elif mode == "k":
+                self.deviation = dk
+            elif mode == "kv":
+                self.deviation = dv / dv.mean().clamp_min(1e-12) + dk / dk.mean().clamp_min(1e-12)
+            elif mode == "rel":
+                self.deviation = dv / old_v.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12) + dk / old_k.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
         k_buf.index_copy_(2, pos, key_states.to(k_buf.dtype))
         v_buf.index_copy_(2, pos, value_states.to(v_buf.dtype))
         return k_buf[:, :, : self.total], v_buf[:, :, : self.total]
