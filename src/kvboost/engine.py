@@ -16,7 +16,8 @@ from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmRe
 from .reuse.assemble import Assembly, content_state
 from .reuse.match import ExactMatch, common_prefix_length, match_exact
 from .runner import KVWorkspace, forward_tokens, probe_layer_shapes
-from .sampling import Sampler, SamplingParams, find_stop, held_back_length
+from .decoding import OutputTracker
+from .sampling import Sampler, SamplingParams
 from .store.base import ChunkMeta, ChunkRecord
 from .store.memory import MemoryStore
 
@@ -227,10 +228,7 @@ class InferenceEngine:
         if self.max_context is not None:
             max_new = min(max_new, self.max_context - len(ids))
         sampler = Sampler(params, self.device)
-        generated: list[int] = []
-        emitted = 0
-        finish = "length"
-        text = ""
+        tracker = OutputTracker(self.tokenizer, self.eos_token_ids, params.stop, max_new)
         with self._lock, torch.inference_mode():
             ws = self.workspace
             ws.resident_tag = None  # until this run finishes, the workspace holds no trustworthy prefix
@@ -254,23 +252,10 @@ class InferenceEngine:
             completed = False
             try:
                 while True:
-                    generated.append(token)
-                    if token in self.eos_token_ids:
-                        generated.pop()
-                        finish = "stop"
-                        break
-                    text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                    cut = find_stop(text, params.stop) if params.stop else -1
-                    if cut >= 0:
-                        text, finish = text[:cut], "stop"
-                        break
-                    safe = len(text) - held_back_length(text, params.stop)
-                    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
-                        safe = min(safe, len(text.rstrip("\ufffd")))
-                    if safe > emitted:
-                        yield text[emitted:safe]
-                        emitted = safe
-                    if len(generated) >= max_new:
+                    delta = tracker.feed(token)
+                    if delta:
+                        yield delta
+                    if tracker.finished:
                         break
                     logits = forward_tokens(self.model, [token], cache)[0, -1]
                     token = sampler(logits)
@@ -279,25 +264,19 @@ class InferenceEngine:
                 # K/V exists for every token fed to the model: the prompt and each output that was run to
                 # sample the next one. A forward that raised part-way leaves layers at different lengths,
                 # so the workspace then claims nothing.
-                fed = (ids + generated)[: cache.get_seq_length()]
+                fed = (ids + tracker.tokens)[: cache.get_seq_length()]
                 if plan.assembly is not None:
                     # Everything from the first placed token on attended to approximate K/V: only the exact
                     # prefix may be trusted by the next request or stored under prefix-chain keys.
                     fed = fed[: plan.reuse_len]
                 if completed or _consistent(cache):
                     ws.resident_ids, ws.resident_tag = fed, self._tag(salt)
-            text = self.tokenizer.decode(generated, skip_special_tokens=True) if finish == "length" else text
-            if params.stop and finish == "length":
-                cut = find_stop(text, params.stop)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-            if len(text) > emitted:
-                yield text[emitted:]
             if mode is not GenerationMode.BASELINE and self.config.write_back:
                 self._write_back(fed, salt)
         total_ms = (time.perf_counter() - t0) * 1e3
         self._count(mode, len(ids), plan.reuse_len, plan.lookup_ms)
         approx = plan.assembly.n_tokens if plan.assembly is not None else 0
+        generated, text, finish = tracker.tokens, tracker.text, tracker.finish_reason
         stream.result = GenerationResult(
             mode=mode.value, prompt=prompt_text, output_text=text, generated_tokens=len(generated),
             ttft_ms=ttft_ms, total_ms=total_ms,
@@ -357,23 +336,15 @@ class InferenceEngine:
         else:
             ids = self.encode(text)
         self._check_context(len(ids))
-        with self._lock, torch.inference_mode():
-            ws = self.workspace
-            ws.resident_tag = None
-            plan = self._plan(ids + [0], GenerationMode.CHUNK_KV_REUSE, cache_salt, capacity=len(ids) + 1)
-            cache = ws.make_cache(plan.reuse_len)
-            if plan.reuse_len < len(ids):
-                forward_tokens(self.model, ids[plan.reuse_len:], cache)
-            ws.resident_ids, ws.resident_tag = list(ids), self._tag(cache_salt)
-            new, existing = self._write_back(ids, cache_salt)
+        new, existing = self._warm_ids(ids, cache_salt)
         warnings = []
         if len(ids) < self.config.chunk_size:
             warnings.append(f"text is {len(ids)} tokens, shorter than one chunk ({self.config.chunk_size}); "
                             "it is stored as a partial chunk")
         return WarmResult(new, existing, len(ids), (time.perf_counter() - t0) * 1e3, warnings)
 
-    def _warm_ids(self, ids: list[int], salt: str | None) -> None:
-        """Compute and store the K/V of token ids (a prefix several batched requests share)."""
+    def _warm_ids(self, ids: list[int], salt: str | None) -> tuple[int, int]:
+        """Compute and store the K/V of token ids; returns (chunks stored, chunks already there)."""
         with self._lock, torch.inference_mode():
             ws = self.workspace
             ws.resident_tag = None
@@ -382,7 +353,7 @@ class InferenceEngine:
             if plan.reuse_len < len(ids):
                 forward_tokens(self.model, ids[plan.reuse_len:], cache)
             ws.resident_ids, ws.resident_tag = list(ids), self._tag(salt)
-            self._write_back(ids, salt)
+            return self._write_back(ids, salt)
 
     # ---- batches ------------------------------------------------------------------------------
     def generate_batch(self, prompts: Sequence[str | Messages], max_new_tokens: int = 64, *,
