@@ -97,17 +97,20 @@ def bench_multiturn(model: Optional[str] = ModelOpt,
     run_multiturn_bench(model, conversations, turns, new_tokens, json_path, plot_path, peer_python)
 
 
-def _register_optional() -> None:
-    # Commands whose modules may be absent in a trimmed install register only when importable.
-    try:
-        from .bench.cost import cost_command
-        app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(
-            cost_command)
-    except ImportError:
-        pass
+def _register_modules() -> None:
+    # Defined beside the code they drive; registered here so `kvboost --help` lists them all.
+    from .bench.cost import cost_command
+    from .bench.serve import bench_serve_command
+    from .server.__main__ import serve_command
+
+    app.command("serve", help="OpenAI-compatible server (also installed as kvboost-server).")(serve_command)
+    app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(
+        cost_command)
+    bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off.")(
+        bench_serve_command)
 
 
-_register_optional()
+_register_modules()
 
 
 def main() -> None:

@@ -90,8 +90,8 @@ def test_bad_flags_exit_with_a_message(tiny_model_dir):
                                   "--batch-window-ms", "--disk-cache-dir", "--redis-url", "--api-key",
                                   "--served-model-name", "--max-queue"])
 def test_help_lists_the_documented_flags(flag):
-    from typer.testing import CliRunner
     import typer
+    from typer.testing import CliRunner
 
     app = typer.Typer()
     app.command()(serve_command)

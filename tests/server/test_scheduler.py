@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 
@@ -33,7 +34,7 @@ class FakeHandle:
 class FakeRunner:
     """Each row emits one word per step. Records which rows each step saw."""
 
-    instances: list["FakeRunner"] = []
+    instances: ClassVar[list[FakeRunner]] = []
 
     def __init__(self, engine, max_batch_size: int = 16):
         self.rows: list[FakeHandle] = []

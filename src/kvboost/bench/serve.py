@@ -14,7 +14,6 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import typer
 
@@ -100,7 +99,7 @@ def _warm(url: str, model: str, system: str) -> None:
     client.close()
 
 
-def run_serve_bench(model: Optional[str] = None, clients: int = 16, requests_per_client: int = 4,
+def run_serve_bench(model: str | None = None, clients: int = 16, requests_per_client: int = 4,
                     max_tokens: int = 16, max_batch_size: int = 16, batch_window_ms: float = 20.0,
                     progress=print) -> dict:
     from .. import KVBoost
@@ -160,14 +159,14 @@ def print_report(report: dict) -> None:
 
 
 def bench_serve_command(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id "
+    model: str | None = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id "
                                         "(default: embedded SmolLM2-135M)."),
     clients: int = typer.Option(16, min=1, help="Concurrent clients."),
     requests: int = typer.Option(4, min=1, help="Requests per client."),
     max_tokens: int = typer.Option(16, min=1, help="Tokens generated per request."),
     max_batch_size: int = typer.Option(16, min=1, help="Server batch size (1: one request at a time)."),
     batch_window_ms: float = typer.Option(20.0, min=0.0, help="Server batch window."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON."),
+    json_path: str | None = typer.Option(None, "--json", help="Write the results as JSON."),
 ) -> None:
     """Requests/s and p50/p90 TTFT of the OpenAI server, reuse on versus off, 16 clients sharing a system prompt."""
     report = run_serve_bench(model, clients, requests, max_tokens, max_batch_size, batch_window_ms,

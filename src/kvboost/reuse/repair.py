@@ -38,6 +38,7 @@ GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _SCORE = ["v"]
+_FORCE = [0]
 
 
 @dataclass
@@ -227,6 +228,13 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     impl = model.config._attn_implementation
 
     if strategy is RecomputeStrategy.CACHEBLEND and ratio > 0 and reused.numel():
+        if _FORCE[0]:
+            forced = torch.zeros(n, dtype=torch.bool, device=device)
+            for s in seams:
+                forced[s:s + _FORCE[0]] = True
+            forced &= placed
+            live = torch.cat([live, forced.nonzero().flatten()]).sort().values
+            reused = positions[is_placed & ~forced[exact_len:]]
         schedule: _Fixed | _Blend = _Blend(positions, live, reused, float(ratio), len(layers))
     elif strategy is RecomputeStrategy.SELECTIVE and overlap > 0 and reused.numel():
         forced = torch.zeros(n, dtype=torch.bool, device=device)

@@ -10,4 +10,4 @@ from .background import BackgroundServer
 from .scheduler import Job, QueueFullError, Scheduler
 from .settings import ServerSettings
 
-__all__ = ["create_app", "ServerSettings", "Scheduler", "Job", "QueueFullError", "BackgroundServer"]
+__all__ = ["BackgroundServer", "Job", "QueueFullError", "Scheduler", "ServerSettings", "create_app"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import Optional
 
 import typer
 
@@ -11,7 +10,7 @@ from ..results import GenerationMode, RecomputeStrategy
 
 
 def serve_command(
-    model: Optional[str] = typer.Option(None, "--model", "-m",
+    model: str | None = typer.Option(None, "--model", "-m",
                                         help="Local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port (0: pick a free one)."),
@@ -20,24 +19,28 @@ def serve_command(
     kv_cache_bits: int = typer.Option(16, help="Stored K/V precision: 16, 8 or 4 bits."),
     batch_window_ms: float = typer.Option(20.0, min=0.0, help="How long an idle worker waits to batch requests."),
     max_batch_size: int = typer.Option(16, min=1, help="Rows per batch (1: one request at a time)."),
-    disk_cache_dir: Optional[str] = typer.Option(None, help="Spill K/V chunks to this directory."),
-    redis_url: Optional[str] = typer.Option(None, help="Share K/V chunks through Redis (redis://host:port/db)."),
-    api_key: Optional[str] = typer.Option(None, envvar="KVBOOST_API_KEY",
+    disk_cache_dir: str | None = typer.Option(None, help="Spill K/V chunks to this directory."),
+    redis_url: str | None = typer.Option(None, help="Share K/V chunks through Redis (redis://host:port/db)."),
+    api_key: str | None = typer.Option(None, envvar="KVBOOST_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
-    served_model_name: Optional[str] = typer.Option(None, help="Model name clients use (default: model's name)."),
+    served_model_name: str | None = typer.Option(None, help="Model name clients use (default: model's name)."),
     max_queue: int = typer.Option(256, min=1, help="Waiting requests before 429 Too Many Requests."),
     chunk_size: int = typer.Option(128, min=8, help="Tokens per cached K/V chunk."),
     reuse: GenerationMode = typer.Option(GenerationMode.CHUNK_KV_REUSE, "--reuse-mode", case_sensitive=False,
                                          help="K/V reuse for every request (baseline: none, for comparisons)."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda, mps (default: best available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16 (default: fp32 on CPU)."),
+    device: str | None = typer.Option(None, help="cpu, cuda, mps (default: best available)."),
+    dtype: str | None = typer.Option(None, help="float32, bfloat16, float16 (default: fp32 on CPU)."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
-    """Serve an OpenAI-compatible API (chat, completions, streaming) with KV-cache reuse across requests."""
+    """Serve an OpenAI-compatible API (chat, completions, streaming) with KV-cache reuse across requests.
+
+    Sampling follows OpenAI: temperature omitted means 1.0 (sampling); send temperature=0 for greedy output.
+    """
     import uvicorn
 
     from .. import KVBoost
+    from ..config import EngineConfig
     from .app import create_app
     from .background import bind_socket
     from .settings import ServerSettings
@@ -47,9 +50,10 @@ def serve_command(
         settings = ServerSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                                   api_key=api_key, max_queue=max_queue, max_batch_size=max_batch_size,
                                   batch_window_ms=batch_window_ms, mode=reuse)
-        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, recompute_strategy=recompute_strategy,
-                                         kv_cache_bits=kv_cache_bits, disk_cache_dir=disk_cache_dir,
-                                         redis_url=redis_url, chunk_size=chunk_size)
+        options = dict(recompute_strategy=recompute_strategy, kv_cache_bits=kv_cache_bits,
+                       disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size)
+        EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
+        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, **options)
         sock = bind_socket(host, port)
     except (ValueError, OSError, ImportError) as exc:
         typer.echo(f"kvboost serve: {exc}", err=True)

@@ -12,9 +12,10 @@ import logging
 import math
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +36,7 @@ from .settings import ServerSettings
 log = logging.getLogger("kvboost.server")
 
 _DISCONNECT_POLL_S = 0.5  # non-streaming requests check this often whether their client is still there
+_FINGERPRINT = f"kvboost-{__version__}"
 BodyT = TypeVar("BodyT", bound=BaseModel)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
 
@@ -151,7 +153,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, ChatCompletionRequest)
         _check_model(settings, req.model)
         prepared = prepare_chat(state.engine, req, settings, state.tokenizer_lock)
-        return await _respond(state, prepared, ChatRenderer(settings.model_id, _fingerprint(state)),
+        return await _respond(state, prepared, ChatRenderer(settings.model_id, _FINGERPRINT),
                               req.cache_salt, request, t0)
 
     @app.post("/v1/completions")
@@ -160,7 +162,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, CompletionRequest)
         _check_model(settings, req.model)
         prepared = prepare_completion(state.engine, req, settings, state.tokenizer_lock)
-        return await _respond(state, prepared, CompletionRenderer(settings.model_id, _fingerprint(state)),
+        return await _respond(state, prepared, CompletionRenderer(settings.model_id, _FINGERPRINT),
                               req.cache_salt, request, t0)
 
 
@@ -188,10 +190,6 @@ def _check_model(settings: ServerSettings, name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _fingerprint(state: ServerState) -> str:
-    return f"kvboost-{__version__}"
-
-
 async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, salt: str | None,
                    request: Request, t0: float) -> Response:
     job = Job(prepared.ids, prepared.params, prepared.prompt_text, prepared.source, asyncio.get_running_loop(),
@@ -200,7 +198,7 @@ async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, s
         state.scheduler.submit(job)
     except QueueFullError as exc:
         state.metrics.outcomes.labels(renderer.endpoint, "rejected").inc()
-        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
+        raise to_api_error(exc) from None
     if prepared.stream:
         return StreamingResponse(_sse(state, job, renderer, prepared.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -213,13 +211,18 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Re
     """Wait for a non-streaming request's result; cancel it if the client goes away meanwhile."""
     metrics, endpoint = state.metrics, renderer.endpoint
     first = True
+    next_check = time.perf_counter() + _DISCONNECT_POLL_S
     try:
         while True:
             try:
                 kind, payload = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                kind, payload = "wait", None
+            if time.perf_counter() >= next_check:  # deltas may keep coming; look at the client anyway
+                next_check = time.perf_counter() + _DISCONNECT_POLL_S
                 if await request.is_disconnected():
-                    raise APIError(499, "client closed the request", code="client_closed") from None
+                    raise APIError(499, "client closed the request", code="client_closed")
+            if kind == "wait":
                 continue
             if first:
                 metrics.ttft.labels(endpoint).observe(time.perf_counter() - job.t_start)
@@ -295,6 +298,6 @@ def _cache_stats(engine) -> dict:
     for _ in range(3):
         try:
             return dict(engine.cache_stats())
-        except Exception as exc:  # noqa: PERF203
+        except Exception as exc:
             error = exc
     return {"error": f"cache statistics unavailable: {type(error).__name__}: {error}"}

@@ -25,7 +25,7 @@ class BackgroundServer:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "BackgroundServer":
+    def start(self) -> BackgroundServer:
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=self.log_level, access_log=False, lifespan="on",
@@ -48,7 +48,7 @@ class BackgroundServer:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextLengthError, InvalidRequestError
+from .scheduler import QueueFullError, ShuttingDownError
 
 log = logging.getLogger("kvboost.server")
 
@@ -50,6 +52,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ShuttingDownError):
+        return APIError(503, str(exc), code="shutting_down")
     return APIError(500, f"internal error while generating: {type(exc).__name__}: {exc}", code="internal_error")
 
 

@@ -1,7 +1,7 @@
 """Prometheus metrics on a registry of the app's own (several apps can live in one process, e.g. tests)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

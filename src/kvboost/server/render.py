@@ -7,8 +7,19 @@ import uuid
 from typing import Any
 
 from ..results import GenerationResult
-from .schema import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChunkDelta,
-                     Completion, CompletionChoice, PromptTokensDetails, Usage, dump)
+from .schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChunkDelta,
+    Completion,
+    CompletionChoice,
+    PromptTokensDetails,
+    Usage,
+    dump,
+)
 
 DONE = "data: [DONE]\n\n"
 

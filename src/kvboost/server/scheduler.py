@@ -22,8 +22,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal, Union
+from typing import Any, Literal, Union
 
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
@@ -125,6 +126,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._active = 0
+        self._rows: dict[Job, Any] = {}  # batch mode: admitted jobs → their runner handles
         self._start_lock = threading.Lock()
 
     # ---- control, from any thread ----------------------------------------------------------------
@@ -193,8 +195,12 @@ class Scheduler:
                     self._batch_loop()
                 else:
                     self._single_loop()
-            except Exception:  # a bug in the loop itself: log, and keep serving
+            except Exception as exc:  # a bug in the loop itself: fail what it held, log, keep serving
                 log.exception("scheduler worker loop failed; restarting it")
+                for job in self._rows:
+                    self.stats.failed += 1
+                    job.emit("error", exc)
+                self._rows = {}
                 self._active = 0
                 time.sleep(0.05)
 
@@ -247,26 +253,27 @@ class Scheduler:
     def _batch_loop(self) -> None:
         assert self.runner_factory is not None
         runner = self.runner_factory(self.engine, max_batch_size=self.max_batch_size)
-        rows: dict[Job, Any] = {}  # job → its runner handle
+        rows = self._rows = {}
         while not self._stop.is_set():
+            new: list[Job] = []  # admitted in this iteration: the runner prefills them in the next step
             if not rows and not runner.has_work():
                 job = self._next(0.1)
                 if job is None:
                     continue
-                self._admit(runner, job, rows)
+                self._admit(runner, job, rows, new)
                 # The batch window: requests arriving now prefill together (shared prefix K/V loaded once).
                 deadline = time.perf_counter() + self.batch_window_s
                 while len(rows) < self.max_batch_size:
                     job = self._next(max(0.0, deadline - time.perf_counter()))
                     if job is None:
                         break
-                    self._admit(runner, job, rows)
+                    self._admit(runner, job, rows, new)
             else:  # running: whatever queued meanwhile joins the next step
                 while len(rows) < self.max_batch_size:
                     job = self._next()
                     if job is None:
                         break
-                    self._admit(runner, job, rows)
+                    self._admit(runner, job, rows, new)
             for job, handle in rows.items():
                 if job.cancelled:
                     handle.cancel()
@@ -274,7 +281,11 @@ class Scheduler:
             if not rows and not runner.has_work():
                 continue
             try:
-                runner.step()
+                if len(new) > 1:  # their prefills run one after another inside this step
+                    with _FirstTokenPump([(job, rows[job]) for job in new if job in rows]):
+                        runner.step()
+                else:
+                    runner.step()
             except Exception as exc:  # the batch is lost, the worker is not: fail its rows, start afresh
                 log.exception("batch step failed; failing %d request(s)", len(rows))
                 for job in rows:
@@ -293,13 +304,15 @@ class Scheduler:
             job.emit("error", ShuttingDownError("the server is shutting down"))
         self._active = 0
 
-    def _admit(self, runner, job: Job, rows: dict[Job, Any]) -> None:
+    def _admit(self, runner, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:
             rows[job] = runner.add(job.ids, job.params, job.prompt_text, cache_salt=job.cache_salt, mode=job.mode,
                                    t_start=job.t_start)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
+            return
+        new.append(job)
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):
@@ -317,3 +330,39 @@ class Scheduler:
             else:
                 self.stats.completed += 1
                 job.emit("done", handle.result)
+
+
+class _FirstTokenPump:
+    """While one step prefills several new rows, hand out each row's first token as soon as it exists.
+
+    Without it every row of an admission wave would see its first token only after the last row's
+    prefill. take_deltas() is thread-safe; the pump is joined before the worker takes deltas itself,
+    so a request's deltas stay in order.
+    """
+
+    def __init__(self, rows: list[tuple[Job, Any]], interval_s: float = 0.005):
+        self.rows = rows
+        self.interval_s = interval_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvboost-first-tokens", daemon=True)
+
+    def __enter__(self) -> _FirstTokenPump:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        pending = list(self.rows)
+        while pending and not self._done.wait(self.interval_s):
+            pending = [(job, handle) for job, handle in pending if not self._flush(job, handle)]
+
+    @staticmethod
+    def _flush(job: Job, handle: Any) -> bool:
+        """Emit what the row has produced; True once its first text is out (the rest comes after the step)."""
+        deltas = handle.take_deltas()
+        if deltas and not job.cancelled:
+            job.emit("delta", "".join(deltas))
+        return bool(deltas)

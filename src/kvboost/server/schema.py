@@ -6,7 +6,7 @@ change the result and are not supported (n > 1, logprobs, tools, echo...) are re
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,38 +21,38 @@ class StreamOptions(_Request):
 
 class ContentPart(_Request):
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class _Sampling(_Request):
     model: str = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)  # omitted → 1.0, as OpenAI; 0 → greedy
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    n: Optional[int] = Field(None, ge=1)
-    user: Optional[str] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # omitted → 1.0, as OpenAI; 0 → greedy
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
     # KVBoost extensions (OpenAI clients pass them through extra_body)
-    top_k: Optional[int] = Field(None, ge=0)
-    cache_salt: Optional[str] = None  # tenant isolation: K/V is shared only between equal salts
+    top_k: int | None = Field(None, ge=0)
+    cache_salt: str | None = None  # tenant isolation: K/V is shared only between equal salts
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -86,18 +86,18 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str | None = None
 
 
 class ChunkDelta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     logprobs: None = None
 
 
@@ -107,14 +107,14 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     logprobs: None = None
 
 
@@ -124,8 +124,8 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
