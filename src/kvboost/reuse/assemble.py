@@ -143,6 +143,8 @@ class ContentState:
     def assemble(self, workspace: KVWorkspace, store: ChunkStore, ids: list[int], start: int, stop: int,
                  salt: str | None) -> tuple[Assembly | None, str | None]:
         """Find content matches in ids[start:stop] and place them; (None, reason) when nothing was placed."""
+        if self.index.prune_due():
+            self.index.prune(store.contains)
         if stop - start <= 0 or not len(self.index):
             return None, None
         segments = self.index.find(ids, start, stop, salt)

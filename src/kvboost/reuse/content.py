@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import xxhash
@@ -101,6 +101,10 @@ class ContentIndex:
         self._windows: dict[int, list[tuple[str, int]]] = {}
         self._metas: dict[str, ChunkMeta] = {}
         self._children: dict[str, list[str]] = {}
+        self._salts: dict[str, str | None] = {}
+        self._n_windows = 0  # entries in _windows
+        self._stale_windows = 0  # entries of discarded chunks still in _windows (an upper bound)
+        self._pruned_size = 0  # len(self) after the last prune(): decides when the next one is due
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -115,33 +119,65 @@ class ContentIndex:
             if meta.key in self._metas:
                 return
             self._metas[meta.key] = meta
+            self._salts[meta.key] = salt
             if meta.parent_key is not None:
                 self._children.setdefault(meta.parent_key, []).append(meta.key)
-            hashes = window_hashes(meta.token_ids, min(self.window, len(meta.token_ids)), salt)
-            if len(meta.token_ids) < self.window:
-                # A short partial tail is found by extension from its parent; index its full run anyway so a
-                # short warmed text is findable on its own when min_match allows it.
-                hashes = hashes[:1]
-            for offset, h in enumerate(hashes.tolist()):
-                bucket = self._windows.setdefault(h, [])
-                bucket.append((meta.key, offset))
-                if len(bucket) > self.max_candidates:
-                    del bucket[0]
+            self._index_windows(meta, salt)
+
+    def _index_windows(self, meta: ChunkMeta, salt: str | None) -> None:
+        # A chunk shorter than a window (a short partial tail) gets no seeds: it is reached by extension
+        # from its parent chunk, which is how it occurs in a warmed document.
+        for offset, h in enumerate(window_hashes(meta.token_ids, self.window, salt).tolist()):
+            bucket = self._windows.setdefault(h, [])
+            bucket.append((meta.key, offset))
+            self._n_windows += 1
+            if len(bucket) > self.max_candidates:
+                del bucket[0]
+                self._n_windows -= 1
 
     def discard(self, key: str) -> None:
-        """Forget a chunk the store no longer holds (its window entries are skipped lazily)."""
+        """Forget a chunk the store no longer holds."""
         with self._lock:
             meta = self._metas.pop(key, None)
-            if meta is not None and meta.parent_key is not None:
+            if meta is None:
+                return
+            self._salts.pop(key, None)
+            if meta.parent_key is not None:
                 siblings = self._children.get(meta.parent_key)
                 if siblings and key in siblings:
                     siblings.remove(key)
+                if not siblings:
+                    self._children.pop(meta.parent_key, None)
+            self._stale_windows += max(0, len(meta.token_ids) - self.window + 1)
+            if self._stale_windows > max(4096, self._n_windows // 2):
+                self._rebuild_windows()
+
+    def _rebuild_windows(self) -> None:
+        self._windows.clear()
+        self._n_windows = 0
+        for key, meta in self._metas.items():
+            self._index_windows(meta, self._salts.get(key))
+        self._stale_windows = 0
+
+    def prune_due(self) -> bool:
+        """True when the index has doubled since the last prune (stores evict without telling us)."""
+        return len(self._metas) > max(4096, 2 * self._pruned_size)
+
+    def prune(self, contains: Callable[[str], bool]) -> int:
+        """Discard every chunk the store no longer holds; returns how many. Amortized by prune_due()."""
+        gone = [key for key in list(self._metas) if not contains(key)]
+        for key in gone:
+            self.discard(key)
+        self._pruned_size = len(self._metas)
+        return len(gone)
 
     def clear(self) -> None:
         with self._lock:
             self._windows.clear()
             self._metas.clear()
             self._children.clear()
+            self._salts.clear()
+            self._n_windows = self._stale_windows = self._pruned_size = 0
 
     # ---- matching ----------------------------------------------------------------------------------
     def find(self, ids: Sequence[int], start: int, stop: int, salt: str | None = None,
@@ -157,7 +193,7 @@ class ContentIndex:
             return []
         hashes = window_hashes(ids[:stop], w, salt).tolist()
         segments: list[ContentSegment] = []
-        pos = start
+        pos = floor = start  # floor: no segment may reach back before it (the previous one ends there)
         with self._lock:
             while pos + w <= stop:
                 best: list[Piece] | None = None
@@ -167,17 +203,33 @@ class ContentIndex:
                     meta = self._metas.get(key)
                     if meta is None or meta.token_ids[offset:offset + w] != target:
                         continue  # evicted chunk or a hash collision
-                    pieces = self._extend(ids, pos, stop, key, offset)
-                    total = pieces[-1].end - pos
+                    # Windows never straddle two chunks, so a run may start a few tokens before its first
+                    # seed (at the end of a parent chunk): walk back first, then forward.
+                    begin, key, offset = self._extend_back(ids, pos, floor, key, offset)
+                    pieces = self._extend(ids, begin, stop, key, offset)
+                    total = pieces[-1].end - begin
                     score = (total, -abs(pieces[0].delta))
                     if best_score is None or score > best_score:
                         best, best_score = pieces, score
                 if best is not None and best_score[0] >= min_match:
                     segments.append(ContentSegment(best))
-                    pos = best[-1].end
+                    pos = floor = best[-1].end
                 else:
                     pos += 1
         return segments
+
+    def _extend_back(self, ids: list[int], pos: int, floor: int, key: str, offset: int) -> tuple[int, str, int]:
+        """Earliest (pos, key, offset) from which the stored content agrees with ids up to the seed."""
+        while pos > floor:
+            if offset == 0:
+                parent = self._metas.get(self._metas[key].parent_key or "")
+                if parent is None or parent.token_ids[-1] != ids[pos - 1]:
+                    break
+                key, offset = parent.key, len(parent.token_ids)
+            elif self._metas[key].token_ids[offset - 1] != ids[pos - 1]:
+                break
+            pos, offset = pos - 1, offset - 1
+        return pos, key, offset
 
     def _extend(self, ids: list[int], pos: int, stop: int, key: str, offset: int) -> list[Piece]:
         """Follow the stored content from (key, offset) while it equals ids[pos:stop], across chain children."""

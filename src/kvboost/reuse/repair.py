@@ -35,10 +35,10 @@ from ..runner import KVWorkspace
 
 CHECK_LAYER = 1  # layer 0's K/V equals the stored K/V (no context yet), so layer 1 is the first informative one
 GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens
+_BLOCK_ROWS = 96  # query rows per block: attention of a block reads keys only up to its last position
+_MAX_BLOCKS = 8
 _SUPPORTED_ATTENTION = ("sdpa", "eager")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_SCORE = ["v"]
-_FORCE = [0]
 
 
 @dataclass
@@ -84,11 +84,12 @@ def repair_support(model: torch.nn.Module) -> str | None:
 
 
 class ScatterLayer(CacheLayerMixin):
-    """Cache layer whose update writes K/V at arbitrary workspace positions and returns keys [0, total).
+    """Cache layer whose update writes K/V at arbitrary workspace positions and returns keys [0, end).
 
-    `positions` (the query set of this layer) is set by the driver before the layer runs. When `score_rows`
-    is set, update() first measures how far the incoming values of those rows deviate from what the buffer
-    holds at their positions (the placed, stored values): CacheBlend's selection signal.
+    The driver sets `positions` (the query rows of the current call, sorted) and `end` (last position + 1)
+    before each call. When `candidates` is set, update() first measures how far the incoming K/V of candidate
+    positions deviate from what the buffer holds there (the placed, stored K/V): CacheBlend's selection signal,
+    accumulated into `deviation` (aligned with `candidates`) across the blocks of one layer.
     """
 
     is_sliding = False
@@ -100,8 +101,9 @@ class ScatterLayer(CacheLayerMixin):
         self.workspace = workspace
         self.layer_idx = layer_idx
         self.total = total
+        self.end = total
         self.positions: torch.Tensor | None = None
-        self.score_rows: torch.Tensor | None = None
+        self.candidate_slot: torch.Tensor | None = None  # [total] long: slot in `deviation`, or -1
         self.deviation: torch.Tensor | None = None
         self.is_initialized = True
         k_buf, _ = workspace.buffers(layer_idx)
@@ -110,38 +112,44 @@ class ScatterLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
+    def score(self, candidates: torch.Tensor | None) -> None:
+        """Measure deviation for these positions during this layer's updates (None: stop measuring)."""
+        if candidates is None:
+            self.candidate_slot = self.deviation = None
+            return
+        self.candidate_slot = torch.full((self.total,), -1, dtype=torch.long, device=candidates.device)
+        self.candidate_slot[candidates] = torch.arange(candidates.numel(), device=candidates.device)
+        self.deviation = torch.zeros(candidates.numel(), dtype=torch.float32, device=candidates.device)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         k_buf, v_buf = self.workspace.buffers(self.layer_idx)
         pos = self.positions
-        if self.score_rows is not None:
-            src = pos.index_select(0, self.score_rows)
-            new_v = value_states.index_select(2, self.score_rows).float()
-            old_v = v_buf.index_select(2, src).float()
-            dv = (new_v - old_v).pow(2).sum(dim=(0, 1, 3))
-            new_k = key_states.index_select(2, self.score_rows).float()
-            old_k = k_buf.index_select(2, src).float()
-            dk = (new_k - old_k).pow(2).sum(dim=(0, 1, 3))
-            mode = _SCORE[0]
-            if mode == "v":
-                self.deviation = dv
-            elif mode == "k":
-                self.deviation = dk
-            elif mode == "kv":
-                self.deviation = dv / dv.mean().clamp_min(1e-12) + dk / dk.mean().clamp_min(1e-12)
-            elif mode == "rel":
-                self.deviation = dv / old_v.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12) + dk / old_k.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
+        if self.candidate_slot is not None:
+            slots = self.candidate_slot.index_select(0, pos)
+            rows = (slots >= 0).nonzero().flatten()
+            if rows.numel():
+                src = pos.index_select(0, rows)
+                self.deviation[slots.index_select(0, rows)] = (
+                    _relative_change(key_states.index_select(2, rows), k_buf.index_select(2, src))
+                    + _relative_change(value_states.index_select(2, rows), v_buf.index_select(2, src)))
         k_buf.index_copy_(2, pos, key_states.to(k_buf.dtype))
         v_buf.index_copy_(2, pos, value_states.to(v_buf.dtype))
-        return k_buf[:, :, : self.total], v_buf[:, :, : self.total]
+        return k_buf[:, :, : self.end], v_buf[:, :, : self.end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.total, 0
+        return self.end, 0
 
     def get_seq_length(self) -> int:
         return self.total
 
     def get_max_length(self) -> int:
         return -1
+
+
+def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per token ||new - old||^2 / ||old||^2 over heads and dims: scale-free, so K and V weigh alike."""
+    new, old = new.float(), old.float()
+    return (new - old).pow(2).sum(dim=(0, 1, 3)) / old.pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)
 
 
 # ---- query schedules ------------------------------------------------------------------------------
@@ -156,7 +164,7 @@ class _Fixed:
     def queries(self, layer: int, cache: Cache) -> torch.Tensor:
         return self.first
 
-    def score(self, layer: int, queries: torch.Tensor) -> torch.Tensor | None:
+    def candidates(self, layer: int) -> torch.Tensor | None:
         return None
 
 
@@ -167,7 +175,7 @@ class _Blend:
                  n_layers: int):
         self.first = everything
         self.live = live
-        self.candidates = placed  # the placed tokens still in the running, sorted by position
+        self.pool = placed  # placed tokens still in the running, sorted by position
         n = placed.numel()
         self.check = min(CHECK_LAYER, n_layers - 1)
         self.keep = [math.ceil(min(1.0, ratio * GRADUAL) * n), math.ceil(ratio * n)]
@@ -178,23 +186,23 @@ class _Blend:
         step = layer - self.check - 1
         if 0 <= step < len(self.keep):
             dev = cache.layers[layer - 1].deviation
-            k = min(self.keep[step], self.candidates.numel())
-            top = torch.topk(dev, k, sorted=False).indices if k < dev.numel() else torch.arange(dev.numel())
-            self.candidates = self.candidates.index_select(0, top.to(self.candidates.device)).sort().values
-            self.current = torch.cat([self.live, self.candidates]).sort().values
-            self.recomputed = self.candidates.numel()
+            k = min(self.keep[step], self.pool.numel())
+            if k < self.pool.numel():
+                top = torch.topk(dev, k, sorted=False).indices
+                self.pool = self.pool.index_select(0, top).sort().values
+            self.current = torch.cat([self.live, self.pool]).sort().values
+            self.recomputed = self.pool.numel()
         return self.current
 
-    def score(self, layer: int, queries: torch.Tensor) -> torch.Tensor | None:
-        if self.check <= layer <= self.check + len(self.keep) - 1:
-            return torch.searchsorted(queries, self.candidates)
-        return None
+    def candidates(self, layer: int) -> torch.Tensor | None:
+        """Positions whose deviation this layer must measure (for the selection before the next layer)."""
+        return self.pool if self.check <= layer < self.check + len(self.keep) else None
 
 
 # ---- the layer-wise forward -----------------------------------------------------------------------
 
-def _mask(queries: torch.Tensor, total: int, window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor:
-    keys = torch.arange(total, device=queries.device)
+def _mask(queries: torch.Tensor, end: int, window: int | None, impl: str, dtype: torch.dtype) -> torch.Tensor:
+    keys = torch.arange(end, device=queries.device)
     allowed = keys[None, :] <= queries[:, None]
     if window is not None:
         allowed &= keys[None, :] > queries[:, None] - window  # HF's sliding_window_overlay
@@ -202,6 +210,30 @@ def _mask(queries: torch.Tensor, total: int, window: int | None, impl: str, dtyp
     if impl == "eager":  # eager attention adds the mask to the scores
         return torch.where(allowed, torch.zeros((), dtype=dtype, device=allowed.device), torch.finfo(dtype).min)
     return allowed
+
+
+def _blocks(n_rows: int) -> list[slice]:
+    """Consecutive row blocks: causal attention of early blocks then skips the keys after them."""
+    g = max(1, min(_MAX_BLOCKS, n_rows // _BLOCK_ROWS))
+    bounds = [round(i * n_rows / g) for i in range(g + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(g)]
+
+
+def _schedule(strategy: RecomputeStrategy, ratio: float, overlap: int, n: int, exact_len: int,
+              placed: torch.Tensor, seams: list[int], n_layers: int) -> _Fixed | _Blend:
+    device = placed.device
+    positions = torch.arange(exact_len, n, device=device)
+    is_placed = placed[exact_len:]
+    live, reused = positions[~is_placed], positions[is_placed]
+    if strategy is RecomputeStrategy.CACHEBLEND and ratio > 0 and reused.numel():
+        return _Blend(positions, live, reused, float(ratio), n_layers)
+    if strategy is RecomputeStrategy.SELECTIVE and overlap > 0 and reused.numel():
+        forced = torch.zeros(n, dtype=torch.bool, device=device)
+        for s in seams:
+            forced[s:s + overlap] = True
+        forced &= placed
+        return _Fixed(torch.cat([live, forced.nonzero().flatten()]).sort().values, int(forced.sum()))
+    return _Fixed(live, 0)  # none, cacheblend at r = 0, or nothing placed
 
 
 def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int], exact_len: int,
@@ -212,82 +244,69 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     `placed` is a bool [len(ids)] mask of positions holding assembled (approximate) K/V; the last position
     must be live (its logits pick the first new token). Callers run this under torch.inference_mode().
     """
-    strategy = RecomputeStrategy.parse(strategy)
     n = len(ids)
     device = workspace.device
     placed = placed.to(device)
     if placed[-1] or placed[:exact_len].any():
         raise ValueError("placed positions must lie in [exact_len, len(ids) - 1)")
-    positions = torch.arange(exact_len, n, device=device)
-    is_placed = placed[exact_len:]
-    live, reused = positions[~is_placed], positions[is_placed]
     layers = _decoder_layers(model)
     windows, reason = layer_windows(model)
     if windows is None:
         raise ValueError(reason)
-    impl = model.config._attn_implementation
-
-    if strategy is RecomputeStrategy.CACHEBLEND and ratio > 0 and reused.numel():
-        if _FORCE[0]:
-            forced = torch.zeros(n, dtype=torch.bool, device=device)
-            for s in seams:
-                forced[s:s + _FORCE[0]] = True
-            forced &= placed
-            live = torch.cat([live, forced.nonzero().flatten()]).sort().values
-            reused = positions[is_placed & ~forced[exact_len:]]
-        schedule: _Fixed | _Blend = _Blend(positions, live, reused, float(ratio), len(layers))
-    elif strategy is RecomputeStrategy.SELECTIVE and overlap > 0 and reused.numel():
-        forced = torch.zeros(n, dtype=torch.bool, device=device)
-        for s in seams:
-            forced[s:s + overlap] = True
-        forced &= placed
-        schedule = _Fixed(torch.cat([live, forced.nonzero().flatten()]).sort().values, int(forced.sum()))
-    else:  # none, cacheblend at r = 0, or nothing placed
-        schedule = _Fixed(live, 0)
-
+    impl, dtype = model.config._attn_implementation, workspace.dtype
+    schedule = _schedule(RecomputeStrategy.parse(strategy), ratio, overlap, n, exact_len, placed, seams,
+                         len(layers))
     cache = Cache(layers=[ScatterLayer(workspace, i, n) for i in range(len(layers))])
     first = schedule.first
-    state: dict[str, Any] = {"rows_of": first, "masks": {}}
-    dtype = workspace.dtype
-
-    def mask_for(queries: torch.Tensor, window: int | None) -> torch.Tensor:
-        key = (id(queries), window)
-        hit = state["masks"].get(key)
-        if hit is None or hit[0] is not queries:
-            hit = (queries, _mask(queries, n, window, impl, dtype))
-            state["masks"][key] = hit
-        return hit[1]
+    state: dict[str, Any] = {"rows_of": first, "stash": None}
 
     def pre_hook(layer_idx: int):
         def hook(module, args, kwargs):
             queries = schedule.queries(layer_idx, cache)
-            prev = state["rows_of"]
-            if queries is not prev:
-                # Hidden rows of the previous layer's queries -> this layer's (a subset, both sorted).
-                rows = torch.searchsorted(prev, queries)
-                if args:
-                    args = (args[0].index_select(1, rows),) + tuple(args[1:])
-                else:
-                    kwargs["hidden_states"] = kwargs["hidden_states"].index_select(1, rows)
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if queries is not state["rows_of"]:
+                # Hidden rows of the previous layer's queries -> this layer's (a subset; both sorted).
+                hidden = hidden.index_select(1, torch.searchsorted(state["rows_of"], queries))
                 state["rows_of"] = queries
-            if queries is not first:
+            pe = kwargs.get("position_embeddings")
+            if queries is not first and isinstance(pe, (tuple, list)):
                 rows0 = torch.searchsorted(first, queries)
-                pe = kwargs.get("position_embeddings")
+                pe = tuple(t.index_select(1, rows0) for t in pe)
+            layer: ScatterLayer = cache.layers[layer_idx]
+            layer.score(schedule.candidates(layer_idx))
+            outs = []
+            blocks = _blocks(queries.numel())
+            for i, rows in enumerate(blocks):
+                q = queries[rows]
+                layer.positions, layer.end = q, int(q[-1]) + 1
+                kw = dict(kwargs, position_ids=q[None],
+                          attention_mask=_mask(q, layer.end, windows[layer_idx], impl, dtype))
                 if isinstance(pe, (tuple, list)):
-                    kwargs["position_embeddings"] = tuple(t.index_select(1, rows0) for t in pe)
-            kwargs["position_ids"] = queries[None]
-            kwargs["attention_mask"] = mask_for(queries, windows[layer_idx])
-            layer = cache.layers[layer_idx]
-            layer.positions = queries
-            layer.score_rows = schedule.score(layer_idx, queries)
-            return args, kwargs
+                    kw["position_embeddings"] = tuple(t[:, rows] for t in pe)
+                if i == len(blocks) - 1:  # the last block runs as the real call; the post-hook joins the rest
+                    state["stash"] = outs
+                    return (hidden[:, rows],) + tuple(args[1:]), kw
+                out = module.forward(hidden[:, rows], *args[1:], **kw)  # .forward: no hook re-entry
+                outs.append(out[0] if isinstance(out, tuple) else out)
+            raise AssertionError("unreachable: there is always a last block")
         return hook
 
-    handles = [layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    def post_hook(module, args, kwargs, output):
+        outs, state["stash"] = state["stash"], None
+        if not outs:
+            return output
+        if isinstance(output, tuple):
+            return (torch.cat(outs + [output[0]], dim=1),) + tuple(output[1:])
+        return torch.cat(outs + [output], dim=1)
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
     try:
         out = model(input_ids=torch.tensor([ids], device=device).index_select(1, first),
-                    position_ids=first[None], attention_mask=mask_for(first, None), past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+                    position_ids=first[None], attention_mask=_mask(first[-1:], n, None, impl, dtype),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()

@@ -146,7 +146,9 @@ def build_store(config, namespace: str, write_through_disk: bool = True) -> Tier
     memory's overflow would come back empty after a restart and share nothing between processes.
     """
     bits = config.kv_cache_bits
-    codec = QuantCodec(bits) if bits < 16 else None
+    # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per
+    # token instead of several keeps int8 at <= 0.52x of fp16 bytes on small-head models like SmolLM2.
+    codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
     memory = MemoryStore(config.memory_budget_bytes, max_entries=config.max_chunks, codec=codec)
     disk = None
     if config.disk_cache_dir:
