@@ -21,7 +21,7 @@ def test_help_lists_commands_and_benchmarks():
     for name in ("demo", "verify", "bench", "cost"):
         assert name in out.stdout
     bench = kvboost("bench", "--help").stdout
-    for name in ("prefix", "multiturn", "quant"):
+    for name in ("prefix", "multiturn", "quant", "serve", "rag"):
         assert name in bench
 
 

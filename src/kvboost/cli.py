@@ -9,6 +9,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print side-by-side tables, JSON and plots.")
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(no_args_is_help=True, help="Fidelity evaluations of approximate reuse.")
+app.add_typer(eval_app, name="eval")
 
 def load_engine(model: str | None, **options):
     """KVBoost.from_pretrained, with a one-line error instead of a traceback for a bad model argument."""
@@ -100,6 +102,7 @@ def bench_multiturn(model: Optional[str] = ModelOpt,
 def _register_modules() -> None:
     # Defined beside the code they drive; registered here so `kvboost --help` lists them all.
     from .bench.cost import cost_command
+    from .bench.rag import eval_rag_command
     from .bench.serve import bench_serve_command
     from .server.__main__ import serve_command
 
@@ -108,6 +111,9 @@ def _register_modules() -> None:
         cost_command)
     bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off.")(
         bench_serve_command)
+    rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."
+    eval_app.command("rag", help=rag_help)(eval_rag_command)
+    bench_app.command("rag", help=rag_help)(eval_rag_command)
 
 
 _register_modules()
