@@ -152,15 +152,15 @@ def test_baseline_and_prefix_cache_never_use_content_matches(tokenizer, mode):
 
 def test_repair_shrinks_the_distance_to_full_prefill(tokenizer):
     """On average over prompts, recomputing more tokens brings the first-token distribution closer."""
-    model = make_tiny_model("llama", tokenizer, num_hidden_layers=4)
+    model = make_tiny_model("llama", tokenizer, num_hidden_layers=6)  # selection needs layers after the probes
     engine = _engine(model, tokenizer)
     docs = documents(4)
     for d in docs:
         engine.warm(d)
-    dist = {"none": 0.0, "cb.5": 0.0, "cb1": 0.0}
+    dist = {"none": 0.0, "cb.3": 0.0, "cb1": 0.0}
     for order in ([0, 1, 2], [3, 1, 0], [2, 3, 1]):
         prompt = rag_prompt(docs, order)
         logits, _ = full_forward(model, engine.encode(prompt))
-        for key, strat, r in (("none", "none", 0.0), ("cb.5", "cacheblend", 0.5), ("cb1", "cacheblend", 1.0)):
+        for key, strat, r in (("none", "none", 0.0), ("cb.3", "cacheblend", 0.3), ("cb1", "cacheblend", 1.0)):
             dist[key] += (_run(engine, prompt, strat, r).first_token_logits - logits).abs().max().item()
-    assert dist["cb1"] < 1e-3 < dist["cb.5"] < dist["none"]
+    assert dist["cb1"] < 1e-3 < dist["cb.3"] < dist["none"]

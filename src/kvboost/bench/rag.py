@@ -168,7 +168,7 @@ def target_check(rows: list[MethodRow], ratio: float = TARGET["ratio"], n_docs: 
 
 _COLUMNS = [("method", "method"), ("items", "items"), ("ttft_ms", "TTFT ms"), ("ttft_ratio", "TTFT ratio (median)"),
             ("ttft_ratio_of_means", "ratio of means"), ("first_token_agreement", "1st-token agree"),
-            ("mean_kl", "mean KL"), ("greedy_match_rate", f"greedy match"), ("answer_accuracy", "answer acc"),
+            ("mean_kl", "mean KL"), ("greedy_match_rate", "greedy match"), ("answer_accuracy", "answer acc"),
             ("approximate_tokens", "approx tok"), ("recomputed_tokens", "recomputed tok")]
 
 
@@ -197,6 +197,8 @@ def eval_rag_command(
     if threads:
         torch.set_num_threads(threads)
     console = Console()
+    if not console.is_terminal:  # redirected to a file: do not squeeze the table into 80 columns
+        console = Console(width=160)
     ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
     with console.status("loading model"):
         engine = KVBoost.from_pretrained(model, chunk_size=chunk_size)

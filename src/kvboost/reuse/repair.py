@@ -11,11 +11,13 @@ Strategies (RecomputeStrategy):
   none        queries = live positions in every layer; placed K/V used as is.
   selective   queries = live positions + the first `overlap` placed tokens after each seam, in every layer:
               the tokens that most need the new preceding context see it.
-  cacheblend  layers 0..CHECK_LAYER run every non-exact position (cheap: 2 of ~30 layers), and the check
-              layer ranks placed tokens by how far their fresh values deviate from the stored ones. The
-              next layer recomputes the top min(1, 2r) of them and ranks again (gradual filtering); from
-              then on only the top r and the live positions run. Cost ~ (CHECK_LAYER + 1 + r * rest) of a
-              prefill: it grows with r, not with the prompt. r = 0 is exactly `none`, r = 1 a full prefill.
+  cacheblend  layers before CHECK_LAYER run every non-exact position (cheap: 2 of ~30 layers). At the check
+              layer a probe computes the K/V of every placed token (the projections only, ~1/6 of a layer),
+              ranks the tokens by how far that K/V deviates from the stored one, and only the top
+              min(1, 2r) run the rest of the layer; the next layer probes those and keeps the top r (gradual
+              filtering). From then on only the top r and the live positions run. Cost ~ (CHECK_LAYER + r *
+              rest) of a prefill: it grows with r, not with the prompt. r = 0 is exactly `none`, r = 1 a full
+              prefill.
 
 The per-layer query sets are applied with forward pre-hooks on the decoder layers, so the model's own
 embedding (scaling included), rotary module, norms and head run unchanged; only the hidden-state rows,
@@ -33,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..results import RecomputeStrategy
 from ..runner import KVWorkspace
 
-CHECK_LAYER = 1  # layer 0's K/V equals the stored K/V (no context yet), so layer 1 is the first informative one
+CHECK_LAYER = 2  # layer 0's K/V equals the stored K/V (no context yet); layer 2 ranks better than 1 for ~equal cost
 GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens
 _BLOCK_ROWS = 96  # query rows per block: attention of a block reads keys only up to its last position
 _MAX_BLOCKS = 8
@@ -83,13 +85,18 @@ def repair_support(model: torch.nn.Module) -> str | None:
     return layer_windows(model)[1]
 
 
+class _Probed(Exception):
+    """Raised by ScatterLayer.update in probe mode: the K/V is written and scored, attention is not needed."""
+
+
 class ScatterLayer(CacheLayerMixin):
     """Cache layer whose update writes K/V at arbitrary workspace positions and returns keys [0, end).
 
     The driver sets `positions` (the query rows of the current call, sorted) and `end` (last position + 1)
-    before each call. When `candidates` is set, update() first measures how far the incoming K/V of candidate
+    before each call. After score(candidates), update() first measures how far the incoming K/V of candidate
     positions deviate from what the buffer holds there (the placed, stored K/V): CacheBlend's selection signal,
-    accumulated into `deviation` (aligned with `candidates`) across the blocks of one layer.
+    kept in `deviation` (aligned with `candidates`). In `probing` mode update() raises _Probed once the K/V is
+    written, so a probe call pays for the projections but not for attention and the MLP.
     """
 
     is_sliding = False
@@ -105,6 +112,7 @@ class ScatterLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None
         self.candidate_slot: torch.Tensor | None = None  # [total] long: slot in `deviation`, or -1
         self.deviation: torch.Tensor | None = None
+        self.probing = False
         self.is_initialized = True
         k_buf, _ = workspace.buffers(layer_idx)
         self.dtype, self.device = k_buf.dtype, k_buf.device
@@ -134,6 +142,8 @@ class ScatterLayer(CacheLayerMixin):
                     + _relative_change(value_states.index_select(2, rows), v_buf.index_select(2, src)))
         k_buf.index_copy_(2, pos, key_states.to(k_buf.dtype))
         v_buf.index_copy_(2, pos, value_states.to(v_buf.dtype))
+        if self.probing:
+            raise _Probed
         return k_buf[:, :, : self.end], v_buf[:, :, : self.end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -161,15 +171,20 @@ class _Fixed:
         self.first = queries
         self.recomputed = recomputed
 
-    def queries(self, layer: int, cache: Cache) -> torch.Tensor:
+    def queries(self, layer: int) -> torch.Tensor:
         return self.first
 
-    def candidates(self, layer: int) -> torch.Tensor | None:
-        return None
+    def probes(self, layer: int) -> bool:
+        return False
 
 
 class _Blend:
-    """CacheBlend: all non-exact positions up to the check layer, then placed tokens filtered by deviation."""
+    """CacheBlend: every non-exact position up to the check layer, then placed tokens filtered by deviation.
+
+    At the check layer and the one after it, a probe computes the K/V of the placed tokens still in the pool
+    (and stops before attention), ranks them by deviation from the placed K/V and keeps the top GRADUAL * r,
+    then the top r; only those and the live positions run the layer and every layer after it.
+    """
 
     def __init__(self, everything: torch.Tensor, live: torch.Tensor, placed: torch.Tensor, ratio: float,
                  n_layers: int):
@@ -180,23 +195,22 @@ class _Blend:
         self.check = min(CHECK_LAYER, n_layers - 1)
         self.keep = [math.ceil(min(1.0, ratio * GRADUAL) * n), math.ceil(ratio * n)]
         self.current = everything
-        self.recomputed = n if self.check + 1 >= n_layers else 0
+        self.recomputed = n
 
-    def queries(self, layer: int, cache: Cache) -> torch.Tensor:
-        step = layer - self.check - 1
-        if 0 <= step < len(self.keep):
-            dev = cache.layers[layer - 1].deviation
-            k = min(self.keep[step], self.pool.numel())
-            if k < self.pool.numel():
-                top = torch.topk(dev, k, sorted=False).indices
-                self.pool = self.pool.index_select(0, top).sort().values
-            self.current = torch.cat([self.live, self.pool]).sort().values
-            self.recomputed = self.pool.numel()
+    def queries(self, layer: int) -> torch.Tensor:
         return self.current
 
-    def candidates(self, layer: int) -> torch.Tensor | None:
-        """Positions whose deviation this layer must measure (for the selection before the next layer)."""
-        return self.pool if self.check <= layer < self.check + len(self.keep) else None
+    def probes(self, layer: int) -> bool:
+        return self.check <= layer < self.check + len(self.keep)
+
+    def select(self, layer: int, deviation: torch.Tensor) -> None:
+        """Keep the pool's most deviating tokens (deviation is aligned with self.pool)."""
+        k = min(self.keep[layer - self.check], self.pool.numel())
+        if k < self.pool.numel():
+            top = torch.topk(deviation, k, sorted=False).indices
+            self.pool = self.pool.index_select(0, top).sort().values
+        self.current = torch.cat([self.live, self.pool]).sort().values
+        self.recomputed = self.pool.numel()
 
 
 # ---- the layer-wise forward -----------------------------------------------------------------------
@@ -259,21 +273,45 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     cache = Cache(layers=[ScatterLayer(workspace, i, n) for i in range(len(layers))])
     first = schedule.first
     state: dict[str, Any] = {"rows_of": first, "stash": None}
+    probe_mask = _mask(first[-1:], n, None, impl, dtype)  # never read: a probe stops before attention
+
+    def narrow(hidden: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Hidden rows of the previous queries -> rows of `queries` (a subset; both sorted by position)."""
+        if queries is not state["rows_of"]:
+            hidden = hidden.index_select(1, torch.searchsorted(state["rows_of"], queries))
+            state["rows_of"] = queries
+        return hidden
+
+    def rotary(pe: Any, queries: torch.Tensor) -> Any:
+        if queries is first or not isinstance(pe, (tuple, list)):
+            return pe
+        rows0 = torch.searchsorted(first, queries)
+        return tuple(t.index_select(1, rows0) for t in pe)
 
     def pre_hook(layer_idx: int):
         def hook(module, args, kwargs):
-            queries = schedule.queries(layer_idx, cache)
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            if queries is not state["rows_of"]:
-                # Hidden rows of the previous layer's queries -> this layer's (a subset; both sorted).
-                hidden = hidden.index_select(1, torch.searchsorted(state["rows_of"], queries))
-                state["rows_of"] = queries
-            pe = kwargs.get("position_embeddings")
-            if queries is not first and isinstance(pe, (tuple, list)):
-                rows0 = torch.searchsorted(first, queries)
-                pe = tuple(t.index_select(1, rows0) for t in pe)
             layer: ScatterLayer = cache.layers[layer_idx]
-            layer.score(schedule.candidates(layer_idx))
+            queries = schedule.queries(layer_idx)
+            hidden = narrow(args[0] if args else kwargs.pop("hidden_states"), queries)
+            if schedule.probes(layer_idx):
+                # K/V of every row (written: it is this layer's true K/V), scored, then selection; the layer's
+                # attention and MLP run below for the kept rows only.
+                layer.score(schedule.pool)
+                layer.positions, layer.end, layer.probing = queries, n, True
+                kw = dict(kwargs, position_ids=queries[None], attention_mask=probe_mask)
+                if "position_embeddings" in kwargs:
+                    kw["position_embeddings"] = rotary(kwargs["position_embeddings"], queries)
+                try:
+                    module.forward(hidden, *args[1:], **kw)
+                except _Probed:
+                    pass
+                finally:
+                    layer.probing = False
+                schedule.select(layer_idx, layer.deviation)
+                layer.score(None)
+                queries = schedule.queries(layer_idx)
+                hidden = narrow(hidden, queries)
+            pe = rotary(kwargs.get("position_embeddings"), queries)
             outs = []
             blocks = _blocks(queries.numel())
             for i, rows in enumerate(blocks):
