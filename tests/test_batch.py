@@ -96,3 +96,29 @@ def test_seeded_sampling_in_a_batch_matches_single(tokenizer):
     batch = engine.generate_batch(prompts, max_new_tokens=8, temperature=0.8, seed=5)
     single = [engine.generate(p, 8, temperature=0.8, seed=5, mode="baseline") for p in prompts]
     assert [r.output_token_ids for r in batch] == [r.output_token_ids for r in single]
+
+
+def _segment(start: int, n: int, layers: int = 2):
+    from kvboost.reuse.match import Segment
+    from kvboost.store.base import ChunkRecord
+
+    keys = [torch.randn(2, n, 4) for _ in range(layers)]
+    values = [torch.randn(2, n, 4) for _ in range(layers)]
+    return Segment(ChunkRecord(f"k{start}", None, "c", tuple(range(start, start + n)), start, keys, values), start, n)
+
+
+def test_shared_prefix_is_assembled_once_and_truncates_as_views():
+    from kvboost.batch import SharedPrefix
+
+    segs = [_segment(0, 4), _segment(4, 4), _segment(8, 4)]
+    prefix = SharedPrefix.from_segments(list(range(10)), None, segs)
+    assert prefix.length == 10 and prefix.keys[0].shape == (1, 2, 10, 4)
+    assert torch.equal(prefix.values[1][0, :, 4:8], segs[1].record.values[1])
+    assert torch.equal(prefix.keys[0][0, :, 8:10], segs[2].record.keys[0][:, :2])
+    short = prefix.truncated(4)
+    assert short.length == 4 and short.keys[0].data_ptr() == prefix.keys[0].data_ptr()
+    assert prefix.truncated(0) is None
+    with pytest.raises(ValueError):
+        prefix.truncated(11)
+    with pytest.raises(ValueError, match="cover"):
+        SharedPrefix.from_segments(list(range(8)), None, [segs[0], segs[2]])

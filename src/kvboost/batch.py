@@ -1,14 +1,20 @@
-"""Batched and continuous generation: shared prefix K/V loaded once, rows joining and leaving mid-flight.
+"""Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V.
 
-Public helpers from the product docs (find_common_chunk_prefix, broadcast_kv, group_by_prefix) and
-the BatchRunner that the server's scheduler drives one decode step at a time.
+Public helpers from the product docs (find_common_chunk_prefix, broadcast_kv, group_by_prefix), and the
+SharedPrefix that continuous.BatchRunner loads once and every row of a batch attends to (cascade.py).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .reuse.match import Segment
+    from .runner import KVWorkspace
 
 
 def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int) -> int:
@@ -45,3 +51,74 @@ def group_by_prefix(prompts: Sequence[str], token_ids_list: Sequence[Sequence[in
         n = min(len(ids) // chunk_size, n_prefix_chunks) * chunk_size
         groups[tuple(ids[:n])].append(i)
     return dict(groups)
+
+
+@dataclass(repr=False)
+class SharedPrefix:
+    """K/V of a batch's common first `length` tokens: one [1, kv_heads, length, d] tensor per layer, read by
+    every row (never copied into rows). `salt` is the tenant whose namespace the K/V was stored under."""
+
+    ids: tuple[int, ...]
+    salt: str | None
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def __repr__(self) -> str:
+        return f"SharedPrefix(length={self.length}, salt={self.salt!r}, layers={len(self.keys)})"
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[i], self.values[i]
+
+    @classmethod
+    def from_segments(cls, ids: Sequence[int], salt: str | None, segments: Sequence[Segment]) -> SharedPrefix:
+        """Concatenate stored chunk records covering positions [0, len(ids)) into one tensor per layer.
+
+        Records hold one chunk each, so a multi-chunk prefix is assembled once here; that is the only copy."""
+        n = len(ids)
+        parts = [(seg, min(seg.n_tokens, n - seg.start)) for seg in segments if seg.start < n]
+        ends = [0] + [seg.start + k for seg, k in parts]
+        if not parts or any(seg.start != end for (seg, _), end in zip(parts, ends)) or ends[-1] != n:
+            raise ValueError(f"segments do not cover positions [0, {n}) contiguously")
+        n_layers = len(parts[0][0].record.keys)
+        keys = [torch.cat([seg.record.keys[i][:, :k] for seg, k in parts], dim=1).unsqueeze(0) for i in range(n_layers)]
+        values = [torch.cat([seg.record.values[i][:, :k] for seg, k in parts], dim=1).unsqueeze(0)
+                  for i in range(n_layers)]
+        return cls(tuple(ids), salt, keys, values)
+
+    def truncated(self, n: int) -> SharedPrefix | None:
+        """The first n tokens as views of the same storage (None for n == 0)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a {self.length}-token prefix to {n}")
+        if n == 0:
+            return None
+        return SharedPrefix(self.ids[:n], self.salt, [k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values])
+
+
+class PrefixedRows:
+    """Reads a batch row's K/V as if it were contiguous: positions below the shared prefix's length come from
+    the prefix, the rest from the row's workspace slot. Same `read` contract as KVWorkspace.read (owned copies),
+    so the engine's write-back stores correct chunks even though the slot's prefix columns are empty."""
+
+    def __init__(self, ws: KVWorkspace, prefix: SharedPrefix | None):
+        self.ws, self.prefix = ws, prefix
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        p = self.prefix.length if self.prefix is not None else 0
+        if start >= p:
+            return self.ws.read(start, end, row=row)
+        keys, values = [], []
+        for i in range(len(self.ws.shapes)):
+            k_buf, v_buf = self.ws.buffers(i)
+            pk, pv = self.prefix.layer(i)  # type: ignore[union-attr]
+            cut = min(end, p)
+            keys.append(torch.cat([pk[0, :, start:cut], k_buf[row, :, cut:end]], dim=1))
+            values.append(torch.cat([pv[0, :, start:cut], v_buf[row, :, cut:end]], dim=1))
+        return keys, values

@@ -88,7 +88,7 @@ def bench_quant(model: Optional[str] = ModelOpt,
 def bench_multiturn(model: Optional[str] = ModelOpt,
                     conversations: int = typer.Option(8, min=1, help="Conversations to replay (of 64 shipped)."),
                     turns: int = typer.Option(8, min=1, help="At most this many user turns per conversation."),
-                    new_tokens: int = typer.Option(32, min=1, help="Greedy tokens per reply."),
+                    new_tokens: int = typer.Option(128, min=1, help="Greedy tokens per reply (at most; EOS ends it)."),
                     json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
                     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot."),
                     peer_python: Optional[str] = typer.Option(None, "--peer-python",
@@ -101,6 +101,7 @@ def bench_multiturn(model: Optional[str] = ModelOpt,
 
 def _register_modules() -> None:
     # Defined beside the code they drive; registered here so `kvboost --help` lists them all.
+    from .bench.batch import bench_batch_command
     from .bench.cost import cost_command
     from .bench.rag import eval_rag_command
     from .bench.serve import bench_serve_command
@@ -111,6 +112,8 @@ def _register_modules() -> None:
         cost_command)
     bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off.")(
         bench_serve_command)
+    bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
+        bench_batch_command)
     rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."
     eval_app.command("rag", help=rag_help)(eval_rag_command)
     bench_app.command("rag", help=rag_help)(eval_rag_command)

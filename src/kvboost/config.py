@@ -36,6 +36,9 @@ class EngineConfig:
     sink_tokens: int = 0
     device: str | None = None
     write_back: bool = True  # store new full chunks (prompt + output) after each generate
+    # Batched rows that share a stored prefix attend to one copy of its K/V (cascade attention) instead of
+    # each holding its own; off: every row copies the prefix into its slot.
+    shared_prefix_attention: bool = True
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
@@ -54,6 +57,8 @@ class EngineConfig:
         _require(self.chunk_boundary_window >= 0 and self.chunk_boundary_window < self.chunk_size // 2,
                  f"chunk_boundary_window must be in [0, chunk_size/2), got {self.chunk_boundary_window}")
         _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        _require(isinstance(self.shared_prefix_attention, bool),
+                 f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -3,19 +3,28 @@
 Each row owns one batch slot of a KVWorkspace; its K/V sits at buffer columns equal to its token
 positions, so RoPE positions stay natural and no row ever has gaps. A decode step writes every
 row's new token at that row's own column and attends over the longest row's length, with a 2D
-padding mask keeping each row to its own columns. Rows that arrive together and share prefix
-chunks have that prefix computed (or loaded) once and copied into each slot from one tensor.
+padding mask keeping each row to its own columns.
+
+Shared prefix (cascade.py): when every row of the batch starts with the same stored chunk-aligned prefix
+of P tokens, its K/V is loaded once into a SharedPrefix ([1, kv_heads, P, d] per layer) and rows hold
+only columns [P, length) of their slots; columns [0, P) stay unused. Attention reads the prefix once per
+step for all rows. A row that arrives without that prefix shrinks it to what all rows still share: the
+dropped part, prefix[P':P], is copied into every active row's columns [P', P) (exact; P' may be 0, which
+is the plain per-row layout). The prefix never grows while rows are active and is dropped when the batch
+empties. Models where this cannot be exact (sliding windows, softcapping...) keep the per-row path.
 """
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .batch import find_common_chunk_prefix
+from .batch import PrefixedRows, SharedPrefix, find_common_chunk_prefix
+from .cascade import cascade_forward, unsupported_reason
 from .decoding import OutputTracker
 from .results import GenerationMode, GenerationResult
 from .reuse.match import match_exact
@@ -24,17 +33,24 @@ from .sampling import Sampler, SamplingParams
 
 
 class _SlotLayer(CacheLayerMixin):
-    """Writes new K/V at given columns of given slots; returns views over slots [lo, hi)."""
+    """Writes new K/V at given columns of given slots; returns views over slots [lo, hi).
+
+    With a shared prefix of P tokens the views start at column P (the prefix is `shared_prefix`, read by
+    cascade attention), and the mask sizes say so: kv_length counts columns from P, kv_offset = P.
+    """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, ws: KVWorkspace, layer_idx: int, slots: slice, write_cols: torch.Tensor | int, past: int):
+    def __init__(self, ws: KVWorkspace, layer_idx: int, slots: slice, write_cols: torch.Tensor | int, past: int,
+                 prefix: SharedPrefix | None = None):
         super().__init__()
         self.ws, self.layer_idx, self.slots = ws, layer_idx, slots
         self.write_cols = write_cols  # int: one row's prefill start; tensor [rows]: decode column per row
         self.past = past
+        self.start = prefix.length if prefix is not None else 0
+        self.shared_prefix = prefix.layer(layer_idx) if prefix is not None else None
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -52,11 +68,11 @@ class _SlotLayer(CacheLayerMixin):
             k_rows[rows, :, self.write_cols] = key_states[:, :, 0]
             v_rows[rows, :, self.write_cols] = value_states[:, :, 0]
             end = self.past + 1
-        self.keys, self.values = k_rows[:, :, :end], v_rows[:, :, :end]
+        self.keys, self.values = k_rows[:, :, self.start:end], v_rows[:, :, self.start:end]
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.past + query_length, 0
+        return self.past + query_length - self.start, self.start
 
     def get_seq_length(self) -> int:
         return self.past
@@ -115,10 +131,20 @@ class _Row:
 
 
 class BatchRunner:
-    def __init__(self, engine, max_batch_size: int = 16):
+    def __init__(self, engine, max_batch_size: int = 16, shared_prefix_attention: bool | None = None):
+        """shared_prefix_attention: None follows engine.config.shared_prefix_attention (default on); models
+        for which it cannot be exact keep the per-row path, and `shared_prefix_off_reason` says why."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if shared_prefix_attention is None:
+            shared_prefix_attention = getattr(engine.config, "shared_prefix_attention", True)
+        if not isinstance(shared_prefix_attention, bool):
+            raise TypeError(f"shared_prefix_attention must be a bool or None, got {shared_prefix_attention!r}")
         self.engine = engine
+        reason = unsupported_reason(engine.model) if shared_prefix_attention else "disabled"
+        self.shared_prefix_attention = reason is None
+        self.shared_prefix_off_reason = reason
+        self.prefix: SharedPrefix | None = None  # the batch's shared prefix K/V, when there is one
         # Ragged rows share one query offset in the mask; a sliding window computed from it would be wrong
         # for the shorter rows, so models with sliding-window layers decode one row at a time.
         self.max_batch_size = 1 if has_sliding_layers(engine.model) else max_batch_size
@@ -151,12 +177,22 @@ class BatchRunner:
     def active_count(self) -> int:
         return len(self._active)
 
+    def kv_bytes(self) -> dict[str, int]:
+        """K/V bytes live now: `shared` (the prefix, once), `rows` (each row's own columns), and `allocated`
+        (the workspace buffers, which keep columns at absolute positions and so include unused ones)."""
+        per_token = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in self.ws.shapes) * self.ws.dtype.itemsize
+        p = self.prefix.length if self.prefix is not None else 0
+        return {"shared": self.prefix.nbytes if self.prefix is not None else 0,
+                "rows": sum(r.length - p for r in self._active) * per_token, "allocated": self.ws.nbytes}
+
     def step(self) -> None:
         with self.engine._lock, torch.inference_mode():
             self._drop_cancelled()
             self._admit()
             if self._active:
                 self._decode()
+            if not self._active:
+                self.prefix = None
 
     # ---- admission: prefill new rows -------------------------------------------------------------
     def _admit(self) -> None:
@@ -167,6 +203,7 @@ class BatchRunner:
         if not new:
             return
         self._compute_shared_prefixes(waiting)
+        self._share_prefix(new)
         need = max([r.length for r in self._active] + [len(r.ids) + r.tracker.max_new_tokens for r in new])
         self.ws.ensure_capacity(need, keep=max([r.length for r in self._active], default=0))
         for row in new:
@@ -192,14 +229,65 @@ class BatchRunner:
                 common = find_common_chunk_prefix([r.ids for r in group], size)
                 engine._warm_ids(group[0].ids[:common], group[0].salt)
 
+    # ---- the shared prefix ----------------------------------------------------------------------
+    def _share_prefix(self, new: list[_Row]) -> None:
+        """Make self.prefix the longest stored chunk-aligned prefix that every active and new row shares."""
+        if not self._active:
+            self.prefix = None
+        target = self._shared_length(new)
+        if self.prefix is not None and target < self.prefix.length:
+            self._shrink_prefix(target)
+        if self.prefix is None and target > 0:
+            self.prefix = self._load_prefix(new[0], target)
+
+    def _shared_length(self, new: list[_Row]) -> int:
+        if not self.shared_prefix_attention:
+            return 0
+        rows = self._active + new
+        if any(r.mode is GenerationMode.BASELINE for r in rows) or len({r.salt for r in rows}) != 1:
+            return 0
+        # ids[:-1]: every row keeps at least its last prompt token after the prefix for its own prefill.
+        n = find_common_chunk_prefix([r.ids[:-1] for r in rows], self.engine.config.chunk_size)
+        # Never grows while rows rely on it (their columns below a larger P were never written).
+        return min(n, self.prefix.length) if self.prefix is not None else n
+
+    def _load_prefix(self, row: _Row, target: int) -> SharedPrefix | None:
+        """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
+        engine, size = self.engine, self.engine.config.chunk_size
+        match = match_exact(engine.store, engine.chunker.split(row.ids[:target], row.salt), size, False)
+        n = min(target, match.length)
+        n -= n % size
+        return SharedPrefix.from_segments(row.ids[:n], row.salt, match.segments) if n else None
+
+    def _shrink_prefix(self, n: int) -> None:
+        """Keep the first n prefix tokens shared; every active row gets its own copy of the rest."""
+        prefix = self.prefix
+        assert prefix is not None
+        for row in self._active:
+            for i in range(len(self.ws.shapes)):
+                k_buf, v_buf = self.ws.buffers(i)
+                pk, pv = prefix.layer(i)
+                k_buf[row.slot, :, n:prefix.length].copy_(pk[0, :, n:])
+                v_buf[row.slot, :, n:prefix.length].copy_(pv[0, :, n:])
+        self.prefix = prefix.truncated(n)
+
+    def _forward(self, cache: Cache, **inputs) -> torch.Tensor:
+        ctx = cascade_forward(self.engine.model, cache) if self.prefix is not None else nullcontext()
+        with ctx:
+            return self.engine.model(past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits
+
+    # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: _Row) -> None:
         engine, t0 = self.engine, time.perf_counter()
-        reuse, segments = 0, []
+        shared = self.prefix.length if self.prefix is not None else 0
+        reuse, segments = shared, []
         if row.mode is not GenerationMode.BASELINE:
+            size = engine.config.chunk_size
             granular = row.mode is GenerationMode.CHUNK_KV_REUSE
-            match = match_exact(engine.store, engine.chunker.split(row.ids, row.salt), engine.config.chunk_size,
-                                granular)
-            reuse, segments = min(match.length, len(row.ids) - 1), match.segments
+            # Chunks inside the shared prefix need no lookup: their K/V is already in self.prefix.
+            chunks = [c for c in engine.chunker.split(row.ids, row.salt) if c.start >= shared]
+            match = match_exact(engine.store, chunks, size, granular)
+            reuse, segments = max(shared, min(match.length, len(row.ids) - 1)), match.segments
         for seg in segments:
             if seg.start < reuse:
                 n = min(seg.n_tokens, reuse - seg.start)
@@ -210,9 +298,9 @@ class BatchRunner:
         row.lookup_ms = (time.perf_counter() - t0) * 1e3
         row.cached = reuse
         slots = slice(row.slot, row.slot + 1)
-        cache = Cache(layers=[_SlotLayer(self.ws, i, slots, reuse, reuse) for i in range(len(self.ws.shapes))])
-        ids = torch.tensor([row.ids[reuse:]], device=engine.device)
-        logits = engine.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        cache = Cache(layers=[_SlotLayer(self.ws, i, slots, reuse, reuse, self.prefix)
+                              for i in range(len(self.ws.shapes))])
+        logits = self._forward(cache, input_ids=torch.tensor([row.ids[reuse:]], device=engine.device))
         row.length = len(row.ids)
         row.next_token = row.sampler(logits[0, -1].float())
         row.ttft_ms = (time.perf_counter() - row.t_start) * 1e3
@@ -225,10 +313,10 @@ class BatchRunner:
         past = int(lengths.max())
         self.ws.ensure_capacity(past + 1, keep=past)
         mask = torch.arange(past + 1, device=lengths.device)[None, :] <= lengths[:, None]
-        cache = Cache(layers=[_SlotLayer(self.ws, i, slice(0, n), lengths, past) for i in range(len(self.ws.shapes))])
+        cache = Cache(layers=[_SlotLayer(self.ws, i, slice(0, n), lengths, past, self.prefix)
+                              for i in range(len(self.ws.shapes))])
         ids = torch.tensor([[r.next_token] for r in rows], device=self.engine.device)
-        logits = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=lengths[:, None],
-                                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = self._forward(cache, input_ids=ids, attention_mask=mask, position_ids=lengths[:, None])
         for i, row in enumerate(rows):
             row.length += 1
             row.next_token = row.sampler(logits[i, -1].float())
@@ -245,7 +333,9 @@ class BatchRunner:
         engine = self.engine
         fed = (row.ids + row.tracker.tokens)[: row.length]
         if row.mode is not GenerationMode.BASELINE and engine.config.write_back:
-            engine._write_back(fed, row.salt, source=self.ws, row=row.slot)
+            # The slot's columns below the shared prefix are empty: PrefixedRows reads those from the prefix.
+            source = PrefixedRows(self.ws, self.prefix) if self.prefix is not None else self.ws
+            engine._write_back(fed, row.salt, source=source, row=row.slot)
         total_ms = (time.perf_counter() - row.t_start) * 1e3
         t = row.tracker
         row.handle.result = GenerationResult(
@@ -275,14 +365,16 @@ class BatchRunner:
             row.handle.finished = True
 
     def _release(self, row: _Row) -> None:
-        """Free the row's slot; the last active row moves into it so active slots stay 0..n-1."""
+        """Free the row's slot; the last active row moves into it so active slots stay 0..n-1 (only its own
+        columns move: those below the shared prefix are not the row's)."""
         idx = self._active.index(row)
         last = self._active[-1]
+        start = self.prefix.length if self.prefix is not None else 0
         if last is not row:
             for i in range(len(self.ws.shapes)):
                 k_buf, v_buf = self.ws.buffers(i)
-                k_buf[idx, :, :last.length].copy_(k_buf[last.slot, :, :last.length])
-                v_buf[idx, :, :last.length].copy_(v_buf[last.slot, :, :last.length])
+                k_buf[idx, :, start:last.length].copy_(k_buf[last.slot, :, start:last.length])
+                v_buf[idx, :, start:last.length].copy_(v_buf[last.slot, :, start:last.length])
             last.slot = idx
             self._active[idx] = last
         self._active.pop()

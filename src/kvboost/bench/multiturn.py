@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 from transformers import DynamicCache
 
 from ..reuse.match import common_prefix_length
+from .console import bench_console
 
 
 @dataclass
@@ -36,6 +36,8 @@ class TurnSample:
     manual_ms: float
     kvboost_ms: float
     kvboost_reuse: float
+    reusable_tokens: int  # shared with the previous turn's prompt + reply: the most any prefix cache can reuse
+    kvboost_cached: int
     kvboost_tokens_per_s: float
     identical: bool
     manual_identical: bool
@@ -55,6 +57,8 @@ class TurnSummary:
     kvboost_p50: float
     kvboost_p90: float
     reuse: float
+    reusable: float  # mean (tokens shared with the previous turn's prompt + reply) / prompt tokens
+    of_reusable: float  # KVBoost's cached tokens among those / those
     identical_rate: float
     tokens_per_s: float
     peak_rss_mb: float
@@ -88,8 +92,12 @@ class _Manual:
         self.ids: list[int] = []
         self.cache: DynamicCache | None = None
 
+    def shared_with(self, ids: list[int]) -> int:
+        """Tokens of `ids` whose K/V the previous turn left behind (prompt + reply, as fed to the model)."""
+        return min(common_prefix_length(self.ids, ids), len(ids) - 1)
+
     def run(self, ids: list[int], n: int, eos: set[int]) -> tuple[float, list[int]]:
-        shared = min(common_prefix_length(self.ids, ids), len(ids) - 1)
+        shared = self.shared_with(ids)
         if self.cache is None or shared == 0:
             cache, shared = DynamicCache(config=self.model.config), 0
         else:
@@ -129,7 +137,7 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
     from ..cli import load_engine
     from .workloads import load_conversations
 
-    console = Console()
+    console = bench_console()
     with console.status("loading model"):
         engine = load_engine(model_name)
     model, tok = engine.model, engine.tokenizer
@@ -148,10 +156,11 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
                 messages.append({"role": "user", "content": user})
                 ids = engine.encode(messages=messages)
                 plain_ttft, reference = _greedy(model, ids, DynamicCache(config=model.config), 0, new_tokens, eos)
+                reusable = manual.shared_with(ids)
                 manual_ttft, manual_out = manual.run(ids, new_tokens, eos)
                 r = engine.generate(messages=messages, max_new_tokens=new_tokens)
                 s = TurnSample(conv["id"], t + 1, len(ids), plain_ttft, manual_ttft, r.ttft_ms, r.kv_reuse_ratio,
-                               r.tokens_per_sec, r.output_token_ids == reference, manual_out == reference,
+                               reusable, r.cached_tokens, r.tokens_per_sec, r.output_token_ids == reference, manual_out == reference,
                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
                 if peer is not None:
                     prompt_text = tok.decode(ids)
@@ -164,6 +173,9 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
     if peer is not None:
         peer.close()
     summary = summarize(samples)
+    console.print("reuse = KVBoost cached / prompt tokens; history = tokens this prompt shares with the previous "
+                  "turn's prompt + reply / prompt tokens (what the manual recipe reuses; the new user message is "
+                  "never among them); of history = KVBoost cached tokens among those / those")
     if json_path:
         from .plots import write_json
         overall = _overall(samples)
@@ -202,11 +214,17 @@ def summarize(samples: list[TurnSample]) -> list[TurnSummary]:
         out.append(TurnSummary(
             turn, len(ss), statistics.mean(s.prompt_tokens for s in ss), _p([s.plain_ms for s in ss], .5),
             _p([s.manual_ms for s in ss], .5), _p([s.kvboost_ms for s in ss], .5), _p([s.kvboost_ms for s in ss], .9),
-            statistics.mean(s.kvboost_reuse for s in ss), sum(s.identical for s in ss) / len(ss),
+            statistics.mean(s.kvboost_reuse for s in ss), statistics.mean(s.reusable_tokens / s.prompt_tokens for s in ss),
+            _of_reusable(ss), sum(s.identical for s in ss) / len(ss),
             statistics.mean(s.kvboost_tokens_per_s for s in ss), max(s.peak_rss_mb for s in ss),
             _p(peer, .5) if peer else None,
             statistics.mean(s.peer_reuse for s in ss if s.peer_reuse is not None) if peer else None))
     return out
+
+
+def _of_reusable(samples: list[TurnSample]) -> float:
+    reusable = sum(s.reusable_tokens for s in samples)
+    return sum(min(s.kvboost_cached, s.reusable_tokens) for s in samples) / reusable if reusable else float("nan")
 
 
 def _overall(samples: list[TurnSample]) -> dict:
@@ -217,6 +235,8 @@ def _overall(samples: list[TurnSample]) -> dict:
         "identical_rate": sum(s.identical for s in samples) / len(samples),
         "manual_identical_rate": sum(s.manual_identical for s in samples) / len(samples),
         "kvboost_reuse_from_turn2": statistics.mean(s.kvboost_reuse for s in later) if later else 0.0,
+        "reusable_from_turn2": statistics.mean(s.reusable_tokens / s.prompt_tokens for s in later) if later else 0.0,
+        "kvboost_of_reusable_from_turn2": _of_reusable(later) if later else float("nan"),
         "kvboost_over_manual_p50": _p([s.kvboost_ms / s.manual_ms for s in later], .5) if later else None,
         "plain_prefill_tokens_per_s": plain_rate,
     }
@@ -225,7 +245,7 @@ def _overall(samples: list[TurnSample]) -> dict:
 def _table(summary: list[TurnSummary], caption: str) -> Table:
     table = Table(title="Multi-turn replay (TTFT ms)", caption=caption)
     cols = ["turn", "n", "prompt tok", "plain p50", "manual p50", "KVBoost p50", "KVBoost p90", "KVB/manual",
-            "reuse", "identical", "tok/s", "peak RSS MB"]
+            "reuse", "history", "of history", "identical", "tok/s", "peak RSS MB"]
     if any(s.peer_p50 is not None for s in summary):
         cols += ["peer p50", "peer reuse"]
     for c in cols:
@@ -233,8 +253,8 @@ def _table(summary: list[TurnSummary], caption: str) -> Table:
     for s in summary:
         row = [str(s.turn), str(s.n), f"{s.prompt_tokens:.0f}", f"{s.plain_p50:.0f}", f"{s.manual_p50:.0f}",
                f"{s.kvboost_p50:.0f}", f"{s.kvboost_p90:.0f}", f"{s.kvboost_p50 / s.manual_p50:.2f}",
-               f"{s.reuse:.1%}", f"{s.identical_rate:.0%}", f"{s.tokens_per_s:.1f}", f"{s.peak_rss_mb:.0f}"]
-        if len(cols) > 12:
+               f"{s.reuse:.1%}", f"{s.reusable:.1%}", f"{s.of_reusable:.1%}", f"{s.identical_rate:.0%}", f"{s.tokens_per_s:.1f}", f"{s.peak_rss_mb:.0f}"]
+        if len(cols) > 14:
             row += [f"{s.peer_p50:.0f}" if s.peer_p50 is not None else "-",
                     f"{s.peer_reuse:.1%}" if s.peer_reuse is not None else "-"]
         table.add_row(*row)

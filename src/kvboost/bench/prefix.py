@@ -18,6 +18,8 @@ from rich.progress import Progress
 from rich.table import Table
 from transformers import DynamicCache
 
+from .console import bench_console
+
 
 @dataclass
 class PrefixRow:
@@ -104,7 +106,7 @@ def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, j
     from ..reuse.match import match_exact
     from .plots import plot_lines, write_json
 
-    console = Console()
+    console = bench_console()
     with console.status("loading model"):
         engine = load_engine(model_name)
     tok, model = engine.tokenizer, engine.model

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from .console import bench_console
+
 
 @dataclass
 class QuantRow:
@@ -42,7 +44,7 @@ def run_quant_bench(model_name: str | None, n_prompts: int, new_tokens: int, jso
     from ..cli import load_engine
     from .plots import plot_bars, write_json
 
-    console = Console()
+    console = bench_console()
     with console.status("loading model"):
         reference = load_engine(model_name)
     engines = {16: reference}

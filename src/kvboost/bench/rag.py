@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 
 import typer
 
+from .console import bench_console
+
 SYSTEM_PROMPT = ("You answer questions about the documents the user provides. Use only those documents and reply "
                  "with a short answer.")
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
@@ -187,7 +189,6 @@ def eval_rag_command(
 ) -> None:
     """Multi-document QA: full prefill vs none / selective / cacheblend reuse of warmed documents."""
     import torch
-    from rich.console import Console
     from rich.progress import Progress
 
     from .. import KVBoost
@@ -196,9 +197,7 @@ def eval_rag_command(
 
     if threads:
         torch.set_num_threads(threads)
-    console = Console()
-    if not console.is_terminal:  # redirected to a file: do not squeeze the table into 80 columns
-        console = Console(width=160)
+    console = bench_console()
     ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
     with console.status("loading model"):
         engine = KVBoost.from_pretrained(model, chunk_size=chunk_size)

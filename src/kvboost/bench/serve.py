@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 import typer
 
+from .console import bench_console
+
 TARGET_RPS_GAIN = 2.0
 TARGET_TTFT_GAIN = 3.0
 
@@ -139,7 +141,6 @@ def run_serve_bench(model: str | None = None, clients: int = 16, requests_per_cl
 
 
 def print_report(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"kvboost bench serve — {report['model']}, {report['clients']} concurrent clients, "
@@ -151,7 +152,7 @@ def print_report(report: dict) -> None:
         table.add_row("off" if r["mode"] == "baseline" else "on", str(r["requests"]), str(r["errors"]),
                       f"{r['requests_per_s']:.2f}", f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p90_ms']:.0f}",
                       f"{r['latency_p50_ms']:.0f}", f"{r['mean_cached_tokens']:.0f}")
-    console = Console()
+    console = bench_console()
     console.print(table)
     verdict = "meets" if report["meets_targets"] else "misses"
     console.print(f"reuse on: {report['requests_per_s_gain']:.2f}x requests/s (target {TARGET_RPS_GAIN:g}x), "

@@ -68,6 +68,33 @@ class TierStats:
         return d
 
 
+class CountedTier:
+    """Hit/miss/error accounting shared by the tiers that can fail (disk, Redis).
+
+    Subclasses provide `_get(key)` (may raise: a failing tier is a miss, never a failed request),
+    `_lock`, `_stats` (TierStats) and `_counters` (extra named counters).
+    """
+
+    def get(self, key: str) -> "ChunkRecord | None":
+        try:
+            record = self._get(key)
+        except Exception:
+            self._count("errors")
+            record = None
+        self._count("hits" if record is not None else "misses")
+        return record
+
+    def _get(self, key: str) -> "ChunkRecord | None":
+        raise NotImplementedError
+
+    def _count(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            if field in self._counters:
+                self._counters[field] += n
+            else:
+                setattr(self._stats, field, getattr(self._stats, field) + n)
+
+
 @runtime_checkable
 class ChunkStore(Protocol):
     """A tier. get() returns full-precision K/V (tiers that quantize dequantize on load) or None.

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import xxhash
 
-from .base import ChunkMeta, ChunkRecord, TierStats
+from .base import ChunkMeta, ChunkRecord, CountedTier, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
 from .serialize import RecordError, dumps, frame_checksum, loads
 
@@ -62,7 +62,7 @@ CREATE INDEX IF NOT EXISTS chunks_eviction ON chunks(hits, last_access);
 _META_COLS = "key, parent_key, content_key, token_ids, start"
 
 
-class DiskStore:
+class DiskStore(CountedTier):
     name = "disk"
 
     def __init__(self, directory: str | os.PathLike, budget_bytes: int | None = None, namespace: str = "default",
@@ -192,15 +192,6 @@ class DiskStore:
         self.close()
 
     # ---- reads ---------------------------------------------------------------------------------
-    def get(self, key: str) -> ChunkRecord | None:
-        try:
-            record = self._get(key)
-        except Exception:
-            self._count("errors")
-            record = None
-        self._count("hits" if record is not None else "misses")
-        return record
-
     def _get(self, key: str) -> ChunkRecord | None:
         if self.disabled:
             return None
@@ -450,12 +441,6 @@ class DiskStore:
             return False
         return False
 
-    def _count(self, field: str, n: int = 1) -> None:
-        with self._lock:
-            if field in self._counters:
-                self._counters[field] += n
-            else:
-                setattr(self._stats, field, getattr(self._stats, field) + n)
 
 
 def default_disk_budget(directory: str | os.PathLike, cap_bytes: int = 16 * 1024**3) -> int:

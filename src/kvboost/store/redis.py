@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .base import ChunkMeta, ChunkRecord, TierStats
+from .base import ChunkMeta, ChunkRecord, CountedTier, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
 from .serialize import RecordError, dumps, loads
 
@@ -110,7 +110,7 @@ def _never_raises(default):
     return wrap
 
 
-class RedisStore:
+class RedisStore(CountedTier):
     name = "redis"
 
     def __init__(self, url: str, namespace: str, ttl_s: int | None = None, socket_timeout: float = 0.25,
@@ -144,15 +144,6 @@ class RedisStore:
         return f"{self._prefix}content:{content_key}"
 
     # ---- reads -----------------------------------------------------------------------------------
-    def get(self, key: str) -> ChunkRecord | None:
-        try:
-            record = self._get(key)
-        except Exception:
-            self._count("errors")
-            record = None
-        self._count("hits" if record is not None else "misses")
-        return record
-
     def _get(self, key: str) -> ChunkRecord | None:
         record = None
         results = self._run(lambda p: self._fetch(p, key))
@@ -322,12 +313,6 @@ class RedisStore:
         if counter:
             self._count(counter, len(entries))
 
-    def _count(self, field: str, n: int = 1) -> None:
-        with self._lock:
-            if field in self._counters:
-                self._counters[field] += n
-            else:
-                setattr(self._stats, field, getattr(self._stats, field) + n)
 
 
 def _parse_meta(key: str, raw: bytes | None) -> ChunkMeta | None:

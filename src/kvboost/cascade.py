@@ -1,0 +1,195 @@
+"""Shared-prefix ("cascade") attention: rows of a batch read one prefix K/V tensor, never B copies of it.
+
+Rows that share a prompt prefix (a system prompt) would otherwise each hold a copy of its K/V, and every
+decode step would read all B copies. Here the prefix K/V lives once per layer as [1, kv_heads, P, d];
+each row's own K/V after it sits in the row's workspace slot. Attention is computed in two parts that
+share one softmax:
+
+  prefix: queries of every row, GQA group and query position folded into the matmul M dimension,
+          [kv_heads, B*groups*q, d] @ [kv_heads, d, P]  -> the prefix is read once per step;
+  suffix: each row over its own columns [P, end) under the usual causal/padding mask.
+
+The scores are merged by a log-sum-exp softmax over both parts, which is the same softmax as over the
+concatenation, so the result equals plain attention up to float rounding.
+
+Wiring into transformers: a function is registered in `AttentionInterface` (and `sdpa_mask` as its
+mask builder in `AttentionMaskInterface`) under CASCADE_ATTENTION. `cascade_forward()` switches a model's
+`config._attn_implementation` to it only around the BatchRunner's own forwards (under the engine lock)
+and puts the forward's Cache in a thread-local; the function finds its layer's `shared_prefix` through
+`module.layer_idx`. A call from another thread during that window sees no context and runs plain sdpa,
+so other users of the same model object keep exact results.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .errors import KVBoostError
+
+CASCADE_ATTENTION = "kvboost_cascade"
+
+
+class SharedPrefixAttentionError(KVBoostError, RuntimeError):
+    """The model's attention cannot run (or did not run) through shared-prefix attention exactly."""
+
+
+def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
+                            prefix_value: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of query [B, Hq, q, d] over prefix_key/value [1, Hkv, P, d] (seen by every query) followed by
+    key/value [B, Hkv, S, d] under `mask` ([B or 1, 1, q, S]: bool = may attend, float = additive bias;
+    None = causal aligned to the last query, i.e. query i sees suffix keys j <= i + S - q).
+
+    Returns [B, Hq, q, dv]. Scores are taken in the input dtype and the softmax in float32, as eager does.
+    """
+    b, hq, q, d = query.shape
+    hkv, p = prefix_key.shape[1], prefix_key.shape[2]
+    s, dv = key.shape[2], value.shape[-1]
+    if prefix_key.shape[0] != 1 or hq % hkv or key.shape[1] != hkv or prefix_value.shape[2] != p:
+        raise SharedPrefixAttentionError(
+            f"shape mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, prefix {tuple(prefix_key.shape)}")
+    g = hq // hkv
+    m = b * g * q
+    grouped = query.reshape(b, hkv, g, q, d)
+    # Prefix part: one matmul per kv head over every (row, group, query position): the prefix is read once.
+    q_folded = grouped.permute(1, 0, 2, 3, 4).reshape(hkv, m, d)
+    s_pre = torch.matmul(q_folded, prefix_key[0].transpose(-1, -2)).float().mul_(scaling)  # [Hkv, M, P]
+    # Suffix part: each row over its own keys.
+    s_suf = torch.matmul(grouped.reshape(b, hkv, g * q, d), key.transpose(-1, -2)).float().mul_(scaling)
+    s_suf = s_suf.view(b, hkv, g, q, s)
+    if mask is None:
+        if q > 1:
+            causal = torch.ones(q, s, dtype=torch.bool, device=query.device).tril(s - q)
+            s_suf.masked_fill_(~causal, float("-inf"))
+    elif mask.dtype == torch.bool:
+        s_suf.masked_fill_(~mask[:, :, None], float("-inf"))
+    else:
+        s_suf.add_(mask[:, :, None].float())
+    # Joint softmax: a shared running max and denominator over both parts (log-sum-exp merge).
+    pre_max = s_pre.amax(-1).view(hkv, b, g, q).permute(1, 0, 2, 3)  # -> [B, Hkv, g, q]
+    top = torch.maximum(pre_max, s_suf.amax(-1))
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a fully masked row must not give NaN
+    top_pre = top.permute(1, 0, 2, 3).reshape(hkv, m, 1)
+    e_pre = (s_pre - top_pre).exp_()
+    e_suf = (s_suf - top[..., None]).exp_()
+    denom = e_pre.sum(-1).view(hkv, b, g, q).permute(1, 0, 2, 3) + e_suf.sum(-1)  # [B, Hkv, g, q]
+    inv = denom.reciprocal()
+    p_pre = e_pre.mul_(inv.permute(1, 0, 2, 3).reshape(hkv, m, 1)).to(prefix_value.dtype)
+    p_suf = e_suf.mul_(inv[..., None]).to(value.dtype)
+    out_pre = torch.matmul(p_pre, prefix_value[0])  # [Hkv, M, dv]
+    out_pre = out_pre.view(hkv, b, g, q, dv).permute(1, 0, 2, 3, 4)
+    out_suf = torch.matmul(p_suf.view(b, hkv, g * q, s), value).view(b, hkv, g, q, dv)
+    return (out_pre + out_suf).reshape(b, hq, q, dv)
+
+
+# ---- transformers wiring --------------------------------------------------------------------------------
+class _Context:
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.calls = 0
+
+
+_local = threading.local()
+
+
+def _cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                               scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    ctx: _Context | None = getattr(_local, "ctx", None)
+    if ctx is None:  # another caller of the model while a runner had it switched: plain sdpa, same mask format
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise SharedPrefixAttentionError(f"{type(module).__name__} has no layer_idx; cannot find its shared prefix")
+    for name in ("softcap", "sliding_window", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise SharedPrefixAttentionError(f"attention with {name} is not supported by shared-prefix attention")
+    if module.training and dropout:
+        raise SharedPrefixAttentionError("shared-prefix attention is inference-only (dropout > 0 in training)")
+    prefix = getattr(ctx.cache.layers[layer_idx], "shared_prefix", None)
+    if prefix is None:
+        raise SharedPrefixAttentionError(f"cache layer {layer_idx} exposes no shared_prefix")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = shared_prefix_attention(query, key, value, prefix[0], prefix[1], attention_mask, scale)
+    ctx.calls += 1
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention_forward)
+# Masks are built exactly as for sdpa (bool, [B, 1, q, kv_length] from the cache's kv_offset), so the
+# sdpa fallback above receives the format it expects.
+AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
+
+
+_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its configs (walked once)
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """Every distinct config that a submodule's attention reads `_attn_implementation` from."""
+    cached = _CONFIGS.get(model)
+    if cached is not None:
+        return cached
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation_internal"):
+            seen.setdefault(id(config), config)
+            text = config.get_text_config() if hasattr(config, "get_text_config") else None
+            if text is not None and hasattr(text, "_attn_implementation_internal"):
+                seen.setdefault(id(text), text)
+    _CONFIGS[model] = list(seen.values())
+    return _CONFIGS[model]
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why shared-prefix attention cannot be exact for this model (None: it can)."""
+    from .continuous import has_sliding_layers  # local: continuous imports this module
+
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return f"{type(model).__name__} cannot switch its attention implementation"
+    text = model.config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None):
+        return "attention logit softcapping"
+    if has_sliding_layers(model):
+        return "sliding-window attention layers"
+    if getattr(text, "is_causal", True) is False:
+        return "non-causal attention"
+    return None
+
+
+@contextmanager
+def cascade_forward(model: torch.nn.Module, cache) -> Iterator[None]:
+    """Run the model's forwards inside this block through shared-prefix attention over `cache`'s layers.
+
+    Callers must hold the lock that serializes the model's other forwards (the engine lock): the switch is
+    on the model's config. On exit the previous implementation is restored, and a forward in which not
+    every cache layer's attention went through the shared prefix raises instead of returning wrong output.
+    """
+    configs = _configs(model)
+    saved = [c._attn_implementation_internal for c in configs]
+    ctx = _Context(cache)
+    previous = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    for c in configs:
+        c._attn_implementation_internal = CASCADE_ATTENTION
+    try:
+        yield
+    finally:
+        for c, impl in zip(configs, saved):
+            c._attn_implementation_internal = impl
+        _local.ctx = previous
+    expected = len(cache.layers)
+    if ctx.calls != expected:
+        raise SharedPrefixAttentionError(
+            f"{type(model).__name__}: {ctx.calls} of {expected} attention layers ran through shared-prefix "
+            "attention; the output would be wrong (disable shared_prefix_attention for this model)")

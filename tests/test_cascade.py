@@ -1,0 +1,135 @@
+"""Shared-prefix (cascade) attention equals plain attention over [prefix; row's own K/V]."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
+
+from kvboost.cascade import (
+    CASCADE_ATTENTION,
+    SharedPrefixAttentionError,
+    cascade_forward,
+    shared_prefix_attention,
+    unsupported_reason,
+)
+
+from .tiny_models import make_tiny_model
+
+
+def _reference(query, key, value, pk, pv, mask):
+    """sdpa over the prefix copied into every row, then each row's own K/V."""
+    b, hq, q, _ = query.shape
+    g = hq // key.shape[1]
+    full_k = torch.cat([pk.expand(b, -1, -1, -1), key], 2).repeat_interleave(g, 1)
+    full_v = torch.cat([pv.expand(b, -1, -1, -1), value], 2).repeat_interleave(g, 1)
+    full_mask = torch.cat([torch.ones(b, 1, q, pk.shape[2], dtype=torch.bool), mask.expand(b, 1, q, -1)], -1)
+    return F.scaled_dot_product_attention(query, full_k, full_v, attn_mask=full_mask)
+
+
+def _ragged_causal_mask(lengths: list[int], q: int) -> torch.Tensor:
+    """Row b owns suffix columns [0, lengths[b]); its q queries are its last q tokens."""
+    mask = torch.zeros(len(lengths), 1, q, max(lengths), dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        for i in range(q):
+            mask[b, 0, i, : n - q + i + 1] = True
+    return mask
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("q", [1, 5])
+def test_matches_sdpa_with_ragged_rows(heads, kv_heads, q):
+    torch.manual_seed(heads * 10 + q)
+    lengths, d, p = [5, 9, 7], 16, 23
+    b, s = len(lengths), max(lengths)
+    query = torch.randn(b, heads, q, d)
+    key, value = torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
+    pk, pv = torch.randn(1, kv_heads, p, d), torch.randn(1, kv_heads, p, d)
+    mask = _ragged_causal_mask(lengths, q)
+    out = shared_prefix_attention(query, key, value, pk, pv, mask, d ** -0.5)
+    assert out.shape == (b, heads, q, d)
+    torch.testing.assert_close(out, _reference(query, key, value, pk, pv, mask), atol=1e-5, rtol=1e-5)
+    # An additive float mask (eager format) means the same thing.
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    torch.testing.assert_close(shared_prefix_attention(query, key, value, pk, pv, bias, d ** -0.5), out,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("q,s", [(1, 6), (6, 6), (4, 9)])
+def test_no_mask_means_causal_from_the_last_query(q, s):
+    torch.manual_seed(q + s)
+    query, key, value = torch.randn(2, 4, q, 8), torch.randn(2, 2, s, 8), torch.randn(2, 2, s, 8)
+    pk, pv = torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
+    expected = _reference(query, key, value, pk, pv, _ragged_causal_mask([s, s], q))
+    torch.testing.assert_close(shared_prefix_attention(query, key, value, pk, pv, None, 8 ** -0.5), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_scaling_is_applied():
+    torch.manual_seed(3)
+    query, key, value = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    pk, pv = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    expected = F.scaled_dot_product_attention(query, torch.cat([pk, key], 2), torch.cat([pv, value], 2), scale=0.3)
+    torch.testing.assert_close(shared_prefix_attention(query, key, value, pk, pv, mask, 0.3), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_is_never_expanded_per_row(monkeypatch):
+    """The prefix matmul sees the [kv_heads, P, d] tensor itself: one read for every row."""
+    seen = []
+    real = torch.matmul
+
+    def spy(a, b):
+        seen.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    pk = torch.randn(1, 2, 7, 8)
+    shared_prefix_attention(torch.randn(5, 4, 1, 8), torch.randn(5, 2, 3, 8), torch.randn(5, 2, 3, 8), pk,
+                            torch.randn(1, 2, 7, 8), torch.ones(5, 1, 1, 3, dtype=torch.bool), 0.35)
+    assert seen[0].shape == (2, 8, 7) and seen[0].data_ptr() == pk.data_ptr()
+
+
+def test_shape_errors_are_typed():
+    with pytest.raises(SharedPrefixAttentionError):
+        shared_prefix_attention(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8),
+                                torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), None, 0.35)
+
+
+def test_registered_function_without_a_runner_context_is_plain_sdpa():
+    fn = AttentionInterface().get_interface(CASCADE_ATTENTION, None)
+    module = torch.nn.Module()
+    module.layer_idx, module.is_causal, module.num_key_value_groups = 0, True, 2
+    module.eval()
+    query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    out, _ = fn(module, query, key, value, None, scaling=0.35)
+    expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
+                                              is_causal=True, scale=0.35).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_unsupported_models_are_named(tokenizer):
+    assert unsupported_reason(make_tiny_model("llama", tokenizer)) is None
+    assert unsupported_reason(make_tiny_model("qwen2", tokenizer)) is None
+    assert unsupported_reason(make_tiny_model("gemma2", tokenizer)) is not None
+    assert "sliding" in unsupported_reason(make_tiny_model("gemma3", tokenizer))
+
+
+def test_cascade_forward_restores_the_model_and_refuses_a_partial_run(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    before = model.config._attn_implementation
+    cache = DynamicCache()  # its layers expose no shared_prefix: the attention function must refuse
+    with pytest.raises(SharedPrefixAttentionError, match="shared_prefix"), cascade_forward(model, cache), \
+            torch.inference_mode():
+        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+    assert model.config._attn_implementation == before
+
+    class NoLayers:
+        layers = [object()] * (model.config.num_hidden_layers + 1)
+
+    # Fewer attention calls than cache layers (a model that bypassed the switch) is an error, not output.
+    with pytest.raises(SharedPrefixAttentionError, match="attention layers"), cascade_forward(model, NoLayers()):
+        pass
+    assert model.config._attn_implementation == before

@@ -1,0 +1,254 @@
+"""BatchRunner with a shared prefix: one prefix K/V for all rows, never copied into slots, exact outputs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvboost import KVBoost, cascade
+from kvboost.continuous import BatchRunner
+from kvboost.sampling import SamplingParams
+
+from .prompts import text_with_tokens, words
+from .test_engine_fidelity import hf_greedy
+from .tiny_models import make_tiny_model
+
+CHUNK = 16
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 20000) for _ in range(n)]
+
+
+@pytest.fixture
+def prefix_reads(monkeypatch):
+    """Every shared-prefix attention call as (prefix key data_ptr, prefix batch dim, rows in the call)."""
+    calls: list[tuple[int, int, int]] = []
+    real = cascade.shared_prefix_attention
+
+    def spy(query, key, value, prefix_key, prefix_value, mask, scaling):
+        calls.append((prefix_key.data_ptr(), prefix_key.shape[0], query.shape[0]))
+        return real(query, key, value, prefix_key, prefix_value, mask, scaling)
+
+    monkeypatch.setattr(cascade, "shared_prefix_attention", spy)
+    return calls
+
+
+def _prefix_columns_untouched(runner: BatchRunner) -> bool:
+    """Columns [0, P) of every active row's slot are still zero (the workspace is zero-initialized)."""
+    p = runner.prefix.length
+    slots = [r.slot for r in runner._active]
+    for i in range(len(runner.ws.shapes)):
+        k, v = runner.ws.buffers(i)
+        if k[slots, :, :p].abs().sum() != 0 or v[slots, :, :p].abs().sum() != 0:
+            return False
+    return True
+
+
+def _add(runner, ids, n):
+    return runner.add(ids, SamplingParams(max_new_tokens=n), "prompt")
+
+
+def _drain(runner, check=None, limit=300):
+    steps = 0
+    while runner.has_work():
+        runner.step()
+        if check is not None:
+            check()
+        steps += 1
+        assert steps < limit
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rows_sharing_a_prefix_read_one_copy_and_match_sequential(arch, tokenizer, prefix_reads):
+    model = make_tiny_model(arch, tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    system = text_with_tokens(tokenizer, 3 * CHUNK + 5, seed=1)
+    prompts = [system + " " + words(n, seed=n) for n in (3, 9, 17, 5)]
+    runner = BatchRunner(engine, max_batch_size=4)
+    handles = [_add(runner, engine.encode(p), 10) for p in prompts]
+    runner.step()
+    assert runner.prefix is not None and runner.prefix.length >= 3 * CHUNK
+    shared = runner.prefix
+    ptrs = {k.data_ptr() for k in shared.keys}
+
+    def check():
+        if runner.active_count():
+            assert runner.prefix is shared and _prefix_columns_untouched(runner)
+
+    _drain(runner, check)
+    assert runner.prefix is None  # dropped when the batch empties
+    assert model.config._attn_implementation == "sdpa"  # only the runner's forwards were switched
+    # Every attention call read one [1, ...] prefix tensor of this batch, also in steps decoding all 4 rows.
+    assert prefix_reads and all(ptr in ptrs and pb == 1 for ptr, pb, _ in prefix_reads)
+    assert max(rows for _, _, rows in prefix_reads) == 4
+    reference = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    for prompt, h in zip(prompts, handles):
+        assert h.error is None and h.result.cached_tokens >= 3 * CHUNK
+        assert h.result.output_token_ids == reference.generate(prompt, 10, mode="baseline").output_token_ids
+
+
+def test_rows_joining_with_the_same_prefix_keep_it(tokenizer, prefix_reads):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    system = _ids(3 * CHUNK, seed=1)
+    prompts = [system + _ids(n, seed=n) for n in (4, 11, 7, 20)]
+    budgets = [12, 5, 9, 6]
+    handles = [_add(runner := BatchRunner(engine, max_batch_size=4), prompts[0], budgets[0]),
+               _add(runner, prompts[1], budgets[1])]
+    runner.step()
+    shared = runner.prefix
+    assert shared is not None and shared.length == 3 * CHUNK
+    runner.step()
+    handles += [_add(runner, prompts[2], budgets[2]), _add(runner, prompts[3], budgets[3])]
+    runner.step()
+    assert runner.prefix is shared and runner.active_count() == 4 and _prefix_columns_untouched(runner)
+    _drain(runner, lambda: not runner.active_count() or _prefix_columns_untouched(runner) or pytest.fail("copied"))
+    for ids, n, h in zip(prompts, budgets, handles):
+        assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, n)
+
+
+def test_a_row_with_another_prefix_shrinks_the_shared_part(tokenizer):
+    model = make_tiny_model("qwen2", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    system = _ids(3 * CHUNK, seed=1)
+    prompts = [system + _ids(n, seed=n) for n in (5, 9, 13)]
+    runner = BatchRunner(engine, max_batch_size=6)
+    handles = [_add(runner, ids, 14) for ids in prompts]
+    runner.step()
+    assert runner.prefix.length == 3 * CHUNK
+    # Shares only the first chunk: the shared prefix shrinks to it; active rows get their own copy of the rest.
+    partial = system[:CHUNK] + _ids(20, seed=77)
+    handles.append(_add(runner, partial, 10))
+    runner.step()
+    assert runner.prefix.length == CHUNK and _prefix_columns_untouched(runner)
+    k0, _ = runner.ws.buffers(0)
+    assert all(k0[r.slot, :, CHUNK:3 * CHUNK].abs().sum() > 0 for r in runner._active)
+    # Shares nothing: back to the per-row layout, every row holding its whole K/V.
+    other = _ids(30, seed=99)
+    handles.append(_add(runner, other, 8))
+    runner.step()
+    assert runner.prefix is None
+    assert all(k0[r.slot, :, :CHUNK].abs().sum() > 0 for r in runner._active)
+    _drain(runner)
+    for ids, h in zip(prompts + [partial, other], handles):
+        assert h.error is None
+        assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, h.result.generated_tokens)
+    assert [h.result.generated_tokens for h in handles] == [14, 14, 14, 10, 8]
+
+
+def test_cancel_and_release_move_only_a_rows_own_columns(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    system = _ids(2 * CHUNK, seed=3)
+    prompts = [system + _ids(n, seed=10 + n) for n in (3, 8, 5, 12, 6)]
+    budgets = [3, 14, 6, 11, 9]
+    runner = BatchRunner(engine, max_batch_size=4)
+    handles = [_add(runner, ids, n) for ids, n in zip(prompts, budgets)]  # the fifth waits for a free slot
+    runner.step()
+    runner.step()
+    handles[1].cancel()
+    seen_prefix = []
+
+    def check():
+        if runner.active_count():
+            seen_prefix.append(runner.prefix.length)
+            assert _prefix_columns_untouched(runner)
+
+    _drain(runner, check)
+    assert set(seen_prefix) == {2 * CHUNK}
+    assert handles[1].finished and handles[1].result is None
+    for i, (ids, n, h) in enumerate(zip(prompts, budgets, handles)):
+        if i != 1:
+            assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, n)
+
+
+def test_every_row_keeps_a_token_after_the_prefix(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    system = _ids(3 * CHUNK, seed=5)
+    prompts = [system, system + _ids(9, seed=6)]  # the first is exactly the 3-chunk prefix
+    runner = BatchRunner(engine, max_batch_size=2)
+    handles = [_add(runner, ids, 6) for ids in prompts]
+    runner.step()
+    assert runner.prefix.length == 2 * CHUNK
+    _drain(runner)
+    for ids, h in zip(prompts, handles):
+        assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 6)
+
+
+def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    system = text_with_tokens(tokenizer, 2 * CHUNK + 3, seed=8)
+    prompts = [system + " " + words(n, seed=40 + n) for n in (6, 13)]
+    runner = BatchRunner(engine, max_batch_size=2)
+    handles = [_add(runner, engine.encode(p), 20) for p in prompts]
+    runner.step()
+    assert runner.prefix.length == 2 * CHUNK
+    engine.clear_cache()  # write-back must now store the prefix chunks too, read from the shared tensor
+    _drain(runner)
+    for prompt, h in zip(prompts, handles):
+        fed = engine.encode(prompt) + h.result.output_token_ids[:-1]
+        with torch.inference_mode():
+            full = model(input_ids=torch.tensor([fed]), past_key_values=DynamicCache(), use_cache=True)
+        for chunk in engine.chunker.split(fed):
+            record = engine.store.get(chunk.prefix_key)
+            assert record is not None and record.token_ids == chunk.token_ids
+            for i, layer in enumerate(full.past_key_values.layers):
+                torch.testing.assert_close(record.keys[i], layer.keys[0, :, chunk.start:chunk.end], atol=1e-5, rtol=0)
+                torch.testing.assert_close(record.values[i], layer.values[0, :, chunk.start:chunk.end],
+                                           atol=1e-5, rtol=0)
+        engine.forget_workspace()
+        single = engine.generate(prompt, 20)
+        assert single.cached_tokens == len(engine.encode(prompt)) - 1
+        assert single.output_token_ids == h.result.output_token_ids
+
+
+def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, shared_prefix_attention=False)
+    system = _ids(2 * CHUNK, seed=9)
+    prompts = [system + _ids(n, seed=n) for n in (4, 7)]
+    for runner in (BatchRunner(engine, max_batch_size=2),
+                   BatchRunner(KVBoost(model, tokenizer, chunk_size=CHUNK), 2, shared_prefix_attention=False)):
+        assert not runner.shared_prefix_attention and runner.shared_prefix_off_reason == "disabled"
+        handles = [_add(runner, ids, 5) for ids in prompts]
+        runner.step()
+        assert runner.prefix is None
+        k0, _ = runner.ws.buffers(0)
+        assert k0[:2, :, :2 * CHUNK].abs().sum() > 0  # the old layout: every row holds the prefix
+        _drain(runner)
+        for ids, h in zip(prompts, handles):
+            assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 5)
+    assert not prefix_reads
+    assert BatchRunner(KVBoost(model, tokenizer, chunk_size=CHUNK)).shared_prefix_attention
+    with pytest.raises(TypeError):
+        BatchRunner(engine, shared_prefix_attention="yes")
+    with pytest.raises(ValueError, match="shared_prefix_attention"):
+        KVBoost(model, tokenizer, shared_prefix_attention=1)
+
+
+def test_sliding_window_models_keep_the_per_row_path(tokenizer):
+    engine = KVBoost(make_tiny_model("gemma3", tokenizer), tokenizer, chunk_size=CHUNK)
+    runner = BatchRunner(engine, max_batch_size=4)
+    assert not runner.shared_prefix_attention and "sliding" in runner.shared_prefix_off_reason
+
+
+def test_smollm2_rows_sharing_a_system_prompt(smol):
+    model, tokenizer = smol
+    chunk = 32
+    engine = KVBoost(model, tokenizer, chunk_size=chunk)
+    system = text_with_tokens(tokenizer, 2 * chunk + 10, seed=11)
+    prompts = [system + " Question: " + words(n, seed=60 + n) + "?" for n in (4, 9, 6, 12)]
+    runner = BatchRunner(engine, max_batch_size=4)
+    handles = [_add(runner, engine.encode(p), 8) for p in prompts]
+    runner.step()
+    assert runner.prefix is not None and runner.prefix.length >= 2 * chunk and _prefix_columns_untouched(runner)
+    _drain(runner)
+    reference = KVBoost(model, tokenizer, chunk_size=chunk)
+    for prompt, h in zip(prompts, handles):
+        assert h.result.output_token_ids == reference.generate(prompt, 8, mode="baseline").output_token_ids
