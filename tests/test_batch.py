@@ -122,3 +122,70 @@ def test_shared_prefix_is_assembled_once_and_truncates_as_views():
         prefix.truncated(11)
     with pytest.raises(ValueError, match="cover"):
         SharedPrefix.from_segments(list(range(8)), None, [segs[0], segs[2]])
+
+
+# ---- boundary window: chunk boundaries come from Chunker.spans, not multiples of chunk_size -------------------
+def _next_cut(cuts: list[int], n: int) -> int | None:
+    return next((c for c in cuts if c > n), None)
+
+
+def test_find_common_chunk_prefix_with_a_boundary_window():
+    import random
+
+    from kvboost.chunking import Chunker
+    from kvboost.reuse.match import common_prefix_length
+
+    from .test_chunking import _CLASSES, _random_ids
+
+    chunker = Chunker(16, "ns", 5, _CLASSES)
+    rng = random.Random(3)
+    moved = False
+    for _ in range(40):
+        common = _random_ids(rng, rng.randrange(0, 120), 0.04, 0.3)
+        rows = [common + _random_ids(rng, rng.randrange(1, 40), 0.04, 0.3) for _ in range(3)]
+        n = find_common_chunk_prefix(rows, 16, chunker)
+        cuts = [[stop for _, stop, done in chunker.spans(r) if done] for r in rows]
+        same = min(common_prefix_length(rows[0], r) for r in rows[1:])
+        assert n <= same and (n == 0 or all(n in c for c in cuts))
+        # The rows' chunk chains agree up to n (same keys), and the next cut is not shared by all of them.
+        chains = [[c.prefix_key for c in chunker.split(r) if c.end <= n] for r in rows]
+        assert chains[0] == chains[1] == chains[2]
+        nxt = {_next_cut(c, n) for c in cuts}
+        assert len(nxt) > 1 or None in nxt or next(iter(nxt)) > same
+        moved |= n % 16 != 0
+    assert moved  # the answer is not always a multiple of chunk_size
+    assert find_common_chunk_prefix([[1, 2, 3, 4, 5], [1, 2, 3, 4, 9]], 2, Chunker(2, "ns")) == 4
+
+
+def test_group_by_prefix_with_a_boundary_window():
+    import random
+
+    from kvboost.chunking import Chunker
+
+    from .test_chunking import _CLASSES, _random_ids
+
+    rng = random.Random(4)
+    chunker = Chunker(8, "ns", 3, _CLASSES)
+    base = _random_ids(rng, 40, 0.1, 0.3)
+    ids = [base + [50] * 5, base[:30] + [60] * 20, [70] * 30]  # two complete chunks end by 22, decided by 25
+    groups = group_by_prefix(["a", "b", "c"], ids, 8, n_prefix_chunks=2, chunker=chunker)
+    assert sorted(groups.values()) == [[0, 1], [2]]
+    second_cut = [stop for _, stop, done in chunker.spans(ids[0]) if done][1]
+    assert tuple(ids[0][:second_cut]) in groups
+
+
+def test_generate_batch_with_a_boundary_window(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=6)
+    system = " ".join(words(3 + i % 7, seed=i).capitalize() + "." for i in range(10))
+    prompts = [system + " " + words(n, seed=n) for n in (3, 9, 17, 5)]
+    results = engine.generate_batch(prompts, max_new_tokens=10)
+    encoded = [engine.encode(p) for p in prompts]
+    shared = find_common_chunk_prefix([ids[:-1] for ids in encoded], CHUNK, engine.chunker)
+    assert shared >= 3 * CHUNK
+    for ids, result in zip(encoded, results):
+        assert result.output_token_ids == hf_greedy(model, tokenizer, ids, 10)
+        assert result.cached_tokens >= shared
+    many = engine.generate_many(prompts + [words(40, seed=7)], max_new_tokens=6)
+    for prompt, r in zip(prompts + [words(40, seed=7)], many):
+        assert r.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), 6)

@@ -252,3 +252,60 @@ def test_smollm2_rows_sharing_a_system_prompt(smol):
     reference = KVBoost(model, tokenizer, chunk_size=chunk)
     for prompt, h in zip(prompts, handles):
         assert h.result.output_token_ids == reference.generate(prompt, 8, mode="baseline").output_token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_boundary_window_shared_prefix_ends_on_every_rows_cut(arch, tokenizer):
+    """W = 7 with 16-token chunks: the last chunks of a truncated prefix may be cut differently from the rows'
+    own, so the prefix is warmed and loaded as the rows' chunks; it ends on a cut of every row."""
+    from kvboost.batch import find_common_chunk_prefix
+
+    model = make_tiny_model(arch, tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=7)
+    system = " ".join(words(2 + (3 * i) % 8, seed=i).capitalize() + "." for i in range(9))
+    prompts = [system + " " + words(n, seed=n).capitalize() + "?" for n in (4, 10, 7, 15)]
+    encoded = [engine.encode(p) for p in prompts]
+    shared = find_common_chunk_prefix([ids[:-1] for ids in encoded], CHUNK, engine.chunker)
+    assert shared >= 3 * CHUNK and shared % CHUNK != 0
+    for ids in encoded:
+        assert shared in {c.end for c in engine.chunker.split(ids) if c.complete}
+    runner = BatchRunner(engine, max_batch_size=4)
+    handles = [_add(runner, ids, 8) for ids in encoded]
+    runner.step()
+    assert runner.prefix is not None and runner.prefix.length == shared and _prefix_columns_untouched(runner)
+    _drain(runner)
+    for ids, h in zip(encoded, handles):
+        assert h.error is None and h.result.cached_tokens >= shared
+        assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 8)
+
+
+@pytest.mark.parametrize("case", ["cut_after_shared_tokens", "short_chunks"])
+def test_boundary_window_rows_cut_differently_right_after_the_shared_tokens(case, tokenizer):
+    """Token-level cases (16-token chunks, W = 7; " river" starts a word, "." ends a sentence):
+    cut_after_shared_tokens: the rows share 53 tokens, but a "." at 53 makes the second row cut at 54 where the
+    first cuts at 48; every row's chunks are stored. The shared prefix must stop at 32 (the last cut of both):
+    a prefix of 48 would leave the second row's positions 48-53 without K/V.
+    short_chunks: "." at 10 and 21 cut at 11 and 22; ids[:22] alone would be one 22-token remainder, so the
+    shared prefix is warmed and loaded as the rows' own two chunks."""
+    from kvboost.batch import find_common_chunk_prefix
+
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=7)
+    word, dot = (tokenizer(t)["input_ids"][0] for t in (" river", "."))
+    tails = [tokenizer(" " + words(12, seed=s))["input_ids"] for s in (1, 2)]
+    if case == "cut_after_shared_tokens":
+        rows, expected = [[word] * 53 + tails[0], [word] * 53 + [dot] + tails[1]], 32
+        for ids in rows:
+            engine._warm_ids(ids, None)
+    else:
+        shared = [word] * 10 + [dot] + [word] * 10 + [dot] + [word] * 14
+        rows, expected = [shared + [dot] + tails[0], shared + [word, word, dot] + tails[1]], 22
+    assert find_common_chunk_prefix([ids[:-1] for ids in rows], CHUNK, engine.chunker) == expected
+    runner = BatchRunner(engine, max_batch_size=2)
+    handles = [_add(runner, ids, 8) for ids in rows]
+    runner.step()
+    assert runner.prefix is not None and runner.prefix.length == expected
+    _drain(runner)
+    for ids, h in zip(rows, handles):
+        assert h.error is None and h.result.cached_tokens >= expected
+        assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 8)

@@ -10,23 +10,55 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from .chunking import Chunker
     from .reuse.match import Segment
     from .runner import KVWorkspace
 
 
-def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int) -> int:
-    """Length of the longest chunk-aligned prefix shared by every prompt."""
+def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int,
+                             chunker: Chunker | None = None) -> int:
+    """Length of the longest chunk-aligned prefix shared by every prompt.
+
+    Without a chunker (or with one whose boundary window is 0) chunks are fixed: multiples of chunk_size.
+    With a boundary window the cuts depend on each prompt's tokens, so the answer is the furthest cut of the
+    first prompt's complete chunks (chunker.spans) up to which every prompt has the same tokens and the same
+    sequence of complete cuts: a prefix that ends on a chunk boundary of each prompt, chained by the same keys.
+    """
     if not all_token_ids:
         return 0
+    if chunker is not None and chunker.boundary_window:
+        return _common_variable_prefix(all_token_ids, chunker)
     shortest = min(len(ids) for ids in all_token_ids)
     first = all_token_ids[0]
     n = 0
     while n + chunk_size <= shortest and all(list(ids[n:n + chunk_size]) == list(first[n:n + chunk_size])
                                              for ids in all_token_ids[1:]):
         n += chunk_size
+    return n
+
+
+def _common_variable_prefix(all_token_ids: Sequence[Sequence[int]], chunker: Chunker) -> int:
+    first = np.asarray(all_token_ids[0], dtype=np.int64)
+    same = len(first)  # tokens every prompt shares with the first
+    for ids in all_token_ids[1:]:
+        other = np.asarray(ids[:same], dtype=np.int64)
+        m = min(same, len(other))
+        diff = np.flatnonzero(first[:m] != other[:m])
+        same = int(diff[0]) if len(diff) else m
+    if same == 0:
+        return 0
+    # Each prompt's complete cuts up to `same`, in order (decided with its own tokens past `same`); the
+    # answer is the last cut of the longest run the prompts agree on, so their chunk chains agree up to it.
+    cuts = [[stop for _, stop, complete in chunker.spans(ids, end=same) if complete] for ids in all_token_ids]
+    n = 0
+    for k, stop in enumerate(cuts[0]):
+        if any(len(c) <= k or c[k] != stop for c in cuts[1:]):
+            break
+        n = stop
     return n
 
 
@@ -42,13 +74,18 @@ def broadcast_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_size: in
 
 
 def group_by_prefix(prompts: Sequence[str], token_ids_list: Sequence[Sequence[int]], chunk_size: int,
-                    n_prefix_chunks: int = 3) -> dict[tuple, list[int]]:
-    """Prompt indices grouped by their first n_prefix_chunks chunks (shorter prompts by all full chunks)."""
+                    n_prefix_chunks: int = 3, chunker: Chunker | None = None) -> dict[tuple, list[int]]:
+    """Prompt indices grouped by their first n_prefix_chunks chunks (shorter prompts by all full chunks).
+    With a chunker the chunks are its complete ones (their lengths vary with a boundary window)."""
     if len(prompts) != len(token_ids_list):
         raise ValueError("prompts and token_ids_list differ in length")
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, ids in enumerate(token_ids_list):
-        n = min(len(ids) // chunk_size, n_prefix_chunks) * chunk_size
+        if chunker is not None and chunker.boundary_window:
+            complete = [stop for _, stop, done in chunker.spans(ids) if done]
+            n = complete[min(len(complete), n_prefix_chunks) - 1] if complete and n_prefix_chunks > 0 else 0
+        else:
+            n = min(len(ids) // chunk_size, n_prefix_chunks) * chunk_size
         groups[tuple(ids[:n])].append(i)
     return dict(groups)
 

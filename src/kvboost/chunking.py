@@ -1,4 +1,7 @@
-"""Cut token ids into fixed-size chunks and give each a prefix-chain key and a content key.
+"""Cut token ids into chunks and give each a prefix-chain key and a content key.
+
+Chunks are chunk_size tokens. With a boundary window W > 0 each cut may slide up to W tokens either way
+to a sentence/paragraph end or a word start (Chunker.spans), decided from the token ids alone.
 
 prefix_key = H(namespace ‖ parent_key ‖ tokens): equal only when every earlier token is equal too,
 so stored K/V (computed in full context) is exactly right. content_key = H(namespace ‖ tokens):
@@ -9,6 +12,7 @@ keys from another model or tenant can never collide with ours.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,10 +29,55 @@ class Chunk:
     prefix_key: str
     content_key: str
     parent_key: str | None
+    # The cut after this chunk is decided: every longer sequence with the same tokens up to the decision has
+    # this very chunk. False for a sequence's trailing remainder (shorter than chunk_size with W = 0; with a
+    # boundary window, always the last chunk), which a longer sequence may cut elsewhere.
+    complete: bool = True
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+BOUNDARY_END = 2  # the token's text ends a sentence or clause (. ! ? :) or holds a newline: cut right after it
+BOUNDARY_WORD = 1  # the token's text starts a word (a space or the word-start marker): cut right before it
+_SENTENCE_ENDS = (".", "!", "?", ":")
+_WORD_MARKERS = (" ", "\u0120", "\u2581")  # a space, byte-level BPE's "Ġ", SentencePiece's "▁"
+_CLASS_CACHE: "weakref.WeakKeyDictionary[object, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def boundary_classes(tokenizer) -> np.ndarray:
+    """uint8 per token id: BOUNDARY_END and/or BOUNDARY_WORD bits (0: cutting next to it splits a word).
+
+    Built once per tokenizer (about 0.2 s for 49k ids) and cached, so split() only indexes it. Decoded text
+    decides sentence ends (byte tokens and newlines come out as text); the raw token decides word starts
+    too, because SentencePiece decoders drop a lone token's leading space.
+    """
+    try:
+        cached = _CLASS_CACHE.get(tokenizer)
+    except TypeError:  # not weak-referenceable / hashable: build every time
+        cached = None
+    if cached is not None:
+        return cached
+    size = len(tokenizer)
+    raw = tokenizer.convert_ids_to_tokens(list(range(size)))
+    out = np.zeros(size, dtype=np.uint8)
+    for i in range(size):
+        try:
+            text = tokenizer.decode([i])
+        except Exception:  # a hole in the id space of an added vocabulary
+            continue
+        token = raw[i] if isinstance(raw[i], str) else ""
+        if "\n" in text or text.rstrip(" \t").endswith(_SENTENCE_ENDS):
+            out[i] |= BOUNDARY_END
+        if text.startswith(" ") or token.startswith(_WORD_MARKERS):
+            out[i] |= BOUNDARY_WORD
+    out.flags.writeable = False  # shared by every engine on this tokenizer
+    try:
+        _CLASS_CACHE[tokenizer] = out
+    except TypeError:
+        pass
+    return out
 
 
 def _digest(*parts: bytes) -> str:
@@ -45,9 +94,27 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 class Chunker:
-    def __init__(self, chunk_size: int, namespace: str):
+    """Cuts token ids into chunks and keys them.
+
+    boundary_window W = 0: fixed cuts every chunk_size tokens. W > 0: the cut after a chunk starting at s
+    is chosen in [s + chunk_size - W, s + chunk_size + W] by `boundary_classes` (see boundary_classes()):
+    right after a sentence/paragraph end if the window has one, else right before a word start, else at the
+    nominal s + chunk_size; the candidate closest to the nominal cut wins within a class, the earlier one on
+    a tie. Cuts depend on the token ids alone, so equal sequences always give equal chunks and keys.
+    """
+
+    def __init__(self, chunk_size: int, namespace: str, boundary_window: int = 0,
+                 boundary_classes: np.ndarray | None = None):
+        if not 0 <= boundary_window < max(1, chunk_size // 2):
+            raise ValueError(f"boundary_window must be in [0, chunk_size/2), got {boundary_window}")
+        if boundary_window and boundary_classes is None:
+            raise ValueError("a boundary window needs boundary_classes (see chunking.boundary_classes)")
         self.chunk_size = chunk_size
         self.namespace = namespace
+        self.boundary_window = boundary_window
+        # One zero past the vocabulary: ids the table does not know (a padded embedding) are no boundary.
+        self._classes = (np.append(np.asarray(boundary_classes, dtype=np.uint8), np.uint8(0))
+                         if boundary_window else None)
 
     def _ns(self, salt: str | None) -> bytes:
         return (self.namespace + "|salt=" + (salt or "")).encode()
@@ -63,19 +130,73 @@ class Chunker:
     def content_key(self, token_ids: Sequence[int], salt: str | None = None) -> str:
         return _digest(b"content", self._ns(salt), _token_bytes(token_ids))
 
-    def split(self, token_ids: Sequence[int], salt: str | None = None, include_partial: bool = True) -> list[Chunk]:
-        """Full chunks from position 0, plus the trailing partial chunk when include_partial."""
+    def spans(self, token_ids: Sequence[int], end: int | None = None) -> list[tuple[int, int, bool]]:
+        """(start, stop, complete) of every chunk, in order; with `end`, only those with stop <= end (cut as in
+        the whole sequence). complete: the cut is decided, so every longer sequence with the same first `stop`
+        (W = 0) or first `start + chunk_size + W + 1` (W > 0) tokens has this very chunk; the trailing
+        remainder is not complete (with W > 0 it never is, and may hold up to chunk_size + W tokens)."""
+        return self._spans(token_ids, len(token_ids), end)
+
+    def _spans(self, token_ids: Sequence[int] | np.ndarray, n: int, end: int | None) -> list[tuple[int, int, bool]]:
+        size, w = self.chunk_size, self.boundary_window
+        limit = n if end is None else min(n, end)
+        if w == 0:
+            return [(s, min(s + size, n), s + size <= n) for s in range(0, limit, size) if min(s + size, n) <= limit]
+        # Cut c's class: 2 if token c-1 ends a sentence/paragraph, else 1 if token c starts a word, else 0.
+        # A cut at c <= limit is decided by tokens up to c + 2W at most, so nothing past that is classified.
+        m = n if end is None else min(n, end + 2 * w + 1)
+        ids = np.asarray(token_ids[:m], dtype=np.int64)
+        cls = self._classes[np.clip(ids, 0, len(self._classes) - 1)]
+        score = np.zeros(m + 1, dtype=np.uint8)
+        score[1:m] = np.maximum((cls[:-1] & BOUNDARY_END), cls[1:] & BOUNDARY_WORD)
+        table = score.tobytes()
+        out: list[tuple[int, int, bool]] = []
+        s = 0
+        while s < limit:
+            nominal = s + size
+            if nominal + w >= n:  # the window is not all there: do not guess, the rest is the remainder
+                if n <= limit:
+                    out.append((s, n, False))
+                break
+            c = _pick(table, nominal - w, nominal, nominal + w)
+            if c > limit:
+                break
+            out.append((s, c, True))
+            s = c
+        return out
+
+    def split(self, token_ids: Sequence[int], salt: str | None = None, include_partial: bool = True,
+              end: int | None = None) -> list[Chunk]:
+        """Chunks from position 0 (see spans()), plus the trailing incomplete chunk when include_partial; with
+        `end`, only chunks ending at or before it, cut as in the whole sequence."""
         chunks: list[Chunk] = []
         parent: str | None = self.root_key(salt)
-        size = self.chunk_size
-        n = len(token_ids)
-        stop = n if include_partial else n - n % size
-        for index, start in enumerate(range(0, stop, size)):
-            ids = tuple(int(t) for t in token_ids[start:min(start + size, stop)])
-            key = self.prefix_key(parent, ids, salt)
-            chunks.append(Chunk(index, start, ids, key, self.content_key(ids, salt), parent))
+        ns = self._ns(salt)
+        # One conversion for the whole sequence: cuts, per-chunk tuples and bytes all come from slices of it.
+        arr = np.asarray(token_ids, dtype=np.int64)
+        spans = self._spans(arr, len(arr), end)
+        for index, (start, stop, complete) in enumerate(spans):
+            if not complete and not include_partial:
+                break
+            piece = arr[start:stop]
+            raw = piece.tobytes()
+            ids = tuple(piece.tolist())
+            key = _digest(ns, (parent or "").encode(), raw)
+            chunks.append(Chunk(index, start, ids, key, _digest(b"content", ns, raw), parent, complete))
             parent = key
         return chunks
+
+
+def _pick(table: bytes, lo: int, nominal: int, hi: int) -> int:
+    """Best cut in [lo, hi] by class (2 over 1 over 0), then closeness to nominal, then the earlier one."""
+    for cls in (b"\x02", b"\x01"):
+        left = table.rfind(cls, lo, nominal + 1)  # closest at or before the nominal cut
+        right = table.find(cls, nominal + 1, hi + 1)  # closest after it
+        if left >= 0 and (right < 0 or nominal - left <= right - nominal):
+            return left
+        if right >= 0:
+            return right
+    return nominal
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -226,8 +226,11 @@ class BatchRunner:
                 groups.setdefault((r.salt, tuple(r.ids[:size])), []).append(r)
         for group in groups.values():
             if len(group) >= 2:
-                common = find_common_chunk_prefix([r.ids for r in group], size)
-                engine._warm_ids(group[0].ids[:common], group[0].salt)
+                common = find_common_chunk_prefix([r.ids for r in group], size, engine.chunker)
+                if common:
+                    # Cut as part of the full prompt, so the stored chunks are the ones its rows look up (with a
+                    # boundary window, ids[:common] alone could be cut differently near its end).
+                    engine._warm_ids(group[0].ids[:common], group[0].salt, cut_ids=group[0].ids)
 
     # ---- the shared prefix ----------------------------------------------------------------------
     def _share_prefix(self, new: list[_Row]) -> None:
@@ -247,16 +250,20 @@ class BatchRunner:
         if any(r.mode is GenerationMode.BASELINE for r in rows) or len({r.salt for r in rows}) != 1:
             return 0
         # ids[:-1]: every row keeps at least its last prompt token after the prefix for its own prefill.
-        n = find_common_chunk_prefix([r.ids[:-1] for r in rows], self.engine.config.chunk_size)
+        # With a boundary window, n is a cut of every row (its cuts below len - 1 are cuts of its full ids too),
+        # which _prefill relies on: it looks up the row's chunks from the first one starting at n.
+        n = find_common_chunk_prefix([r.ids[:-1] for r in rows], self.engine.config.chunk_size, self.engine.chunker)
         # Never grows while rows rely on it (their columns below a larger P were never written).
         return min(n, self.prefix.length) if self.prefix is not None else n
 
     def _load_prefix(self, row: _Row, target: int) -> SharedPrefix | None:
         """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
         engine, size = self.engine, self.engine.config.chunk_size
-        match = match_exact(engine.store, engine.chunker.split(row.ids[:target], row.salt), size, False)
+        # The row's own chunks up to target (a cut of every row): split(ids[:target]) could cut its last chunks
+        # elsewhere under a boundary window. Whole chunks only, so n is a cut of every row too (with fixed
+        # chunks, a multiple of chunk_size).
+        match = match_exact(engine.store, engine.chunker.split(row.ids, row.salt, end=target), size, False)
         n = min(target, match.length)
-        n -= n % size
         return SharedPrefix.from_segments(row.ids[:n], row.salt, match.segments) if n else None
 
     def _shrink_prefix(self, n: int) -> None:

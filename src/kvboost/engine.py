@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .chunking import Chunker, make_namespace, model_fingerprint
+from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
 from .errors import ContextLengthError, InvalidRequestError
@@ -87,7 +87,10 @@ class InferenceEngine:
         self.fingerprint = model_fingerprint(model)
         self.namespace = make_namespace(self.fingerprint, kv_dtype, self.config.chunk_size,
                                         self.config.kv_cache_bits, self.config.chunk_boundary_window)
-        self.chunker = Chunker(self.config.chunk_size, self.namespace)
+        window = self.config.chunk_boundary_window
+        # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
+        self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
+                               boundary_classes(tokenizer) if window else None)
         self.store = self._build_store()
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -163,14 +166,15 @@ class InferenceEngine:
         if mode is GenerationMode.BASELINE:
             ws.ensure_capacity(capacity, keep=0)
             return _Plan(0, 0, 0, 0, (time.perf_counter() - t0) * 1e3)
-        size = self.config.chunk_size
         token_granular = mode is GenerationMode.CHUNK_KV_REUSE
-        match: ExactMatch = match_exact(self.store, self.chunker.split(ids, salt), size, token_granular)
+        chunks = self.chunker.split(ids, salt)
+        match: ExactMatch = match_exact(self.store, chunks, None, token_granular)
         # The workspace still holds the previous request's K/V; the part that agrees with this prompt
         # (same tenant and model namespace) is exact and needs no copy at all.
         resident = common_prefix_length(ws.resident_ids, ids) if ws.resident_tag == self._tag(salt) else 0
         if not token_granular:
-            resident -= resident % size
+            # Whole chunks only: down to the last complete chunk end (cuts move with a boundary window).
+            resident = max((c.end for c in chunks if c.complete and c.end <= resident), default=0)
         limit = len(ids) - 1  # the last prompt token always runs: its logits pick the first new token
         reuse_len = min(max(resident, match.length), limit)
         ws.ensure_capacity(capacity, keep=min(resident, reuse_len))
@@ -231,8 +235,12 @@ class InferenceEngine:
         tracker = OutputTracker(self.tokenizer, self.eos_token_ids, params.stop, max_new)
         with self._lock, torch.inference_mode():
             ws = self.workspace
-            ws.resident_tag = None  # until this run finishes, the workspace holds no trustworthy prefix
-            plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new, approximate=True)
+            try:
+                plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new, approximate=True)
+            finally:
+                # Planning read the resident prefix; from here until this run finishes, the workspace holds
+                # no trustworthy prefix (a failure part-way must not leave a half-written one claimed).
+                ws.resident_tag = None
             recomputed = 0
             if plan.assembly is not None:
                 from .reuse.repair import repair_forward
@@ -296,14 +304,17 @@ class InferenceEngine:
 
     # ---- storing ------------------------------------------------------------------------------
     def _write_back(self, seq: list[int], salt: str | None, source: KVWorkspace | None = None,
-                    row: int = 0) -> tuple[int, int]:
+                    row: int = 0, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
         """Store every chunk of seq not stored yet (its K/V is in `source` row `row`, by default the engine's
-        workspace); returns (new, existing)."""
+        workspace); returns (new, existing). With cut_ids (a longer sequence that starts with seq), seq is
+        cut as part of it: only its chunks that end within seq are stored, as that sequence's own chunks."""
         source = source if source is not None else self.workspace
         new = existing = 0
-        size = self.config.chunk_size
+        size, window = self.config.chunk_size, self.config.chunk_boundary_window
         index = content_state(self).index  # every stored chunk is findable by content at other positions too
-        for chunk in self.chunker.split(seq, salt):
+        chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
+                  else self.chunker.split(seq, salt))
+        for chunk in chunks:
             meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
             if self.store.contains(chunk.prefix_key):
                 existing += 1
@@ -315,10 +326,15 @@ class InferenceEngine:
             if self.store.put(record):
                 new += 1
                 index.add(meta, salt)
-            if len(chunk.token_ids) == size:
-                # A partial sibling that this full chunk extends is now dead weight.
+            if chunk.complete:
+                # A partial sibling that this complete chunk extends is now dead weight. With a boundary window a
+                # shorter sibling may itself be a complete chunk of another sequence (cut earlier) with children
+                # of its own; only one shorter than any complete chunk (size - W), or childless, is a remainder.
+                n = len(chunk.token_ids)
                 for meta in self.store.children(chunk.parent_key):
-                    if len(meta.token_ids) < size and chunk.token_ids[:len(meta.token_ids)] == meta.token_ids:
+                    m = len(meta.token_ids)
+                    if m < n and chunk.token_ids[:m] == meta.token_ids and (
+                            m < size - window or not self.store.children(meta.key)):
                         self.store.delete(meta.key)
                         index.discard(meta.key)
         self._counters.chunks_written += new
@@ -343,17 +359,20 @@ class InferenceEngine:
                             "it is stored as a partial chunk")
         return WarmResult(new, existing, len(ids), (time.perf_counter() - t0) * 1e3, warnings)
 
-    def _warm_ids(self, ids: list[int], salt: str | None) -> tuple[int, int]:
-        """Compute and store the K/V of token ids; returns (chunks stored, chunks already there)."""
+    def _warm_ids(self, ids: list[int], salt: str | None, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
+        """Compute and store the K/V of token ids; returns (chunks stored, chunks already there). cut_ids: see
+        _write_back (a shared prefix warmed as the chunks its longer prompts have)."""
         with self._lock, torch.inference_mode():
             ws = self.workspace
-            ws.resident_tag = None
-            plan = self._plan(ids + [0], GenerationMode.CHUNK_KV_REUSE, salt, capacity=len(ids) + 1)
+            try:
+                plan = self._plan(ids + [0], GenerationMode.CHUNK_KV_REUSE, salt, capacity=len(ids) + 1)
+            finally:
+                ws.resident_tag = None  # as in _run: the resident prefix was read; trust nothing until done
             cache = ws.make_cache(plan.reuse_len)
             if plan.reuse_len < len(ids):
                 forward_tokens(self.model, ids[plan.reuse_len:], cache)
             ws.resident_ids, ws.resident_tag = list(ids), self._tag(salt)
-            return self._write_back(ids, salt)
+            return self._write_back(ids, salt, cut_ids=cut_ids)
 
     # ---- batches ------------------------------------------------------------------------------
     def generate_batch(self, prompts: Sequence[str | Messages], max_new_tokens: int = 64, *,
@@ -394,7 +413,8 @@ class InferenceEngine:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list", "prompts")
         encoded = [self.encode(p) for p in prompts]
-        groups = group_by_prefix([str(i) for i in range(len(prompts))], encoded, self.config.chunk_size)
+        groups = group_by_prefix([str(i) for i in range(len(prompts))], encoded, self.config.chunk_size,
+                                 chunker=self.chunker)
         results: list[GenerationResult | None] = [None] * len(prompts)
         for members in groups.values():
             for i, r in zip(members, self.generate_batch([prompts[i] for i in members], max_new_tokens, **kwargs)):

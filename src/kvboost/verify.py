@@ -49,7 +49,8 @@ def verify_correctness(engine, prompts: Sequence[str] | None = None, max_new_tok
     if approximate:
         return verify_approximate(engine, prompts, max_new_tokens)
     prompts = list(prompts) if prompts is not None else list(_DEFAULT_PROMPTS)
-    need = 2 * engine.config.chunk_size + 1
+    # Two complete chunks: with a boundary window W a chunk may hold chunk_size + W tokens.
+    need = 2 * (engine.config.chunk_size + engine.config.chunk_boundary_window) + 1
     checks = []
     for prompt in prompts:
         if len(engine.encode(prompt)) < need:
@@ -72,7 +73,7 @@ def _check(engine, prompt: str, base, reused) -> PromptCheck:
     return PromptCheck(
         prompt_preview=prompt[-60:].replace("\n", " "),
         identical=base.output_token_ids == reused.output_token_ids,
-        reused_chunks=reused.cached_tokens // engine.config.chunk_size,
+        reused_chunks=sum(stop <= reused.cached_tokens for _, stop, _ in engine.chunker.spans(engine.encode(prompt))),
         cached_tokens=reused.cached_tokens,
         max_logit_diff=(a - b).abs().max().item(),
         baseline_tokens=base.output_token_ids, reused_tokens=reused.output_token_ids,

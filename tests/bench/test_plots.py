@@ -105,9 +105,21 @@ def test_write_json_handles_benchmark_types(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no temp files left behind
 
 
+def test_write_json_records_the_machine(tmp_path):
+    import os
+
+    import torch
+
+    data = json.loads(write_json(tmp_path / "r.json", {"ok": 1}).read_text())
+    assert data["machine"]["torch_threads"] == torch.get_num_threads()
+    assert data["machine"]["cpu_count"] == os.cpu_count()
+    assert 1 <= data["machine"]["usable_cpus"] <= os.cpu_count()
+
+
 def test_write_json_rejects_unknown_objects_and_keeps_old_file(tmp_path):
     target = write_json(tmp_path / "r.json", {"ok": 1})
     with pytest.raises(TypeError):
         write_json(target, {"bad": object()})
-    assert json.loads(target.read_text()) == {"ok": 1}
+    data = json.loads(target.read_text())
+    assert data["ok"] == 1 and "bad" not in data
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

@@ -95,3 +95,34 @@ def test_sink_tokens_are_never_placed(tokenizer, sink):
     ids, plan = _placed_plan(engine, rag_prompt(docs, [0, 1]))
     first = plan.assembly.mask(len(ids)).nonzero().flatten()[0].item()
     assert first >= sink and (sink == 0 or first == sink)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_boundary_window_documents_are_found_in_another_order(arch, tokenizer):
+    """RAG with moving cuts: each warmed document (chunks of varying length, a remainder of up to CHUNK + W
+    tokens) is found whole at its new position, placed exactly in layer 0, and r = 1 repair is full prefill."""
+    from ..prompts import words
+
+    model = make_tiny_model(arch, tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=5, recompute_strategy="cacheblend",
+                     recompute_ratio=1.0)
+    docs = [" ".join(words(3 + (i + j) % 6, seed=10 * i + j).capitalize() + "." for j in range(6)) for i in range(3)]
+    lengths = []
+    for d in docs:
+        engine.warm(d)
+        lengths += [len(c.token_ids) for c in engine.chunker.split(engine.encode(d))[:-1]]
+    assert len(set(lengths)) > 1  # the cuts moved
+    prompt = rag_prompt(docs, [2, 0, 1])
+    ids, plan = _placed_plan(engine, prompt)
+    assert plan.assembly is not None and len(plan.assembly.segments) == 3  # one seam per document
+    assert plan.assembly.n_tokens >= sum(len(tokenizer(d)["input_ids"]) for d in docs) - 3
+    mask = plan.assembly.mask(len(ids))
+    _, cache = full_forward(model, ids)
+    pos = mask.nonzero().flatten()
+    k_buf, v_buf = engine.workspace.buffers(0)
+    assert (k_buf[:, :, pos] - cache.layers[0].keys[:, :, pos]).abs().max().item() < 1e-4
+    assert (v_buf[:, :, pos] - cache.layers[0].values[:, :, pos]).abs().max().item() < 1e-4
+    engine.forget_workspace()
+    result = engine.generate(prompt, 8)
+    assert result.approximate_tokens == plan.assembly.n_tokens
+    assert result.output_token_ids == hf_greedy(model, tokenizer, ids, 8)

@@ -64,6 +64,7 @@ class TurnSummary:
     peak_rss_mb: float
     peer_p50: float | None = None
     peer_reuse: float | None = None
+    peer_identical_rate: float | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -173,12 +174,13 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
     if peer is not None:
         peer.close()
     summary = summarize(samples)
+    overall = _overall(samples)
+    console.print(_overall_line(overall))
     console.print("reuse = KVBoost cached / prompt tokens; history = tokens this prompt shares with the previous "
                   "turn's prompt + reply / prompt tokens (what the manual recipe reuses; the new user message is "
                   "never among them); of history = KVBoost cached tokens among those / those")
     if json_path:
         from .plots import write_json
-        overall = _overall(samples)
         write_json(json_path, {"benchmark": "multiturn", "model": model_name or "embedded SmolLM2-135M-Instruct",
                                "conversations": len(convs), "turns": turns, "new_tokens": new_tokens,
                                "summary": overall, "reuse_rate": overall["kvboost_reuse_from_turn2"],
@@ -218,7 +220,8 @@ def summarize(samples: list[TurnSample]) -> list[TurnSummary]:
             _of_reusable(ss), sum(s.identical for s in ss) / len(ss),
             statistics.mean(s.kvboost_tokens_per_s for s in ss), max(s.peak_rss_mb for s in ss),
             _p(peer, .5) if peer else None,
-            statistics.mean(s.peer_reuse for s in ss if s.peer_reuse is not None) if peer else None))
+            statistics.mean(s.peer_reuse for s in ss if s.peer_reuse is not None) if peer else None,
+            sum(bool(s.peer_identical) for s in ss) / len(peer) if peer else None))
     return out
 
 
@@ -229,6 +232,10 @@ def _of_reusable(samples: list[TurnSample]) -> float:
 
 def _overall(samples: list[TurnSample]) -> dict:
     later = [s for s in samples if s.turn >= 2]
+    final: dict[str, TurnSample] = {}
+    for s in samples:
+        final[s.conversation] = s  # samples are in replay order: the last one seen is the final turn
+    last = [s for s in final.values() if s.turn >= 2]
     plain_rate = sum(s.prompt_tokens for s in samples) / (sum(s.plain_ms for s in samples) / 1e3)
     return {
         "turns_measured": len(samples),
@@ -238,8 +245,28 @@ def _overall(samples: list[TurnSample]) -> dict:
         "reusable_from_turn2": statistics.mean(s.reusable_tokens / s.prompt_tokens for s in later) if later else 0.0,
         "kvboost_of_reusable_from_turn2": _of_reusable(later) if later else float("nan"),
         "kvboost_over_manual_p50": _p([s.kvboost_ms / s.manual_ms for s in later], .5) if later else None,
+        # Each conversation's final turn (4 to 8 turns in): the longest history, where flatness is tested.
+        "last_turn_kvboost_over_manual_p50": _p([s.kvboost_ms / s.manual_ms for s in last], .5) if last else None,
+        "last_turn_kvboost_p50_ms": _p([s.kvboost_ms for s in last], .5) if last else None,
+        "last_turn_manual_p50_ms": _p([s.manual_ms for s in last], .5) if last else None,
+        "last_turn_plain_p50_ms": _p([s.plain_ms for s in last], .5) if last else None,
+        "peer_identical_rate": (sum(bool(s.peer_identical) for s in samples if s.peer_ms is not None)
+                                / max(1, sum(s.peer_ms is not None for s in samples))) if any(
+            s.peer_ms is not None for s in samples) else None,
+        "turn2_kvboost_p50_ms": _p([s.kvboost_ms for s in samples if s.turn == 2], .5) if later else None,
         "plain_prefill_tokens_per_s": plain_rate,
     }
+
+
+def _overall_line(o: dict) -> str:
+    def f(key: str, fmt: str) -> str:
+        return format(o[key], fmt) if o.get(key) is not None else "-"
+    return (f"{o['turns_measured']} turns: identical to no-cache {f('identical_rate', '.1%')}; from turn 2 KVBoost "
+            f"reuse {f('kvboost_reuse_from_turn2', '.1%')} of the prompt, {f('kvboost_of_reusable_from_turn2', '.1%')}"
+            f" of the history; each conversation's last turn: KVBoost/manual TTFT p50 "
+            f"{f('last_turn_kvboost_over_manual_p50', '.2f')} (KVBoost {f('last_turn_kvboost_p50_ms', '.0f')} ms, "
+            f"manual {f('last_turn_manual_p50_ms', '.0f')} ms, plain {f('last_turn_plain_p50_ms', '.0f')} ms; "
+            f"KVBoost at turn 2: {f('turn2_kvboost_p50_ms', '.0f')} ms)")
 
 
 def _table(summary: list[TurnSummary], caption: str) -> Table:
@@ -247,7 +274,7 @@ def _table(summary: list[TurnSummary], caption: str) -> Table:
     cols = ["turn", "n", "prompt tok", "plain p50", "manual p50", "KVBoost p50", "KVBoost p90", "KVB/manual",
             "reuse", "history", "of history", "identical", "tok/s", "peak RSS MB"]
     if any(s.peer_p50 is not None for s in summary):
-        cols += ["peer p50", "peer reuse"]
+        cols += ["peer p50", "peer reuse", "peer identical"]
     for c in cols:
         table.add_column(c, justify="right")
     for s in summary:
@@ -256,6 +283,7 @@ def _table(summary: list[TurnSummary], caption: str) -> Table:
                f"{s.reuse:.1%}", f"{s.reusable:.1%}", f"{s.of_reusable:.1%}", f"{s.identical_rate:.0%}", f"{s.tokens_per_s:.1f}", f"{s.peak_rss_mb:.0f}"]
         if len(cols) > 14:
             row += [f"{s.peer_p50:.0f}" if s.peer_p50 is not None else "-",
-                    f"{s.peer_reuse:.1%}" if s.peer_reuse is not None else "-"]
+                    f"{s.peer_reuse:.1%}" if s.peer_reuse is not None else "-",
+                    f"{s.peer_identical_rate:.0%}" if s.peer_identical_rate is not None else "-"]
         table.add_row(*row)
     return table

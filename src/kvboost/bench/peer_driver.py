@@ -11,7 +11,13 @@ import sys
 def main() -> None:
     import kvboost  # the peer's package
 
-    engine = kvboost.KVBoost.from_pretrained(sys.argv[1])
+    try:
+        engine = kvboost.KVBoost.from_pretrained(sys.argv[1])
+    except TypeError as exc:
+        if "max_cache_bytes" not in str(exc):
+            raise
+        # kvboost 0.9.0 has no default byte budget; give it the same 4 GiB our default allows at most.
+        engine = kvboost.KVBoost.from_pretrained(sys.argv[1], max_cache_bytes=4 * 1024**3)
     print(json.dumps({"ready": True, "package": getattr(kvboost, "__file__", "?")}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

@@ -171,6 +171,21 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"write_json: cannot serialize {type(obj).__name__}")
 
 
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured: figures are only comparable on the same machine and thread count."""
+    import platform
+
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count()
+    return {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "usable_cpus": usable,
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON (dataclasses, enums, paths and numpy/torch scalars allowed).
 
@@ -179,6 +194,8 @@ def write_json(path: str | Path, obj: Any) -> Path:
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(obj, dict) and "machine" not in obj:
+        obj = {**obj, "machine": machine_info()}
     text = json.dumps(_jsonable(obj), indent=2, ensure_ascii=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:

@@ -3,7 +3,8 @@
 Exact reuse walks the prefix chain chunk by chunk. Where the chain breaks (a miss, or the prompt's
 last, partial chunk) matching goes on at token granularity among the stored children of the last
 matched chunk: a chat history whose re-tokenized reply differs from the generated ids in one token
-loses only the tokens from that point on, not the whole chunk.
+loses only the tokens from that point on, not the whole chunk. Chunk lengths vary with a boundary
+window, so nothing here assumes chunk i starts at i * chunk_size.
 """
 from __future__ import annotations
 
@@ -44,37 +45,55 @@ def common_prefix_length(a, b) -> int:
     return i
 
 
-def match_exact(store: ChunkStore, chunks: list[Chunk], chunk_size: int, token_granular: bool = True) -> ExactMatch:
+def match_exact(store: ChunkStore, chunks: list[Chunk], chunk_size: int | None = None,
+                token_granular: bool = True) -> ExactMatch:
+    """Longest run of stored exact K/V from chunks[0] on. Complete chunks are looked up by key; the first
+    miss (or the trailing incomplete chunk) is matched at token granularity when token_granular.
+
+    chunk_size is kept for callers of the old signature and not used: chunk.complete says which chunks are
+    whole, since a boundary window makes their lengths vary.
+    """
     match = ExactMatch()
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         match.chunks_probed += 1
-        if len(chunk.token_ids) == chunk_size:
+        if chunk.complete:
             record = store.get(chunk.prefix_key)
             # A key hit counts only once the stored ids equal the prompt's: a hash collision must never
             # put someone else's K/V under this prompt.
             if record is not None and record.token_ids == chunk.token_ids and record.start == chunk.start:
-                match.segments.append(Segment(record, chunk.start, chunk_size))
+                match.segments.append(Segment(record, chunk.start, len(chunk.token_ids)))
                 continue
         if token_granular:
-            partial = _best_partial(store, chunk)
+            partial = _best_partial(store, chunks, i)
             if partial is not None:
                 match.segments.append(partial)
         break
     return match
 
 
-def _best_partial(store: ChunkStore, chunk: Chunk) -> Segment | None:
+def _best_partial(store: ChunkStore, chunks: list[Chunk], i: int) -> Segment | None:
+    """The stored sibling of chunks[i] (same parent, same start) that agrees longest with the prompt from there.
+
+    With a boundary window a stored remainder (say a warmed system prompt's last chunk) may reach past the
+    cut this prompt makes at chunks[i].end, so it is compared with the tokens of the following chunks too:
+    its K/V is exact for as long as the tokens agree. With fixed cuts no sibling is longer than chunks[i]
+    unless chunks[i] is the last one, so nothing changes there.
+    """
+    chunk = chunks[i]
+    tail, j = chunk.token_ids, i + 1
     best: tuple[int, ChunkMeta] | None = None
     for meta in store.children(chunk.parent_key):
         if meta.start != chunk.start:
             continue
-        n = common_prefix_length(meta.token_ids, chunk.token_ids)
+        while len(tail) < len(meta.token_ids) and j < len(chunks):
+            tail, j = tail + chunks[j].token_ids, j + 1
+        n = common_prefix_length(meta.token_ids, tail)
         if n > 0 and (best is None or n > best[0]):
             best = (n, meta)
     if best is None:
         return None
     n, meta = best
     record = store.get(meta.key)
-    if record is None or record.token_ids[:n] != chunk.token_ids[:n]:
+    if record is None or record.token_ids[:n] != tail[:n]:
         return None
     return Segment(record, chunk.start, n)

@@ -7,10 +7,10 @@ attention output mixes them per token.
 
 Scales and minimums are stored as fp16 (2 bytes each, 4 bytes per group). With the fp16 baseline at
 2 bytes/element, int8 data alone is 0.5x, so groups must hold >= 100 elements for int8 to stay under
-0.52x. K groups span the chunk's 128 tokens; a V group spans 128 channels of one token's flattened
-[heads * head_dim] vector (one head at head_dim 128, two heads at head_dim 64): per-head groups of 64
-would cost 0.523x. int8 measures 0.516x, int4 0.266x at 128 tokens x head_dim 64 with >= 2 KV heads
-(a single KV head of 64 channels leaves V groups of 64: 0.523x / 0.273x).
+0.52x. K groups span the chunk's tokens (128 by default); the memory tier uses V groups of up to 256
+channels of a token's flattened [heads * head_dim] vector (tiered.build_store), i.e. one group per token
+for models with <= 256 K/V channels per layer. Measured on SmolLM2-135M (3 KV heads x 64): int8 0.516x,
+int4 0.266x of fp16 (`kvboost bench quant`); V groups of 128 gave 0.521x / 0.271x.
 """
 from __future__ import annotations
 
