@@ -233,3 +233,29 @@ def test_boundary_window_verify_correctness_counts_whole_chunks(tokenizer):
     cuts = [stop for _, stop, done in engine.chunker.spans(engine.encode(prompt)) if done]
     assert check.cached_tokens == len(engine.encode(prompt)) - 1
     assert check.reused_chunks == sum(c <= check.cached_tokens for c in cuts) == 4  # not 81 // 16 = 5
+
+
+def test_content_at_another_position_is_reused_only_when_asked(tokenizer):
+    """Default generate() is exact: text stored earlier but found at another offset is recomputed, not placed.
+
+    (A chat that shares a paragraph of its system prompt with an earlier one must still get plain output.)
+    """
+    from kvboost.errors import InvalidRequestError
+
+    from .tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    shared = text_with_tokens(tokenizer, 4 * CHUNK, seed=21)
+    engine.generate("Persona one. " + shared, 4)  # stored through write-back, at one offset
+    prompt = "A different and longer opening persona, then: " + shared + " question?"
+    ids = engine.encode(prompt)
+    exact = engine.generate(prompt, NEW)
+    assert exact.approximate_tokens == 0
+    assert exact.output_token_ids == hf_greedy(model, tokenizer, ids, NEW)
+    other = "Yet another opening, unlike both: " + shared + " question?"  # no exact chain for it either
+    approx = engine.generate(other, NEW, content_reuse=True)
+    assert approx.approximate_tokens >= 2 * CHUNK  # the same text found at its new offset and re-positioned
+    with pytest.raises(InvalidRequestError):
+        engine.generate(prompt, 2, content_reuse="yes")
+    assert KVBoost(model, tokenizer, chunk_size=CHUNK, content_reuse=True).config.content_reuse is True

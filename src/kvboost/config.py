@@ -24,6 +24,9 @@ class EngineConfig:
     max_chunks: int | None = None  # entry cap for the memory tier; bytes decide when None
     memory_budget_bytes: int | None = None  # None: default_memory_budget()
     recompute_overlap: int = 16
+    # Reuse at another position (RAG): stored chunks found later in a prompt are re-positioned and repaired.
+    # Approximate by nature, so off by default: generate() then gives output identical to plain generation.
+    content_reuse: bool = False
     recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE
     recompute_ratio: float = 0.15
     kv_cache_bits: int = 16
@@ -42,6 +45,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
+        _require(isinstance(self.content_reuse, bool), f"content_reuse must be a bool, got {self.content_reuse!r}")
         _require(isinstance(self.chunk_size, int) and 8 <= self.chunk_size <= 8192,
                  f"chunk_size must be an int in [8, 8192], got {self.chunk_size!r}")
         _require(self.max_chunks is None or (isinstance(self.max_chunks, int) and self.max_chunks > 0),

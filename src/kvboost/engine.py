@@ -185,7 +185,7 @@ class InferenceEngine:
             ws.write(seg.record.keys, seg.record.values, seg.start, seg.n_tokens)
             copied += 1
         assembly = fallback = None
-        if approximate and token_granular and getattr(self.config, "content_reuse", True):
+        if approximate and token_granular:
             # Sink tokens stay fresh: content is never placed before position sink_tokens.
             start = max(reuse_len, self.config.sink_tokens)
             assembly, fallback = content_state(self).assemble(ws, self.store, ids, start, limit, salt)
@@ -197,10 +197,10 @@ class InferenceEngine:
                  messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                 return_logits: bool = False) -> GenerationResult:
+                 return_logits: bool = False, content_reuse: bool | None = None) -> GenerationResult:
         stream = self.generate_stream(prompt, max_new_tokens, messages=messages, mode=mode, temperature=temperature,
                                       top_p=top_p, top_k=top_k, do_sample=do_sample, stop=stop, seed=seed,
-                                      cache_salt=cache_salt, return_logits=return_logits)
+                                      cache_salt=cache_salt, return_logits=return_logits, content_reuse=content_reuse)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -210,8 +210,13 @@ class InferenceEngine:
                         messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                         stop: str | Sequence[str] | None = None, seed: int | None = None,
-                        cache_salt: str | None = None, return_logits: bool = False) -> TextStream:
-        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated."""
+                        cache_salt: str | None = None, return_logits: bool = False,
+                        content_reuse: bool | None = None) -> TextStream:
+        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated.
+
+        content_reuse: also reuse stored chunks found at other positions (re-positioned and repaired with the
+        engine's recompute_strategy; approximate). None follows EngineConfig.content_reuse (default off).
+        """
         t0 = time.perf_counter()
         mode = GenerationMode.parse(mode)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -219,15 +224,20 @@ class InferenceEngine:
                                 else ([stop] if stop else []))
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
+        if content_reuse is None:
+            content_reuse = self.config.content_reuse
+        elif not isinstance(content_reuse, bool):
+            raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         ids = self.encode(prompt, messages)
         self._check_context(len(ids))
         prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         stream = TextStream(iter(()))
-        stream._events = self._run(stream, t0, ids, prompt_text, params, mode, cache_salt, return_logits)
+        stream._events = self._run(stream, t0, ids, prompt_text, params, mode, cache_salt, return_logits,
+                                   content_reuse)
         return stream
 
     def _run(self, stream: TextStream, t0: float, ids: list[int], prompt_text: str, params: SamplingParams,
-             mode: GenerationMode, salt: str | None, return_logits: bool) -> Iterator[str]:
+             mode: GenerationMode, salt: str | None, return_logits: bool, content_reuse: bool) -> Iterator[str]:
         max_new = params.max_new_tokens
         if self.max_context is not None:
             max_new = min(max_new, self.max_context - len(ids))
@@ -236,7 +246,7 @@ class InferenceEngine:
         with self._lock, torch.inference_mode():
             ws = self.workspace
             try:
-                plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new, approximate=True)
+                plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new, approximate=content_reuse)
             finally:
                 # Planning read the resident prefix; from here until this run finishes, the workspace holds
                 # no trustworthy prefix (a failure part-way must not leave a half-written one claimed).

@@ -129,7 +129,7 @@ def verify_approximate(engine, prompts: Sequence[str] | None = None, max_new_tok
         engine.warm(prompt, cache_salt=VERIFY_SALT)
         engine.forget_workspace()
         reused = engine.generate(shifted, max_new_tokens, mode=GenerationMode.CHUNK_KV_REUSE,
-                                 cache_salt=VERIFY_SALT, return_logits=True)
+                                 cache_salt=VERIFY_SALT, return_logits=True, content_reuse=True)
         check = _check(engine, shifted, base, reused)
         check.cached_tokens = reused.approximate_tokens  # what was verified: the re-positioned tokens
         checks.append(check)

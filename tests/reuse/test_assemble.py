@@ -22,7 +22,7 @@ def _placed_plan(engine, prompt: str):
 def test_layer0_kv_of_placed_tokens_equals_a_fresh_forward(tiny):
     """Layer 0 sees no context, so re-rotated stored K and copied V must equal the model's own at the new position."""
     model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = KVBoost(model, tokenizer, content_reuse=True, chunk_size=CHUNK)
     docs = documents()
     for d in docs:
         engine.warm(d)
@@ -43,7 +43,7 @@ def test_unrotatable_positions_fall_back_to_prefill(tokenizer):
     """Dynamic NTK RoPE depends on the pass length: content matches are refused, the prompt is prefilled exactly."""
     model = make_tiny_model("llama", tokenizer, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0})
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = KVBoost(model, tokenizer, content_reuse=True, chunk_size=CHUNK)
     docs = documents()
     for d in docs:
         engine.warm(d)
@@ -68,7 +68,7 @@ def test_attention_without_explicit_masks_is_refused(tokenizer):
 
 def test_evicted_chunks_are_dropped_and_their_tokens_prefilled(tokenizer):
     model = make_tiny_model("qwen2", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = KVBoost(model, tokenizer, content_reuse=True, chunk_size=CHUNK)
     docs = documents(2, 50)
     for d in docs:
         engine.warm(d)
@@ -88,7 +88,7 @@ def test_evicted_chunks_are_dropped_and_their_tokens_prefilled(tokenizer):
 @pytest.mark.parametrize("sink", [0, 40])
 def test_sink_tokens_are_never_placed(tokenizer, sink):
     model = make_tiny_model("llama", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, sink_tokens=sink)
+    engine = KVBoost(model, tokenizer, content_reuse=True, chunk_size=CHUNK, sink_tokens=sink)
     docs = documents(2)
     for d in docs:
         engine.warm(d)
@@ -104,8 +104,8 @@ def test_boundary_window_documents_are_found_in_another_order(arch, tokenizer):
     from ..prompts import words
 
     model = make_tiny_model(arch, tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=5, recompute_strategy="cacheblend",
-                     recompute_ratio=1.0)
+    engine = KVBoost(model, tokenizer, content_reuse=True, chunk_size=CHUNK, chunk_boundary_window=5,
+                     recompute_strategy="cacheblend", recompute_ratio=1.0)
     docs = [" ".join(words(3 + (i + j) % 6, seed=10 * i + j).capitalize() + "." for j in range(6)) for i in range(3)]
     lengths = []
     for d in docs:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def test_rag_prompt_reuses_documents_at_new_positions(smol):
     model, tokenizer = smol
-    engine = KVBoost(model, tokenizer)
+    engine = KVBoost(model, tokenizer, content_reuse=True)
     docs, items = load_rag()
     item = next(it for it in items if len(it["doc_ids"]) == 4)
     for doc_id in item["doc_ids"]:

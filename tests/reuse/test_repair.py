@@ -18,7 +18,8 @@ NEW = 8
 
 
 def _engine(model, tokenizer, strategy: str = "cacheblend", ratio: float = 0.15, **kw) -> KVBoost:
-    return KVBoost(model, tokenizer, chunk_size=CHUNK, recompute_strategy=strategy, recompute_ratio=ratio, **kw)
+    return KVBoost(model, tokenizer, content_reuse=True, chunk_size=CHUNK, recompute_strategy=strategy,
+                   recompute_ratio=ratio, **kw)
 
 
 def _run(engine, prompt: str, strategy: str, ratio: float = 0.0, new: int = 1):

@@ -200,7 +200,7 @@ def eval_rag_command(
     console = bench_console()
     ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
     with console.status("loading model"):
-        engine = KVBoost.from_pretrained(model, chunk_size=chunk_size)
+        engine = KVBoost.from_pretrained(model, chunk_size=chunk_size, content_reuse=True)
     all_docs, all_items = load_rag()
     items = [it for it in all_items if docs is None or len(it["doc_ids"]) == docs]
     items = items[:limit] if limit else items

@@ -14,6 +14,8 @@ def serve_command(
                                         help="Local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port (0: pick a free one)."),
+    content_reuse: bool = typer.Option(False, help="Also reuse stored chunks found at other positions (RAG; "
+                                                   "approximate, repaired with --recompute-strategy)."),
     recompute_strategy: RecomputeStrategy = typer.Option(RecomputeStrategy.SELECTIVE, case_sensitive=False,
                                                          help="Repair of K/V reused at other positions."),
     kv_cache_bits: int = typer.Option(16, help="Stored K/V precision: 16, 8 or 4 bits."),
@@ -50,7 +52,8 @@ def serve_command(
         settings = ServerSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                                   api_key=api_key, max_queue=max_queue, max_batch_size=max_batch_size,
                                   batch_window_ms=batch_window_ms, mode=reuse)
-        options = dict(recompute_strategy=recompute_strategy, kv_cache_bits=kv_cache_bits,
+        options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
+                       kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size)
         EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, **options)
