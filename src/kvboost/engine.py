@@ -456,10 +456,13 @@ class InferenceEngine:
         with self._lock:
             self.workspace.resident_ids, self.workspace.resident_tag = [], None
 
-    def verify_correctness(self, prompts: Sequence[str] | None = None, max_new_tokens: int = 32):
+    def verify_correctness(self, prompts: Sequence[str] | None = None, max_new_tokens: int = 32, *,
+                           approximate: bool = False):
+        """Exact reuse vs baseline, token for token; approximate=True: reuse at another position, judged by
+        first-token agreement and KL against full prefill (see verify.verify_correctness)."""
         from .verify import verify_correctness
 
-        return verify_correctness(self, prompts, max_new_tokens)
+        return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
 
 
 def _validate_messages(messages) -> None:

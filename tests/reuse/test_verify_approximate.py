@@ -21,5 +21,5 @@ def test_nothing_reused_is_a_failure(tokenizer):
     model = make_tiny_model("llama", tokenizer, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0})
     engine = KVBoost(model, tokenizer, chunk_size=16)
-    report = verify_correctness(engine, max_new_tokens=4, approximate=True)
+    report = engine.verify_correctness(max_new_tokens=4, approximate=True)
     assert not report and all(c.cached_tokens == 0 for c in report.checks)
