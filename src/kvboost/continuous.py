@@ -258,11 +258,11 @@ class BatchRunner:
 
     def _load_prefix(self, row: _Row, target: int) -> SharedPrefix | None:
         """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
-        engine, size = self.engine, self.engine.config.chunk_size
+        engine = self.engine
         # The row's own chunks up to target (a cut of every row): split(ids[:target]) could cut its last chunks
         # elsewhere under a boundary window. Whole chunks only, so n is a cut of every row too (with fixed
         # chunks, a multiple of chunk_size).
-        match = match_exact(engine.store, engine.chunker.split(row.ids, row.salt, end=target), size, False)
+        match = match_exact(engine.store, engine.chunker.split(row.ids, row.salt, end=target), False)
         n = min(target, match.length)
         return SharedPrefix.from_segments(row.ids[:n], row.salt, match.segments) if n else None
 
@@ -289,11 +289,10 @@ class BatchRunner:
         shared = self.prefix.length if self.prefix is not None else 0
         reuse, segments = shared, []
         if row.mode is not GenerationMode.BASELINE:
-            size = engine.config.chunk_size
             granular = row.mode is GenerationMode.CHUNK_KV_REUSE
             # Chunks inside the shared prefix need no lookup: their K/V is already in self.prefix.
             chunks = [c for c in engine.chunker.split(row.ids, row.salt) if c.start >= shared]
-            match = match_exact(engine.store, chunks, size, granular)
+            match = match_exact(engine.store, chunks, granular)
             reuse, segments = max(shared, min(match.length, len(row.ids) - 1)), match.segments
         for seg in segments:
             if seg.start < reuse:

@@ -168,7 +168,7 @@ class InferenceEngine:
             return _Plan(0, 0, 0, 0, (time.perf_counter() - t0) * 1e3)
         token_granular = mode is GenerationMode.CHUNK_KV_REUSE
         chunks = self.chunker.split(ids, salt)
-        match: ExactMatch = match_exact(self.store, chunks, None, token_granular)
+        match: ExactMatch = match_exact(self.store, chunks, token_granular)
         # The workspace still holds the previous request's K/V; the part that agrees with this prompt
         # (same tenant and model namespace) is exact and needs no copy at all.
         resident = common_prefix_length(ws.resident_ids, ids) if ws.resident_tag == self._tag(salt) else 0

@@ -141,7 +141,7 @@ def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, j
                 ids = engine.encode(p)
                 t0 = time.perf_counter()
                 engine.chunker.split(ids)
-                match_exact(engine.store, engine.chunker.split(ids), engine.config.chunk_size)
+                match_exact(engine.store, engine.chunker.split(ids))
                 samples["keys"].append((time.perf_counter() - t0) * 1e3 / 2)
                 fast = engine.generate(p, 1, return_logits=True)
                 ms, floor_token = floor.ttft_ms(ids, fast.cached_tokens)

@@ -45,13 +45,10 @@ def common_prefix_length(a, b) -> int:
     return i
 
 
-def match_exact(store: ChunkStore, chunks: list[Chunk], chunk_size: int | None = None,
-                token_granular: bool = True) -> ExactMatch:
+def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = True) -> ExactMatch:
     """Longest run of stored exact K/V from chunks[0] on. Complete chunks are looked up by key; the first
     miss (or the trailing incomplete chunk) is matched at token granularity when token_granular.
-
-    chunk_size is kept for callers of the old signature and not used: chunk.complete says which chunks are
-    whole, since a boundary window makes their lengths vary.
+    chunk.complete (not a length) says which chunks are whole: a boundary window makes their lengths vary.
     """
     match = ExactMatch()
     for i, chunk in enumerate(chunks):
