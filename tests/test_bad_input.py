@@ -30,6 +30,13 @@ def engine(tokenizer):
     (dict(messages=[]), "messages"),
     (dict(messages=[{"content": "no role"}]), "role"),
     (dict(prompt="hi", messages=[{"role": "user", "content": "x"}]), "either prompt or messages"),
+    (dict(input_ids=[]), "input_ids is empty"),
+    (dict(input_ids=[1, 10**9]), r"input_ids\[1\] = 1000000000 is outside the model's vocabulary"),
+    (dict(input_ids=[1, -1]), "outside the model's vocabulary"),
+    (dict(input_ids=[1, 2.0]), "must be integers"),
+    (dict(input_ids=[True, 2]), "must be integers"),
+    (dict(input_ids="1 2 3"), "sequence of integer token ids"),
+    (dict(input_ids=[1, 2], prompt="hi"), "one of prompt, messages or input_ids"),
 ])
 def test_bad_arguments_raise_value_error(engine, kwargs, match):
     with pytest.raises(ValueError, match=match) as info:

@@ -78,6 +78,22 @@ def test_resident_workspace_is_reused_without_the_store(arch, tokenizer):
     assert engine.generate(prompt, 2).cached_tokens == 0  # and nothing else could have served it
 
 
+def test_token_id_prompts_reuse_the_exact_generated_tokens(tiny):
+    # An agent that keeps token ids appends the reply as generated, never re-tokenized: all of it is reusable.
+    model, tokenizer = tiny
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    first = engine.encode(text_with_tokens(tokenizer, 3 * CHUNK + 5, seed=11))
+    reply = engine.generate(input_ids=first, max_new_tokens=NEW)
+    assert reply.output_token_ids == hf_greedy(model, tokenizer, first, NEW)
+    engine.forget_workspace()  # the second turn must come from stored chunks
+    second = first + reply.output_token_ids + engine.encode(" " + words(7, seed=12))
+    result = engine.generate(input_ids=torch.tensor([second]), max_new_tokens=NEW, return_logits=True)
+    assert result.prompt_tokens == len(second)
+    assert result.cached_tokens >= (len(first) + len(reply.output_token_ids)) // CHUNK * CHUNK
+    assert result.output_token_ids == hf_greedy(model, tokenizer, second, NEW)
+    assert (result.first_token_logits - hf_first_logits(model, second)).abs().max().item() < 1e-4
+
+
 def test_baseline_matches_hf_generate_and_reads_nothing(tiny):
     model, tokenizer = tiny
     engine = KVBoost(model, tokenizer, chunk_size=CHUNK)

@@ -17,11 +17,11 @@ from .reuse.assemble import Assembly, content_state
 from .reuse.match import ExactMatch, common_prefix_length, match_exact
 from .runner import KVWorkspace, forward_tokens, probe_layer_shapes
 from .decoding import OutputTracker
+from .prompting import Messages, encode_prompt
 from .sampling import Sampler, SamplingParams
 from .store.base import ChunkMeta, ChunkRecord
 from .store.memory import MemoryStore
 
-Messages = list[dict]
 
 
 @dataclass
@@ -119,30 +119,11 @@ class InferenceEngine:
 
     # ---- tokenization -----------------------------------------------------------------------
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
-               add_generation_prompt: bool = True) -> list[int]:
-        """Token ids for a raw prompt (used as-is) or chat messages (rendered by the chat template)."""
-        if messages is None and isinstance(prompt, list):
-            prompt, messages = None, prompt
-        if messages is not None:
-            if prompt is not None:
-                raise InvalidRequestError("pass either prompt or messages, not both", "messages")
-            _validate_messages(messages)
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidRequestError("this tokenizer has no chat template; pass a plain prompt string", "messages")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
-            ids = ids["input_ids"] if not isinstance(ids, list) else ids
-        else:
-            if not isinstance(prompt, str):
-                raise InvalidRequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}",
-                                          "prompt")
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", "prompt")
-            ids = self.tokenizer(prompt)["input_ids"]
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise InvalidRequestError("prompt tokenizes to zero tokens", "prompt")
-        return ids
+               add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
+        """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template), or
+        input_ids the caller tokenized itself (checked against the model's vocabulary, used as-is)."""
+        return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
+                             add_generation_prompt, input_ids)
 
     def _check_context(self, n_prompt: int) -> None:
         if self.max_context is not None and n_prompt >= self.max_context:
@@ -197,10 +178,12 @@ class InferenceEngine:
                  messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                  stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                 return_logits: bool = False, content_reuse: bool | None = None) -> GenerationResult:
+                 return_logits: bool = False, content_reuse: bool | None = None,
+                 input_ids: Sequence[int] | None = None) -> GenerationResult:
         stream = self.generate_stream(prompt, max_new_tokens, messages=messages, mode=mode, temperature=temperature,
                                       top_p=top_p, top_k=top_k, do_sample=do_sample, stop=stop, seed=seed,
-                                      cache_salt=cache_salt, return_logits=return_logits, content_reuse=content_reuse)
+                                      cache_salt=cache_salt, return_logits=return_logits, content_reuse=content_reuse,
+                                      input_ids=input_ids)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -211,8 +194,10 @@ class InferenceEngine:
                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                         stop: str | Sequence[str] | None = None, seed: int | None = None,
                         cache_salt: str | None = None, return_logits: bool = False,
-                        content_reuse: bool | None = None) -> TextStream:
+                        content_reuse: bool | None = None, input_ids: Sequence[int] | None = None) -> TextStream:
         """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated.
+
+        The prompt is one of: a string, chat messages, or input_ids (token ids the caller tokenized itself).
 
         content_reuse: also reuse stored chunks found at other positions (re-positioned and repaired with the
         engine's recompute_strategy; approximate). None follows EngineConfig.content_reuse (default off).
@@ -228,7 +213,7 @@ class InferenceEngine:
             content_reuse = self.config.content_reuse
         elif not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
-        ids = self.encode(prompt, messages)
+        ids = self.encode(prompt, messages, input_ids=input_ids)
         self._check_context(len(ids))
         prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         stream = TextStream(iter(()))
@@ -463,16 +448,6 @@ class InferenceEngine:
         from .verify import verify_correctness
 
         return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
-
-
-def _validate_messages(messages) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-        if not isinstance(m["content"], (str, list)):
-            raise InvalidRequestError(f"messages[{i}].content must be a string", "messages")
 
 
 def _consistent(cache) -> bool:

@@ -79,16 +79,20 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
     assert proc.returncode is not None
 
 
-def test_bad_flags_exit_with_a_message(tiny_model_dir):
-    proc = subprocess.run([sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir),
-                           "--kv-cache-bits", "3", "--port", "0"], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("flags, named", [(["--kv-cache-bits", "3"], "kv_cache_bits"),
+                                          (["--chunk-size", "32", "--chunk-boundary-window", "16"],
+                                           "chunk_boundary_window")])
+def test_bad_flags_exit_with_a_message(tiny_model_dir, flags, named):
+    proc = subprocess.run([sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), *flags,
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "kv_cache_bits" in proc.stderr
+    assert named in proc.stderr
 
 
 @pytest.mark.parametrize("flag", ["--model", "--host", "--port", "--recompute-strategy", "--kv-cache-bits",
                                   "--batch-window-ms", "--disk-cache-dir", "--redis-url", "--api-key",
-                                  "--served-model-name", "--max-queue"])
+                                  "--served-model-name", "--max-queue", "--chunk-size", "--chunk-boundary-window",
+                                  "--content-reuse"])
 def test_help_lists_the_documented_flags(flag):
     import typer
     from typer.testing import CliRunner

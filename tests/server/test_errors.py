@@ -71,8 +71,11 @@ def test_curl_style_form_content_type_is_still_parsed(server):
 
 @pytest.mark.parametrize("body, param", [
     ({"model": TINY_NAME, "prompt": ""}, "prompt"),
-    ({"model": TINY_NAME, "prompt": [1, 2, 3]}, "prompt"),
     ({"model": TINY_NAME, "prompt": ["a", "b"]}, "prompt"),
+    ({"model": TINY_NAME, "prompt": [[1, 2], [3, 4]]}, "prompt"),
+    ({"model": TINY_NAME, "prompt": [1, 2, 10**9]}, "prompt"),  # outside the vocabulary
+    ({"model": TINY_NAME, "prompt": [1, -2]}, "prompt"),
+    ({"model": TINY_NAME, "prompt": [[]]}, "prompt"),
     ({"model": TINY_NAME, "prompt": "hi", "echo": True}, "echo"),
     ({"model": TINY_NAME, "prompt": "hi", "best_of": 3}, "best_of"),
 ])

@@ -85,6 +85,16 @@ def test_text_completion_and_its_stream(sdk, tiny_engine):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_token_id_prompts_give_the_same_completion_as_their_text(sdk, tiny_engine):
+    prompt = words(20, seed=7)
+    ids = tiny_engine.encode(prompt)
+    by_text = sdk.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=6, temperature=0)
+    for token_prompt in (ids, [ids]):  # OpenAI accepts one id list or a batch of one
+        r = sdk.completions.create(model=TINY_NAME, prompt=token_prompt, max_tokens=6, temperature=0)
+        assert r.choices[0].text == by_text.choices[0].text
+        assert r.usage.prompt_tokens == len(ids)
+
+
 def test_completions_default_to_16_tokens(sdk):
     r = sdk.completions.create(model=TINY_NAME, prompt=words(10, seed=6), temperature=0)
     assert r.usage.completion_tokens <= 16

@@ -71,7 +71,7 @@ class FakeRunner:
 
 
 def _job(loop, text: str) -> Job:
-    return Job([1, 2, 3], SamplingParams(max_new_tokens=4), text, text, loop)
+    return Job([ord(c) for c in text], SamplingParams(max_new_tokens=4), text, loop)
 
 
 async def _drain(job: Job) -> tuple[str, str]:
@@ -178,8 +178,10 @@ def test_single_mode_worker_survives_engine_errors():
     class Engine:
         calls = 0
 
-        def generate_stream(self, prompt, max_new_tokens, **kw):
+        def generate_stream(self, *, input_ids, max_new_tokens, **kw):
+            # The worker hands over the ids the request was validated with; it never re-tokenizes.
             Engine.calls += 1
+            prompt = "".join(map(chr, input_ids))
             if prompt.startswith("boom"):
                 raise RuntimeError("engine exploded")
             raise_mid = prompt.startswith("mid")

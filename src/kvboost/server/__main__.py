@@ -28,6 +28,8 @@ def serve_command(
     served_model_name: str | None = typer.Option(None, help="Model name clients use (default: model's name)."),
     max_queue: int = typer.Option(256, min=1, help="Waiting requests before 429 Too Many Requests."),
     chunk_size: int = typer.Option(128, min=8, help="Tokens per cached K/V chunk."),
+    chunk_boundary_window: int = typer.Option(0, min=0, help="Let chunk cuts slide up to this many tokens to a "
+                                                            "sentence or word boundary (0: fixed cuts)."),
     reuse: GenerationMode = typer.Option(GenerationMode.CHUNK_KV_REUSE, "--reuse-mode", case_sensitive=False,
                                          help="K/V reuse for every request (baseline: none, for comparisons)."),
     device: str | None = typer.Option(None, help="cpu, cuda, mps (default: best available)."),
@@ -54,7 +56,8 @@ def serve_command(
                                   batch_window_ms=batch_window_ms, mode=reuse)
         options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
                        kv_cache_bits=kv_cache_bits,
-                       disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size)
+                       disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
+                       chunk_boundary_window=chunk_boundary_window)
         EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, **options)
         sock = bind_socket(host, port)

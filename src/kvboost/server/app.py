@@ -192,7 +192,7 @@ def _check_model(settings: ServerSettings, name: str) -> None:
 
 async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, salt: str | None,
                    request: Request, t0: float) -> Response:
-    job = Job(prepared.ids, prepared.params, prepared.prompt_text, prepared.source, asyncio.get_running_loop(),
+    job = Job(prepared.ids, prepared.params, prepared.prompt_text, asyncio.get_running_loop(),
               cache_salt=salt, mode=state.settings.mode, t_start=t0)
     try:
         state.scheduler.submit(job)

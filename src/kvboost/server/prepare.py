@@ -28,7 +28,6 @@ class Prepared:
     ids: list[int]
     params: SamplingParams
     prompt_text: str
-    source: str | list[dict]  # the prompt string or the chat messages as plain dicts
     stream: bool
     include_usage: bool
 
@@ -52,7 +51,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     if max_tokens is None:
         room = engine.max_context - len(ids) if engine.max_context else _FALLBACK_MAX_TOKENS
         max_tokens = max(1, room)
-    return Prepared(ids, _sampling(req, max_tokens), prompt_text, messages, bool(req.stream), _usage_wanted(req))
+    return Prepared(ids, _sampling(req, max_tokens), prompt_text, bool(req.stream), _usage_wanted(req))
 
 
 def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
@@ -69,18 +68,23 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     if best_of not in (None, 1):
         raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
     prompt = req.prompt
+    token_ids = None  # OpenAI also takes the prompt as token ids: [int, ...] or a one-element [[int, ...]]
     if isinstance(prompt, list):
-        if prompt and not isinstance(prompt[0], str):
-            raise _unsupported("token-id prompts are not supported; send the prompt as text", "prompt")
-        if len(prompt) != 1:
-            raise APIError(400, "send exactly one prompt string per request" if prompt else "prompt is empty",
+        if prompt and isinstance(prompt[0], int):
+            token_ids, prompt = prompt, None
+        elif len(prompt) != 1:
+            raise APIError(400, "send exactly one prompt per request" if prompt else "prompt is empty",
                            param="prompt", code="invalid_value")
-        prompt = prompt[0]
+        elif isinstance(prompt[0], list):
+            token_ids, prompt = prompt[0], None
+        else:
+            prompt = prompt[0]
     with lock:
-        ids = _encode(engine, prompt, None, "prompt")
+        ids = _encode(engine, prompt, None, "prompt", token_ids)
+        text = prompt if prompt is not None else engine.tokenizer.decode(ids)
     _check_context(engine, len(ids), "prompt")
     max_tokens = req.max_tokens or settings.default_completion_tokens
-    return Prepared(ids, _sampling(req, max_tokens), prompt, prompt, bool(req.stream), _usage_wanted(req))
+    return Prepared(ids, _sampling(req, max_tokens), text, bool(req.stream), _usage_wanted(req))
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
@@ -111,11 +115,13 @@ def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
-def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str) -> list[int]:
+def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
+            token_ids: list[int] | None = None) -> list[int]:
     try:
-        return engine.encode(prompt, messages)
+        return engine.encode(prompt, messages, input_ids=token_ids)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=param if exc.param in ("prompt", "messages", None) else exc.param,
+        raise APIError(400, str(exc).replace("input_ids", param),
+                       param=param if exc.param in ("prompt", "messages", "input_ids", None) else exc.param,
                        code="invalid_value") from None
     except Exception as exc:  # e.g. a chat template that rejects this sequence of roles
         raise APIError(400, f"could not render the {param}: {type(exc).__name__}: {exc}", param=param,

@@ -55,7 +55,6 @@ class Job:
     ids: list[int]
     params: SamplingParams
     prompt_text: str
-    source: str | list[dict]  # the prompt or chat messages (single mode hands these to generate_stream)
     loop: asyncio.AbstractEventLoop
     cache_salt: str | None = None
     mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
@@ -230,10 +229,10 @@ class Scheduler:
     def _run_one(self, job: Job) -> None:
         p = job.params
         try:
-            with self.tokenizer_lock:  # generate_stream tokenizes eagerly; the event loop tokenizes too
-                prompt, messages = (job.source, None) if isinstance(job.source, str) else (None, job.source)
+            with self.tokenizer_lock:  # generate_stream decodes the prompt text eagerly; the event loop tokenizes too
+                # The ids the request was validated and counted with: never tokenized a second time.
                 stream = self.engine.generate_stream(
-                    prompt, p.max_new_tokens, messages=messages, mode=job.mode, temperature=p.temperature,
+                    input_ids=job.ids, max_new_tokens=p.max_new_tokens, mode=job.mode, temperature=p.temperature,
                     top_p=p.top_p, top_k=p.top_k, do_sample=p.do_sample, stop=p.stop or None, seed=p.seed,
                     cache_salt=job.cache_salt)
             for delta in stream:

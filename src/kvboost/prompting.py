@@ -1,0 +1,80 @@
+"""What the model will read: a prompt string, chat messages or caller-made token ids, as validated token ids.
+
+Every way in ends in the same checks, so bad input fails here with InvalidRequestError (param named) rather
+than as an index error deep inside the model.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+from .errors import InvalidRequestError
+
+Messages = list[dict]
+
+
+def encode_prompt(tokenizer, n_vocab: int, prompt: str | Messages | None = None, messages: Messages | None = None,
+                  add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
+    """Exactly one of prompt (a string, or a list of messages), messages or input_ids."""
+    if input_ids is not None:
+        if prompt is not None or messages is not None:
+            raise InvalidRequestError("pass one of prompt, messages or input_ids", "input_ids")
+        return check_token_ids(input_ids, n_vocab)
+    if messages is None and isinstance(prompt, list):
+        prompt, messages = None, prompt
+    if messages is not None:
+        if prompt is not None:
+            raise InvalidRequestError("pass either prompt or messages, not both", "messages")
+        validate_messages(messages)
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this tokenizer has no chat template; pass a plain prompt string", "messages")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    else:
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}",
+                                      "prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        ids = tokenizer(prompt)["input_ids"]
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise InvalidRequestError("prompt tokenizes to zero tokens", "prompt")
+    return ids
+
+
+def check_token_ids(input_ids, n_vocab: int, param: str = "input_ids") -> list[int]:
+    """A plain list of ints, each inside the embedding table (a 1-D or [1, n] integer tensor is accepted)."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise InvalidRequestError(f"{param} must be one sequence of integer ids, got a tensor of shape "
+                                      f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}", param)
+        input_ids = input_ids.tolist()
+    if isinstance(input_ids, (str, bytes, dict)) or not hasattr(input_ids, "__len__"):
+        raise InvalidRequestError(f"{param} must be a sequence of integer token ids, got {type(input_ids).__name__}",
+                                  param)
+    if len(input_ids) == 0:
+        raise InvalidRequestError(f"{param} is empty", param)
+    ids = []
+    for i, t in enumerate(input_ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InvalidRequestError(f"{param}[{i}] is {t!r}; token ids must be integers", param)
+        if not 0 <= int(t) < n_vocab:
+            raise InvalidRequestError(f"{param}[{i}] = {int(t)} is outside the model's vocabulary [0, {n_vocab})",
+                                      param)
+        ids.append(int(t))
+    return ids
+
+
+def validate_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        if not isinstance(m["content"], (str, list)):
+            raise InvalidRequestError(f"messages[{i}].content must be a string", "messages")
