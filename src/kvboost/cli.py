@@ -92,11 +92,17 @@ def bench_multiturn(model: Optional[str] = ModelOpt,
                     json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
                     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot."),
                     peer_python: Optional[str] = typer.Option(None, "--peer-python",
-                                                              help="Python of a virtualenv with another kvboost.")):
+                                                              help="Python of a virtualenv with another kvboost."),
+                    workload: str = typer.Option("chat", help="chat: the 64 shipped conversations (80-370-token "
+                                                              "system prompts); support: the ~1,000-token manual "
+                                                              "of the system-prompt workload, its questions as turns.")):
     """Replay chats turn by turn: plain transformers, the manual prefix-cache recipe, KVBoost (and a peer)."""
-    from .bench.multiturn import run_multiturn_bench
+    from .bench.multiturn import WORKLOADS, run_multiturn_bench
 
-    run_multiturn_bench(model, conversations, turns, new_tokens, json_path, plot_path, peer_python)
+    if workload not in WORKLOADS:
+        raise typer.BadParameter(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}",
+                                 param_hint="--workload")
+    run_multiturn_bench(model, conversations, turns, new_tokens, json_path, plot_path, peer_python, workload)
 
 
 def _register_modules() -> None:

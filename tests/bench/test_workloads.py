@@ -133,6 +133,15 @@ def test_system_prompt_workload(generated):
         assert q["type"] == "question" and q["answer"] in system
 
 
+def test_support_conversations_ask_every_question_once_under_the_manual(generated):
+    convs = wl.support_conversations()
+    asked = [t for c in convs for t in c["turns"]]
+    assert all(c["system"] == generated["system"] and 4 <= len(c["turns"]) <= 8 for c in convs)
+    assert len(asked) == len(set(asked)) and len(generated["questions"]) - len(asked) < 4
+    assert asked == [q["question"] for q in generated["questions"]][: len(asked)]
+    assert wl.support_conversations() == convs  # deterministic
+
+
 # ------------------------------------------------------------------------------------------- loaders
 
 def test_loaders_default_paths(generated):

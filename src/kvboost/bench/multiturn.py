@@ -132,11 +132,19 @@ class _Peer:
         self.proc.wait(30)
 
 
+WORKLOADS = ("chat", "support")
+
+
+def _load_workload(name: str) -> list[dict]:
+    from .workloads import load_conversations, support_conversations
+
+    return load_conversations() if name == "chat" else support_conversations()
+
+
 def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, new_tokens: int,
-                        json_path: str | None, plot_path: str | None, peer_python: str | None = None
-                        ) -> list[TurnSummary]:
+                        json_path: str | None, plot_path: str | None, peer_python: str | None = None,
+                        workload: str = "chat") -> list[TurnSummary]:
     from ..cli import load_engine
-    from .workloads import load_conversations
 
     console = bench_console()
     with console.status("loading model"):
@@ -148,7 +156,7 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
         from ..loading import embedded_model_dir, is_embedded
         peer = _Peer(peer_python, str(embedded_model_dir()) if is_embedded(model_name) else model_name)
     samples: list[TurnSample] = []
-    convs = load_conversations()[:conversations]
+    convs = _load_workload(workload)[:conversations]
     with Live(console=console, refresh_per_second=2) as live, torch.inference_mode():
         for ci, conv in enumerate(convs):
             manual = _Manual(model)
@@ -182,7 +190,7 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
     if json_path:
         from .plots import write_json
         write_json(json_path, {"benchmark": "multiturn", "model": model_name or "embedded SmolLM2-135M-Instruct",
-                               "conversations": len(convs), "turns": turns, "new_tokens": new_tokens,
+                               "workload": workload, "conversations": len(convs), "turns": turns, "new_tokens": new_tokens,
                                "summary": overall, "reuse_rate": overall["kvboost_reuse_from_turn2"],
                                "prefill_tokens_per_s": overall["plain_prefill_tokens_per_s"],
                                "per_turn": [asdict(x) for x in summary], "samples": [asdict(x) for x in samples]})

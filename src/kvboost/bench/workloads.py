@@ -192,6 +192,23 @@ def generate_system_prompt(seed: int = DEFAULT_SEED) -> tuple[str, list[dict[str
                     for i, (q, a) in enumerate(qs)]
 
 
+def support_conversations(path: str | Path | None = None, seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:
+    """Chats with the system-prompt workload's long manual: its questions, in file order, asked 4-8 per chat.
+
+    A customer-support assistant whose manual is the system prompt (~1,000 tokens), the setting where one
+    long prefix dominates every turn, as in agents with long instructions and tool descriptions.
+    """
+    system, questions = load_system_prompt(path)
+    rng = random.Random(f"{seed}:support")
+    out, i = [], 0
+    while len(questions) - i >= 4:
+        n = min(rng.randint(4, 8), len(questions) - i)
+        out.append({"id": f"support-{len(out):03d}", "domain": "support", "system": system,
+                    "turns": [q["question"] for q in questions[i:i + n]]})
+        i += n
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ I/O
 
 def dumps_jsonl(records: Iterable[dict[str, Any]]) -> str:
