@@ -151,11 +151,11 @@ class PrefixedRows:
         p = self.prefix.length if self.prefix is not None else 0
         if start >= p:
             return self.ws.read(start, end, row=row)
-        keys, values = [], []
-        for i in range(len(self.ws.shapes)):
-            k_buf, v_buf = self.ws.buffers(i)
-            pk, pv = self.prefix.layer(i)  # type: ignore[union-attr]
-            cut = min(end, p)
-            keys.append(torch.cat([pk[0, :, start:cut], k_buf[row, :, cut:end]], dim=1))
-            values.append(torch.cat([pv[0, :, start:cut], v_buf[row, :, cut:end]], dim=1))
+        prefix = self.prefix
+        assert prefix is not None
+        if end <= p:
+            return [k[0, :, start:end].clone() for k in prefix.keys], [v[0, :, start:end].clone() for v in prefix.values]
+        own_k, own_v = self.ws.read(p, end, row=row)  # the workspace's columns start at the prefix's end
+        keys = [torch.cat([pk[0, :, start:], k], dim=1) for pk, k in zip(prefix.keys, own_k)]
+        values = [torch.cat([pv[0, :, start:], v], dim=1) for pv, v in zip(prefix.values, own_v)]
         return keys, values

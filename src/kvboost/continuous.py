@@ -7,10 +7,11 @@ padding mask keeping each row to its own columns.
 
 Shared prefix (cascade.py): when every row of the batch starts with the same stored chunk-aligned prefix
 of P tokens, its K/V is loaded once into a SharedPrefix ([1, kv_heads, P, d] per layer) and rows hold
-only columns [P, length) of their slots; columns [0, P) stay unused. Attention reads the prefix once per
+only positions [P, length) in their slots: the workspace's first column is position P (KVWorkspace.base),
+so the prefix is neither copied into rows nor allocated for them. Attention reads the prefix once per
 step for all rows. A row that arrives without that prefix shrinks it to what all rows still share: the
-dropped part, prefix[P':P], is copied into every active row's columns [P', P) (exact; P' may be 0, which
-is the plain per-row layout). The prefix never grows while rows are active and is dropped when the batch
+dropped part, prefix[P':P], is copied into every active row's positions [P', P) after the workspace is
+rebased to P' (exact; P' may be 0, which is the plain per-row layout). The prefix never grows while rows are active and is dropped when the batch
 empties. Models where this cannot be exact (sliding windows, softcapping...) keep the per-row path.
 """
 from __future__ import annotations
@@ -59,16 +60,17 @@ class _SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         k_buf, v_buf = self.ws.buffers(self.layer_idx)
         k_rows, v_rows = k_buf[self.slots], v_buf[self.slots]
+        base = self.ws.base  # buffer column = position - base
         if isinstance(self.write_cols, int):
             end = self.write_cols + key_states.shape[-2]
-            k_rows[:, :, self.write_cols:end].copy_(key_states)
-            v_rows[:, :, self.write_cols:end].copy_(value_states)
+            k_rows[:, :, self.write_cols - base:end - base].copy_(key_states)
+            v_rows[:, :, self.write_cols - base:end - base].copy_(value_states)
         else:
             rows = torch.arange(key_states.shape[0], device=key_states.device)
-            k_rows[rows, :, self.write_cols] = key_states[:, :, 0]
-            v_rows[rows, :, self.write_cols] = value_states[:, :, 0]
+            k_rows[rows, :, self.write_cols - base] = key_states[:, :, 0]
+            v_rows[rows, :, self.write_cols - base] = value_states[:, :, 0]
             end = self.past + 1
-        self.keys, self.values = k_rows[:, :, self.start:end], v_rows[:, :, self.start:end]
+        self.keys, self.values = k_rows[:, :, self.start - base:end - base], v_rows[:, :, self.start - base:end - base]
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -179,7 +181,7 @@ class BatchRunner:
 
     def kv_bytes(self) -> dict[str, int]:
         """K/V bytes live now: `shared` (the prefix, once), `rows` (each row's own columns), and `allocated`
-        (the workspace buffers, which keep columns at absolute positions and so include unused ones)."""
+        (the workspace buffers: every slot's columns from the prefix's end to the capacity, used or not)."""
         per_token = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in self.ws.shapes) * self.ws.dtype.itemsize
         p = self.prefix.length if self.prefix is not None else 0
         return {"shared": self.prefix.nbytes if self.prefix is not None else 0,
@@ -242,6 +244,9 @@ class BatchRunner:
             self._shrink_prefix(target)
         if self.prefix is None and target > 0:
             self.prefix = self._load_prefix(new[0], target)
+        # Rows hold positions from the prefix's end on; below it they read the prefix.
+        self.ws.rebase(self.prefix.length if self.prefix is not None else 0,
+                       keep=max([r.length for r in self._active], default=0))
 
     def _shared_length(self, new: list[_Row]) -> int:
         if not self.shared_prefix_attention:
@@ -270,12 +275,11 @@ class BatchRunner:
         """Keep the first n prefix tokens shared; every active row gets its own copy of the rest."""
         prefix = self.prefix
         assert prefix is not None
+        self.ws.rebase(n, keep=max([r.length for r in self._active], default=0))
+        dropped_k = [k[0, :, n:] for k in prefix.keys]
+        dropped_v = [v[0, :, n:] for v in prefix.values]
         for row in self._active:
-            for i in range(len(self.ws.shapes)):
-                k_buf, v_buf = self.ws.buffers(i)
-                pk, pv = prefix.layer(i)
-                k_buf[row.slot, :, n:prefix.length].copy_(pk[0, :, n:])
-                v_buf[row.slot, :, n:prefix.length].copy_(pv[0, :, n:])
+            self.ws.write(dropped_k, dropped_v, n, row=row.slot)
         self.prefix = prefix.truncated(n)
 
     def _forward(self, cache: Cache, **inputs) -> torch.Tensor:
@@ -296,11 +300,8 @@ class BatchRunner:
             reuse, segments = max(shared, min(match.length, len(row.ids) - 1)), match.segments
         for seg in segments:
             if seg.start < reuse:
-                n = min(seg.n_tokens, reuse - seg.start)
-                for i, (k, v) in enumerate(zip(seg.record.keys, seg.record.values)):
-                    k_buf, v_buf = self.ws.buffers(i)
-                    k_buf[row.slot, :, seg.start:seg.start + n].copy_(k[:, :n])
-                    v_buf[row.slot, :, seg.start:seg.start + n].copy_(v[:, :n])
+                self.ws.write(seg.record.keys, seg.record.values, seg.start, min(seg.n_tokens, reuse - seg.start),
+                              row=row.slot)
         row.lookup_ms = (time.perf_counter() - t0) * 1e3
         row.cached = reuse
         slots = slice(row.slot, row.slot + 1)
@@ -339,7 +340,7 @@ class BatchRunner:
         engine = self.engine
         fed = (row.ids + row.tracker.tokens)[: row.length]
         if row.mode is not GenerationMode.BASELINE and engine.config.write_back:
-            # The slot's columns below the shared prefix are empty: PrefixedRows reads those from the prefix.
+            # The slot holds no columns below the shared prefix: PrefixedRows reads those from the prefix.
             source = PrefixedRows(self.ws, self.prefix) if self.prefix is not None else self.ws
             engine._write_back(fed, row.salt, source=source, row=row.slot)
         total_ms = (time.perf_counter() - row.t_start) * 1e3
@@ -375,12 +376,12 @@ class BatchRunner:
         columns move: those below the shared prefix are not the row's)."""
         idx = self._active.index(row)
         last = self._active[-1]
-        start = self.prefix.length if self.prefix is not None else 0
+        end = last.length - self.ws.base  # columns hold positions from the shared prefix's end on
         if last is not row:
             for i in range(len(self.ws.shapes)):
                 k_buf, v_buf = self.ws.buffers(i)
-                k_buf[idx, :, start:last.length].copy_(k_buf[last.slot, :, start:last.length])
-                v_buf[idx, :, start:last.length].copy_(v_buf[last.slot, :, start:last.length])
+                k_buf[idx, :, :end].copy_(k_buf[last.slot, :, :end])
+                v_buf[idx, :, :end].copy_(v_buf[last.slot, :, :end])
             last.slot = idx
             self._active[idx] = last
         self._active.pop()

@@ -33,6 +33,8 @@ class InPlaceLayer(CacheLayerMixin):
 
     def __init__(self, workspace: "KVWorkspace", layer_idx: int, length: int):
         super().__init__()
+        if workspace.base:
+            raise ValueError("InPlaceLayer needs a workspace whose columns start at position 0")
         self.workspace = workspace
         self.layer_idx = layer_idx
         self.length = length
@@ -79,7 +81,12 @@ class InPlaceLayer(CacheLayerMixin):
 
 
 class KVWorkspace:
-    """Per-layer K/V buffers [batch, kv_heads, capacity, head_dim] reused across requests."""
+    """Per-layer K/V buffers [batch, kv_heads, columns, head_dim] reused across requests.
+
+    Column c holds position `base + c`. The engine's own workspace keeps base 0; a batch whose rows share a
+    prefix of P tokens (read from one SharedPrefix tensor) sets base = P, so no row allocates those columns.
+    `capacity`, `write`, `read` and `ensure_capacity` speak in positions; `buffers` returns raw columns.
+    """
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, batch_size: int = 1,
                  max_positions: int | None = None):
@@ -90,30 +97,44 @@ class KVWorkspace:
         self.max_positions = max_positions
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
-        self.capacity = 0
+        self.base = 0
+        self.capacity = 0  # positions [0, capacity) are addressable; [base, capacity) are allocated
         # Token ids whose K/V (computed in full context, under `resident_tag`) sit at positions [0, len).
         self.resident_ids: list[int] = []
         self.resident_tag: str | None = None
         self._allocate(0)
 
     # ---- buffers ------------------------------------------------------------------------------
-    def _allocate(self, capacity: int, keep: int = 0) -> None:
+    def _allocate(self, capacity: int, keep: int = 0, base: int | None = None) -> None:
+        """New buffers for positions [base, capacity), keeping the old contents of positions [base, keep)
+        that the old buffers held."""
+        base = self.base if base is None else base
+        capacity = max(capacity, base)
+        lo = max(base, self.base)  # kept positions must exist in both layouts
         new_k, new_v = [], []
         # Zeroed, not empty: a batched step attends over other rows' padding columns with a mask, and
         # masked garbage that happens to be NaN still poisons the softmax (0 * NaN = NaN).
         for i, s in enumerate(self.shapes):
-            k = torch.zeros(self.batch_size, s.kv_heads, capacity, s.head_dim_k, dtype=self.dtype, device=self.device)
-            v = torch.zeros(self.batch_size, s.kv_heads, capacity, s.head_dim_v, dtype=self.dtype, device=self.device)
-            if keep and self._k:
-                k[:, :, :keep].copy_(self._k[i][:, :, :keep])
-                v[:, :, :keep].copy_(self._v[i][:, :, :keep])
+            cols = capacity - base
+            k = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_k, dtype=self.dtype, device=self.device)
+            v = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_v, dtype=self.dtype, device=self.device)
+            if keep > lo and self._k:
+                k[:, :, lo - base:keep - base].copy_(self._k[i][:, :, lo - self.base:keep - self.base])
+                v[:, :, lo - base:keep - base].copy_(self._v[i][:, :, lo - self.base:keep - self.base])
             new_k.append(k)
             new_v.append(v)
-        self._k, self._v, self.capacity = new_k, new_v, capacity
+        self._k, self._v, self.capacity, self.base = new_k, new_v, capacity, base
+
+    def rebase(self, base: int, keep: int = 0) -> None:
+        """Make column 0 hold position `base`; positions [max(base, old base), keep) keep their contents.
+        Positions [base, old base) start zeroed: the caller fills them (e.g. from a shared prefix it drops)."""
+        if base != self.base:
+            self._allocate(max(self.capacity, keep), keep=keep, base=base)
 
     def _grown(self, needed: int) -> int:
-        target = max(needed, int(self.capacity * 1.5))
-        target = -(-target // _GROW_STEP) * _GROW_STEP
+        # Grow the allocated columns (not the positions below base, which take no memory) by half, in steps.
+        cols = max(needed - self.base, int((self.capacity - self.base) * 1.5))
+        target = self.base + -(-cols // _GROW_STEP) * _GROW_STEP
         if self.max_positions:
             target = max(needed, min(target, self.max_positions))
         return target
@@ -133,23 +154,32 @@ class KVWorkspace:
 
     def release(self) -> None:
         """Give the buffers' memory back (the next request reallocates)."""
-        self._allocate(0)
+        self._allocate(0, base=0)
         self.resident_ids, self.resident_tag = [], None
 
     # ---- contents -----------------------------------------------------------------------------
     def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
-              n_tokens: int | None = None) -> None:
-        """Copy one chunk's per-layer K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to positions start..."""
+              n_tokens: int | None = None, row: int | None = None) -> None:
+        """Copy one chunk's per-layer K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to positions start...
+        of every row, or of one `row`."""
+        c = self._column(start)
+        rows = slice(None) if row is None else row
         for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
             n = k.shape[-2] if n_tokens is None else n_tokens
-            self._k[i][:, :, start:start + n].copy_(k[..., :n, :])
-            self._v[i][:, :, start:start + n].copy_(v[..., :n, :])
+            self._k[i][rows, :, c:c + n].copy_(k[..., :n, :])
+            self._v[i][rows, :, c:c + n].copy_(v[..., :n, :])
 
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned copies of positions [start, end) of one batch row: safe to store after the buffers move on."""
-        keys = [k[row, :, start:end].clone() for k in self._k]
-        values = [v[row, :, start:end].clone() for v in self._v]
+        lo, hi = self._column(start), end - self.base
+        keys = [k[row, :, lo:hi].clone() for k in self._k]
+        values = [v[row, :, lo:hi].clone() for v in self._v]
         return keys, values
+
+    def _column(self, position: int) -> int:
+        if position < self.base:
+            raise ValueError(f"position {position} is below this workspace's first position {self.base}")
+        return position - self.base
 
     def make_cache(self, length: int) -> Cache:
         return Cache(layers=[InPlaceLayer(self, i, length) for i in range(len(self.shapes))])

@@ -19,6 +19,17 @@ def test_bench_runs_both_modes_on_a_tiny_model(tokenizer):
     assert on.kv_bytes_live < off.kv_bytes_live and on.decode_tokens == off.decode_tokens > 0
 
 
+
+def test_rows_allocate_no_columns_for_the_shared_prefix(tokenizer):
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    system_ids, rows = _rows(engine, n_rows=3, prefix=300)  # longer than one 256-position growth step
+    engine._warm_ids(system_ids, None)
+    off = _run(engine, rows, 4, False, "off", 300)
+    on = _run(engine, rows, 4, True, "on", 300)
+    assert on.outputs == off.outputs and on.shared_prefix_tokens >= 256
+    assert on.kv_bytes_allocated <= off.kv_bytes_allocated / 2
+
+
 def test_bench_batch_is_registered():
     from typer.testing import CliRunner
 

@@ -129,7 +129,8 @@ def _print(console, runs: list[BatchRun], identical: bool) -> None:
                       f"{r.admit_ms:,.0f}", "yes" if identical else "NO")
     console.print(table)
     console.print("ms/step: median decode step; KV live: shared prefix once + each row's own K/V at the first decode "
-                  "step; KV alloc: workspace buffers (slot columns stay at absolute positions, so this is equal)")
+                  "step; KV alloc: workspace buffers, every row's columns up to the capacity (with a shared prefix they "
+                  "start at its end), grown in steps of 256 positions")
     if runs[0].decode_tokens_per_s > 0:
         console.print(f"decode speed-up with shared prefix: "
                       f"{runs[1].decode_tokens_per_s / runs[0].decode_tokens_per_s:.2f}x")
