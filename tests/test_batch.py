@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost import KVBoost
+from kvboost import InvalidRequestError, KVBoost
 from kvboost.batch import broadcast_kv, find_common_chunk_prefix, group_by_prefix
 from kvboost.continuous import BatchRunner, has_sliding_layers
 from kvboost.sampling import SamplingParams
@@ -87,6 +87,28 @@ def test_generate_many_keeps_input_order(tokenizer):
     results = engine.generate_many(prompts, max_new_tokens=6)
     for prompt, r in zip(prompts, results):
         assert r.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), 6)
+
+
+def test_batches_of_token_ids_match_their_text(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    a, b = text_with_tokens(tokenizer, 40, seed=41), text_with_tokens(tokenizer, 40, seed=42)
+    prompts = [a + " one", b + " two", a + " three"]
+    ids = [engine.encode(p) for p in prompts]
+    by_text = engine.generate_many(prompts, max_new_tokens=6)
+    for results in (engine.generate_batch(input_ids=ids, max_new_tokens=6),
+                    engine.generate_many(input_ids=[torch.tensor(x) for x in ids], max_new_tokens=6)):
+        assert [r.output_token_ids for r in results] == [r.output_token_ids for r in by_text]
+        assert [r.prompt_tokens for r in results] == [len(x) for x in ids]
+    for call in (engine.generate_batch, engine.generate_many):
+        with pytest.raises(InvalidRequestError, match="one of prompts or input_ids"):
+            call(prompts, input_ids=ids)
+        with pytest.raises(InvalidRequestError, match="one of prompts or input_ids"):
+            call()
+        with pytest.raises(InvalidRequestError, match="outside the model's vocabulary"):
+            call(input_ids=[ids[0], [10**9]])
+        with pytest.raises(InvalidRequestError, match="input_ids must be a non-empty list"):
+            call(input_ids=[])
 
 
 def test_seeded_sampling_in_a_batch_matches_single(tokenizer):

@@ -370,28 +370,26 @@ class InferenceEngine:
             return self._write_back(ids, salt, cut_ids=cut_ids)
 
     # ---- batches ------------------------------------------------------------------------------
-    def generate_batch(self, prompts: Sequence[str | Messages], max_new_tokens: int = 64, *,
+    def generate_batch(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                        stop: str | Sequence[str] | None = None, seed: int | None = None,
                        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
-                       max_batch_size: int | None = None) -> list[GenerationResult]:
-        """Generate for many prompts at once: a shared prefix is computed or loaded once, decode steps run
-        batched. Results come back in input order; greedy outputs equal those of generate()."""
+                       max_batch_size: int | None = None,
+                       input_ids: Sequence[Sequence[int]] | None = None) -> list[GenerationResult]:
+        """Generate for many prompts (or token-id sequences) at once: a shared prefix is computed or loaded
+        once, decode steps run batched. Results come back in input order; greedy outputs equal generate()'s."""
         from .continuous import BatchRunner
 
         t0 = time.perf_counter()
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InvalidRequestError("prompts must be a non-empty list", "prompts")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 do_sample=do_sample, seed=seed,
                                 stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []))
         mode = GenerationMode.parse(mode)
-        encoded = [self.encode(p) for p in prompts]
+        encoded, texts = self._encode_many(prompts, input_ids)
         for ids in encoded:
             self._check_context(len(ids))
-        runner = BatchRunner(self, max_batch_size=max_batch_size or len(prompts))
-        handles = [runner.add(ids, params, p if isinstance(p, str) else self.tokenizer.decode(ids), cache_salt,
-                              mode, t_start=t0) for p, ids in zip(prompts, encoded)]
+        runner = BatchRunner(self, max_batch_size=max_batch_size or len(encoded))
+        handles = [runner.add(ids, params, text, cache_salt, mode, t_start=t0) for ids, text in zip(encoded, texts)]
         while runner.has_work():
             runner.step()
         for h in handles:
@@ -399,22 +397,37 @@ class InferenceEngine:
                 raise h.error
         return [h.result for h in handles]
 
-    def generate_many(self, prompts: Sequence[str | Messages], max_new_tokens: int = 64, **kwargs
-                      ) -> list[GenerationResult]:
+    def generate_many(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
+                      input_ids: Sequence[Sequence[int]] | None = None, **kwargs) -> list[GenerationResult]:
         """Like generate_batch, but prompts are grouped by shared prefix chunks and each group runs as one
         batch, so unrelated prompts never pad each other out. Results come back in input order."""
         from .batch import group_by_prefix
 
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise InvalidRequestError("prompts must be a non-empty list", "prompts")
-        encoded = [self.encode(p) for p in prompts]
-        groups = group_by_prefix([str(i) for i in range(len(prompts))], encoded, self.config.chunk_size,
+        encoded, _ = self._encode_many(prompts, input_ids)
+        groups = group_by_prefix([str(i) for i in range(len(encoded))], encoded, self.config.chunk_size,
                                  chunker=self.chunker)
-        results: list[GenerationResult | None] = [None] * len(prompts)
+        results: list[GenerationResult | None] = [None] * len(encoded)
         for members in groups.values():
-            for i, r in zip(members, self.generate_batch([prompts[i] for i in members], max_new_tokens, **kwargs)):
+            if input_ids is not None:
+                batch = self.generate_batch(None, max_new_tokens, input_ids=[encoded[i] for i in members], **kwargs)
+            else:
+                batch = self.generate_batch([prompts[i] for i in members], max_new_tokens, **kwargs)  # type: ignore[index]
+            for i, r in zip(members, batch):
                 results[i] = r
         return results  # type: ignore[return-value]
+
+    def _encode_many(self, prompts, input_ids) -> tuple[list[list[int]], list[str]]:
+        """(token ids, prompt text) per prompt, from exactly one of `prompts` and `input_ids`."""
+        if (prompts is None) == (input_ids is None):
+            raise InvalidRequestError("pass one of prompts or input_ids", "prompts")
+        name, items = ("prompts", prompts) if prompts is not None else ("input_ids", input_ids)
+        if not isinstance(items, (list, tuple)) or not items:
+            raise InvalidRequestError(f"{name} must be a non-empty list", name)
+        if input_ids is not None:
+            encoded = [self.encode(input_ids=ids) for ids in input_ids]
+            return encoded, [self.tokenizer.decode(ids) for ids in encoded]
+        encoded = [self.encode(p) for p in prompts]
+        return encoded, [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
