@@ -116,19 +116,28 @@ def test_prefix_cache_mode_reuses_whole_chunks_only(tiny):
     assert result.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), NEW)
 
 
-def test_multi_turn_replay_identical_every_turn(tiny):
-    model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
-    messages = [{"role": "system", "content": words(40, seed=1)}]
-    for turn in range(4):
-        messages.append({"role": "user", "content": words(8 + 3 * turn, seed=10 + turn)})
+def replay_chat(engine, model, tokenizer, system: str, users: list[str], min_reuse: float,
+                forget_workspace: bool = False) -> None:
+    """Chat turn by turn like a client; every turn equals HF greedy, and later turns reuse > min_reuse."""
+    messages = [{"role": "system", "content": system}]
+    for turn, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        if forget_workspace:
+            engine.forget_workspace()  # each turn's reuse comes from the chunks written back after the last one
         result = engine.generate(messages=messages, max_new_tokens=10)
         ids = engine.encode(messages=messages)
         assert result.output_token_ids == hf_greedy(model, tokenizer, ids, 10), f"turn {turn}"
         if turn > 0:
-            assert result.kv_reuse_ratio > 0.5, f"turn {turn}: reuse {result.kv_reuse_ratio:.2f}"
+            assert result.kv_reuse_ratio > min_reuse, f"turn {turn}: reuse {result.kv_reuse_ratio:.2f}"
         # The client re-sends the decoded reply; its re-tokenization may differ from the generated ids.
         messages.append({"role": "assistant", "content": result.output_text})
+
+
+def test_multi_turn_replay_identical_every_turn(tiny):
+    model, tokenizer = tiny
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    replay_chat(engine, model, tokenizer, words(40, seed=1),
+                [words(8 + 3 * turn, seed=10 + turn) for turn in range(4)], min_reuse=0.5)
 
 
 def test_seeded_sampling_same_tokens_in_baseline_and_reuse(tiny):
@@ -193,16 +202,8 @@ def test_boundary_window_exact_reuse_matches_hf_generate(arch, tokenizer):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_boundary_window_multi_turn_replay(arch, tokenizer):
     model, engine = _window_engine(arch, tokenizer)
-    messages = [{"role": "system", "content": _prose(8, seed=2)}]
-    for turn in range(4):
-        messages.append({"role": "user", "content": _prose(2 + turn, seed=10 + turn)})
-        engine.forget_workspace()  # each turn's reuse comes from the chunks written back after the last one
-        result = engine.generate(messages=messages, max_new_tokens=10)
-        ids = engine.encode(messages=messages)
-        assert result.output_token_ids == hf_greedy(model, tokenizer, ids, 10), f"turn {turn}"
-        if turn > 0:
-            assert result.kv_reuse_ratio > 0.6, f"turn {turn}: reuse {result.kv_reuse_ratio:.2f}"
-        messages.append({"role": "assistant", "content": result.output_text})
+    replay_chat(engine, model, tokenizer, _prose(8, seed=2), [_prose(2 + turn, seed=10 + turn) for turn in range(4)],
+                min_reuse=0.6, forget_workspace=True)
 
 
 def test_boundary_window_prefix_cache_rounds_the_workspace_to_a_cut(tokenizer):

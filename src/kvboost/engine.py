@@ -378,14 +378,23 @@ class InferenceEngine:
                        input_ids: Sequence[Sequence[int]] | None = None) -> list[GenerationResult]:
         """Generate for many prompts (or token-id sequences) at once: a shared prefix is computed or loaded
         once, decode steps run batched. Results come back in input order; greedy outputs equal generate()'s."""
+        t0 = time.perf_counter()
+        encoded, texts = self._encode_many(prompts, input_ids)
+        return self._run_batch(t0, encoded, texts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               do_sample=do_sample, stop=stop, seed=seed, mode=mode, cache_salt=cache_salt,
+                               max_batch_size=max_batch_size)
+
+    def _run_batch(self, t0: float, encoded: list[list[int]], texts: list[str], max_new_tokens: int, *,
+                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                   stop: str | Sequence[str] | None = None, seed: int | None = None,
+                   mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
+                   max_batch_size: int | None = None) -> list[GenerationResult]:
         from .continuous import BatchRunner
 
-        t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 do_sample=do_sample, seed=seed,
                                 stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []))
         mode = GenerationMode.parse(mode)
-        encoded, texts = self._encode_many(prompts, input_ids)
         for ids in encoded:
             self._check_context(len(ids))
         runner = BatchRunner(self, max_batch_size=max_batch_size or len(encoded))
@@ -403,15 +412,13 @@ class InferenceEngine:
         batch, so unrelated prompts never pad each other out. Results come back in input order."""
         from .batch import group_by_prefix
 
-        encoded, _ = self._encode_many(prompts, input_ids)
+        encoded, texts = self._encode_many(prompts, input_ids)  # once: each group runs from these ids
         groups = group_by_prefix([str(i) for i in range(len(encoded))], encoded, self.config.chunk_size,
                                  chunker=self.chunker)
         results: list[GenerationResult | None] = [None] * len(encoded)
         for members in groups.values():
-            if input_ids is not None:
-                batch = self.generate_batch(None, max_new_tokens, input_ids=[encoded[i] for i in members], **kwargs)
-            else:
-                batch = self.generate_batch([prompts[i] for i in members], max_new_tokens, **kwargs)  # type: ignore[index]
+            batch = self._run_batch(time.perf_counter(), [encoded[i] for i in members], [texts[i] for i in members],
+                                    max_new_tokens, **kwargs)
             for i, r in zip(members, batch):
                 results[i] = r
         return results  # type: ignore[return-value]

@@ -59,7 +59,10 @@ def check_token_ids(input_ids, n_vocab: int, param: str = "input_ids") -> list[i
                                   param)
     if len(input_ids) == 0:
         raise InvalidRequestError(f"{param} is empty", param)
-    ids = []
+    # Fast path (this runs before every prefill): plain ints in range. bool is a subclass, not `int` itself.
+    if all(type(t) is int for t in input_ids) and 0 <= min(input_ids) and max(input_ids) < n_vocab:
+        return list(input_ids)
+    ids = []  # slow path: find and name the first bad id
     for i, t in enumerate(input_ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise InvalidRequestError(f"{param}[{i}] is {t!r}; token ids must be integers", param)
