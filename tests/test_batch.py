@@ -6,7 +6,8 @@ import torch
 
 from kvboost import InvalidRequestError, KVBoost
 from kvboost.batch import broadcast_kv, find_common_chunk_prefix, group_by_prefix
-from kvboost.continuous import BatchRunner, has_sliding_layers
+from kvboost.batch import BatchRunner
+from kvboost.compat import has_sliding_layers
 from kvboost.sampling import SamplingParams
 
 from .prompts import text_with_tokens, words

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 
-from kvboost.cascade import (
+from kvboost.batch.cascade import (
     CASCADE_ATTENTION,
     SharedPrefixAttentionError,
     cascade_forward,

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvboost import KVBoost, cascade
-from kvboost.continuous import BatchRunner
+from kvboost import KVBoost
+from kvboost.batch import cascade
+from kvboost.batch import BatchRunner
 from kvboost.sampling import SamplingParams
 
 from .prompts import text_with_tokens, words

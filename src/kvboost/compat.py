@@ -52,3 +52,11 @@ def check_model_compatibility(model, strict: bool = True) -> str:
                       "engine.verify_correctness() checks it on your prompts.", stacklevel=3)
         return "untested"
     return "supported"
+
+
+def has_sliding_layers(model) -> bool:
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return any("sliding" in str(t) for t in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False

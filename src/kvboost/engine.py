@@ -15,7 +15,8 @@ from .errors import ContextLengthError, InvalidRequestError
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .reuse.assemble import Assembly, content_state
 from .reuse.match import ExactMatch, common_prefix_length, match_exact
-from .runner import KVWorkspace, forward_tokens, probe_layer_shapes
+from .kv.workspace import KVWorkspace
+from .model.forward import forward_tokens, probe_layer_shapes
 from .decoding import OutputTracker
 from .prompting import Messages, encode_prompt
 from .sampling import Sampler, SamplingParams
@@ -389,7 +390,7 @@ class InferenceEngine:
                    stop: str | Sequence[str] | None = None, seed: int | None = None,
                    mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
                    max_batch_size: int | None = None) -> list[GenerationResult]:
-        from .continuous import BatchRunner
+        from .batch import BatchRunner
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 do_sample=do_sample, seed=seed,

@@ -53,7 +53,7 @@ def _rows(engine, n_rows: int, prefix: int) -> tuple[list[int], list[list[int]]]
 
 
 def _run(engine, rows: list[list[int]], new_tokens: int, shared: bool, label: str, prefix: int) -> BatchRun:
-    from ..continuous import BatchRunner
+    from ..batch import BatchRunner
     from ..sampling import SamplingParams
 
     runner = BatchRunner(engine, max_batch_size=len(rows), shared_prefix_attention=shared)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runner import KVWorkspace
+from ..kv.workspace import KVWorkspace
 from ..store.base import ChunkRecord, ChunkStore
 from .content import ContentIndex, ContentSegment, Piece
 from .rope import RotaryInfo, rerotate_keys, rotary_info_for

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..results import RecomputeStrategy
-from ..runner import KVWorkspace
+from ..kv.workspace import KVWorkspace
 
 CHECK_LAYER = 2  # layer 0's K/V equals the stored K/V (no context yet); layer 2 ranks better than 1 for ~equal cost
 GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens

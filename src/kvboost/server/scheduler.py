@@ -6,7 +6,7 @@ each request's events (text deltas, then the result or an error) back to the asy
 `loop.call_soon_threadsafe`.
 
 Two ways to run:
-* batched (`kvboost.continuous.BatchRunner`, max_batch_size > 1): an idle worker waits up to the batch
+* batched (`kvboost.batch.BatchRunner`, max_batch_size > 1): an idle worker waits up to the batch
   window for more requests, adds them together (rows sharing prefix chunks prefill against one copy of
   the shared K/V), then steps the runner; between steps, newly queued requests join the running batch
   and finished or cancelled rows leave (continuous batching).
@@ -104,7 +104,7 @@ class SchedulerStats:
 
 def default_runner_factory() -> RunnerFactory | None:
     try:
-        from ..continuous import BatchRunner
+        from ..batch import BatchRunner
     except ImportError:
         return None
     return BatchRunner

@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .errors import KVBoostError
+from ..errors import KVBoostError
 
 CASCADE_ATTENTION = "kvboost_cascade"
 
@@ -150,7 +150,7 @@ def _configs(model: torch.nn.Module) -> list:
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why shared-prefix attention cannot be exact for this model (None: it can)."""
-    from .continuous import has_sliding_layers  # local: continuous imports this module
+    from ..compat import has_sliding_layers
 
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .batch import PrefixedRows, SharedPrefix, find_common_chunk_prefix
+from ..compat import has_sliding_layers
+from .prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
 from .cascade import cascade_forward, unsupported_reason
-from .decoding import OutputTracker
-from .results import GenerationMode, GenerationResult
-from .reuse.match import match_exact
-from .runner import KVWorkspace
-from .sampling import Sampler, SamplingParams
+from ..decoding import OutputTracker
+from ..results import GenerationMode, GenerationResult
+from ..reuse.match import match_exact
+from ..kv.workspace import KVWorkspace
+from ..sampling import Sampler, SamplingParams
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -385,11 +386,3 @@ class BatchRunner:
             last.slot = idx
             self._active[idx] = last
         self._active.pop()
-
-
-def has_sliding_layers(model) -> bool:
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return any("sliding" in str(t) for t in layer_types)
-    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False

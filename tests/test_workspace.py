@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost.runner import KVWorkspace, LayerShape
+from kvboost.kv.workspace import KVWorkspace, LayerShape
 
 SHAPES = [LayerShape(kv_heads=2, head_dim_k=4, head_dim_v=4)] * 3
 

@@ -1,7 +1,7 @@
 """Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V.
 
 Public helpers from the product docs (find_common_chunk_prefix, broadcast_kv, group_by_prefix), and the
-SharedPrefix that continuous.BatchRunner loads once and every row of a batch attends to (cascade.py).
+SharedPrefix that batch.BatchRunner loads once and every row of a batch attends to (cascade.py).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .chunking import Chunker
-    from .reuse.match import Segment
-    from .runner import KVWorkspace
+    from ..chunking import Chunker
+    from ..reuse.match import Segment
+    from ..kv.workspace import KVWorkspace
 
 
 def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int,

@@ -1,0 +1,1 @@
+"""The KV-cache manager and the workspace it places K/V into."""

@@ -1,0 +1,1 @@
+"""Model forwards: probing cache shapes and running tokens over a Cache."""
