@@ -297,7 +297,7 @@ def test_boundary_window_rows_cut_differently_right_after_the_shared_tokens(case
     if case == "cut_after_shared_tokens":
         rows, expected = [[word] * 53 + tails[0], [word] * 53 + [dot] + tails[1]], 32
         for ids in rows:
-            engine._warm_ids(ids, None)
+            engine.warm_ids(ids, None)
     else:
         shared = [word] * 10 + [dot] + [word] * 10 + [dot] + [word] * 14
         rows, expected = [shared + [dot] + tails[0], shared + [word, word, dot] + tails[1]], 22

@@ -215,7 +215,7 @@ def test_boundary_window_prefix_cache_rounds_the_workspace_to_a_cut(tokenizer):
     engine.generate(first, 4)  # leaves first's K/V resident in the workspace
     ids = engine.encode(first + " " + _prose(3, seed=5))
     with torch.inference_mode():
-        plan = engine._plan(ids, GenerationMode.PREFIX_CACHE, None, len(ids) + 4)
+        plan = engine.kv.lookup(ids, None, GenerationMode.PREFIX_CACHE, resident=engine.workspace.resident_ids)
     cuts = [c.end for c in engine.chunker.split(ids) if c.complete]
     expected = max(c for c in cuts if c <= len(engine.encode(first)))
     assert plan.reuse_len == expected > 4 * CHUNK and expected % CHUNK != 0
@@ -230,14 +230,14 @@ def test_boundary_window_write_back_keeps_shorter_chunks_that_have_children(toke
     b = [word] * 13 + [dot, word, dot] + [word] * 40  # a "." at 15 is nearer the nominal 16: [0, 16)
     stub = a[:8]  # a remainder shorter than any complete chunk (16 - 5)
     for ids in (stub, a, b):
-        engine._warm_ids(ids, None)
+        engine.warm_ids(ids, None)
     ca, cb, cs = (engine.chunker.split(x)[0] for x in (a, b, stub))
     assert (ca.end, cb.end) == (14, 16) and ca.complete and cb.token_ids[:14] == ca.token_ids
     assert engine.store.contains(ca.prefix_key) and engine.store.contains(cb.prefix_key)
     assert not engine.store.contains(cs.prefix_key)
     engine.forget_workspace()
     with torch.inference_mode():
-        plan = engine._plan(a + [word], GenerationMode.CHUNK_KV_REUSE, None, len(a) + 2)
+        plan = engine.kv.lookup(a + [word], None, GenerationMode.CHUNK_KV_REUSE)
     assert plan.reuse_len == len(a)  # a's whole chain is still reachable
 
 

@@ -1,69 +1,62 @@
-"""InferenceEngine (exported as KVBoost): warm, generate, generate_stream, batch entry points, stats, verify."""
+"""InferenceEngine (exported as KVBoost): the request lifecycle, short enough to read in one screen.
+
+    request(...)  -> Request           the keyword API, validated once (request.py)
+    prefill(req)                       kv.lookup -> kv.place -> forward (or repair) over the workspace
+    decode loop                        sample, feed the tracker, one forward per token
+    finish                             kv.write_back of the exact part, kv.record, req.result(...)
+
+Batches and the server run the same steps through batch.BatchRunner, over the same KV-cache manager.
+"""
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache
 
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
 from .errors import ContextLengthError, InvalidRequestError
-from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
-from .reuse.assemble import Assembly, content_state
-from .reuse.match import ExactMatch, common_prefix_length, match_exact
+from .kv.manager import KVCacheManager, Plan
 from .kv.workspace import KVWorkspace
 from .model.forward import forward_tokens, probe_layer_shapes
-from .decoding import OutputTracker
 from .prompting import Messages, encode_prompt
+from .request import Request
+from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import Sampler, SamplingParams
-from .store.base import ChunkMeta, ChunkRecord
-from .store.memory import MemoryStore
-
-
-
-@dataclass
-class _Plan:
-    """Where the prompt's K/V comes from: reused positions [0, reuse_len), prefilled after that."""
-
-    reuse_len: int
-    exact_tokens: int
-    from_workspace: int
-    segments_copied: int
-    lookup_ms: float
-    # Content matches placed (re-positioned) after reuse_len; approximate, so repaired and never stored.
-    assembly: "Assembly | None" = None
-    content_fallback: str | None = None  # why content matches were found but not used
+from .store.tiered import build_store
 
 
 @dataclass
-class _Counters:
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    lookup_ms: float = 0.0
-    chunks_written: int = 0
-    by_mode: dict = field(default_factory=dict)
+class Prefill:
+    """The prompt's K/V is in the engine's workspace: `cache` holds it, `logits` pick the first new token."""
+
+    plan: Plan
+    cache: Cache
+    logits: torch.Tensor  # [vocab] float32, last prompt position
 
 
 class TextStream:
     """Iterate for text deltas; afterwards `.result` holds the GenerationResult. close() stops generation."""
 
-    def __init__(self, events: Iterator[str]):
-        self._events = events
+    def __init__(self) -> None:
+        self._events: Iterator[str] = iter(())
         self.result: GenerationResult | None = None
 
-    def __iter__(self) -> "TextStream":
+    def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
         return next(self._events)
 
     def close(self) -> None:
-        self._events.close()  # type: ignore[attr-defined]
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
 
 
 class InferenceEngine:
@@ -92,16 +85,17 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
-        self.store = self._build_store()
+        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, build_store(self.config, self.namespace),
+                                 model)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self._lock = threading.RLock()
-        self._counters = _Counters()
+        # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
+        self.lock = threading.RLock()
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | None = None, strict: bool = True, *,
                         dtype: str | torch.dtype | None = None, device: str | None = None,
-                        trust_remote_code: bool = False, revision: str | None = None, **kwargs) -> "InferenceEngine":
+                        trust_remote_code: bool = False, revision: str | None = None, **kwargs) -> InferenceEngine:
         """Load a model (the embedded SmolLM2-135M-Instruct when no name is given) and wrap it."""
         from .loading import load_model_and_tokenizer
 
@@ -111,14 +105,12 @@ class InferenceEngine:
         model, tokenizer = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device, **hf)
         return cls(model, tokenizer, strict=strict, **kwargs)
 
-    def _build_store(self):
-        try:
-            from .store.tiered import build_store
-        except ImportError:  # storage tiers not installed in this build: memory only
-            return MemoryStore(self.config.memory_budget_bytes, self.config.max_chunks)
-        return build_store(self.config, self.namespace)
+    @property
+    def store(self):
+        """The chunk store (every tier) behind the KV-cache manager."""
+        return self.kv.store
 
-    # ---- tokenization -----------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
                add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
         """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template), or
@@ -126,134 +118,78 @@ class InferenceEngine:
         return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
                              add_generation_prompt, input_ids)
 
-    def _check_context(self, n_prompt: int) -> None:
+    def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
         if self.max_context is not None and n_prompt >= self.max_context:
             raise ContextLengthError(
                 f"prompt is {n_prompt} tokens but the model's context is {self.max_context} tokens "
-                f"(at least one position must stay free for generation)", "prompt")
+                f"(at least one position must stay free for generation)", param)
 
-    # ---- planning: what K/V is already there --------------------------------------------------
-    def _tag(self, salt: str | None) -> str:
-        return self.namespace + "|" + (salt or "")
+    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
+                     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
+                     content_reuse: bool | None = None, return_logits: bool = False,
+                     t_start: float | None = None) -> Request:
+        """A validated Request from token ids. content_reuse None follows EngineConfig.content_reuse; the prompt
+        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut)."""
+        if content_reuse is not None and not isinstance(content_reuse, bool):
+            raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
+        request = Request(list(ids), params, prompt_text, cache_salt, GenerationMode.parse(mode),
+                          self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
+                          time.perf_counter() if t_start is None else t_start)
+        request.check_context(self.max_context)
+        return request
 
-    def _plan(self, ids: list[int], mode: GenerationMode, salt: str | None, capacity: int,
-              approximate: bool = False) -> _Plan:
-        """Put every reusable position's K/V into the workspace; decide where prefill starts.
-
-        With `approximate` (CHUNK_KV_REUSE only), stored content found after the exact prefix is also placed,
-        re-positioned, into the workspace (plan.assembly); the caller must then run reuse.repair over it.
-        """
+    def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
+                messages: Messages | None = None, input_ids: Sequence[int] | None = None,
+                mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                content_reuse: bool | None = None, return_logits: bool = False) -> Request:
+        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids."""
         t0 = time.perf_counter()
-        ws = self.workspace
-        if mode is GenerationMode.BASELINE:
-            ws.ensure_capacity(capacity, keep=0)
-            return _Plan(0, 0, 0, 0, (time.perf_counter() - t0) * 1e3)
-        token_granular = mode is GenerationMode.CHUNK_KV_REUSE
-        chunks = self.chunker.split(ids, salt)
-        match: ExactMatch = match_exact(self.store, chunks, token_granular)
-        # The workspace still holds the previous request's K/V; the part that agrees with this prompt
-        # (same tenant and model namespace) is exact and needs no copy at all.
-        resident = common_prefix_length(ws.resident_ids, ids) if ws.resident_tag == self._tag(salt) else 0
-        if not token_granular:
-            # Whole chunks only: down to the last complete chunk end (cuts move with a boundary window).
-            resident = max((c.end for c in chunks if c.complete and c.end <= resident), default=0)
-        limit = len(ids) - 1  # the last prompt token always runs: its logits pick the first new token
-        reuse_len = min(max(resident, match.length), limit)
-        ws.ensure_capacity(capacity, keep=min(resident, reuse_len))
-        copied = 0
-        for seg in match.segments:
-            if seg.end <= resident or seg.start >= reuse_len:
-                continue
-            ws.write(seg.record.keys, seg.record.values, seg.start, seg.n_tokens)
-            copied += 1
-        assembly = fallback = None
-        if approximate and token_granular:
-            # Sink tokens stay fresh: content is never placed before position sink_tokens.
-            start = max(reuse_len, self.config.sink_tokens)
-            assembly, fallback = content_state(self).assemble(ws, self.store, ids, start, limit, salt)
-        return _Plan(reuse_len, reuse_len, min(resident, reuse_len), copied, (time.perf_counter() - t0) * 1e3,
-                     assembly, fallback)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                do_sample=do_sample, seed=seed, stop=stop)
+        mode = GenerationMode.parse(mode)
+        ids = self.encode(prompt, messages, input_ids=input_ids)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
+                                 return_logits=return_logits, t_start=t0)
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
-                 messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
-                 stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                 return_logits: bool = False, content_reuse: bool | None = None,
-                 input_ids: Sequence[int] | None = None) -> GenerationResult:
-        stream = self.generate_stream(prompt, max_new_tokens, messages=messages, mode=mode, temperature=temperature,
-                                      top_p=top_p, top_k=top_k, do_sample=do_sample, stop=stop, seed=seed,
-                                      cache_salt=cache_salt, return_logits=return_logits, content_reuse=content_reuse,
-                                      input_ids=input_ids)
+    def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
+        """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
+        do_sample, stop, seed, cache_salt, content_reuse, return_logits."""
+        return self.run(self.request(prompt, max_new_tokens, **options))
+
+    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
+                        **options) -> TextStream:
+        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated.
+
+        content_reuse: also reuse stored chunks found at other positions (re-positioned and repaired with the
+        engine's recompute_strategy; approximate). None follows EngineConfig.content_reuse (default off).
+        """
+        return self.stream(self.request(prompt, max_new_tokens, **options))
+
+    def run(self, request: Request) -> GenerationResult:
+        stream = self.stream(request)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
-                        messages: Messages | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
-                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
-                        stop: str | Sequence[str] | None = None, seed: int | None = None,
-                        cache_salt: str | None = None, return_logits: bool = False,
-                        content_reuse: bool | None = None, input_ids: Sequence[int] | None = None) -> TextStream:
-        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated.
-
-        The prompt is one of: a string, chat messages, or input_ids (token ids the caller tokenized itself).
-
-        content_reuse: also reuse stored chunks found at other positions (re-positioned and repaired with the
-        engine's recompute_strategy; approximate). None follows EngineConfig.content_reuse (default off).
-        """
-        t0 = time.perf_counter()
-        mode = GenerationMode.parse(mode)
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                do_sample=do_sample, seed=seed, stop=list(stop) if isinstance(stop, (list, tuple))
-                                else ([stop] if stop else []))
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string", "cache_salt")
-        if content_reuse is None:
-            content_reuse = self.config.content_reuse
-        elif not isinstance(content_reuse, bool):
-            raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
-        ids = self.encode(prompt, messages, input_ids=input_ids)
-        self._check_context(len(ids))
-        prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        stream = TextStream(iter(()))
-        stream._events = self._run(stream, t0, ids, prompt_text, params, mode, cache_salt, return_logits,
-                                   content_reuse)
+    def stream(self, request: Request) -> TextStream:
+        stream = TextStream()
+        stream._events = self._generate(request, stream)
         return stream
 
-    def _run(self, stream: TextStream, t0: float, ids: list[int], prompt_text: str, params: SamplingParams,
-             mode: GenerationMode, salt: str | None, return_logits: bool, content_reuse: bool) -> Iterator[str]:
-        max_new = params.max_new_tokens
-        if self.max_context is not None:
-            max_new = min(max_new, self.max_context - len(ids))
-        sampler = Sampler(params, self.device)
-        tracker = OutputTracker(self.tokenizer, self.eos_token_ids, params.stop, max_new)
-        with self._lock, torch.inference_mode():
-            ws = self.workspace
-            try:
-                plan = self._plan(ids, mode, salt, capacity=len(ids) + max_new, approximate=content_reuse)
-            finally:
-                # Planning read the resident prefix; from here until this run finishes, the workspace holds
-                # no trustworthy prefix (a failure part-way must not leave a half-written one claimed).
-                ws.resident_tag = None
-            recomputed = 0
-            if plan.assembly is not None:
-                from .reuse.repair import repair_forward
-
-                cfg = self.config
-                repaired = repair_forward(self.model, ws, ids, plan.reuse_len, plan.assembly.mask(len(ids)),
-                                          plan.assembly.seams, cfg.recompute_strategy, cfg.recompute_ratio,
-                                          cfg.recompute_overlap)
-                logits, recomputed = repaired.logits, repaired.recomputed
-                cache = ws.make_cache(len(ids))
-            else:
-                cache = ws.make_cache(plan.reuse_len)
-                logits = forward_tokens(self.model, ids[plan.reuse_len:], cache)[0, -1]
-            first_logits = logits.clone() if return_logits else None
-            token = sampler(logits)
-            ttft_ms = (time.perf_counter() - t0) * 1e3
-            completed = False
+    def _generate(self, request: Request, stream: TextStream) -> Iterator[str]:
+        sampler = Sampler(request.params, self.device)
+        tracker = request.tracker(self.tokenizer, self.eos_token_ids)
+        with self.lock, torch.inference_mode():
+            pre = self.prefill(request)
+            plan, cache = pre.plan, pre.cache
+            first_logits = pre.logits.clone() if request.return_logits else None
+            token = sampler(pre.logits)
+            ttft_ms = (time.perf_counter() - request.t_start) * 1e3
             try:
                 while True:
                     delta = tracker.feed(token)
@@ -261,81 +197,58 @@ class InferenceEngine:
                         yield delta
                     if tracker.finished:
                         break
-                    logits = forward_tokens(self.model, [token], cache)[0, -1]
-                    token = sampler(logits)
-                completed = True
+                    token = sampler(forward_tokens(self.model, [token], cache)[0, -1])
             finally:
-                # K/V exists for every token fed to the model: the prompt and each output that was run to
-                # sample the next one. A forward that raised part-way leaves layers at different lengths,
-                # so the workspace then claims nothing.
-                fed = (ids + tracker.tokens)[: cache.get_seq_length()]
-                if plan.assembly is not None:
-                    # Everything from the first placed token on attended to approximate K/V: only the exact
-                    # prefix may be trusted by the next request or stored under prefix-chain keys.
-                    fed = fed[: plan.reuse_len]
-                if completed or _consistent(cache):
-                    ws.resident_ids, ws.resident_tag = fed, self._tag(salt)
-            if mode is not GenerationMode.BASELINE and self.config.write_back:
-                self._write_back(fed, salt)
-        total_ms = (time.perf_counter() - t0) * 1e3
-        self._count(mode, len(ids), plan.reuse_len, plan.lookup_ms)
-        approx = plan.assembly.n_tokens if plan.assembly is not None else 0
-        generated, text, finish = tracker.tokens, tracker.text, tracker.finish_reason
-        stream.result = GenerationResult(
-            mode=mode.value, prompt=prompt_text, output_text=text, generated_tokens=len(generated),
-            ttft_ms=ttft_ms, total_ms=total_ms,
-            tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
-            kv_reuse_ratio=(plan.reuse_len + approx) / len(ids), prompt_tokens=len(ids),
-            cached_tokens=plan.reuse_len + approx, output_token_ids=list(generated), finish_reason=finish,
-            exact_tokens=plan.exact_tokens, approximate_tokens=approx, recomputed_tokens=recomputed,
-            lookup_ms=plan.lookup_ms, first_token_logits=first_logits)
+                # K/V exists for every token fed to the model: the prompt and each output run to sample the
+                # next one. A decode forward that raised part-way leaves layers at different lengths; the prompt
+                # (never touched by decode) is still whole.
+                fed = (request.ids + tracker.tokens)[: _consistent_length(cache, len(request.ids))]
+                self._finish(request, plan, fed)
+        self.kv.record(request.mode, len(request.ids), plan)
+        stream.result = request.result(plan, tracker, ttft_ms, first_logits)
 
-    def _count(self, mode: GenerationMode, n_prompt: int, cached: int, lookup_ms: float) -> None:
-        c = self._counters
-        c.requests += 1
-        c.prompt_tokens += n_prompt
-        c.cached_tokens += cached
-        c.lookup_ms += lookup_ms
-        c.by_mode[mode.value] = c.by_mode.get(mode.value, 0) + 1
+    def prefill(self, request: Request) -> Prefill:
+        """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
+        rest. The caller holds self.lock under torch.inference_mode()."""
+        ids, ws = request.ids, self.workspace
+        plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate, self._resident(request.salt))
+        # From here until the forward succeeds the workspace holds no trustworthy prefix: writes past the plan's
+        # resident part may overwrite what the previous request left.
+        ws.resident_tag = None
+        ws.ensure_capacity(len(ids) + request.params.max_new_tokens, keep=plan.resident)
+        self.kv.place(plan, ws, ids)
+        if plan.needs_repair:
+            from .reuse.repair import repair_forward
 
-    # ---- storing ------------------------------------------------------------------------------
-    def _write_back(self, seq: list[int], salt: str | None, source: KVWorkspace | None = None,
-                    row: int = 0, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
-        """Store every chunk of seq not stored yet (its K/V is in `source` row `row`, by default the engine's
-        workspace); returns (new, existing). With cut_ids (a longer sequence that starts with seq), seq is
-        cut as part of it: only its chunks that end within seq are stored, as that sequence's own chunks."""
-        source = source if source is not None else self.workspace
-        new = existing = 0
-        size, window = self.config.chunk_size, self.config.chunk_boundary_window
-        index = content_state(self).index  # every stored chunk is findable by content at other positions too
-        chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
-                  else self.chunker.split(seq, salt))
-        for chunk in chunks:
-            meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
-            if self.store.contains(chunk.prefix_key):
-                existing += 1
-                index.add(meta, salt)  # e.g. stored by a disk tier in an earlier process
-                continue
-            keys, values = source.read(chunk.start, chunk.end, row=row)
-            record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
-                                 chunk.start, keys, values)
-            if self.store.put(record):
-                new += 1
-                index.add(meta, salt)
-            if chunk.complete:
-                # A partial sibling that this complete chunk extends is now dead weight. With a boundary window a
-                # shorter sibling may itself be a complete chunk of another sequence (cut earlier) with children
-                # of its own; only one shorter than any complete chunk (size - W), or childless, is a remainder.
-                n = len(chunk.token_ids)
-                for meta in self.store.children(chunk.parent_key):
-                    m = len(meta.token_ids)
-                    if m < n and chunk.token_ids[:m] == meta.token_ids and (
-                            m < size - window or not self.store.children(meta.key)):
-                        self.store.delete(meta.key)
-                        index.discard(meta.key)
-        self._counters.chunks_written += new
-        return new, existing
+            cfg = self.config
+            assert plan.assembly is not None
+            repaired = repair_forward(self.model, ws, ids, plan.reuse_len, plan.assembly.mask(len(ids)),
+                                      plan.assembly.seams, cfg.recompute_strategy, cfg.recompute_ratio,
+                                      cfg.recompute_overlap)
+            logits, plan.recomputed_tokens = repaired.logits, repaired.recomputed
+            cache = ws.make_cache(len(ids))
+        else:
+            cache = ws.make_cache(plan.reuse_len)
+            logits = forward_tokens(self.model, ids[plan.reuse_len:], cache)[0, -1]
+        self._claim(request, plan, ids)
+        return Prefill(plan, cache, logits)
 
+    def _resident(self, salt: str | None) -> list[int]:
+        ws = self.workspace
+        return ws.resident_ids if ws.resident_tag == self.kv.tag(salt) else []
+
+    def _claim(self, request: Request, plan: Plan, fed: list[int]) -> None:
+        """Record which exact K/V the workspace now holds: after a placed (approximate) position every later
+        token attended to approximate K/V, so only the exact prefix may be trusted by the next request."""
+        exact = fed[: plan.reuse_len] if plan.needs_repair else fed
+        self.workspace.resident_ids, self.workspace.resident_tag = list(exact), self.kv.tag(request.salt)
+
+    def _finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
+        self._claim(request, plan, fed)
+        if request.uses_cache and self.config.write_back:
+            self.kv.write_back(self.workspace.resident_ids, request.salt, self.workspace)
+
+    # ---- storing ahead of requests ------------------------------------------------------------------
     def warm(self, text: str | None = None, position_offset: int = 0, *, messages: Messages | None = None,
              cache_salt: str | None = None) -> WarmResult:
         """Compute and store the K/V of a prefix (system prompt, few-shot block, document) ahead of requests."""
@@ -347,59 +260,67 @@ class InferenceEngine:
             ids = self.encode(messages=messages, add_generation_prompt=False)
         else:
             ids = self.encode(text)
-        self._check_context(len(ids))
-        new, existing = self._warm_ids(ids, cache_salt)
+        self.check_prompt_length(len(ids))
+        new, existing = self.warm_ids(ids, cache_salt)
         warnings = []
         if len(ids) < self.config.chunk_size:
             warnings.append(f"text is {len(ids)} tokens, shorter than one chunk ({self.config.chunk_size}); "
                             "it is stored as a partial chunk")
         return WarmResult(new, existing, len(ids), (time.perf_counter() - t0) * 1e3, warnings)
 
-    def _warm_ids(self, ids: list[int], salt: str | None, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
-        """Compute and store the K/V of token ids; returns (chunks stored, chunks already there). cut_ids: see
-        _write_back (a shared prefix warmed as the chunks its longer prompts have)."""
-        with self._lock, torch.inference_mode():
+    def warm_ids(self, ids: Sequence[int], salt: str | None = None,
+                 cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
+        """Compute and store the K/V of token ids; returns (chunks stored, chunks already there). cut_ids: a
+        longer sequence that starts with ids, whose chunks these are (see KVCacheManager.write_back)."""
+        ids = list(ids)
+        with self.lock, torch.inference_mode():
             ws = self.workspace
-            try:
-                plan = self._plan(ids + [0], GenerationMode.CHUNK_KV_REUSE, salt, capacity=len(ids) + 1)
-            finally:
-                ws.resident_tag = None  # as in _run: the resident prefix was read; trust nothing until done
+            # One more position than ids, so that every id may be reused (the last one needs no logits here).
+            plan = self.kv.lookup(ids + [0], salt, GenerationMode.CHUNK_KV_REUSE, resident=self._resident(salt))
+            ws.resident_tag = None
+            ws.ensure_capacity(len(ids) + 1, keep=plan.resident)
+            self.kv.place(plan, ws, ids)
             cache = ws.make_cache(plan.reuse_len)
             if plan.reuse_len < len(ids):
                 forward_tokens(self.model, ids[plan.reuse_len:], cache)
-            ws.resident_ids, ws.resident_tag = list(ids), self._tag(salt)
-            return self._write_back(ids, salt, cut_ids=cut_ids)
+            ws.resident_ids, ws.resident_tag = ids, self.kv.tag(salt)
+            return self.kv.write_back(ids, salt, ws, cut_ids=cut_ids)
 
     # ---- batches ------------------------------------------------------------------------------
     def generate_batch(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
-                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
-                       stop: str | Sequence[str] | None = None, seed: int | None = None,
-                       mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
-                       max_batch_size: int | None = None,
-                       input_ids: Sequence[Sequence[int]] | None = None) -> list[GenerationResult]:
+                       input_ids: Sequence[Sequence[int]] | None = None, max_batch_size: int | None = None,
+                       **options) -> list[GenerationResult]:
         """Generate for many prompts (or token-id sequences) at once: a shared prefix is computed or loaded
-        once, decode steps run batched. Results come back in input order; greedy outputs equal generate()'s."""
-        t0 = time.perf_counter()
-        encoded, texts = self._encode_many(prompts, input_ids)
-        return self._run_batch(t0, encoded, texts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               do_sample=do_sample, stop=stop, seed=seed, mode=mode, cache_salt=cache_salt,
-                               max_batch_size=max_batch_size)
+        once, decode steps run batched. Options as request() (mode, temperature, top_p, top_k, do_sample, stop,
+        seed, cache_salt, content_reuse), applied to every row. Results come back in input order; outputs and
+        reuse counts equal generate()'s one at a time."""
+        return self.run_batch(self._requests(prompts, input_ids, max_new_tokens, options), max_batch_size)
 
-    def _run_batch(self, t0: float, encoded: list[list[int]], texts: list[str], max_new_tokens: int, *,
-                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
-                   stop: str | Sequence[str] | None = None, seed: int | None = None,
-                   mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
-                   max_batch_size: int | None = None) -> list[GenerationResult]:
+    def generate_many(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
+                      input_ids: Sequence[Sequence[int]] | None = None, max_batch_size: int | None = None,
+                      **options) -> list[GenerationResult]:
+        """Like generate_batch, but prompts are grouped by shared prefix chunks and each group runs as one
+        batch, so unrelated prompts never pad each other out. Results come back in input order."""
+        from .batch import group_by_prefix
+
+        requests = self._requests(prompts, input_ids, max_new_tokens, options)
+        groups = group_by_prefix([str(i) for i in range(len(requests))], [r.ids for r in requests],
+                                 self.config.chunk_size, chunker=self.chunker)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for members in groups.values():
+            t0 = time.perf_counter()  # each group's TTFT counts from when its batch starts
+            for i in members:
+                requests[i].t_start = t0
+            for i, r in zip(members, self.run_batch([requests[i] for i in members], max_batch_size)):
+                results[i] = r
+        return results  # type: ignore[return-value]
+
+    def run_batch(self, requests: list[Request], max_batch_size: int | None = None) -> list[GenerationResult]:
+        """Run requests together through the continuous-batching runner until all are done."""
         from .batch import BatchRunner
 
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                do_sample=do_sample, seed=seed,
-                                stop=list(stop) if isinstance(stop, (list, tuple)) else ([stop] if stop else []))
-        mode = GenerationMode.parse(mode)
-        for ids in encoded:
-            self._check_context(len(ids))
-        runner = BatchRunner(self, max_batch_size=max_batch_size or len(encoded))
-        handles = [runner.add(ids, params, text, cache_salt, mode, t_start=t0) for ids, text in zip(encoded, texts)]
+        runner = BatchRunner(self, max_batch_size=max_batch_size or len(requests))
+        handles = [runner.add(r) for r in requests]
         while runner.has_work():
             runner.step()
         for h in handles:
@@ -407,59 +328,43 @@ class InferenceEngine:
                 raise h.error
         return [h.result for h in handles]
 
-    def generate_many(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
-                      input_ids: Sequence[Sequence[int]] | None = None, **kwargs) -> list[GenerationResult]:
-        """Like generate_batch, but prompts are grouped by shared prefix chunks and each group runs as one
-        batch, so unrelated prompts never pad each other out. Results come back in input order."""
-        from .batch import group_by_prefix
-
-        encoded, texts = self._encode_many(prompts, input_ids)  # once: each group runs from these ids
-        groups = group_by_prefix([str(i) for i in range(len(encoded))], encoded, self.config.chunk_size,
-                                 chunker=self.chunker)
-        results: list[GenerationResult | None] = [None] * len(encoded)
-        for members in groups.values():
-            batch = self._run_batch(time.perf_counter(), [encoded[i] for i in members], [texts[i] for i in members],
-                                    max_new_tokens, **kwargs)
-            for i, r in zip(members, batch):
-                results[i] = r
-        return results  # type: ignore[return-value]
-
-    def _encode_many(self, prompts, input_ids) -> tuple[list[list[int]], list[str]]:
-        """(token ids, prompt text) per prompt, from exactly one of `prompts` and `input_ids`."""
+    def _requests(self, prompts, input_ids, max_new_tokens: int, options: dict) -> list[Request]:
+        """One Request per prompt, from exactly one of `prompts` and `input_ids`; each prompt encoded once."""
+        t0 = time.perf_counter()
         if (prompts is None) == (input_ids is None):
             raise InvalidRequestError("pass one of prompts or input_ids", "prompts")
         name, items = ("prompts", prompts) if prompts is not None else ("input_ids", input_ids)
         if not isinstance(items, (list, tuple)) or not items:
             raise InvalidRequestError(f"{name} must be a non-empty list", name)
+        unknown = set(options) - _ROW_OPTIONS
+        if unknown:
+            raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
+                                top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
+                                do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"))
+        row = dict(mode=options.get("mode", GenerationMode.CHUNK_KV_REUSE), cache_salt=options.get("cache_salt"),
+                   content_reuse=options.get("content_reuse"), t_start=t0)
         if input_ids is not None:
             encoded = [self.encode(input_ids=ids) for ids in input_ids]
-            return encoded, [self.tokenizer.decode(ids) for ids in encoded]
-        encoded = [self.encode(p) for p in prompts]
-        return encoded, [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+            texts = [self.tokenizer.decode(ids) for ids in encoded]
+        else:
+            encoded = [self.encode(p) for p in prompts]
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+        return [self.make_request(ids, params, text, **row) for ids, text in zip(encoded, texts)]
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        c = self._counters
-        per_tier = self.store.tier_stats() if hasattr(self.store, "tier_stats") else {"memory": self.store.stats()}
-        tiers = {name: t.as_dict() for name, t in per_tier.items()}
-        return {
-            "requests": c.requests, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
-            "reuse_ratio": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "avg_lookup_ms": c.lookup_ms / c.requests if c.requests else 0.0,
-            "chunks_written": c.chunks_written, "requests_by_mode": dict(c.by_mode), "tiers": tiers,
-            "workspace_bytes": self.workspace.nbytes, "chunk_size": self.config.chunk_size,
-            "namespace": self.namespace,
-        }
+        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes)
 
     def clear_cache(self) -> None:
         """Forget every stored chunk and the workspace's resident prefix."""
-        with self._lock:
-            self.store.clear()
+        with self.lock:
+            self.kv.clear()
             self.workspace.resident_ids, self.workspace.resident_tag = [], None
 
     def forget_workspace(self) -> None:
         """Make the next request load its reuse from the store instead of the resident workspace prefix."""
-        with self._lock:
+        with self.lock:
             self.workspace.resident_ids, self.workspace.resident_tag = [], None
 
     def verify_correctness(self, prompts: Sequence[str] | None = None, max_new_tokens: int = 32, *,
@@ -471,8 +376,15 @@ class InferenceEngine:
         return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
 
 
-def _consistent(cache) -> bool:
-    return len({layer.get_seq_length() for layer in cache.layers}) == 1
+# Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
+_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse"}
+
+
+def _consistent_length(cache: Cache, n_prompt: int) -> int:
+    """Positions whose K/V every layer holds: all of them, or only the prompt after a forward that failed
+    part-way (decode never writes below n_prompt)."""
+    lengths = {layer.get_seq_length() for layer in cache.layers}
+    return lengths.pop() if len(lengths) == 1 else n_prompt
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

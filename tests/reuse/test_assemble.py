@@ -13,9 +13,13 @@ from ._rag import CHUNK, documents, full_forward, rag_prompt
 
 
 def _placed_plan(engine, prompt: str):
+    """The KV-cache manager's plan for the prompt, placed into the engine's (emptied) workspace."""
     ids = engine.encode(prompt)
+    engine.forget_workspace()
     with torch.inference_mode():
-        plan = engine._plan(ids, GenerationMode.CHUNK_KV_REUSE, None, len(ids) + 4, approximate=True)
+        plan = engine.kv.lookup(ids, None, GenerationMode.CHUNK_KV_REUSE, approximate=True)
+        engine.workspace.ensure_capacity(len(ids) + 4, keep=0)
+        engine.kv.place(plan, engine.workspace, ids)
     return ids, plan
 
 
@@ -80,7 +84,7 @@ def test_evicted_chunks_are_dropped_and_their_tokens_prefilled(tokenizer):
     ids, plan = _placed_plan(engine, prompt)
     assert plan.assembly.n_tokens == whole - victim.n_tokens
     assert len(plan.assembly.segments) == 3  # the run after the hole has a seam of its own
-    assert victim.key not in engine._content_state.index
+    assert victim.key not in engine.kv.content.index
     placed = plan.assembly.mask(len(ids))
     assert not placed[victim.start:victim.end].any()
 

@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -42,10 +43,10 @@ class FakeRunner:
         self.fail_next_step = False
         FakeRunner.instances.append(self)
 
-    def add(self, ids, params, prompt_text, cache_salt=None, mode=None, t_start=None) -> FakeHandle:
-        if prompt_text.startswith("reject"):
+    def add(self, request) -> FakeHandle:
+        if request.prompt_text.startswith("reject"):
             raise ValueError("bad row")
-        handle = FakeHandle(prompt_text.split())
+        handle = FakeHandle(request.prompt_text.split())
         self.rows.append(handle)
         return handle
 
@@ -70,6 +71,13 @@ class FakeRunner:
                 self.rows.remove(h)
 
 
+class RequestMaker:
+    """The engine's make_request as the worker calls it: a Request-like record of the job."""
+
+    def make_request(self, ids, params, prompt_text="", **options):
+        return SimpleNamespace(ids=ids, params=params, prompt_text=prompt_text, **options)
+
+
 def _job(loop, text: str) -> Job:
     return Job([ord(c) for c in text], SamplingParams(max_new_tokens=4), text, loop)
 
@@ -86,7 +94,7 @@ async def _drain(job: Job) -> tuple[str, str]:
 @pytest.fixture
 def scheduler():
     FakeRunner.instances.clear()
-    s = Scheduler(engine=None, max_batch_size=4, batch_window_ms=300, max_queue=8, runner_factory=FakeRunner)
+    s = Scheduler(engine=RequestMaker(), max_batch_size=4, batch_window_ms=300, max_queue=8, runner_factory=FakeRunner)
     yield s
     s.stop()
 
@@ -175,13 +183,13 @@ def test_submit_beyond_max_queue_raises_queue_full():
 
 
 def test_single_mode_worker_survives_engine_errors():
-    class Engine:
+    class Engine(RequestMaker):
         calls = 0
 
-        def generate_stream(self, *, input_ids, max_new_tokens, **kw):
+        def stream(self, request):
             # The worker hands over the ids the request was validated with; it never re-tokenizes.
             Engine.calls += 1
-            prompt = "".join(map(chr, input_ids))
+            prompt = "".join(map(chr, request.ids))
             if prompt.startswith("boom"):
                 raise RuntimeError("engine exploded")
             raise_mid = prompt.startswith("mid")

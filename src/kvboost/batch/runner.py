@@ -5,6 +5,12 @@ positions, so RoPE positions stay natural and no row ever has gaps. A decode ste
 row's new token at that row's own column and attends over the longest row's length, with a 2D
 padding mask keeping each row to its own columns.
 
+Every row goes through the engine's KV-cache manager exactly as a single request does (lookup -> place ->
+prefill -> decode -> write_back -> record -> Request.result). A row whose plan places content found at
+another position (content_reuse) is prefilled by the engine's own single-request path (placement and
+repair over the engine workspace, identical to generate()) and its K/V then copied into its slot; from
+there it decodes with the batch.
+
 Shared prefix (cascade.py): when every row of the batch starts with the same stored chunk-aligned prefix
 of P tokens, its K/V is loaded once into a SharedPrefix ([1, kv_heads, P, d] per layer) and rows hold
 only positions [P, length) in their slots: the workspace's first column is position P (KVWorkspace.base),
@@ -25,13 +31,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..compat import has_sliding_layers
-from .prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
-from .cascade import cascade_forward, unsupported_reason
 from ..decoding import OutputTracker
-from ..results import GenerationMode, GenerationResult
-from ..reuse.match import match_exact
+from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
+from ..request import Request
+from ..results import GenerationMode, GenerationResult
 from ..sampling import Sampler, SamplingParams
+from .cascade import cascade_forward, unsupported_reason
+from .prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -118,19 +125,26 @@ class SequenceHandle:
 @dataclass
 class _Row:
     handle: SequenceHandle
-    ids: list[int]
-    params: SamplingParams
+    request: Request
     sampler: Sampler
     tracker: OutputTracker
-    mode: GenerationMode
-    salt: str | None
-    t_start: float
     slot: int = -1
-    length: int = 0  # tokens whose K/V is in the slot
+    length: int = 0  # tokens whose K/V is in the slot (or the shared prefix)
     next_token: int = -1
-    cached: int = 0
+    plan: Plan | None = None
     ttft_ms: float = 0.0
-    lookup_ms: float = 0.0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.request.ids
+
+    @property
+    def mode(self) -> GenerationMode:
+        return self.request.mode
+
+    @property
+    def salt(self) -> str | None:
+        return self.request.salt
 
 
 class BatchRunner:
@@ -140,10 +154,11 @@ class BatchRunner:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if shared_prefix_attention is None:
-            shared_prefix_attention = getattr(engine.config, "shared_prefix_attention", True)
+            shared_prefix_attention = engine.config.shared_prefix_attention
         if not isinstance(shared_prefix_attention, bool):
             raise TypeError(f"shared_prefix_attention must be a bool or None, got {shared_prefix_attention!r}")
         self.engine = engine
+        self.kv = engine.kv
         reason = unsupported_reason(engine.model) if shared_prefix_attention else "disabled"
         self.shared_prefix_attention = reason is None
         self.shared_prefix_off_reason = reason
@@ -159,16 +174,19 @@ class BatchRunner:
         self._lock = threading.Lock()
 
     # ---- public ---------------------------------------------------------------------------------
-    def add(self, ids: list[int], params: SamplingParams, prompt_text: str, cache_salt: str | None = None,
-            mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE, t_start: float | None = None) -> SequenceHandle:
-        self.engine._check_context(len(ids))
-        max_new = params.max_new_tokens
-        if self.engine.max_context is not None:
-            max_new = min(max_new, self.engine.max_context - len(ids))
-        handle = SequenceHandle(prompt_text, len(ids))
-        row = _Row(handle, list(ids), params, Sampler(params), OutputTracker(
-            self.engine.tokenizer, self.engine.eos_token_ids, params.stop, max_new), GenerationMode.parse(mode),
-            cache_salt, t_start if t_start is not None else time.perf_counter())
+    def add(self, request: Request | list[int], params: SamplingParams | None = None, prompt_text: str = "",
+            cache_salt: str | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+            t_start: float | None = None, content_reuse: bool | None = None) -> SequenceHandle:
+        """Queue a Request (built by engine.make_request); token ids plus options are accepted as a shorthand."""
+        if not isinstance(request, Request):
+            request = self.engine.make_request(request, params if params is not None else SamplingParams(),
+                                               prompt_text, mode=mode, cache_salt=cache_salt,
+                                               content_reuse=content_reuse, t_start=t_start)
+        else:
+            request.check_context(self.engine.max_context)
+        handle = SequenceHandle(request.prompt_text, len(request.ids))
+        row = _Row(handle, request, Sampler(request.params, self.engine.device),
+                   request.tracker(self.engine.tokenizer, self.engine.eos_token_ids))
         with self._lock:
             self._pending.append(row)
         return handle
@@ -189,7 +207,7 @@ class BatchRunner:
                 "rows": sum(r.length - p for r in self._active) * per_token, "allocated": self.ws.nbytes}
 
     def step(self) -> None:
-        with self.engine._lock, torch.inference_mode():
+        with self.engine.lock, torch.inference_mode():
             self._drop_cancelled()
             self._admit()
             if self._active:
@@ -233,7 +251,7 @@ class BatchRunner:
                 if common:
                     # Cut as part of the full prompt, so the stored chunks are the ones its rows look up (with a
                     # boundary window, ids[:common] alone could be cut differently near its end).
-                    engine._warm_ids(group[0].ids[:common], group[0].salt, cut_ids=group[0].ids)
+                    engine.warm_ids(group[0].ids[:common], group[0].salt, cut_ids=group[0].ids)
 
     # ---- the shared prefix ----------------------------------------------------------------------
     def _share_prefix(self, new: list[_Row]) -> None:
@@ -264,13 +282,11 @@ class BatchRunner:
 
     def _load_prefix(self, row: _Row, target: int) -> SharedPrefix | None:
         """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
-        engine = self.engine
-        # The row's own chunks up to target (a cut of every row): split(ids[:target]) could cut its last chunks
-        # elsewhere under a boundary window. Whole chunks only, so n is a cut of every row too (with fixed
-        # chunks, a multiple of chunk_size).
-        match = match_exact(engine.store, engine.chunker.split(row.ids, row.salt, end=target), False)
-        n = min(target, match.length)
-        return SharedPrefix.from_segments(row.ids[:n], row.salt, match.segments) if n else None
+        # The row's own chunks (cut as in its full ids: split(ids[:target]) could cut its last chunks elsewhere
+        # under a boundary window), whole chunks only, so n is a cut of every row too.
+        plan = self.kv.lookup(row.ids, row.salt, GenerationMode.PREFIX_CACHE)
+        n = min(target, plan.reuse_len)
+        return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments) if n else None
 
     def _shrink_prefix(self, n: int) -> None:
         """Keep the first n prefix tokens shared; every active row gets its own copy of the rest."""
@@ -290,28 +306,30 @@ class BatchRunner:
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: _Row) -> None:
-        engine, t0 = self.engine, time.perf_counter()
-        shared = self.prefix.length if self.prefix is not None else 0
-        reuse, segments = shared, []
-        if row.mode is not GenerationMode.BASELINE:
-            granular = row.mode is GenerationMode.CHUNK_KV_REUSE
-            # Chunks inside the shared prefix need no lookup: their K/V is already in self.prefix.
-            chunks = [c for c in engine.chunker.split(row.ids, row.salt) if c.start >= shared]
-            match = match_exact(engine.store, chunks, granular)
-            reuse, segments = max(shared, min(match.length, len(row.ids) - 1)), match.segments
-        for seg in segments:
-            if seg.start < reuse:
-                self.ws.write(seg.record.keys, seg.record.values, seg.start, min(seg.n_tokens, reuse - seg.start),
-                              row=row.slot)
-        row.lookup_ms = (time.perf_counter() - t0) * 1e3
-        row.cached = reuse
-        slots = slice(row.slot, row.slot + 1)
-        cache = Cache(layers=[_SlotLayer(self.ws, i, slots, reuse, reuse, self.prefix)
-                              for i in range(len(self.ws.shapes))])
-        logits = self._forward(cache, input_ids=torch.tensor([row.ids[reuse:]], device=engine.device))
-        row.length = len(row.ids)
-        row.next_token = row.sampler(logits[0, -1].float())
-        row.ttft_ms = (time.perf_counter() - row.t_start) * 1e3
+        request, shared = row.request, self.prefix.length if self.prefix is not None else 0
+        # Chunks inside the shared prefix need no lookup: their K/V is already in self.prefix.
+        plan = self.kv.lookup(request.ids, request.salt, request.mode, request.approximate, skip_before=shared)
+        if plan.has_content:
+            plan, logits = self._prefill_with_content(row, shared)
+        else:
+            self.kv.place(plan, self.ws, request.ids, row=row.slot)
+            slots = slice(row.slot, row.slot + 1)
+            cache = Cache(layers=[_SlotLayer(self.ws, i, slots, plan.reuse_len, plan.reuse_len, self.prefix)
+                                  for i in range(len(self.ws.shapes))])
+            ids = torch.tensor([request.ids[plan.reuse_len:]], device=self.engine.device)
+            logits = self._forward(cache, input_ids=ids)[0, -1]
+        row.plan = plan
+        row.length = len(request.ids)
+        row.next_token = row.sampler(logits.float())
+        row.ttft_ms = (time.perf_counter() - request.t_start) * 1e3
+
+    def _prefill_with_content(self, row: _Row, shared: int) -> tuple[Plan, torch.Tensor]:
+        """Content placed at new positions is repaired layer by layer over one contiguous row: the engine's
+        single-request prefill does exactly what generate() does; the row's own positions are copied over."""
+        pre = self.engine.prefill(row.request)
+        keys, values = self.engine.workspace.read(shared, len(row.request.ids))
+        self.ws.write(keys, values, shared, row=row.slot)
+        return pre.plan, pre.logits
 
     # ---- decode: one token for every active row --------------------------------------------------
     def _decode(self) -> None:
@@ -338,22 +356,18 @@ class BatchRunner:
 
     # ---- leaving ---------------------------------------------------------------------------------
     def _finish(self, row: _Row) -> None:
-        engine = self.engine
-        fed = (row.ids + row.tracker.tokens)[: row.length]
-        if row.mode is not GenerationMode.BASELINE and engine.config.write_back:
-            # The slot holds no columns below the shared prefix: PrefixedRows reads those from the prefix.
+        request, plan = row.request, row.plan
+        assert plan is not None
+        fed = (request.ids + row.tracker.tokens)[: row.length]
+        if request.uses_cache and self.engine.config.write_back:
+            # Only the exact part may be stored under prefix-chain keys (after placed content, every later
+            # token attended to approximate K/V). The slot holds no columns below the shared prefix:
+            # PrefixedRows reads those from the prefix.
+            exact = fed[: plan.reuse_len] if plan.needs_repair else fed
             source = PrefixedRows(self.ws, self.prefix) if self.prefix is not None else self.ws
-            engine._write_back(fed, row.salt, source=source, row=row.slot)
-        total_ms = (time.perf_counter() - row.t_start) * 1e3
-        t = row.tracker
-        row.handle.result = GenerationResult(
-            mode=row.mode.value, prompt=row.handle.prompt_text, output_text=t.text, generated_tokens=len(t.tokens),
-            ttft_ms=row.ttft_ms, total_ms=total_ms,
-            tokens_per_sec=len(t.tokens) / (total_ms / 1e3) if total_ms > 0 else 0.0,
-            kv_reuse_ratio=row.cached / len(row.ids), prompt_tokens=len(row.ids), cached_tokens=row.cached,
-            output_token_ids=list(t.tokens), finish_reason=t.finish_reason, exact_tokens=row.cached,
-            lookup_ms=row.lookup_ms)
-        engine._count(row.mode, len(row.ids), row.cached, row.lookup_ms)
+            self.kv.write_back(exact, request.salt, source, row=row.slot)
+        self.kv.record(request.mode, len(request.ids), plan)
+        row.handle.result = request.result(plan, row.tracker, row.ttft_ms)
         self._release(row)
         row.handle.finished = True
 

@@ -60,14 +60,16 @@ def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:
     """Layers sharing one rotation (same inv_freq and rotary_dim), so cos/sin are built once per piece."""
     groups: dict[tuple, tuple[RotaryInfo, list[int]]] = {}
     for i, info in enumerate(infos):
-        key = (info.rotary_dim, info.inv_freq.numpy().tobytes())
+        # tolist(), not numpy(): inv_freq lives on the model's device (CUDA included).
+        key = (info.rotary_dim, tuple(info.inv_freq.detach().flatten().tolist()))
         groups.setdefault(key, (info, []))[1].append(i)
     return list(groups.values())
 
 
 def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentIndex, ids: list[int],
-                   segments: list[ContentSegment], infos: list[RotaryInfo]) -> Assembly:
-    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at the piece's positions.
+                   segments: list[ContentSegment], infos: list[RotaryInfo], row: int | None = None) -> Assembly:
+    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at the piece's positions
+    (of every workspace row, or of one `row`).
 
     A piece whose record is gone (evicted) or whose ids disagree is dropped and its positions are left for
     prefill; the run after a dropped piece starts a new segment (it has a seam again).
@@ -91,7 +93,7 @@ def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentInde
                     placed.append(ContentSegment(current))
                 current = []
                 continue
-            _write_piece(workspace, record, piece, groups)
+            _write_piece(workspace, record, piece, groups, row)
             current.append(piece)
             n_placed += piece.n_tokens
         if current:
@@ -100,7 +102,7 @@ def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentInde
 
 
 def _write_piece(workspace: KVWorkspace, record: ChunkRecord, piece: Piece,
-                 groups: list[tuple[RotaryInfo, list[int]]]) -> None:
+                 groups: list[tuple[RotaryInfo, list[int]]], row: int | None) -> None:
     sl = slice(piece.offset, piece.offset + piece.n_tokens)
     values = [v[..., sl, :] for v in record.values]
     keys: list[torch.Tensor] = [k[..., sl, :] for k in record.keys]
@@ -115,7 +117,7 @@ def _write_piece(workspace: KVWorkspace, record: ChunkRecord, piece: Piece,
             else:
                 for i in layers:
                     keys[i] = rerotate_keys(keys[i], piece.delta, info, src_positions=piece.src_start)
-    workspace.write(keys, values, piece.start, piece.n_tokens)
+    workspace.write(keys, values, piece.start, piece.n_tokens, row=row)
 
 
 class ContentState:
@@ -140,27 +142,24 @@ class ContentState:
             self._checked = True
         return self._infos, self._reason
 
-    def assemble(self, workspace: KVWorkspace, store: ChunkStore, ids: list[int], start: int, stop: int,
-                 salt: str | None) -> tuple[Assembly | None, str | None]:
-        """Find content matches in ids[start:stop] and place them; (None, reason) when nothing was placed."""
+    def find(self, store: ChunkStore, ids: list[int], start: int, stop: int, salt: str | None
+             ) -> tuple[list[ContentSegment], list[RotaryInfo] | None, str | None]:
+        """Content matches in ids[start:stop] and the rotary settings to move them with; ([], None, reason)
+        when matches exist but cannot be placed exactly (the caller prefills them instead)."""
         if self.index.prune_due():
             self.index.prune(store.contains)
         if stop - start <= 0 or not len(self.index):
-            return None, None
+            return [], None, None
         segments = self.index.find(ids, start, stop, salt)
         if not segments:
-            return None, None
+            return [], None, None
         infos, reason = self.eligibility()
         if infos is None:
-            # Matches exist but cannot be placed exactly: the engine prefills them instead.
-            return None, reason
-        assembly = place_segments(workspace, store, self.index, ids, segments, infos)
+            return [], None, reason
+        return segments, infos, None
+
+    def place(self, workspace: KVWorkspace, store: ChunkStore, ids: list[int], segments: list[ContentSegment],
+              infos: list[RotaryInfo], row: int | None = None) -> tuple[Assembly | None, str | None]:
+        """Place found matches; (None, reason) when nothing could be placed."""
+        assembly = place_segments(workspace, store, self.index, ids, segments, infos, row)
         return (assembly, None) if assembly.n_tokens else (None, "matched chunks are no longer stored")
-
-
-def content_state(engine) -> ContentState:
-    """The engine's ContentState, created on first use (kept in the engine's __dict__)."""
-    state = engine.__dict__.get("_content_state")
-    if state is None:
-        state = engine.__dict__.setdefault("_content_state", ContentState(engine.model))
-    return state

@@ -10,8 +10,8 @@ Two ways to run:
   window for more requests, adds them together (rows sharing prefix chunks prefill against one copy of
   the shared K/V), then steps the runner; between steps, newly queued requests join the running batch
   and finished or cancelled rows leave (continuous batching).
-* single (max_batch_size == 1, or no BatchRunner installed): one request at a time via
-  engine.generate_stream; consecutive requests sharing a prefix still reuse it from the workspace/store.
+* single (max_batch_size == 1): one request at a time via engine.stream; consecutive requests sharing a
+  prefix still reuse it from the workspace/store.
 
 A request's failure is delivered to that request only; the worker survives everything.
 """
@@ -58,6 +58,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     cache_salt: str | None = None
     mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
+    content_reuse: bool | None = None  # None: the engine's setting (kvboost serve --content-reuse)
     t_start: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: GenerationResult | None = None
@@ -102,11 +103,9 @@ class SchedulerStats:
     max_rows: int = 0  # batch mode: the most rows seen in one step
 
 
-def default_runner_factory() -> RunnerFactory | None:
-    try:
-        from ..batch import BatchRunner
-    except ImportError:
-        return None
+def default_runner_factory() -> RunnerFactory:
+    from ..batch import BatchRunner
+
     return BatchRunner
 
 
@@ -227,14 +226,9 @@ class Scheduler:
                     self._active = 0
 
     def _run_one(self, job: Job) -> None:
-        p = job.params
         try:
-            with self.tokenizer_lock:  # generate_stream decodes the prompt text eagerly; the event loop tokenizes too
-                # The ids the request was validated and counted with: never tokenized a second time.
-                stream = self.engine.generate_stream(
-                    input_ids=job.ids, max_new_tokens=p.max_new_tokens, mode=job.mode, temperature=p.temperature,
-                    top_p=p.top_p, top_k=p.top_k, do_sample=p.do_sample, stop=p.stop or None, seed=p.seed,
-                    cache_salt=job.cache_salt)
+            # The ids the request was validated and counted with: never tokenized a second time.
+            stream = self.engine.stream(self._request(job))
             for delta in stream:
                 if job.cancelled or self._stop.is_set():
                     stream.close()
@@ -305,13 +299,18 @@ class Scheduler:
 
     def _admit(self, runner, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:
-            rows[job] = runner.add(job.ids, job.params, job.prompt_text, cache_salt=job.cache_salt, mode=job.mode,
-                                   t_start=job.t_start)
+            rows[job] = runner.add(self._request(job))
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
             return
         new.append(job)
+
+    def _request(self, job: Job):
+        """The job as the engine's Request: the same lifecycle (and the same options) on either worker."""
+        return self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
+                                        cache_salt=job.cache_salt, content_reuse=job.content_reuse,
+                                        t_start=job.t_start)
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):

@@ -1,0 +1,230 @@
+"""The KV-cache manager: what K/V a prompt can reuse, placing it into a workspace, storing new chunks.
+
+Every request path (generate, generate_stream, generate_batch / generate_many, the server's batch runner)
+goes through one manager per engine, in the order data flows:
+
+    lookup(ids, salt, mode, approximate, resident) -> Plan   where each position's K/V comes from
+    place(plan, workspace, row)                               copy it into a workspace (row) in place
+    ... the caller prefills the live tokens and decodes ...
+    write_back(seq, salt, source, row)                        store the sequence's new chunks
+    record(mode, prompt_tokens, plan)                         count the request
+
+The manager owns the chunk store (all tiers), the chunker (cuts and keys), and the content index used for
+reuse at another position. It never runs the model: warming is the engine's forward followed by write_back.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..chunking import Chunker
+from ..config import EngineConfig
+from ..results import GenerationMode
+from ..reuse.assemble import Assembly, ContentState
+from ..reuse.content import ContentSegment
+from ..reuse.match import Segment, common_prefix_length, match_exact
+from ..reuse.rope import RotaryInfo
+from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
+from .workspace import KVWorkspace
+
+
+class KVSource(Protocol):
+    """Anything a sequence's K/V can be read back from for storing (a workspace, a batch row's prefixed view)."""
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+
+
+@dataclass
+class Plan:
+    """Where a prompt's K/V comes from: exact positions [0, reuse_len), of which [0, resident) are already in
+    the target workspace and the rest come from `segments` (stored chunks); content matches after reuse_len
+    are placed re-positioned (approximate) by place(), which records them in `assembly`."""
+
+    n_prompt: int
+    reuse_len: int = 0
+    resident: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    lookup_ms: float = 0.0
+    content: list[ContentSegment] = field(default_factory=list)  # found, not yet placed
+    rotary: list[RotaryInfo] | None = None
+    content_fallback: str | None = None  # why content matches were found but not used
+    assembly: Assembly | None = None  # set by place() when content was placed
+    recomputed_tokens: int = 0  # set by the repair forward
+
+    @property
+    def exact_tokens(self) -> int:
+        return self.reuse_len
+
+    @property
+    def approximate_tokens(self) -> int:
+        return self.assembly.n_tokens if self.assembly is not None else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.reuse_len + self.approximate_tokens
+
+    @property
+    def needs_repair(self) -> bool:
+        return self.assembly is not None
+
+    @property
+    def has_content(self) -> bool:
+        """Content matches were found that place() will put at their new positions."""
+        return bool(self.content) and self.rotary is not None
+
+
+@dataclass
+class _Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    lookup_ms: float = 0.0
+    chunks_written: int = 0
+    by_mode: dict = field(default_factory=dict)
+
+
+class KVCacheManager:
+    def __init__(self, config: EngineConfig, namespace: str, chunker: Chunker, store: ChunkStore,
+                 model: torch.nn.Module):
+        self.config = config
+        self.namespace = namespace
+        self.chunker = chunker
+        self.store = store
+        self.content = ContentState(model)
+        self._counters = _Counters()
+        self._count_lock = threading.Lock()
+
+    def tag(self, salt: str | None) -> str:
+        """What a workspace's resident prefix is labelled with: reusable only by the same model namespace and
+        tenant."""
+        return self.namespace + "|" + (salt or "")
+
+    # ---- lookup -----------------------------------------------------------------------------------
+    def lookup(self, ids: Sequence[int], salt: str | None, mode: GenerationMode, approximate: bool = False,
+               resident: Sequence[int] = (), skip_before: int = 0) -> Plan:
+        """Decide where every position's K/V comes from; reads the store, writes nothing.
+
+        resident: token ids whose exact K/V (same tenant) already sits at the target workspace's first
+        positions. skip_before: positions below it are provided by the caller (a batch's shared prefix), so
+        chunks starting before it are not looked up. approximate: also find stored chunks elsewhere in the
+        prompt (CHUNK_KV_REUSE only); place() puts them at their new positions.
+        """
+        t0 = time.perf_counter()
+        ids = list(ids)
+        plan = Plan(len(ids))
+        if mode is GenerationMode.BASELINE:
+            plan.lookup_ms = (time.perf_counter() - t0) * 1e3
+            return plan
+        token_granular = mode is GenerationMode.CHUNK_KV_REUSE
+        chunks = self.chunker.split(ids, salt)
+        if skip_before:
+            chunks = [c for c in chunks if c.start >= skip_before]
+        match = match_exact(self.store, chunks, token_granular)
+        have = common_prefix_length(resident, ids) if resident else 0
+        if not token_granular:
+            # Whole chunks only: down to the last complete chunk end (cuts move with a boundary window).
+            have = max((c.end for c in chunks if c.complete and c.end <= have), default=0)
+        limit = len(ids) - 1  # the last prompt token always runs: its logits pick the first new token
+        plan.reuse_len = min(max(skip_before, have, match.length), limit)
+        plan.resident = min(have, plan.reuse_len)
+        plan.segments = [s for s in match.segments if s.end > plan.resident and s.start < plan.reuse_len]
+        if approximate and token_granular:
+            # Sink tokens stay fresh: content is never placed before position sink_tokens.
+            start = max(plan.reuse_len, self.config.sink_tokens)
+            plan.content, plan.rotary, plan.content_fallback = self.content.find(self.store, ids, start, limit, salt)
+        plan.lookup_ms = (time.perf_counter() - t0) * 1e3
+        return plan
+
+    # ---- place ------------------------------------------------------------------------------------
+    def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
+        """Copy the plan's stored K/V into `workspace` (every row, or one `row`); positions the workspace
+        already holds (plan.resident) are not copied. Content matches are re-positioned and verified again
+        against the prompt's ids; a piece whose record is gone is left for prefill."""
+        t0 = time.perf_counter()
+        for seg in plan.segments:
+            start = max(seg.start, plan.resident)
+            n = min(seg.end, plan.reuse_len) - start
+            if n > 0:
+                keys = [k[:, start - seg.start:] for k in seg.record.keys]
+                values = [v[:, start - seg.start:] for v in seg.record.values]
+                workspace.write(keys, values, start, n, row=row)
+        if plan.has_content:
+            assert plan.rotary is not None
+            plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
+                                                         plan.rotary, row=row)
+            plan.content_fallback = plan.content_fallback or fallback
+        plan.lookup_ms += (time.perf_counter() - t0) * 1e3
+
+    # ---- write-back --------------------------------------------------------------------------------
+    def write_back(self, seq: Sequence[int], salt: str | None, source: KVSource, row: int = 0,
+                   cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
+        """Store every chunk of seq not stored yet (its K/V is readable from `source` row `row`); returns
+        (new, existing). With cut_ids (a longer sequence that starts with seq), seq is cut as part of it: only
+        its chunks that end within seq are stored, as that sequence's own chunks."""
+        seq = list(seq)
+        new = existing = 0
+        chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
+                  else self.chunker.split(seq, salt))
+        index = self.content.index  # every stored chunk is findable by content at other positions too
+        for chunk in chunks:
+            meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
+            if self.store.contains(chunk.prefix_key):
+                existing += 1
+                index.add(meta, salt)  # e.g. stored by a disk tier in an earlier process
+                continue
+            keys, values = source.read(chunk.start, chunk.end, row=row)
+            record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
+                                 chunk.start, keys, values)
+            if self.store.put(record):
+                new += 1
+                index.add(meta, salt)
+            if chunk.complete:
+                self._drop_superseded(chunk.parent_key, chunk.token_ids)
+        with self._count_lock:
+            self._counters.chunks_written += new
+        return new, existing
+
+    def _drop_superseded(self, parent_key: str | None, token_ids: tuple[int, ...]) -> None:
+        """A partial sibling that a complete chunk extends is dead weight. With a boundary window a shorter
+        sibling may itself be a complete chunk of another sequence (cut earlier) with children of its own; only
+        one shorter than any complete chunk (size - W), or childless, is a remainder."""
+        n = len(token_ids)
+        floor = self.config.chunk_size - self.config.chunk_boundary_window
+        for meta in self.store.children(parent_key):
+            m = len(meta.token_ids)
+            if m < n and token_ids[:m] == meta.token_ids and (m < floor or not self.store.children(meta.key)):
+                self.store.delete(meta.key)
+                self.content.index.discard(meta.key)
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    def record(self, mode: GenerationMode, n_prompt: int, plan: Plan) -> None:
+        with self._count_lock:
+            c = self._counters
+            c.requests += 1
+            c.prompt_tokens += n_prompt
+            c.cached_tokens += plan.reuse_len
+            c.lookup_ms += plan.lookup_ms
+            c.by_mode[mode.value] = c.by_mode.get(mode.value, 0) + 1
+
+    def stats(self) -> dict:
+        c = self._counters
+        per_tier = self.store.tier_stats() if hasattr(self.store, "tier_stats") else {"memory": self.store.stats()}
+        return {
+            "requests": c.requests, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+            "reuse_ratio": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "avg_lookup_ms": c.lookup_ms / c.requests if c.requests else 0.0,
+            "chunks_written": c.chunks_written, "requests_by_mode": dict(c.by_mode),
+            "tiers": {name: t.as_dict() for name, t in per_tier.items()},
+            "content_index_chunks": len(self.content.index), "chunk_size": self.config.chunk_size,
+            "namespace": self.namespace,
+        }
+
+    def clear(self) -> None:
+        """Forget every stored chunk (all tiers) and the content index."""
+        self.store.clear()
+        self.content.index.clear()

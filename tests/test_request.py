@@ -1,0 +1,71 @@
+"""Request: the keyword API validated once, the context checked (refused, never cut), one result builder."""
+from __future__ import annotations
+
+import pytest
+
+from kvboost import ContextLengthError, GenerationMode, InvalidRequestError, KVBoost
+from kvboost.request import Request
+from kvboost.sampling import SamplingParams
+
+from .tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+
+
+def test_request_resolves_the_engine_defaults(engine):
+    r = engine.request("hello there", 5, temperature=0.5, stop="\n", cache_salt="t1")
+    assert isinstance(r, Request) and r.ids == engine.encode("hello there") and r.prompt_text == "hello there"
+    assert r.params.max_new_tokens == 5 and r.params.stop == ["\n"] and r.salt == "t1"
+    assert r.mode is GenerationMode.CHUNK_KV_REUSE and r.content_reuse is False and r.uses_cache
+    assert engine.request("x", 2, content_reuse=True, mode="prefix_cache").approximate is False
+    assert engine.request("x", 2, content_reuse=True).approximate is True
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(cache_salt=3), "cache_salt"), (dict(content_reuse="yes"), "content_reuse"), (dict(mode="fast"), "mode"),
+])
+def test_bad_request_options_name_their_parameter(engine, kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.request("hello", 4, **kwargs)
+    assert info.value.param == param
+
+
+def test_unknown_keyword_is_a_type_error_in_every_entry_point(engine):
+    with pytest.raises(TypeError):
+        engine.generate("hello", 4, temprature=0.3)
+    with pytest.raises(TypeError):
+        engine.generate_batch(["hello"], 4, temprature=0.3)
+
+
+def test_prompt_plus_max_new_tokens_over_the_context_is_refused_everywhere(engine):
+    ids = engine.encode("word " * 40)
+    room = engine.max_context - len(ids)
+    assert room > 1
+    for call in (lambda n: engine.generate(input_ids=ids, max_new_tokens=n),
+                 lambda n: engine.generate_batch(input_ids=[ids], max_new_tokens=n),
+                 lambda n: engine.generate_many(input_ids=[ids, ids], max_new_tokens=n)):
+        with pytest.raises(ContextLengthError, match=f"at most {room} new tokens") as info:
+            call(room + 1)
+        assert info.value.param == "max_new_tokens"
+    assert engine.generate(input_ids=ids, max_new_tokens=room).generated_tokens <= room
+
+
+def test_batch_runner_checks_a_request_built_elsewhere(engine):
+    from kvboost.batch import BatchRunner
+
+    ids = engine.encode("word " * 10)
+    request = Request(ids, SamplingParams(max_new_tokens=engine.max_context), "w")
+    with pytest.raises(ContextLengthError):
+        BatchRunner(engine).add(request)
+
+
+def test_results_are_built_the_same_way_in_every_path(engine):
+    single = engine.generate("The river bends twice.", 6)
+    batched = engine.generate_batch(["The river bends twice."], 6)[0]
+    for field in ("mode", "prompt", "output_text", "output_token_ids", "prompt_tokens", "finish_reason",
+                  "generated_tokens"):
+        assert getattr(single, field) == getattr(batched, field), field
+    assert single.cached_tokens == single.exact_tokens and batched.cached_tokens == batched.exact_tokens
