@@ -69,3 +69,16 @@ def test_results_are_built_the_same_way_in_every_path(engine):
                   "generated_tokens"):
         assert getattr(single, field) == getattr(batched, field), field
     assert single.cached_tokens == single.exact_tokens and batched.cached_tokens == batched.exact_tokens
+
+
+def test_engine_cache_salt_is_the_default_tenant(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    tenant = KVBoost(model, tokenizer, chunk_size=16, cache_salt="acme")
+    prompt = "The river bends twice before the old mill. " * 4
+    tenant.warm(prompt)
+    assert tenant.request(prompt, 2).salt == "acme" and tenant.request(prompt, 2, cache_salt="x").salt == "x"
+    assert tenant.generate(prompt + " Why?", 2).exact_tokens > 16  # warmed under the same default tenant
+    tenant.forget_workspace()
+    assert tenant.generate(prompt + " Why?", 2, cache_salt="other").exact_tokens == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        KVBoost(model, tokenizer, cache_salt=5)

@@ -34,7 +34,7 @@ class EngineConfig:
     disk_budget_bytes: int | None = None
     redis_url: str | None = None
     redis_ttl_s: int | None = 24 * 3600
-    cache_salt: str | None = None  # default tenant; a request may override it
+    cache_salt: str | None = None  # default tenant (requests and warm()); a request's own cache_salt overrides it
     chunk_boundary_window: int = 0
     sink_tokens: int = 0
     device: str | None = None
@@ -45,6 +45,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
+        _require(self.cache_salt is None or isinstance(self.cache_salt, str),
+                 f"cache_salt must be a string or None, got {self.cache_salt!r}")
         _require(isinstance(self.content_reuse, bool), f"content_reuse must be a bool, got {self.content_reuse!r}")
         _require(isinstance(self.chunk_size, int) and 8 <= self.chunk_size <= 8192,
                  f"chunk_size must be an int in [8, 8192], got {self.chunk_size!r}")

@@ -124,6 +124,10 @@ class InferenceEngine:
                 f"prompt is {n_prompt} tokens but the model's context is {self.max_context} tokens "
                 f"(at least one position must stay free for generation)", param)
 
+    def tenant(self, cache_salt: str | None) -> str | None:
+        """A request's tenant: its own cache_salt, else the engine's default (EngineConfig.cache_salt)."""
+        return cache_salt if cache_salt is not None else self.config.cache_salt
+
     def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
                      mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
                      content_reuse: bool | None = None, return_logits: bool = False,
@@ -132,7 +136,7 @@ class InferenceEngine:
         plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut)."""
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
-        request = Request(list(ids), params, prompt_text, cache_salt, GenerationMode.parse(mode),
+        request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
                           self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
                           time.perf_counter() if t_start is None else t_start)
         request.check_context(self.max_context)
@@ -261,7 +265,7 @@ class InferenceEngine:
         else:
             ids = self.encode(text)
         self.check_prompt_length(len(ids))
-        new, existing = self.warm_ids(ids, cache_salt)
+        new, existing = self.warm_ids(ids, self.tenant(cache_salt))
         warnings = []
         if len(ids) < self.config.chunk_size:
             warnings.append(f"text is {len(ids)} tokens, shorter than one chunk ({self.config.chunk_size}); "

@@ -1,4 +1,8 @@
-"""Workload datasets: reproducible from the seed, well-formed, and unambiguous for RAG scoring."""
+"""Workload datasets: reproducible from the seed, well-formed, and unambiguous for RAG scoring.
+
+The generators live under scripts/workloads/ (outside the installed package); the loaders and the one
+shipped copy of the data in kvboost.bench.workloads / kvboost/bench/data/.
+"""
 from __future__ import annotations
 
 import importlib.util
@@ -12,16 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from kvboost.bench import workloads as wl  # noqa: E402
+from kvboost.bench import workloads as wl
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO / "scripts") not in sys.path:
+    sys.path.insert(0, str(REPO / "scripts"))
+
+from workloads import generate as gen  # noqa: E402  (scripts/workloads, the generators)
 
 
 @pytest.fixture(scope="module")
 def generated() -> dict:
-    docs, items = wl.generate_rag()
-    system, questions = wl.generate_system_prompt()
-    return {"convs": wl.generate_conversations(), "docs": docs, "items": items, "system": system,
+    docs, items = gen.generate_rag()
+    system, questions = gen.generate_system_prompt()
+    return {"convs": gen.generate_conversations(), "docs": docs, "items": items, "system": system,
             "questions": questions}
 
 
@@ -31,22 +39,27 @@ def _words(text: str) -> int:
 
 # ------------------------------------------------------------------------------------ reproducibility
 
-@pytest.mark.parametrize("directory", [wl.repo_workloads_dir(), wl.package_data_dir()], ids=["repo", "package"])
-def test_shipped_files_match_generator_byte_for_byte(directory):
-    assert wl.check_workloads(directory) == [], "run: python scripts/make_workloads.py"
+def test_shipped_files_match_generator_byte_for_byte():
+    assert gen.check_workloads(wl.package_data_dir()) == [], "run: python scripts/make_workloads.py"
+
+
+def test_one_copy_of_the_data():
+    assert sorted(p.name for p in wl.package_data_dir().glob("*.jsonl")) == sorted(wl.ALL_FILES)
+    assert set(gen.generate_all()) == set(wl.ALL_FILES)
+    assert not (REPO / "benchmarks" / "workloads").exists()
 
 
 def test_generation_is_deterministic_and_seed_dependent():
-    a, b = wl.generate_all(), wl.generate_all()
+    a, b = gen.generate_all(), gen.generate_all()
     assert a == b
-    other = wl.generate_all(seed=wl.DEFAULT_SEED + 1)
+    other = gen.generate_all(seed=gen.DEFAULT_SEED + 1)
     assert other[wl.CONVERSATIONS_FILE] != a[wl.CONVERSATIONS_FILE]
     assert other[wl.RAG_QA_FILE] != a[wl.RAG_QA_FILE]
 
 
 def test_files_use_lf_and_one_json_object_per_line():
     for name in wl.ALL_FILES:
-        raw = (wl.repo_workloads_dir() / name).read_bytes()
+        raw = (wl.package_data_dir() / name).read_bytes()
         assert b"\r" not in raw and raw.endswith(b"\n")
         assert all(isinstance(json.loads(line), dict) for line in raw.decode("utf-8").splitlines())
 
@@ -54,7 +67,9 @@ def test_files_use_lf_and_one_json_object_per_line():
 def test_import_pulls_in_no_heavy_dependencies():
     code = ("import sys, kvboost.bench.workloads, kvboost.bench.cost, kvboost.bench.plots\n"
             "heavy = [m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules]\n"
-            "assert not heavy, heavy")
+            "assert not heavy, heavy\n"
+            "gens = [m for m in sys.modules if 'chat_domains' in m or 'policy_manual' in m or 'rag_docs' in m]\n"
+            "assert not gens, gens")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 
@@ -134,31 +149,36 @@ def test_system_prompt_workload(generated):
 
 
 def test_support_conversations_ask_every_question_once_under_the_manual(generated):
-    convs = wl.support_conversations()
+    convs = gen.generate_support_conversations(generated["system"], generated["questions"])
     asked = [t for c in convs for t in c["turns"]]
     assert all(c["system"] == generated["system"] and 4 <= len(c["turns"]) <= 8 for c in convs)
     assert len(asked) == len(set(asked)) and len(generated["questions"]) - len(asked) < 4
     assert asked == [q["question"] for q in generated["questions"]][: len(asked)]
-    assert wl.support_conversations() == convs  # deterministic
+    assert len({c["id"] for c in convs}) == len(convs) and {c["domain"] for c in convs} == {"support"}
+    assert gen.generate_support_conversations(generated["system"], generated["questions"]) == convs  # deterministic
 
 
 # ------------------------------------------------------------------------------------------- loaders
 
 def test_loaders_default_paths(generated):
-    assert wl.default_workloads_dir() == wl.repo_workloads_dir()
     assert wl.load_conversations() == generated["convs"]
+    assert wl.load_support_conversations() == gen.generate_support_conversations(generated["system"],
+                                                                                 generated["questions"])
     docs, items = wl.load_rag()
     assert list(docs) == [d["doc_id"] for d in generated["docs"]] and items == generated["items"]
     assert wl.load_system_prompt() == (generated["system"], generated["questions"])
 
 
 def test_loaders_accept_dir_or_file(tmp_path, generated):
-    wl.write_workloads([tmp_path], seed=3)
+    gen.write_workloads([tmp_path], seed=3)
     convs = wl.load_conversations(tmp_path)
     assert convs == wl.load_conversations(tmp_path / wl.CONVERSATIONS_FILE) != generated["convs"]
     docs, items = wl.load_rag(tmp_path / wl.RAG_QA_FILE)
     assert all(i["answer"] in docs[i["answer_doc_id"]]["text"] for i in items)
     assert wl.load_system_prompt(str(tmp_path))[0] == generated["system"]
+    support = wl.load_support_conversations(tmp_path)
+    assert support == wl.load_support_conversations(tmp_path / wl.SUPPORT_FILE)
+    assert all(c["system"] == generated["system"] for c in support)
 
 
 def test_packaged_copy_loads(generated):
@@ -183,6 +203,7 @@ def _script():
 
 def test_script_writes_and_checks(tmp_path, capsys):
     script = _script()
+    assert script.main(["--check"]) == 0  # default: the package data, the one shipped copy
     assert script.main(["--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(wl.ALL_FILES)
     assert script.main(["--out", str(tmp_path), "--check"]) == 0

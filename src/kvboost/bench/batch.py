@@ -11,9 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
 import typer
 
+from ..cli_common import MODEL_HELP
 from .console import bench_console
 
 
@@ -78,20 +80,20 @@ def _run(engine, rows: list[list[int]], new_tokens: int, shared: bool, label: st
     total_s = sum(step_ms) / 1e3
     return BatchRun(label, len(rows), prefix, shared_tokens, admit_ms, len(step_ms), tokens,
                     tokens / total_s if total_s > 0 else 0.0, statistics.median(step_ms) if step_ms else 0.0,
-                    live["shared"] + live["rows"], live["allocated"], [list(h.result.output_token_ids) for h in handles])
+                    live["shared"] + live["rows"], live["allocated"],
+                    [list(h.result.output_token_ids) for h in handles])
 
 
 def run_batch_bench(model_name: str | None, n_rows: int, prefix: int, new_tokens: int,
-                    json_path: str | None = None) -> dict:
-
-    from ..cli import load_engine
+                    json_path: str | None = None, plot_path: str | None = None) -> dict:
+    from ..cli_common import load_engine
 
     console = bench_console()
     with console.status("loading model"):
         engine = load_engine(model_name)
     system_ids, rows = _rows(engine, n_rows, prefix)
     with console.status("storing the shared prefix"):
-        engine._warm_ids(system_ids, None)
+        engine.warm_ids(system_ids, None)
     with console.status("warm-up"):
         for shared in (False, True):
             _run(engine, rows[:2], 2, shared, "warm-up", prefix)
@@ -109,6 +111,9 @@ def run_batch_bench(model_name: str | None, n_rows: int, prefix: int, new_tokens
 
         write_json(json_path, report)
         console.print(f"wrote {json_path}")
+    if plot_path:
+        plot_report(report, plot_path)
+        console.print(f"wrote {plot_path}")
     return report
 
 
@@ -128,22 +133,36 @@ def _print(console, runs: list[BatchRun], identical: bool) -> None:
                       f"{r.ms_per_step_median:,.2f}", _mb(r.kv_bytes_live), _mb(r.kv_bytes_allocated),
                       f"{r.admit_ms:,.0f}", "yes" if identical else "NO")
     console.print(table)
-    console.print("ms/step: median decode step; KV live: shared prefix once + each row's own K/V at the first decode "
-                  "step; KV alloc: workspace buffers, every row's columns up to the capacity (with a shared prefix they "
-                  "start at its end), grown in steps of 256 positions")
+    console.print("ms/step: median decode step; KV live: shared prefix once + each row's own K/V at the first "
+                  "decode step; KV alloc: workspace buffers, every row's columns up to the capacity (with a shared "
+                  "prefix they start at its end), grown in steps of 256 positions")
     if runs[0].decode_tokens_per_s > 0:
         console.print(f"decode speed-up with shared prefix: "
                       f"{runs[1].decode_tokens_per_s / runs[0].decode_tokens_per_s:.2f}x")
 
 
+def plot_report(report: dict, path: str) -> None:
+    """Grouped bars, each metric relative to per-row copies (matplotlib imported here only)."""
+    from .plots import plot_bars
+
+    off, on = report["runs"]
+    metrics = (("decode tok/s", "decode_tokens_per_s"), ("ms/step", "ms_per_step_median"),
+               ("KV live", "kv_bytes_live"), ("KV allocated", "kv_bytes_allocated"))
+    bars = {label: {r["mode"]: (r[key] / off[key] if off[key] else float("nan")) for r in (off, on)}
+            for label, key in metrics}
+    plot_bars(bars, f"Batched decode: {report['rows']} rows sharing a {report['prefix_tokens']}-token prefix",
+              "", "relative to per-row copies", path)
+
+
 def bench_batch_command(
-    model: str | None = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id "
-                                        "(default: embedded SmolLM2-135M)."),
-    rows: int = typer.Option(16, "--rows", min=1, help="Rows decoded together."),
-    prefix: int = typer.Option(1000, "--prefix", min=1, help="Shared prefix length in tokens."),
-    new_tokens: int = typer.Option(32, "--new-tokens", min=1, help="Greedy tokens per row."),
-    json_path: str | None = typer.Option(None, "--json", help="Write the results as JSON."),
+    model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    rows: Annotated[int, typer.Option("--rows", min=1, help="Rows decoded together.")] = 16,
+    prefix: Annotated[int, typer.Option("--prefix", min=1, help="Shared prefix length in tokens.")] = 1000,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="Greedy tokens per row.")] = 32,
+    json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG: decode speed and K/V bytes, "
+                                                                 "shared prefix vs per-row copies.")] = None,
 ) -> None:
     """Decode tokens/s of rows sharing a prefix: shared-prefix attention on vs off (per-row copies)."""
-    report = run_batch_bench(model, rows, prefix, new_tokens, json_path)
+    report = run_batch_bench(model, rows, prefix, new_tokens, json_path, plot_path)
     raise typer.Exit(0 if report["identical_outputs"] else 1)

@@ -136,15 +136,15 @@ WORKLOADS = ("chat", "support")
 
 
 def _load_workload(name: str) -> list[dict]:
-    from .workloads import load_conversations, support_conversations
+    from .workloads import load_conversations, load_support_conversations
 
-    return load_conversations() if name == "chat" else support_conversations()
+    return load_conversations() if name == "chat" else load_support_conversations()
 
 
 def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, new_tokens: int,
                         json_path: str | None, plot_path: str | None, peer_python: str | None = None,
                         workload: str = "chat") -> list[TurnSummary]:
-    from ..cli import load_engine
+    from ..cli_common import load_engine
 
     console = bench_console()
     with console.status("loading model"):
@@ -169,13 +169,14 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
                 manual_ttft, manual_out = manual.run(ids, new_tokens, eos)
                 r = engine.generate(messages=messages, max_new_tokens=new_tokens)
                 s = TurnSample(conv["id"], t + 1, len(ids), plain_ttft, manual_ttft, r.ttft_ms, r.kv_reuse_ratio,
-                               reusable, r.cached_tokens, r.tokens_per_sec, r.output_token_ids == reference, manual_out == reference,
-                               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                               reusable, r.cached_tokens, r.tokens_per_sec, r.output_token_ids == reference,
+                               manual_out == reference, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
                 if peer is not None:
                     prompt_text = tok.decode(ids)
                     p = peer.run(prompt_text, new_tokens)
                     s.peer_ms, s.peer_reuse = p["ttft_ms"], p["kv_reuse_ratio"]
-                    s.peer_identical = p["output_text"].strip() == tok.decode(reference, skip_special_tokens=True).strip()
+                    reference_text = tok.decode(reference, skip_special_tokens=True)
+                    s.peer_identical = p["output_text"].strip() == reference_text.strip()
                 samples.append(s)
                 messages.append({"role": "assistant", "content": tok.decode(reference, skip_special_tokens=True)})
                 live.update(_table(summarize(samples), f"conversation {ci + 1}/{len(convs)}, turn {t + 1}"))
@@ -190,7 +191,8 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
     if json_path:
         from .plots import write_json
         write_json(json_path, {"benchmark": "multiturn", "model": model_name or "embedded SmolLM2-135M-Instruct",
-                               "workload": workload, "conversations": len(convs), "turns": turns, "new_tokens": new_tokens,
+                               "workload": workload, "conversations": len(convs), "turns": turns,
+                               "new_tokens": new_tokens,
                                "summary": overall, "reuse_rate": overall["kvboost_reuse_from_turn2"],
                                "prefill_tokens_per_s": overall["plain_prefill_tokens_per_s"],
                                "per_turn": [asdict(x) for x in summary], "samples": [asdict(x) for x in samples]})
@@ -224,7 +226,8 @@ def summarize(samples: list[TurnSample]) -> list[TurnSummary]:
         out.append(TurnSummary(
             turn, len(ss), statistics.mean(s.prompt_tokens for s in ss), _p([s.plain_ms for s in ss], .5),
             _p([s.manual_ms for s in ss], .5), _p([s.kvboost_ms for s in ss], .5), _p([s.kvboost_ms for s in ss], .9),
-            statistics.mean(s.kvboost_reuse for s in ss), statistics.mean(s.reusable_tokens / s.prompt_tokens for s in ss),
+            statistics.mean(s.kvboost_reuse for s in ss),
+            statistics.mean(s.reusable_tokens / s.prompt_tokens for s in ss),
             _of_reusable(ss), sum(s.identical for s in ss) / len(ss),
             statistics.mean(s.kvboost_tokens_per_s for s in ss), max(s.peak_rss_mb for s in ss),
             _p(peer, .5) if peer else None,
@@ -288,7 +291,8 @@ def _table(summary: list[TurnSummary], caption: str) -> Table:
     for s in summary:
         row = [str(s.turn), str(s.n), f"{s.prompt_tokens:.0f}", f"{s.plain_p50:.0f}", f"{s.manual_p50:.0f}",
                f"{s.kvboost_p50:.0f}", f"{s.kvboost_p90:.0f}", f"{s.kvboost_p50 / s.manual_p50:.2f}",
-               f"{s.reuse:.1%}", f"{s.reusable:.1%}", f"{s.of_reusable:.1%}", f"{s.identical_rate:.0%}", f"{s.tokens_per_s:.1f}", f"{s.peak_rss_mb:.0f}"]
+               f"{s.reuse:.1%}", f"{s.reusable:.1%}", f"{s.of_reusable:.1%}", f"{s.identical_rate:.0%}",
+               f"{s.tokens_per_s:.1f}", f"{s.peak_rss_mb:.0f}"]
         if len(cols) > 14:
             row += [f"{s.peer_p50:.0f}" if s.peer_p50 is not None else "-",
                     f"{s.peer_reuse:.1%}" if s.peer_reuse is not None else "-",

@@ -12,8 +12,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from rich.table import Table
 
@@ -82,6 +83,11 @@ def plot_scatter(points: Sequence[Mapping[str, Any]], title: str, xlabel: str, y
     return _finish(fig, ax, title, xlabel, ylabel, path, legend=len(groups) > 1)
 
 
+def _bar_label(v: float) -> str:
+    # "%.3g" would write 3,000 ms as "3e+03".
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def plot_bars(bars: Mapping[str, float] | Mapping[str, Mapping[str, float]], title: str, xlabel: str, ylabel: str,
               path: str | Path, *, annotate: bool = True) -> Path:
     """Bar chart. ``{"chat": 1.8, "rag": 3.1}`` gives simple bars; nested mappings such as
@@ -107,7 +113,7 @@ def plot_bars(bars: Mapping[str, float] | Mapping[str, Mapping[str, float]], tit
         xs = [c + (i - (len(table) - 1) / 2) * width for c in range(len(categories))]
         rects = ax.bar(xs, ys, width=width, label=name or None)
         if annotate:
-            ax.bar_label(rects, fmt="%.3g", fontsize="x-small", padding=2)
+            ax.bar_label(rects, fmt=_bar_label, fontsize="x-small", padding=2)
     ax.set_xticks(range(len(categories)), categories)
     return _finish(fig, ax, title, xlabel, ylabel, path, legend=grouped)
 

@@ -81,7 +81,7 @@ class _Floor:
         if split > len(self.ids):
             self.model(input_ids=torch.tensor([ids[len(self.ids):split]]), past_key_values=cache, use_cache=True,
                        logits_to_keep=1)
-            self.layers = [(l.keys, l.values) for l in cache.layers]
+            self.layers = [(layer.keys, layer.values) for layer in cache.layers]
             self.ids = list(ids[:split])
 
     def _fresh(self) -> DynamicCache:
@@ -102,7 +102,7 @@ class _Floor:
 
 def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, json_path: str | None,
                      plot_path: str | None) -> list[PrefixRow]:
-    from ..cli import load_engine
+    from ..cli_common import load_engine
     from ..reuse.match import match_exact
     from .plots import plot_lines, write_json
 
@@ -123,7 +123,7 @@ def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, j
             cached, agree = 0, True
             qi = 0
 
-            def prompt_for() -> str:
+            def prompt_for(prefix: str = prefix) -> str:  # bound now: one prefix per length
                 nonlocal qi
                 qi += 1
                 return f"{prefix}\n\nQuestion: {questions[qi % len(questions)]} (case {qi})\nAnswer:"

@@ -41,7 +41,7 @@ def _prompts(limit: int) -> list[tuple[list[dict], list[dict]]]:
 def run_quant_bench(model_name: str | None, n_prompts: int, new_tokens: int, json_path: str | None,
                     plot_path: str | None) -> list[QuantRow]:
     from .. import KVBoost
-    from ..cli import load_engine
+    from ..cli_common import load_engine
     from .plots import plot_bars, write_json
 
     console = bench_console()

@@ -19,11 +19,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import typer
 
+from ..cli_common import MODEL_HELP
 from .console import bench_console
 
 SYSTEM_PROMPT = ("You answer questions about the documents the user provides. Use only those documents and reply "
@@ -175,16 +177,15 @@ _COLUMNS = [("method", "method"), ("items", "items"), ("ttft_ms", "TTFT ms"), ("
 
 
 def eval_rag_command(
-        model: Optional[str] = typer.Option(None, "--model", "-m",
-                                            help="Local path or Hugging Face id (default: embedded SmolLM2-135M)."),
-        json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON."),
-        plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: TTFT ratio vs fidelity."),
+        model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+        json_path: str | None = typer.Option(None, "--json", help="Write the results as JSON."),
+        plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG: TTFT ratio vs fidelity."),
         limit: int = typer.Option(0, "--limit", min=0, help="Evaluate the first N matching items (0: all)."),
-        docs: Optional[int] = typer.Option(None, "--docs", min=1, help="Only items with this many documents."),
+        docs: int | None = typer.Option(None, "--docs", min=1, help="Only items with this many documents."),
         ratios: str = typer.Option("0.05,0.15,0.30", "--ratios", help="CacheBlend recompute ratios, comma-separated."),
         new_tokens: int = typer.Option(16, "--new-tokens", min=1, help="Greedy tokens compared per item."),
-        threads: Optional[int] = typer.Option(None, "--threads", min=1,
-                                              help="torch CPU threads (default: torch's own choice)."),
+        threads: int | None = typer.Option(None, "--threads", min=1,
+                                           help="torch CPU threads (default: torch's own choice)."),
         chunk_size: int = typer.Option(128, "--chunk-size", min=8, help="Engine chunk size."),
 ) -> None:
     """Multi-document QA: full prefill vs none / selective / cacheblend reuse of warmed documents."""

@@ -14,9 +14,11 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Annotated
 
 import typer
 
+from ..cli_common import MODEL_HELP
 from .console import bench_console
 
 TARGET_RPS_GAIN = 2.0
@@ -104,14 +106,14 @@ def _warm(url: str, model: str, system: str) -> None:
 def run_serve_bench(model: str | None = None, clients: int = 16, requests_per_client: int = 4,
                     max_tokens: int = 16, max_batch_size: int = 16, batch_window_ms: float = 20.0,
                     progress=print) -> dict:
-    from .. import KVBoost
+    from ..cli_common import load_engine
     from ..results import GenerationMode
     from ..server import BackgroundServer, ServerSettings, create_app
     from .workloads import load_system_prompt
 
     system, items = load_system_prompt()
     questions = [q["question"] for q in items]
-    engine = KVBoost.from_pretrained(model)
+    engine = load_engine(model)
     runs: list[ServeRun] = []
     for mode in (GenerationMode.BASELINE, GenerationMode.CHUNK_KV_REUSE):
         engine.clear_cache()
@@ -159,15 +161,28 @@ def print_report(report: dict) -> None:
                   f"{report['ttft_p50_gain']:.2f}x lower p50 TTFT (target {TARGET_TTFT_GAIN:g}x) — {verdict} targets")
 
 
+def plot_report(report: dict, path: str) -> None:
+    """Grouped bars: TTFT p50/p90 and request latency p50 with reuse off and on (matplotlib imported here only)."""
+    from .plots import plot_bars
+
+    runs = {("reuse off" if r["mode"] == "baseline" else "reuse on"): r for r in report["runs"].values()}
+    bars = {label: {mode: r[key] for mode, r in runs.items()}
+            for label, key in (("TTFT p50", "ttft_p50_ms"), ("TTFT p90", "ttft_p90_ms"),
+                               ("latency p50", "latency_p50_ms"))}
+    rps = ", ".join(f"{mode} {r['requests_per_s']:.2f}" for mode, r in runs.items())
+    plot_bars(bars, f"Server, {report['clients']} clients (requests/s: {rps})", "", "ms", path)
+
+
 def bench_serve_command(
-    model: str | None = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id "
-                                        "(default: embedded SmolLM2-135M)."),
-    clients: int = typer.Option(16, min=1, help="Concurrent clients."),
-    requests: int = typer.Option(4, min=1, help="Requests per client."),
-    max_tokens: int = typer.Option(16, min=1, help="Tokens generated per request."),
-    max_batch_size: int = typer.Option(16, min=1, help="Server batch size (1: one request at a time)."),
-    batch_window_ms: float = typer.Option(20.0, min=0.0, help="Server batch window."),
-    json_path: str | None = typer.Option(None, "--json", help="Write the results as JSON."),
+    model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    clients: Annotated[int, typer.Option(min=1, help="Concurrent clients.")] = 16,
+    requests: Annotated[int, typer.Option(min=1, help="Requests per client.")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Server batch size (1: one request at a time).")] = 16,
+    batch_window_ms: Annotated[float, typer.Option(min=0.0, help="Server batch window.")] = 20.0,
+    json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG: TTFT and latency, reuse off vs on.")]
+    = None,
 ) -> None:
     """Requests/s and p50/p90 TTFT of the OpenAI server, reuse on versus off, 16 clients sharing a system prompt."""
     report = run_serve_bench(model, clients, requests, max_tokens, max_batch_size, batch_window_ms,
@@ -177,3 +192,6 @@ def bench_serve_command(
         with open(json_path, "w") as f:
             json.dump(report, f, indent=2)
         typer.echo(f"wrote {json_path}", err=True)
+    if plot_path:
+        plot_report(report, plot_path)
+        typer.echo(f"wrote {plot_path}", err=True)

@@ -8,8 +8,8 @@ distractor documents are packed next to it.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 _SYL_A = ("Vel", "Cor", "Bram", "Ost", "Kel", "Thar", "Mir", "Lun", "Pell", "Quar", "Dun", "Harr", "Ebb", "Fen",
           "Gal", "Iver", "Jor", "Wyn", "Sol", "Tor", "Ash", "Brin", "Cald", "Elm", "Hesk", "Marl", "Ravn", "Skel")
@@ -22,7 +22,8 @@ _LAST = ("Halvorsen", "Brankovic", "Adeyemi", "Fairbrother", "Castellanos", "Lin
          "Thornbury", "Marchetti", "Kowalczyk", "Delacroix", "Nakamura", "Abernathy", "Szabo", "Oyelaran",
          "Montague", "Rasmussen", "Quillfeather", "Everly", "Grunwald", "Petrakis", "Achterberg", "Moravec",
          "Sandoval", "Whitlock", "Iyengar", "Corrigan", "Vantongeren", "Lachance")
-_ADJ = ("Lantern", "Quiet", "Copper", "Hollow", "Salt", "Northern", "Paper", "Glass", "Amber", "Drowned", "Iron", "Winter")
+_ADJ = ("Lantern", "Quiet", "Copper", "Hollow", "Salt", "Northern", "Paper", "Glass", "Amber", "Drowned", "Iron",
+        "Winter")
 _NOUN = ("Tables", "Harbour", "Orchard", "Ledger", "Cartographer", "Meridian", "Foundry", "Choir", "Archive", "Tide")
 _MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
            "November", "December")
@@ -61,13 +62,15 @@ _MAKERS: dict[str, Callable[[random.Random], str]] = {
     "year": lambda r: str(r.randint(1841, 2011)),
     "count": lambda r: f"{r.randint(1200, 48000):,}",
     "money": lambda r: f"${r.randint(12, 980)} million",
-    "product": lambda r: f"{r.choice(_SYL_A)}{r.choice(('ion', 'ex', 'ar', 'o'))} {r.choice('KTXRVZ')}{r.randint(2, 99)}",
+    "product": lambda r: f"{r.choice(_SYL_A)}{r.choice(('ion', 'ex', 'ar', 'o'))} "
+                         f"{r.choice('KTXRVZ')}{r.randint(2, 99)}",
     "meters": lambda r: f"{r.randint(140, 4800):,} meters",
     "river": lambda r: f"{r.choice(_SYL_A)}{r.choice(('el', 'an', 'ith', 'ow'))} River",
     "title": lambda r: f"The {r.choice(_ADJ)} {r.choice(_NOUN)}",
     "award": lambda r: f"{r.choice(_LAST)} Medal",
     "institute": lambda r: f"{_place(r)} Institute",
-    "species": lambda r: f"{r.choice(('Varan', 'Lepid', 'Cryo', 'Thal', 'Orn'))}opsis {r.choice(_LAST).lower().replace('-', '')}i",
+    "species": lambda r: f"{r.choice(('Varan', 'Lepid', 'Cryo', 'Thal', 'Orn'))}opsis "
+                         f"{r.choice(_LAST).lower().replace('-', '')}i",
     "scientists": lambda r: f"{r.randint(11, 97)} scientists",
     "date": lambda r: f"{r.randint(1, 28)} {r.choice(_MONTHS)} {r.randint(1995, 2023)}",
     "price": lambda r: f"${r.randint(99, 1899)}",
@@ -117,21 +120,28 @@ KINDS: tuple[DocKind, ...] = (
                                       "The company traces its origins to {v}, when it opened its first workshop."),
                   "In what year was {name} founded?"),
              Fact("founder", "person", ("Its founder, {v}, had previously worked as a railway engineer.",
-                                        "The business was started by {v}, a former railway engineer."), "Who founded {name}?"),
+                                        "The business was started by {v}, a former railway engineer."),
+                  "Who founded {name}?"),
              Fact("hq", "place", ("Its headquarters are in the town of {v}.", "The firm is headquartered in {v}."),
                   "In which town is {name} headquartered?"),
-             Fact("employees", "count", ("Today {name} employs {v} people.", "The company has a workforce of {v} employees."),
+             Fact("employees", "count", ("Today {name} employs {v} people.",
+                                         "The company has a workforce of {v} employees."),
                   "How many people does {name} employ?"),
-             Fact("product", "product", ("Its best-selling product is the {v}.", "The {v} remains its best-selling product."),
+             Fact("product", "product", ("Its best-selling product is the {v}.",
+                                         "The {v} remains its best-selling product."),
                   "What is the name of {name}'s best-selling product?"),
-             Fact("revenue", "money", ("Last year it reported revenue of {v}.", "Annual revenue reached {v} last year."),
+             Fact("revenue", "money", ("Last year it reported revenue of {v}.",
+                                       "Annual revenue reached {v} last year."),
                   "What annual revenue did {name} report last year?"),
-             Fact("ceo", "person", ("The current chief executive is {v}.", "{v} has served as chief executive since the last restructuring."),
+             Fact("ceo", "person", ("The current chief executive is {v}.",
+                                    "{v} has served as chief executive since the last restructuring."),
                   "Who is the current chief executive of {name}?")),
             ("The company grew slowly at first, relying on word of mouth among regional distributors.",
-             "Analysts often describe its culture as cautious, with a strong preference for paying down debt before expanding.",
+             "Analysts often describe its culture as cautious, with a strong preference for paying down debt before "
+             "expanding.",
              "During the last decade it invested heavily in automation, although it kept most of its original staff.",
-             "A small research group works on materials and process improvements and publishes occasional technical notes.",
+             "A small research group works on materials and process improvements and publishes occasional technical "
+             "notes.",
              "Customers praise the durability of its products but complain about long delivery times.",
              "The firm has avoided acquisitions, preferring to build new capabilities internally.",
              "Several former employees have gone on to found competitors in neighbouring markets.",
@@ -142,7 +152,8 @@ KINDS: tuple[DocKind, ...] = (
              "Export sales now account for a large share of its business, mostly through long-standing partners.",
              "Its purchasing team favours suppliers within a day's drive, which it says shortens lead times and makes "
              "quality problems easier to resolve in person.",
-             "When demand collapsed during a regional recession, management cut executive pay and shortened the working "
+             "When demand collapsed during a regional recession, management cut executive pay and shortened the "
+             "working "
              "week rather than laying off staff, a decision that is still cited in business school case studies.",
              "Competitors have tried to copy its service contracts, which bundle maintenance, spare parts and operator "
              "training into a single annual fee.",
@@ -152,19 +163,24 @@ KINDS: tuple[DocKind, ...] = (
             "{name} is a market town known for its stone bridges, narrow lanes and weekly farmers' market.",
             (Fact("population", "count", ("At the most recent census {name} had a population of {v}.",
                                           "The town is home to {v} residents."), "What is the population of {name}?"),
-             Fact("river", "river", ("It lies on the banks of the {v}.", "The {v} flows through the centre of the town."),
+             Fact("river", "river", ("It lies on the banks of the {v}.",
+                                     "The {v} flows through the centre of the town."),
                   "Which river flows through {name}?"),
              Fact("elevation", "meters", ("The old town sits at an elevation of {v} above sea level.",
-                                          "Its central square stands {v} above sea level."), "At what elevation does {name} lie?"),
-             Fact("mayor", "person", ("The current mayor is {v}.", "{v} was elected mayor at the last municipal election."),
+                                          "Its central square stands {v} above sea level."),
+                  "At what elevation does {name} lie?"),
+             Fact("mayor", "person", ("The current mayor is {v}.",
+                                      "{v} was elected mayor at the last municipal election."),
                   "Who is the mayor of {name}?"),
-             Fact("chartered", "year", ("{name} received its town charter in {v}.", "The town charter was granted in {v}."),
+             Fact("chartered", "year", ("{name} received its town charter in {v}.",
+                                        "The town charter was granted in {v}."),
                   "In what year did {name} receive its town charter?"),
              Fact("export", "export", ("For generations the town has been known for its {v}.",
                                        "Local workshops still produce {v}, the product the town is best known for."),
                   "What product is {name} best known for?")),
             ("The surrounding countryside is mostly pasture, broken by small woods and dry-stone walls.",
-             "Tourism has grown steadily, especially among walkers following the long-distance trail that passes nearby.",
+             "Tourism has grown steadily, especially among walkers following the long-distance trail that passes "
+             "nearby.",
              "The parish church, rebuilt after a fire, dominates the skyline from the approach road.",
              "A branch railway once served the town but closed long ago; its route is now a cycle path.",
              "Housing pressure has become a local political issue as second homes multiply.",
@@ -183,12 +199,15 @@ KINDS: tuple[DocKind, ...] = (
              "Most residents now commute to larger towns for work, but the high street has kept an unusual number of "
              "independent shops, including a bookbinder and a saddler.")),
     DocKind("person", _person, "{name}",
-            "{name} is a scholar and writer whose work crosses the boundaries between history, geography and literature.",
-            (Fact("born", "year", ("{name} was born in {v}.", "Born in {v}, {name} grew up in a family of booksellers."),
+            "{name} is a scholar and writer whose work crosses the boundaries between history, geography and "
+            "literature.",
+            (Fact("born", "year", ("{name} was born in {v}.",
+                                   "Born in {v}, {name} grew up in a family of booksellers."),
                   "In what year was {name} born?"),
              Fact("birthplace", "place", ("{name} grew up in the town of {v}.", "{name} spent childhood years in {v}."),
                   "In which town did {name} grow up?"),
-             Fact("book", "title", ("The best-known book by {name} is {v}.", "{name} is best remembered for the book {v}."),
+             Fact("book", "title", ("The best-known book by {name} is {v}.",
+                                    "{name} is best remembered for the book {v}."),
                   "What is the title of {name}'s best-known book?"),
              Fact("award", "award", ("The work earned {name} the {v}.", "{name} was later awarded the {v}."),
                   "Which award did {name} receive?"),
@@ -212,17 +231,21 @@ KINDS: tuple[DocKind, ...] = (
              "before printing because of changes made without consent.",
              "Younger writers have credited these books with showing that careful scholarship and readable prose are "
              "not in conflict.",
-             "A collected edition, with previously unpublished essays and a detailed bibliography, is being prepared by "
+             "A collected edition, with previously unpublished essays and a detailed bibliography, is being prepared "
+             "by "
              "a team of former students.")),
     DocKind("station", lambda r: f"{_place(r)} {r.choice(('Ridge', 'Sound', 'Basin', 'Plateau'))} Research Station",
             "{name}", "{name} is a remote scientific outpost devoted to long-term ecological and climate monitoring.",
-            (Fact("established", "year", ("The station was established in {v}.", "Construction of the station was completed in {v}."),
+            (Fact("established", "year", ("The station was established in {v}.",
+                                          "Construction of the station was completed in {v}."),
                   "In what year was {name} established?"),
              Fact("director", "person", ("Its director is {v}.", "The station is currently led by {v}."),
                   "Who is the director of {name}?"),
-             Fact("altitude", "meters", ("The main laboratory stands at {v}.", "The buildings sit at an altitude of {v}."),
+             Fact("altitude", "meters", ("The main laboratory stands at {v}.",
+                                         "The buildings sit at an altitude of {v}."),
                   "At what altitude is {name} located?"),
-             Fact("staff", "scientists", ("During the summer season it hosts {v}.", "At peak season the station houses {v}."),
+             Fact("staff", "scientists", ("During the summer season it hosts {v}.",
+                                          "At peak season the station houses {v}."),
                   "How many scientists does {name} host during the summer season?"),
              Fact("species", "species", ("Researchers there first described the salamander {v}.",
                                          "Its best-known discovery is the salamander {v}."),
@@ -238,9 +261,10 @@ KINDS: tuple[DocKind, ...] = (
              "A permanent camera network photographs the surrounding slopes every hour.",
              "Students from partner universities spend part of their training at the station each year.",
              "Winter crews are small, and the routines of isolation are described in many memoirs.",
-             "Instruments are calibrated against reference sensors every spring, and any drift is documented in a public "
-             "log so that other groups can correct their own analyses.",
-             "The station has a strict waste policy: everything brought in is carried out again, including food scraps, "
+             "Instruments are calibrated against reference sensors every spring, and any drift is documented in a "
+             "public log so that other groups can correct their own analyses.",
+             "The station has a strict waste policy: everything brought in is carried out again, including food "
+             "scraps, "
              "which are frozen and removed at the end of each season.",
              "Collaborations with local herders have produced a long record of snow conditions that predates the "
              "station's own instruments.",
@@ -252,7 +276,8 @@ KINDS: tuple[DocKind, ...] = (
                   "On what date was the {name} released?"),
              Fact("price", "price", ("Its launch price was {v}.", "At launch it cost {v}."),
                   "What was the launch price of the {name}?"),
-             Fact("battery", "hours", ("The battery lasts about {v} under typical use.", "Typical battery life is {v}."),
+             Fact("battery", "hours", ("The battery lasts about {v} under typical use.",
+                                       "Typical battery life is {v}."),
                   "How long does the {name}'s battery last under typical use?"),
              Fact("weight", "grams", ("It weighs {v}.", "The device weighs {v} without accessories."),
                   "How much does the {name} weigh?"),
@@ -290,7 +315,8 @@ KINDS: tuple[DocKind, ...] = (
                   "Who organises the {name}?"),
              Fact("duration", "days", ("Festivities last {v}.", "The programme runs for {v}."),
                   "How long does the {name} last?"),
-             Fact("headline", "event", ("Its highlight is the {v}.", "The most popular part of the programme is the {v}."),
+             Fact("headline", "event", ("Its highlight is the {v}.",
+                                        "The most popular part of the programme is the {v}."),
                   "What is the highlight of the {name}?")),
             ("Volunteers from neighbouring villages handle most of the logistics.",
              "Local bakers and brewers prepare special recipes that are sold only during the festival.",

@@ -12,9 +12,9 @@ from kvboost.batch import cascade
 from kvboost.batch import BatchRunner
 from kvboost.sampling import SamplingParams
 
-from .prompts import text_with_tokens, words
-from .test_engine_fidelity import hf_greedy
-from .tiny_models import make_tiny_model
+from ..prompts import text_with_tokens, words
+from ..test_engine_fidelity import hf_greedy
+from ..tiny_models import make_tiny_model
 
 CHUNK = 16
 

@@ -1,11 +1,11 @@
 """Hand-written vocabularies for chat personas (part B: writing, languages, lifestyle, work, humanities).
 
-Same template conventions as ``_chat_domains_a``: ``{slot}`` values are fixed per conversation and
+Same template conventions as ``chat_domains_a``: ``{slot}`` values are fixed per conversation and
 ``{paste:NAME}`` inserts a generated block.
 """
 from __future__ import annotations
 
-from ._chat_domains_a import ChatDomain
+from .chat_domains_a import ChatDomain
 
 EDITOR = ChatDomain(
     name="writing_editor",
@@ -45,7 +45,8 @@ EDITOR = ChatDomain(
         "you said some claims need a source, which ones exactly?",
         "can you suggest a stronger ending? I feel like it just stops",
         "how long should this be for {venue}?",
-        "ok here's the full second version with your edits and a few of my own:\n\n{paste:essay_draft}\n\n{paste:essay_draft}",
+        "ok here's the full second version with your edits and a few of my own:\n\n{paste:essay_draft}\n\n"
+        "{paste:essay_draft}",
         "thanks! last question: should I use 'I' or 'we' throughout?",
     ),
 )

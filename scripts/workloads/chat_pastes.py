@@ -7,7 +7,7 @@ make some turns multi-paragraph: benchmarks need a realistic mix of tiny and ver
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 Slots = dict[str, str]
 PasteFn = Callable[[random.Random, Slots], str]
@@ -33,10 +33,10 @@ def python_code(rng: random.Random, s: Slots) -> str:
         f"            row['created'] = datetime.strptime(row['created'], '%d/%m/%Y')\n"
         f"            row['{key}'] = int(row['{key}'])\n            result.append(row)\n"
         f"    result.sort(key=lambda r: r['created'])\n    return result\n",
-        f"import time\nimport requests\n\n\ndef fetch_with_retry(url, attempts=5):\n    delay = 1\n"
-        f"    for attempt in range(attempts):\n        try:\n            resp = requests.get(url, timeout=3)\n"
-        f"            resp.raise_for_status()\n            return resp.json()\n        except Exception:\n"
-        f"            time.sleep(delay)\n            delay * 2\n    return None\n",
+        "import time\nimport requests\n\n\ndef fetch_with_retry(url, attempts=5):\n    delay = 1\n"
+        "    for attempt in range(attempts):\n        try:\n            resp = requests.get(url, timeout=3)\n"
+        "            resp.raise_for_status()\n            return resp.json()\n        except Exception:\n"
+        "            time.sleep(delay)\n            delay * 2\n    return None\n",
     )
     # Match the snippet to the task the user described, when the conversation named one.
     task = s.get("task", "")
@@ -97,8 +97,8 @@ def sql_schema(rng: random.Random, s: Slots) -> str:
         "  signup_date DATE NOT NULL,\n  plan TEXT NOT NULL\n);\n\n"
         "CREATE TABLE orders (\n  id BIGSERIAL PRIMARY KEY,\n  customer_id BIGINT REFERENCES customers(id),\n"
         f"  created_at TIMESTAMP NOT NULL,\n  total_cents INTEGER NOT NULL,\n  {extra[0]},\n  {extra[1]}\n);\n\n"
-        "-- my attempt\nSELECT c.plan, date_trunc('month', o.created_at) AS month, SUM(o.total_cents) / 100 AS revenue\n"
-        "FROM customers c LEFT JOIN orders o ON o.customer_id = c.id\nWHERE o.created_at >= '2024-01-01'\n"
+        "-- my attempt\nSELECT c.plan, date_trunc('month', o.created_at) AS month, SUM(o.total_cents) / 100 AS "
+        "revenue\nFROM customers c LEFT JOIN orders o ON o.customer_id = c.id\nWHERE o.created_at >= '2024-01-01'\n"
         "GROUP BY c.plan\nORDER BY month;"
     )
 
@@ -107,7 +107,8 @@ def csv_rows(rng: random.Random, s: Slots) -> str:
     rows = ["date,region,channel,orders,revenue_usd"]
     for day in range(1, rng.randint(11, 19)):
         rows.append(f"2024-04-{day:02d},{rng.choice(('north', 'south', 'east', 'west'))},"
-                    f"{rng.choice(('web', 'app', 'retail'))},{rng.randint(80, 950)},{rng.randint(2000, 40000)}.{rng.randint(0, 99):02d}")
+                    f"{rng.choice(('web', 'app', 'retail'))},{rng.randint(80, 950)},"
+                    f"{rng.randint(2000, 40000)}.{rng.randint(0, 99):02d}")
     return "\n".join(rows)
 
 
@@ -115,33 +116,45 @@ def k8s_yaml(rng: random.Random, s: Slots) -> str:
     svc = s.get("service", "checkout-api")
     return (
         f"apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: {svc}\nspec:\n  replicas: {rng.randint(2, 6)}\n"
-        f"  template:\n    spec:\n      containers:\n        - name: {svc}\n          image: registry.local/{svc}:1.{rng.randint(10, 40)}.{rng.randint(0, 9)}\n"
-        f"          resources:\n            requests:\n              cpu: {rng.choice(('250m', '500m'))}\n              memory: 1Gi\n"
-        f"            limits:\n              memory: 2Gi\n          readinessProbe:\n            httpGet:\n              path: /healthz\n"
-        f"              port: 8080\n            initialDelaySeconds: {rng.choice((1, 2, 5))}\n            timeoutSeconds: 1"
+        f"  template:\n    spec:\n      containers:\n        - name: {svc}\n"
+        f"          image: registry.local/{svc}:1.{rng.randint(10, 40)}.{rng.randint(0, 9)}\n"
+        f"          resources:\n            requests:\n              cpu: {rng.choice(('250m', '500m'))}\n"
+        "              memory: 1Gi\n"
+        "            limits:\n              memory: 2Gi\n          readinessProbe:\n            httpGet:\n"
+        "              path: /healthz\n"
+        f"              port: 8080\n            initialDelaySeconds: {rng.choice((1, 2, 5))}\n"
+        "            timeoutSeconds: 1"
     )
 
 
 _CLAUSES = (
     "Limitation of Liability. In no event shall either party be liable to the other for any indirect, incidental, "
     "consequential, special or punitive damages, including lost profits, arising out of or relating to this Agreement, "
-    "except that this limitation shall not apply to breaches of Section 7 (Confidentiality) or to a party's indemnification obligations.",
-    "Term and Termination. This Agreement commences on the Effective Date and continues for an initial term of thirty-six (36) months. "
-    "Thereafter it renews automatically for successive twelve (12) month periods unless either party gives written notice of "
-    "non-renewal at least ninety (90) days before the end of the then-current term.",
-    "Confidentiality. The Receiving Party shall hold the Disclosing Party's Confidential Information in strict confidence, shall "
-    "use it solely to perform its obligations hereunder, and shall not disclose it to any third party other than employees and "
+    "except that this limitation shall not apply to breaches of Section 7 (Confidentiality) or to a party's "
+    "indemnification obligations.",
+    "Term and Termination. This Agreement commences on the Effective Date and continues for an initial term of "
+    "thirty-six (36) months. Thereafter it renews automatically for successive twelve (12) month periods unless either "
+    "party gives written notice of non-renewal at least ninety (90) days before the end of the then-current term.",
+    "Confidentiality. The Receiving Party shall hold the Disclosing Party's Confidential Information in strict "
+    "confidence, shall "
+    "use it solely to perform its obligations hereunder, and shall not disclose it to any third party other than "
+    "employees and "
     "contractors bound by written obligations at least as protective as those set out herein.",
-    "Indemnification. {b} shall defend, indemnify and hold harmless {a} from any third-party claim alleging that the Services "
-    "infringe a patent, copyright or trade secret, provided that {a} promptly notifies {b} in writing and grants {b} sole control of the defense.",
-    "Payment Terms. {a} shall pay all undisputed invoices within forty-five (45) days of receipt. Late amounts bear interest at the "
-    "lesser of one percent (1%) per month or the maximum rate permitted by law. Disputed amounts must be identified in writing within fifteen (15) days.",
-    "Assignment. Neither party may assign this Agreement without the prior written consent of the other, except that either party may "
-    "assign it to a successor in connection with a merger, acquisition or sale of all or substantially all of its assets.",
-    "Non-Solicitation. During the term and for twelve (12) months thereafter, neither party shall directly solicit for employment any "
-    "employee of the other party who was materially involved in the performance of this Agreement.",
-    "Governing Law. This Agreement is governed by the laws of the State of Delaware, without regard to its conflict-of-laws rules, and "
-    "the parties submit to the exclusive jurisdiction of the courts located in Wilmington, Delaware.",
+    "Indemnification. {b} shall defend, indemnify and hold harmless {a} from any third-party claim alleging that the "
+    "Services infringe a patent, copyright or trade secret, provided that {a} promptly notifies {b} in writing and "
+    "grants {b} sole control of the defense.",
+    "Payment Terms. {a} shall pay all undisputed invoices within forty-five (45) days of receipt. Late amounts bear "
+    "interest at the lesser of one percent (1%) per month or the maximum rate permitted by law. Disputed amounts must "
+    "be identified in writing within fifteen (15) days.",
+    "Assignment. Neither party may assign this Agreement without the prior written consent of the other, except that "
+    "either party may "
+    "assign it to a successor in connection with a merger, acquisition or sale of all or substantially all of its "
+    "assets.",
+    "Non-Solicitation. During the term and for twelve (12) months thereafter, neither party shall directly solicit for "
+    "employment any employee of the other party who was materially involved in the performance of this Agreement.",
+    "Governing Law. This Agreement is governed by the laws of the State of Delaware, without regard to its "
+    "conflict-of-laws rules, and the parties submit to the exclusive jurisdiction of the courts located in Wilmington, "
+    "Delaware.",
 )
 
 
@@ -154,9 +167,11 @@ def contract_clauses(rng: random.Random, s: Slots) -> str:
 
 
 _ESSAY = (
-    "Remote work has changed how small teams think about trust, and in my experience the change is mostly for the better.",
+    "Remote work has changed how small teams think about trust, and in my experience the change is mostly for the "
+    "better.",
     "When nobody can see you at your desk, the only thing left to judge is the work itself.",
-    "That sounds liberating, but it also means that quiet people who used to be noticed for showing up early now disappear.",
+    "That sounds liberating, but it also means that quiet people who used to be noticed for showing up early now "
+    "disappear.",
     "Our team tried to fix this with more meetings, which, predictably, made everything worse.",
     "What finally helped was writing things down: decisions, reasons, and the questions we could not answer yet.",
     "A shared document is a strange place to build a culture, but it is a fair one.",
@@ -184,18 +199,21 @@ def itinerary(rng: random.Random, s: Slots) -> str:
     days = rng.randint(3, 6)
     lines = [f"Day {d + 1}: {a}" for d, a in enumerate(rng.sample(acts, days))]
     lines.append(f"Day {days + 1}: late check-out, airport by {rng.choice(('11am', '3pm', '6pm'))}")
-    return f"Current plan for {city}:\n" + "\n".join(lines) + f"\nHotel: {rng.choice(('central, 4 stars', 'apartment near the station', 'boutique hotel by the river'))}"
+    hotel = rng.choice(('central, 4 stars', 'apartment near the station', 'boutique hotel by the river'))
+    return f"Current plan for {city}:\n" + "\n".join(lines) + f"\nHotel: {hotel}"
 
 
 def email_thread(rng: random.Random, s: Slots) -> str:
     product = s.get("product", "the router")
     return (
-        f"From: support@{s.get('company', 'example').split()[0].lower()}.com\nSubject: Re: Ticket #{rng.randint(100000, 999999)}\n\n"
+        f"From: support@{s.get('company', 'example').split()[0].lower()}.com\n"
+        f"Subject: Re: Ticket #{rng.randint(100000, 999999)}\n\n"
         f"Hello,\n\nThank you for contacting us about {product}. We have reviewed your account and can confirm "
         f"that a technician visit was scheduled for {rng.choice(('Tuesday', 'Thursday', 'Saturday'))} between "
         f"{rng.choice(('8am and 12pm', '1pm and 5pm'))}. Our records show the technician marked the visit as "
         f"'customer not home'. A new visit fee of ${rng.choice((35, 49, 59))} applies unless the visit is rebooked "
-        "within 7 days.\n\nIf you believe this is an error, reply to this email with photos of the equipment.\n\nKind regards,\nThe Support Team"
+        "within 7 days.\n\nIf you believe this is an error, reply to this email with photos of the equipment.\n\n"
+        "Kind regards,\nThe Support Team"
     )
 
 
@@ -231,7 +249,8 @@ def transactions(rng: random.Random, s: Slots) -> str:
 
 def job_post(rng: random.Random, s: Slots) -> str:
     role = s.get("role", "Backend Engineer")
-    reqs = rng.sample(("5+ years of professional experience", "strong communication skills", "experience with cloud platforms",
+    reqs = rng.sample(("5+ years of professional experience", "strong communication skills",
+                       "experience with cloud platforms",
                        "a degree in computer science or equivalent", "comfort working across time zones",
                        "experience mentoring junior colleagues", "familiarity with agile ways of working",
                        "ninja-level problem solving", "willingness to wear many hats"), 5)
@@ -262,14 +281,18 @@ def math_work(rng: random.Random, s: Slots) -> str:
 
 
 _HISTORY = (
-    "Historians have long debated whether {era} was caused mainly by long-term structural change or by short-term crises.",
+    "Historians have long debated whether {era} was caused mainly by long-term structural change or by short-term "
+    "crises.",
     "On one side, economic historians point to rising prices, debt and a tax system that no longer worked.",
     "On the other side, intellectual historians stress new ideas about authority, rights and the nation.",
-    "In my view these explanations are not really opposed, because ideas spread fastest when people are already struggling.",
+    "In my view these explanations are not really opposed, because ideas spread fastest when people are already "
+    "struggling.",
     "The ruling elite also made a series of decisions that turned manageable problems into a crisis of legitimacy.",
-    "Contemporaries did not experience these causes separately; pamphlets, prices and rumours reached them all at once.",
+    "Contemporaries did not experience these causes separately; pamphlets, prices and rumours reached them all at "
+    "once.",
     "Recent work on provincial archives suggests that local grievances mattered more than events in the capital.",
-    "This essay will argue that economic pressure was necessary but not sufficient, and that politics decided the outcome.",
+    "This essay will argue that economic pressure was necessary but not sufficient, and that politics decided the "
+    "outcome.",
 )
 
 

@@ -8,8 +8,8 @@ from kvboost import GenerationMode, KVBoost
 from kvboost.batch import BatchRunner
 from kvboost.sampling import SamplingParams
 
-from .reuse._rag import CHUNK, documents, rag_prompt
-from .tiny_models import make_tiny_model
+from ..reuse._rag import CHUNK, documents, rag_prompt
+from ..tiny_models import make_tiny_model
 
 INTRO = "Intro: read these notes.\n\n"
 ORDERS = ([2, 0, 1], [1, 2, 0], [0, 2])

@@ -1,7 +1,7 @@
 """Hand-written vocabularies for chat personas (part A: technical, support, travel, legal, tutoring).
 
 Templates use ``{slot}`` for a value picked once per conversation (so every turn talks about the same
-project, city or contract) and ``{paste:NAME}`` for a generated block from ``_chat_pastes``. Follow-ups are
+project, city or contract) and ``{paste:NAME}`` for a generated block from ``chat_pastes``. Follow-ups are
 listed in the order a real user would plausibly raise them; the generator keeps that order when sampling.
 """
 from __future__ import annotations
@@ -167,7 +167,8 @@ SQL_ANALYST = ChatDomain(
         "emails ending in the internal domain and must be excluded from every metric.",
     ),
     openers=(
-        "I need {metric} for this year. here's the schema and what I tried, the numbers look way too high:\n\n{paste:sql_schema}",
+        "I need {metric} for this year. here's the schema and what I tried, the numbers look way too high:\n\n"
+        "{paste:sql_schema}",
         "how would you define churn for {company}? my boss wants a number by friday",
         "Can you help me make sense of this export? I want {metric}.\n\n{paste:csv_rows}",
     ),
@@ -313,7 +314,8 @@ LEGAL = ChatDomain(
         "the clause text, a one-line summary and the business reason we might accept them.",
     ),
     openers=(
-        "Can you summarize these clauses from our {doc} with {party_b}? I need to brief my manager.\n\n{paste:contract_clauses}",
+        "Can you summarize these clauses from our {doc} with {party_b}? I need to brief my manager.\n\n"
+        "{paste:contract_clauses}",
         "what should I look out for in a {doc}? first time reviewing one",
         "Here are a few sections I don't understand:\n\n{paste:contract_clauses}\n\nIs any of this unusual?",
     ),

@@ -10,9 +10,9 @@ from kvboost.batch import BatchRunner
 from kvboost.compat import has_sliding_layers
 from kvboost.sampling import SamplingParams
 
-from .prompts import text_with_tokens, words
-from .test_engine_fidelity import hf_greedy
-from .tiny_models import make_tiny_model
+from ..prompts import text_with_tokens, words
+from ..test_engine_fidelity import hf_greedy
+from ..tiny_models import make_tiny_model
 
 CHUNK = 16
 
@@ -158,7 +158,7 @@ def test_find_common_chunk_prefix_with_a_boundary_window():
     from kvboost.chunking import Chunker
     from kvboost.reuse.match import common_prefix_length
 
-    from .test_chunking import _CLASSES, _random_ids
+    from ..test_chunking import _CLASSES, _random_ids
 
     chunker = Chunker(16, "ns", 5, _CLASSES)
     rng = random.Random(3)
@@ -185,7 +185,7 @@ def test_group_by_prefix_with_a_boundary_window():
 
     from kvboost.chunking import Chunker
 
-    from .test_chunking import _CLASSES, _random_ids
+    from ..test_chunking import _CLASSES, _random_ids
 
     rng = random.Random(4)
     chunker = Chunker(8, "ns", 3, _CLASSES)
