@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny random models of several architectures and the embedded SmolLM2."""
+"""Shared fixtures: tiny random models of several architectures and the embedded SmolLM2, on one device.
+
+`pytest --device cuda` (default cpu; cuda:N and mps too) runs every model the fixtures build, and every tensor
+the tests build, on that device (tests/devices.py). On CUDA the suite runs fp32 with TF32 off, so the
+tolerances that hold on CPU hold there. A --device this machine cannot run is a usage error (exit 4).
+Fixtures: `device` (torch.device, session), `smol`, `tokenizer`, `smol_dir`, `tiny` (one per architecture).
+"""
 from __future__ import annotations
 
 import os
@@ -9,7 +15,39 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+from . import devices  # noqa: E402
 from .tiny_models import TINY_ARCHS, make_tiny_model  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", metavar="DEVICE",
+                     help="torch device for the tests' models and tensors: cpu (default), cuda, cuda:N or mps")
+
+
+def pytest_configure(config):
+    try:
+        dev = devices.parse_device(config.getoption("--device"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    devices.set_current(dev)
+    if dev.type == "cuda":
+        # fp32 means fp32: TF32 matmuls (10-bit mantissa) would break the 1e-4 logit tolerances.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+
+
+def pytest_report_header(config):
+    dev = devices.current()
+    if dev.type == "cuda":
+        return f"kvboost test device: {dev} ({torch.cuda.get_device_name(dev)}), fp32, TF32 off"
+    return f"kvboost test device: {dev}"
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device every model and tensor of the suite lives on (--device)."""
+    return devices.current()
 
 
 @pytest.fixture(scope="session")
@@ -27,13 +65,13 @@ def tokenizer(smol_dir):
 
 
 @pytest.fixture(scope="session")
-def smol(smol_dir):
-    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, fp32 on CPU, loaded once per session."""
+def smol(smol_dir, device):
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, fp32 on the test device, loaded once per session."""
     from kvboost.loading import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(None)
+    return load_model_and_tokenizer(None, dtype="float32", device=str(device))
 
 
 @pytest.fixture(params=TINY_ARCHS)
-def tiny(request, tokenizer):
-    return make_tiny_model(request.param, tokenizer), tokenizer
+def tiny(request, tokenizer, device):
+    return make_tiny_model(request.param, tokenizer, device=device), tokenizer

@@ -54,16 +54,19 @@ def test_prompt_longer_than_context(engine):
     assert engine.generate("still working", 3).prompt_tokens > 0
 
 
-def test_generation_stops_at_the_context_end(engine):
-    # A prompt that leaves 3 free positions generates at most 3 tokens, without error.
+def test_prompt_plus_max_new_tokens_past_the_context_is_refused(engine):
+    # As OpenAI answers 400: asking for more tokens than the context has room for is an error, not a silent cut.
     ids_per_word = len(engine.encode("word " * 100)) / 100
     n_words = int((engine.max_context - 3) / ids_per_word)
     prompt = "word " * n_words
     free = engine.max_context - len(engine.encode(prompt))
     if free <= 0:
         pytest.skip("tokenization made the prompt fill the context")
-    result = engine.generate(prompt, 50)
-    assert result.generated_tokens <= free
+    with pytest.raises(ContextLengthError, match=f"ask for at most {free} new tokens") as info:
+        engine.generate(prompt, 50)
+    assert info.value.param == "max_new_tokens"
+    result = engine.generate(prompt, free)  # exactly what fits
+    assert result.generated_tokens <= free and result.prompt_tokens + free == engine.max_context
 
 
 def test_bad_engine_options(tokenizer):

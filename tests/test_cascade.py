@@ -15,6 +15,7 @@ from kvboost.batch.cascade import (
     unsupported_reason,
 )
 
+from .devices import assert_on
 from .tiny_models import make_tiny_model
 
 
@@ -24,59 +25,68 @@ def _reference(query, key, value, pk, pv, mask):
     g = hq // key.shape[1]
     full_k = torch.cat([pk.expand(b, -1, -1, -1), key], 2).repeat_interleave(g, 1)
     full_v = torch.cat([pv.expand(b, -1, -1, -1), value], 2).repeat_interleave(g, 1)
-    full_mask = torch.cat([torch.ones(b, 1, q, pk.shape[2], dtype=torch.bool), mask.expand(b, 1, q, -1)], -1)
+    full_mask = torch.cat([torch.ones(b, 1, q, pk.shape[2], dtype=torch.bool, device=query.device),
+                           mask.expand(b, 1, q, -1)], -1)
     return F.scaled_dot_product_attention(query, full_k, full_v, attn_mask=full_mask)
 
 
-def _ragged_causal_mask(lengths: list[int], q: int) -> torch.Tensor:
+def _ragged_causal_mask(lengths: list[int], q: int, device: torch.device) -> torch.Tensor:
     """Row b owns suffix columns [0, lengths[b]); its q queries are its last q tokens."""
     mask = torch.zeros(len(lengths), 1, q, max(lengths), dtype=torch.bool)
     for b, n in enumerate(lengths):
         for i in range(q):
             mask[b, 0, i, : n - q + i + 1] = True
-    return mask
+    return mask.to(device)
+
+
+def _randn(*shape: int, device: torch.device) -> torch.Tensor:
+    """Seeded CPU draws (the same numbers on every device), moved to the device."""
+    return torch.randn(*shape).to(device)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
 @pytest.mark.parametrize("q", [1, 5])
-def test_matches_sdpa_with_ragged_rows(heads, kv_heads, q):
+def test_matches_sdpa_with_ragged_rows(heads, kv_heads, q, device):
     torch.manual_seed(heads * 10 + q)
     lengths, d, p = [5, 9, 7], 16, 23
     b, s = len(lengths), max(lengths)
-    query = torch.randn(b, heads, q, d)
-    key, value = torch.randn(b, kv_heads, s, d), torch.randn(b, kv_heads, s, d)
-    pk, pv = torch.randn(1, kv_heads, p, d), torch.randn(1, kv_heads, p, d)
-    mask = _ragged_causal_mask(lengths, q)
+    query = _randn(b, heads, q, d, device=device)
+    key, value = _randn(b, kv_heads, s, d, device=device), _randn(b, kv_heads, s, d, device=device)
+    pk, pv = _randn(1, kv_heads, p, d, device=device), _randn(1, kv_heads, p, d, device=device)
+    mask = _ragged_causal_mask(lengths, q, device)
     out = shared_prefix_attention(query, key, value, pk, pv, mask, d ** -0.5)
     assert out.shape == (b, heads, q, d)
+    assert_on(device, out)
     torch.testing.assert_close(out, _reference(query, key, value, pk, pv, mask), atol=1e-5, rtol=1e-5)
     # An additive float mask (eager format) means the same thing.
-    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
     torch.testing.assert_close(shared_prefix_attention(query, key, value, pk, pv, bias, d ** -0.5), out,
                                atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("q,s", [(1, 6), (6, 6), (4, 9)])
-def test_no_mask_means_causal_from_the_last_query(q, s):
+def test_no_mask_means_causal_from_the_last_query(q, s, device):
     torch.manual_seed(q + s)
-    query, key, value = torch.randn(2, 4, q, 8), torch.randn(2, 2, s, 8), torch.randn(2, 2, s, 8)
-    pk, pv = torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 8)
-    expected = _reference(query, key, value, pk, pv, _ragged_causal_mask([s, s], q))
+    query, key, value = (_randn(2, 4, q, 8, device=device), _randn(2, 2, s, 8, device=device),
+                         _randn(2, 2, s, 8, device=device))
+    pk, pv = _randn(1, 2, 11, 8, device=device), _randn(1, 2, 11, 8, device=device)
+    expected = _reference(query, key, value, pk, pv, _ragged_causal_mask([s, s], q, device))
     torch.testing.assert_close(shared_prefix_attention(query, key, value, pk, pv, None, 8 ** -0.5), expected,
                                atol=1e-5, rtol=1e-5)
 
 
-def test_scaling_is_applied():
+def test_scaling_is_applied(device):
     torch.manual_seed(3)
-    query, key, value = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
-    pk, pv = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
-    mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
+    query, key, value = (_randn(1, 2, 1, 8, device=device), _randn(1, 2, 3, 8, device=device),
+                         _randn(1, 2, 3, 8, device=device))
+    pk, pv = _randn(1, 2, 4, 8, device=device), _randn(1, 2, 4, 8, device=device)
+    mask = torch.ones(1, 1, 1, 3, dtype=torch.bool, device=device)
     expected = F.scaled_dot_product_attention(query, torch.cat([pk, key], 2), torch.cat([pv, value], 2), scale=0.3)
     torch.testing.assert_close(shared_prefix_attention(query, key, value, pk, pv, mask, 0.3), expected,
                                atol=1e-5, rtol=1e-5)
 
 
-def test_prefix_is_never_expanded_per_row(monkeypatch):
+def test_prefix_is_never_expanded_per_row(monkeypatch, device):
     """The prefix matmul sees the [kv_heads, P, d] tensor itself: one read for every row."""
     seen = []
     real = torch.matmul
@@ -86,28 +96,32 @@ def test_prefix_is_never_expanded_per_row(monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(torch, "matmul", spy)
-    pk = torch.randn(1, 2, 7, 8)
-    shared_prefix_attention(torch.randn(5, 4, 1, 8), torch.randn(5, 2, 3, 8), torch.randn(5, 2, 3, 8), pk,
-                            torch.randn(1, 2, 7, 8), torch.ones(5, 1, 1, 3, dtype=torch.bool), 0.35)
+    pk = _randn(1, 2, 7, 8, device=device)
+    shared_prefix_attention(_randn(5, 4, 1, 8, device=device), _randn(5, 2, 3, 8, device=device),
+                            _randn(5, 2, 3, 8, device=device), pk, _randn(1, 2, 7, 8, device=device),
+                            torch.ones(5, 1, 1, 3, dtype=torch.bool, device=device), 0.35)
     assert seen[0].shape == (2, 8, 7) and seen[0].data_ptr() == pk.data_ptr()
 
 
-def test_shape_errors_are_typed():
+def test_shape_errors_are_typed(device):
     with pytest.raises(SharedPrefixAttentionError):
-        shared_prefix_attention(torch.randn(2, 4, 1, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8),
-                                torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), None, 0.35)
+        shared_prefix_attention(*(_randn(*shape, device=device) for shape in (
+            (2, 4, 1, 8), (2, 2, 3, 8), (2, 2, 3, 8), (2, 2, 5, 8), (2, 2, 5, 8))), None, 0.35)
 
 
-def test_registered_function_without_a_runner_context_is_plain_sdpa():
+def test_registered_function_without_a_runner_context_is_plain_sdpa(device):
     fn = AttentionInterface().get_interface(CASCADE_ATTENTION, None)
     module = torch.nn.Module()
     module.layer_idx, module.is_causal, module.num_key_value_groups = 0, True, 2
     module.eval()
-    query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    query, key, value = (_randn(1, 4, 3, 8, device=device), _randn(1, 2, 3, 8, device=device),
+                         _randn(1, 2, 3, 8, device=device))
     out, _ = fn(module, query, key, value, None, scaling=0.35)
+    assert_on(device, out)
     expected = F.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1),
                                               is_causal=True, scale=0.35).transpose(1, 2)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    tol = 1e-6 if device.type == "cpu" else 1e-5  # GPU sdpa may pick another kernel for GQA than for repeated K/V
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
 def test_unsupported_models_are_named(tokenizer):
@@ -123,7 +137,7 @@ def test_cascade_forward_restores_the_model_and_refuses_a_partial_run(tokenizer)
     cache = DynamicCache()  # its layers expose no shared_prefix: the attention function must refuse
     with pytest.raises(SharedPrefixAttentionError, match="shared_prefix"), cascade_forward(model, cache), \
             torch.inference_mode():
-        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[5, 6, 7]], device=model.device), past_key_values=cache, use_cache=True)
     assert model.config._attn_implementation == before
 
     class NoLayers:

@@ -141,7 +141,7 @@ def _random_ids(rng: random.Random, n: int, p_end: float, p_word: float) -> list
 def test_cuts_pick_the_best_boundary_within_the_window(size, w):
     rng = random.Random(size * 100 + w)
     chunker = Chunker(size, "ns", w, _CLASSES)
-    for trial in range(60):
+    for _ in range(60):
         ids = _random_ids(rng, rng.randrange(0, 12 * size), *rng.choice([(0.05, 0.3), (0.0, 0.2), (0.0, 0.0)]))
         spans = chunker.spans(ids)
         assert spans == _reference_spans(ids, size, w, _CLASSES)

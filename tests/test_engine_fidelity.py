@@ -6,25 +6,11 @@ import torch
 
 from kvboost import GenerationMode, KVBoost
 
+from .hf_reference import hf_first_logits, hf_greedy
 from .prompts import text_with_tokens, words
 
 CHUNK = 16
 NEW = 12
-
-
-def hf_greedy(model, tokenizer, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-    gen = out[0, len(ids):].tolist()
-    eos = tokenizer.eos_token_id
-    return gen[: gen.index(eos)] if eos in gen else gen
-
-
-def hf_first_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("reused_chunks", [1, 2, 8])
@@ -87,7 +73,7 @@ def test_token_id_prompts_reuse_the_exact_generated_tokens(tiny):
     assert reply.output_token_ids == hf_greedy(model, tokenizer, first, NEW)
     engine.forget_workspace()  # the second turn must come from stored chunks
     second = first + reply.output_token_ids + engine.encode(" " + words(7, seed=12))
-    result = engine.generate(input_ids=torch.tensor([second]), max_new_tokens=NEW, return_logits=True)
+    result = engine.generate(input_ids=torch.tensor([second], device=engine.device), max_new_tokens=NEW, return_logits=True)
     assert result.prompt_tokens == len(second)
     assert result.cached_tokens >= (len(first) + len(reply.output_token_ids)) // CHUNK * CHUNK
     assert result.output_token_ids == hf_greedy(model, tokenizer, second, NEW)

@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from kvboost import EmbeddedModelMissingError, KVBoost
-from kvboost import loading
+from kvboost import EmbeddedModelMissingError, KVBoost, loading
+
+from .devices import same_device
 
 
 def test_missing_embedded_package_names_the_install_command(monkeypatch):
@@ -19,25 +20,28 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch):
 
 
 @pytest.mark.slow
-def test_embedded_model_loads_from_converted_cache_quickly(smol_dir):
+def test_embedded_model_loads_from_converted_cache_quickly(smol_dir, device):
     assert (smol_dir / "model.safetensors").exists()
     t0 = time.perf_counter()
-    engine = KVBoost.from_pretrained()
+    engine = KVBoost.from_pretrained(device=str(device), dtype="float32")
     elapsed = time.perf_counter() - t0
     assert type(engine.model).__name__ == "LlamaForCausalLM"
+    assert same_device(engine.device, device)
     assert str(engine.kv_dtype) == "torch.float32"
     assert elapsed < 10  # generous for a loaded CI box; the benchmark-free README figure is < 1 s
     assert engine.generate("The capital of France is", 4).generated_tokens > 0
 
 
-def test_local_path_loads_like_transformers(tmp_path, tokenizer):
+def test_local_path_loads_like_transformers(tmp_path, tokenizer, device):
     from .tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen2", tokenizer)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    engine = KVBoost.from_pretrained(str(tmp_path), chunk_size=32)
+    engine = KVBoost.from_pretrained(str(tmp_path), chunk_size=32, device=str(device))
     assert type(engine.model).__name__ == "Qwen2ForCausalLM" and engine.config.chunk_size == 32
+    assert same_device(engine.device, device) and same_device(engine.workspace.device, device)
+    assert engine.generate("hello there", 3).generated_tokens > 0
 
 
 def test_dtype_choice():

@@ -18,6 +18,12 @@ def test_token_id_sequences_of_any_kind_become_plain_ints(ids):
     assert out == [1, 2, 3] and all(type(t) is int for t in out)
 
 
+def test_token_ids_on_the_test_device_are_accepted(device):
+    assert check_token_ids(torch.tensor([[1, 2, 3]], device=device), VOCAB) == [1, 2, 3]
+    with pytest.raises(InvalidRequestError, match="one sequence"):
+        check_token_ids(torch.tensor([1.0, 2.0], device=device), VOCAB)
+
+
 @pytest.mark.parametrize("ids, match", [
     ([], "empty"),
     ([0, VOCAB], r"input_ids\[1\] = 100 is outside"),

@@ -5,8 +5,8 @@ import pytest
 
 from kvboost import KVBoost
 
+from .hf_reference import hf_first_logits, hf_greedy
 from .prompts import text_with_tokens, words
-from .test_engine_fidelity import hf_first_logits, hf_greedy
 
 pytestmark = pytest.mark.slow
 

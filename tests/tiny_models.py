@@ -1,7 +1,13 @@
-"""Tiny random decoder models (fp32, seeded) that share SmolLM2's tokenizer, so tests need no hub."""
+"""Tiny random decoder models (fp32, seeded) that share SmolLM2's tokenizer, so tests need no hub.
+
+make_tiny_model puts the model on the suite's device (--device, see tests/devices.py) unless told otherwise;
+the weights are drawn on the CPU first, so a seed gives the same model on every device.
+"""
 from __future__ import annotations
 
 import torch
+
+from . import devices
 
 TINY_ARCHS = ["llama", "qwen2", "mistral", "phi3", "gemma2", "gemma3"]
 
@@ -33,10 +39,11 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     return cfg
 
 
-def make_tiny_model(arch: str, tokenizer, seed: int = 0, **overrides):
+def make_tiny_model(arch: str, tokenizer, seed: int = 0, device: torch.device | str | None = None, **overrides):
+    """A seeded random `arch` model on `device` (default: the suite's --device)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     cfg = tiny_config(arch, len(tokenizer), **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return model.eval()
+    return model.to(device if device is not None else devices.current()).eval()

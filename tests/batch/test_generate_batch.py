@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from kvboost import InvalidRequestError, KVBoost
-from kvboost.batch import broadcast_kv, find_common_chunk_prefix, group_by_prefix
-from kvboost.batch import BatchRunner
+from kvboost.batch import BatchRunner, broadcast_kv, find_common_chunk_prefix, group_by_prefix
 from kvboost.compat import has_sliding_layers
 from kvboost.sampling import SamplingParams
 
 from ..prompts import text_with_tokens, words
-from ..test_engine_fidelity import hf_greedy
+from ..hf_reference import hf_greedy
 from ..tiny_models import make_tiny_model
 
 CHUNK = 16
@@ -24,8 +23,8 @@ def test_find_common_chunk_prefix():
     assert find_common_chunk_prefix([], 2) == 0
 
 
-def test_broadcast_kv_is_zero_copy():
-    k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+def test_broadcast_kv_is_zero_copy(device):
+    k, v = torch.randn(1, 2, 5, 4, device=device), torch.randn(1, 2, 5, 4, device=device)
     (bk, bv), = broadcast_kv([(k, v)], 3)
     assert bk.shape == (3, 2, 5, 4) and bk.data_ptr() == k.data_ptr() and bk.stride(0) == 0
     assert torch.equal(bv[2], v[0])
@@ -98,7 +97,7 @@ def test_batches_of_token_ids_match_their_text(tokenizer):
     ids = [engine.encode(p) for p in prompts]
     by_text = engine.generate_many(prompts, max_new_tokens=6)
     for results in (engine.generate_batch(input_ids=ids, max_new_tokens=6),
-                    engine.generate_many(input_ids=[torch.tensor(x) for x in ids], max_new_tokens=6)):
+                    engine.generate_many(input_ids=[torch.tensor(x, device=engine.device) for x in ids], max_new_tokens=6)):
         assert [r.output_token_ids for r in results] == [r.output_token_ids for r in by_text]
         assert [r.prompt_tokens for r in results] == [len(x) for x in ids]
     for call in (engine.generate_batch, engine.generate_many):
@@ -145,6 +144,18 @@ def test_shared_prefix_is_assembled_once_and_truncates_as_views():
         prefix.truncated(11)
     with pytest.raises(ValueError, match="cover"):
         SharedPrefix.from_segments(list(range(8)), None, [segs[0], segs[2]])
+
+
+def test_shared_prefix_moves_store_records_to_the_engine_device(device):
+    """Disk and Redis records live on the CPU; the shared prefix must sit where the queries are."""
+    from kvboost.batch import SharedPrefix
+
+    from ..devices import assert_on
+
+    segs = [_segment(0, 4), _segment(4, 4)]  # CPU records, as the disk tier returns them
+    prefix = SharedPrefix.from_segments(list(range(8)), None, segs, device)
+    assert_on(device, prefix.keys, prefix.values)
+    assert torch.equal(prefix.keys[1][0, :, 4:8].cpu(), segs[1].record.keys[1])
 
 
 # ---- boundary window: chunk boundaries come from Chunker.spans, not multiples of chunk_size -------------------

@@ -8,12 +8,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvboost import KVBoost
-from kvboost.batch import cascade
-from kvboost.batch import BatchRunner
+from kvboost.batch import BatchRunner, cascade
 from kvboost.sampling import SamplingParams
 
 from ..prompts import text_with_tokens, words
-from ..test_engine_fidelity import hf_greedy
+from ..hf_reference import hf_greedy
 from ..tiny_models import make_tiny_model
 
 CHUNK = 16
@@ -195,7 +194,7 @@ def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
     for prompt, h in zip(prompts, handles):
         fed = engine.encode(prompt) + h.result.output_token_ids[:-1]
         with torch.inference_mode():
-            full = model(input_ids=torch.tensor([fed]), past_key_values=DynamicCache(), use_cache=True)
+            full = model(input_ids=torch.tensor([fed], device=model.device), past_key_values=DynamicCache(), use_cache=True)
         for chunk in engine.chunker.split(fed):
             record = engine.store.get(chunk.prefix_key)
             assert record is not None and record.token_ids == chunk.token_ids

@@ -17,10 +17,11 @@ def rag_prompt(docs: list[str], order: list[int], question: str = "Question: whi
 
 
 def full_forward(model, ids: list[int]):
-    """(last-position float logits, the cache of a plain full forward; every layer keeps every position)."""
+    """(last-position float logits, the cache of a plain full forward; every layer keeps every position), on the
+    model's device."""
     from transformers import DynamicCache
 
     with torch.inference_mode():
         # No config: every layer is a full layer, sliding ones too, so all positions stay comparable.
-        out = model(torch.tensor([ids]), past_key_values=DynamicCache(), use_cache=True)
+        out = model(torch.tensor([ids], device=model.device), past_key_values=DynamicCache(), use_cache=True)
     return out.logits[0, -1].float(), out.past_key_values

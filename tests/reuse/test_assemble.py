@@ -7,7 +7,7 @@ import torch
 from kvboost import GenerationMode, KVBoost
 from kvboost.reuse.repair import repair_support
 
-from ..test_engine_fidelity import hf_greedy
+from ..hf_reference import hf_greedy
 from ..tiny_models import make_tiny_model
 from ._rag import CHUNK, documents, full_forward, rag_prompt
 
@@ -32,7 +32,7 @@ def test_layer0_kv_of_placed_tokens_equals_a_fresh_forward(tiny):
         engine.warm(d)
     ids, plan = _placed_plan(engine, rag_prompt(docs, [2, 0, 1]))
     assert plan.assembly is not None and plan.content_fallback is None
-    mask = plan.assembly.mask(len(ids))
+    mask = plan.assembly.mask(len(ids), device=engine.device)
     assert plan.assembly.n_tokens == int(mask.sum()) >= sum(len(tokenizer(d)["input_ids"]) for d in docs) - 3
     assert len(plan.assembly.segments) == 3  # one seam per document
     _, cache = full_forward(model, ids)
@@ -85,7 +85,7 @@ def test_evicted_chunks_are_dropped_and_their_tokens_prefilled(tokenizer):
     assert plan.assembly.n_tokens == whole - victim.n_tokens
     assert len(plan.assembly.segments) == 3  # the run after the hole has a seam of its own
     assert victim.key not in engine.kv.content.index
-    placed = plan.assembly.mask(len(ids))
+    placed = plan.assembly.mask(len(ids), device=engine.device)
     assert not placed[victim.start:victim.end].any()
 
 
@@ -97,7 +97,7 @@ def test_sink_tokens_are_never_placed(tokenizer, sink):
     for d in docs:
         engine.warm(d)
     ids, plan = _placed_plan(engine, rag_prompt(docs, [0, 1]))
-    first = plan.assembly.mask(len(ids)).nonzero().flatten()[0].item()
+    first = plan.assembly.mask(len(ids), device=engine.device).nonzero().flatten()[0].item()
     assert first >= sink and (sink == 0 or first == sink)
 
 
@@ -120,7 +120,7 @@ def test_boundary_window_documents_are_found_in_another_order(arch, tokenizer):
     ids, plan = _placed_plan(engine, prompt)
     assert plan.assembly is not None and len(plan.assembly.segments) == 3  # one seam per document
     assert plan.assembly.n_tokens >= sum(len(tokenizer(d)["input_ids"]) for d in docs) - 3
-    mask = plan.assembly.mask(len(ids))
+    mask = plan.assembly.mask(len(ids), device=engine.device)
     _, cache = full_forward(model, ids)
     pos = mask.nonzero().flatten()
     k_buf, v_buf = engine.workspace.buffers(0)

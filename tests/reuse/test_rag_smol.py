@@ -23,7 +23,7 @@ def test_rag_prompt_reuses_documents_at_new_positions(smol):
     ids = engine.encode(messages=messages)
     base = engine.generate(messages=messages, max_new_tokens=1, mode="baseline", return_logits=True)
     with torch.inference_mode():
-        full = model(torch.tensor([ids])).logits[0, -1].float()
+        full = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
     assert (base.first_token_logits - full).abs().max().item() < 1e-3
 
     def run(strategy: str, ratio: float):

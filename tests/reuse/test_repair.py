@@ -10,7 +10,8 @@ import torch
 from kvboost import GenerationMode, KVBoost
 from kvboost.reuse import repair
 
-from ..test_engine_fidelity import hf_greedy
+from ..devices import assert_on
+from ..hf_reference import hf_greedy
 from ..tiny_models import make_tiny_model
 from ._rag import CHUNK, documents, full_forward, rag_prompt
 
@@ -38,9 +39,10 @@ def warmed(tiny):
     return engine, rag_prompt(docs, [2, 0, 1])
 
 
-def test_cacheblend_r1_equals_full_prefill(warmed):
+def test_cacheblend_r1_equals_full_prefill(warmed, device):
     engine, prompt = warmed
     result = _run(engine, prompt, "cacheblend", 1.0, new=NEW)
+    assert_on(device, result.first_token_logits)
     ids = engine.encode(prompt)
     assert result.approximate_tokens > 0.8 * len(ids)
     assert result.recomputed_tokens == result.approximate_tokens

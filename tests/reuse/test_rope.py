@@ -9,11 +9,12 @@ import functools
 
 import pytest
 import torch
-
 import transformers as tf
 
 from kvboost.errors import ModelNotSupportedError
 from kvboost.reuse.rope import RotaryInfo, can_rerotate, rerotate_keys, rotary_info_for
+
+from ..devices import assert_on, current
 
 ATOL = 1e-4
 N_TOKENS = 12
@@ -58,22 +59,27 @@ EXACT = ["llama-default", "llama-linear", "llama-llama3", "llama-yarn", "qwen2",
          "stablelm-partial", "gemma2", "gemma3-text", "smollm3-nope"]
 
 
-@functools.lru_cache(maxsize=None)
 def _model(name: str) -> torch.nn.Module:
+    """The seeded model of CONFIGS[name] on the suite's device (built once per device)."""
+    return _built(name, str(current()))
+
+
+@functools.cache
+def _built(name: str, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    return tf.AutoModelForCausalLM.from_config(CONFIGS[name]()).to(device).eval()
 
 
-def _ids() -> torch.Tensor:
-    return torch.randint(3, 256, (1, N_TOKENS), generator=torch.Generator().manual_seed(1))
+def _ids(device: torch.device) -> torch.Tensor:
+    return torch.randint(3, 256, (1, N_TOKENS), generator=torch.Generator().manual_seed(1)).to(device)
 
 
 @torch.no_grad()
 def _keys(model: torch.nn.Module, positions: torch.Tensor | int) -> list[torch.Tensor]:
-    """Post-RoPE cached keys of every layer, [1, kv_heads, n, head_dim]."""
+    """Post-RoPE cached keys of every layer, [1, kv_heads, n, head_dim], on the model's device."""
     if isinstance(positions, int):
         positions = torch.arange(N_TOKENS) + positions
-    out = model(input_ids=_ids(), position_ids=positions[None], use_cache=True)
+    out = model(input_ids=_ids(model.device), position_ids=positions.to(model.device)[None], use_cache=True)
     return [layer.keys for layer in out.past_key_values.layers]
 
 
@@ -93,6 +99,7 @@ def test_rerotation_matches_model(name: str, p: int, q: int) -> None:
         assert info.exact and info.reason is None
         moved = rerotate_keys(kp, q - p, info)
         assert moved.shape == kp.shape and moved.dtype == kp.dtype
+        assert_on(model.device, moved, info.inv_freq)
         assert _err(moved, kq) < ATOL, (name, layer)
         # The absolute-position path must agree as well.
         assert _err(rerotate_keys(kp, q - p, info, src_positions=p), kq) < ATOL, (name, layer)
@@ -122,8 +129,8 @@ def test_gemma3_uses_per_layer_frequencies() -> None:
 def test_per_token_delta(name: str) -> None:
     model = _model(name)
     info = rotary_info_for(model)[0]
-    src = torch.arange(N_TOKENS) + 2
-    dst = torch.tensor([50, 51, 53, 54, 60, 61, 62, 70, 71, 72, 73, 90])
+    src = torch.arange(N_TOKENS, device=model.device) + 2
+    dst = torch.tensor([50, 51, 53, 54, 60, 61, 62, 70, 71, 72, 73, 90], device=model.device)
     moved = rerotate_keys(_keys(model, src)[0], dst - src, info)
     assert _err(moved, _keys(model, dst)[0]) < ATOL
     moved = rerotate_keys(_keys(model, src)[0], dst - src, info, src_positions=src)
@@ -149,28 +156,39 @@ def test_bf16_keys_round_trip_dtype() -> None:
     assert _err(moved, kq) < 1e-2
 
 
-def test_rerotate_basic_properties() -> None:
+def test_rerotate_basic_properties(device) -> None:
     info = rotary_info_for(_model("phi3-partial"))[0]
-    keys = torch.randn(2, 3, 5, 16)
+    keys = torch.randn(2, 3, 5, 16).to(device)
     same = rerotate_keys(keys, 0, info)
     assert same is not keys and same.data_ptr() != keys.data_ptr()
     assert _err(same, keys) < 1e-6
     assert _err(rerotate_keys(rerotate_keys(keys, 123, info), -123, info), keys) < 1e-5
     assert torch.equal(rerotate_keys(keys, 9, info)[..., 8:], keys[..., 8:])  # pass-through dims untouched
-    assert _err(rerotate_keys(keys, torch.tensor(9), info), rerotate_keys(keys, 9, info)) == 0
+    assert _err(rerotate_keys(keys, torch.tensor(9, device=device), info), rerotate_keys(keys, 9, info)) == 0
     with pytest.raises(ValueError):
-        rerotate_keys(keys, torch.arange(4), info)  # wrong number of per-token deltas
+        rerotate_keys(keys, torch.arange(4, device=device), info)  # wrong number of per-token deltas
     nope = RotaryInfo(torch.empty(0), 0, True)
     assert torch.equal(rerotate_keys(keys, 5, nope), keys)
 
 
-def test_dynamic_ntk_is_not_exact() -> None:
+def test_keys_and_deltas_on_another_device_than_the_model(device) -> None:
+    """A record from a CPU tier is re-rotated where its keys live, with the model's (device) frequencies."""
+    info = rotary_info_for(_model("llama-default"))[0]
+    keys = torch.randn(1, 2, 5, 16)
+    on_cpu = rerotate_keys(keys, torch.full((5,), 3, device=device), info, src_positions=2)
+    assert_on("cpu", on_cpu)
+    on_device = rerotate_keys(keys.to(device), 3, info, src_positions=torch.arange(2, 7))
+    assert_on(device, on_device)
+    assert _err(on_cpu, on_device.cpu()) < 1e-5
+
+
+def test_dynamic_ntk_is_not_exact(device) -> None:
     model = _model("llama-dynamic")
     ok, reason = can_rerotate(model)
     assert not ok and "dynamic" in reason
     assert all(not i.exact for i in rotary_info_for(model))
     with pytest.raises(ModelNotSupportedError):
-        rerotate_keys(torch.randn(1, 2, 4, 16), 3, rotary_info_for(model)[0])
+        rerotate_keys(torch.randn(1, 2, 4, 16, device=device), 3, rotary_info_for(model)[0])
     # Crossing max_position_embeddings (128) changes the frequencies: refused, and rightly so.
     assert not can_rerotate(model, src_len=3 + N_TOKENS, dst_len=120 + N_TOKENS)[0]
     kp, k_long = _keys(model, 3)[0], _keys(model, 120)[0]

@@ -28,8 +28,8 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_model_dir):
-    return KVBoost.from_pretrained(str(tiny_model_dir), chunk_size=16)
+def tiny_engine(tiny_model_dir, device):
+    return KVBoost.from_pretrained(str(tiny_model_dir), chunk_size=16, device=str(device))  # on --device
 
 
 class Live:

@@ -15,8 +15,8 @@ import torch
 
 if TYPE_CHECKING:
     from ..chunking import Chunker
-    from ..reuse.match import Segment
     from ..kv.workspace import KVWorkspace
+    from ..reuse.match import Segment
 
 
 def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int,
@@ -115,8 +115,10 @@ class SharedPrefix:
         return self.keys[i], self.values[i]
 
     @classmethod
-    def from_segments(cls, ids: Sequence[int], salt: str | None, segments: Sequence[Segment]) -> SharedPrefix:
-        """Concatenate stored chunk records covering positions [0, len(ids)) into one tensor per layer.
+    def from_segments(cls, ids: Sequence[int], salt: str | None, segments: Sequence[Segment],
+                      device: torch.device | str | None = None) -> SharedPrefix:
+        """Concatenate stored chunk records covering positions [0, len(ids)) into one tensor per layer, on
+        `device` (records from the disk or Redis tier live on the CPU; attention needs them beside the queries).
 
         Records hold one chunk each, so a multi-chunk prefix is assembled once here; that is the only copy."""
         n = len(ids)
@@ -125,8 +127,10 @@ class SharedPrefix:
         if not parts or any(seg.start != end for (seg, _), end in zip(parts, ends)) or ends[-1] != n:
             raise ValueError(f"segments do not cover positions [0, {n}) contiguously")
         n_layers = len(parts[0][0].record.keys)
-        keys = [torch.cat([seg.record.keys[i][:, :k] for seg, k in parts], dim=1).unsqueeze(0) for i in range(n_layers)]
-        values = [torch.cat([seg.record.values[i][:, :k] for seg, k in parts], dim=1).unsqueeze(0)
+        device = device if device is not None else parts[0][0].record.keys[0].device
+        keys = [torch.cat([seg.record.keys[i][:, :k].to(device) for seg, k in parts], dim=1).unsqueeze(0)
+                for i in range(n_layers)]
+        values = [torch.cat([seg.record.values[i][:, :k].to(device) for seg, k in parts], dim=1).unsqueeze(0)
                   for i in range(n_layers)]
         return cls(tuple(ids), salt, keys, values)
 
@@ -136,7 +140,8 @@ class SharedPrefix:
             raise ValueError(f"cannot truncate a {self.length}-token prefix to {n}")
         if n == 0:
             return None
-        return SharedPrefix(self.ids[:n], self.salt, [k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values])
+        return SharedPrefix(self.ids[:n], self.salt, [k[:, :, :n] for k in self.keys],
+                            [v[:, :, :n] for v in self.values])
 
 
 class PrefixedRows:
@@ -154,7 +159,8 @@ class PrefixedRows:
         prefix = self.prefix
         assert prefix is not None
         if end <= p:
-            return [k[0, :, start:end].clone() for k in prefix.keys], [v[0, :, start:end].clone() for v in prefix.values]
+            return ([k[0, :, start:end].clone() for k in prefix.keys],
+                    [v[0, :, start:end].clone() for v in prefix.values])
         own_k, own_v = self.ws.read(p, end, row=row)  # the workspace's columns start at the prefix's end
         keys = [torch.cat([pk[0, :, start:], k], dim=1) for pk, k in zip(prefix.keys, own_k)]
         values = [torch.cat([pv[0, :, start:], v], dim=1) for pv, v in zip(prefix.values, own_v)]

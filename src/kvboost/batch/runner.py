@@ -17,8 +17,8 @@ only positions [P, length) in their slots: the workspace's first column is posit
 so the prefix is neither copied into rows nor allocated for them. Attention reads the prefix once per
 step for all rows. A row that arrives without that prefix shrinks it to what all rows still share: the
 dropped part, prefix[P':P], is copied into every active row's positions [P', P) after the workspace is
-rebased to P' (exact; P' may be 0, which is the plain per-row layout). The prefix never grows while rows are active and is dropped when the batch
-empties. Models where this cannot be exact (sliding windows, softcapping...) keep the per-row path.
+rebased to P' (exact; P' may be 0, which is the plain per-row layout). The prefix never grows while rows
+are active and is dropped when the batch empties. Models where this cannot be exact (sliding windows, softcapping...) keep the per-row path.
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ class BatchRunner:
         # under a boundary window), whole chunks only, so n is a cut of every row too.
         plan = self.kv.lookup(row.ids, row.salt, GenerationMode.PREFIX_CACHE)
         n = min(target, plan.reuse_len)
-        return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments) if n else None
+        return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments, self.engine.device) if n else None
 
     def _shrink_prefix(self, n: int) -> None:
         """Keep the first n prefix tokens shared; every active row gets its own copy of the rest."""

@@ -29,8 +29,10 @@ def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, 
     Shape: [batch, logits_to_keep, vocab]. Positions follow from the cache length, as in generate().
     """
     device = next(model.parameters()).device
-    ids = token_ids if isinstance(token_ids, torch.Tensor) else torch.tensor([token_ids], dtype=torch.long)
-    ids = ids.to(device)
+    if isinstance(token_ids, torch.Tensor):
+        ids = token_ids.to(device)
+    else:  # built where the model lives: no CPU tensor and extra host-to-device copy per decode step
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)

@@ -104,8 +104,9 @@ def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentInde
 def _write_piece(workspace: KVWorkspace, record: ChunkRecord, piece: Piece,
                  groups: list[tuple[RotaryInfo, list[int]]], row: int | None) -> None:
     sl = slice(piece.offset, piece.offset + piece.n_tokens)
-    values = [v[..., sl, :] for v in record.values]
-    keys: list[torch.Tensor] = [k[..., sl, :] for k in record.keys]
+    # Records from the disk or Redis tier live on the CPU: rotate where the workspace (and inv_freq) lives.
+    values = [v[..., sl, :].to(workspace.device) for v in record.values]
+    keys: list[torch.Tensor] = [k[..., sl, :].to(workspace.device) for k in record.keys]
     if piece.delta != 0:
         for info, layers in groups:
             if len({keys[i].shape for i in layers}) == 1:

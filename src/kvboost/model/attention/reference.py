@@ -1,0 +1,102 @@
+"""The torch fallback (used where Triton or a GPU is absent) and a plain-math reference for tests.
+
+Both compute the kernels' semantics (prefill.py): per batch row b with valid length end_b, query i sees key j
+iff j <= end_b - q + i (bottom-right causal) and key_valid[b, j]; keys at j >= end_b are never attended.
+
+The fallback runs torch SDPA inside `sdpa_kernel(FALLBACK_BACKENDS)`: the cuDNN backend is excluded because it
+builds an execution plan per new (q_len, kv_len), 46-91 ms per layer the first time each shape is seen (H100,
+torch 2.11), and a chat hits a new shape every turn. Flash / efficient / math need no per-shape plan.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Order is irrelevant (set_priority=False): torch keeps its own priority among the allowed ones.
+FALLBACK_BACKENDS: list[SDPBackend] = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def bottom_right_mask(q_len: int, kv_len: int, *, ends: torch.Tensor | None = None,
+                      key_valid: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool mask [B or 1, 1, q, kv_len] (True = may attend) of the kernels' semantics."""
+    j = torch.arange(kv_len, device=device)
+    i = torch.arange(q_len, device=device)
+    if ends is None:
+        mask = (j[None, :] <= i[:, None] + (kv_len - q_len))[None, None]  # [1, 1, q, kv]
+    else:
+        end = ends.to(device=device, dtype=torch.long).clamp(max=kv_len)[:, None, None]  # [B, 1, 1]
+        mask = ((j[None, None, :] <= i[None, :, None] + end - q_len) & (j[None, None, :] < end))[:, None]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :kv_len].to(device=device, dtype=torch.bool)
+    return mask
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, group, s, d).reshape(b, h * group, s, d)
+
+
+def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *,
+                   scale: float | None, is_causal: bool = False, dropout: float = 0.0) -> torch.Tensor:
+    """torch SDPA [B, Hq, q, d] x [B, Hkv, kv, d] with GQA, cuDNN excluded. `mask`: bool (True = attend) or an
+    additive float bias, broadcastable to [B, Hq, q, kv]; is_causal is torch's top-left causal (mask None)."""
+    b, hq, q_len, d = query.shape
+    group = hq // key.shape[1]
+    if group > 1 and q_len == 1 and mask is not None and mask.shape[1] == 1 and not is_causal:
+        # One query per head: fold the group into the query axis ([B, Hkv, group, d]), an MHA-shaped call that
+        # needs neither enable_gqa nor repeated K/V, with the mask [B, 1, 1, kv] broadcast over the group. This is
+        # what transformers' sdpa does for decode, so the fallback matches it bit for bit on CPU.
+        packed = query.reshape(b, hq // group, group, d)
+        with sdpa_kernel(FALLBACK_BACKENDS):
+            out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+        return out.reshape(b, hq, 1, value.shape[-1])
+    gqa = {}
+    if group > 1:
+        # CUDA's flash/efficient kernels take enable_gqa only without a mask (transformers' use_gqa_in_sdpa says
+        # the same); with one, repeating K/V keeps the efficient kernel instead of falling back to math.
+        if mask is None or query.device.type != "cuda":
+            gqa = {"enable_gqa": True}
+        else:
+            key, value = _repeat_kv(key, group), _repeat_kv(value, group)
+    with sdpa_kernel(FALLBACK_BACKENDS):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                              is_causal=is_causal, scale=scale, **gqa)
+
+
+def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
+                   kv_len: int | None = None, ends: torch.Tensor | None = None,
+                   key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' semantics through torch SDPA (cuDNN excluded). Returns [B, Hq, q, d] in the input dtype.
+
+    Plain bottom-right causal with q == 1 or q == kv needs no mask (is_causal aligns the same way there); other
+    cases take an explicit bool mask, which the issue measured at 0.12-0.24 ms per call on an H100 with cuDNN off.
+    Queries that see no key return 0 (SDPA would return NaN for a fully masked row).
+    """
+    q_len, kv_cap = query.shape[2], key.shape[2]
+    kv_len = kv_cap if kv_len is None else int(kv_len)
+    if kv_len != kv_cap:  # a workspace view longer than its valid length: read only the valid columns
+        key, value = key[:, :, :kv_len], value[:, :, :kv_len]
+    if ends is None and key_valid is None and (q_len == 1 or q_len == kv_len):
+        return sdpa_with_mask(query, key, value, None, scale=scale, is_causal=q_len > 1)
+    mask = bottom_right_mask(q_len, kv_len, ends=ends, key_valid=key_valid, device=query.device)
+    out = sdpa_with_mask(query, key, value, mask, scale=scale)
+    if ends is not None or key_valid is not None or q_len > kv_len:  # rows that may see no key at all
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
+                        kv_len: int | None = None, ends: torch.Tensor | None = None,
+                        key_valid: torch.Tensor | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Explicit softmax(QK^T * scale) V in `dtype` (float64 by default): the ground truth for tests."""
+    q_len, kv_cap = query.shape[2], key.shape[2]
+    kv_len = kv_cap if kv_len is None else int(kv_len)
+    group = query.shape[1] // key.shape[1]
+    k = _repeat_kv(key[:, :, :kv_len].to(dtype), group)
+    v = _repeat_kv(value[:, :, :kv_len].to(dtype), group)
+    scores = torch.matmul(query.to(dtype), k.transpose(-1, -2)) * scale
+    mask = bottom_right_mask(q_len, kv_len, ends=ends, key_valid=key_valid, device=query.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> 0
+    return torch.matmul(probs, v)
