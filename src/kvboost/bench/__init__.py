@@ -1,4 +1,6 @@
-"""Benchmark support: workload loaders (data in data/), the cost calculator and plotting/table/JSON helpers.
+"""Benchmarks: the `kvboost bench` commands, their workloads (data/), random-weight model shapes (shapes.py),
+the GPU side-by-side run (gpu/), the cost calculator and the plotting/table/JSON helpers.
 
-Nothing here imports torch or transformers, so these modules load fast and are testable without a model.
+transformers and matplotlib load inside the functions that use them, so registering the commands (and
+`kvboost --help`) stays fast; shapes.py and the command modules can be imported without a model.
 """

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from ..cli_common import MODEL_HELP
+from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
 
 
@@ -84,13 +84,14 @@ def _run(engine, rows: list[list[int]], new_tokens: int, shared: bool, label: st
                     [list(h.result.output_token_ids) for h in handles])
 
 
-def run_batch_bench(model_name: str | None, n_rows: int, prefix: int, new_tokens: int,
+def run_batch_bench(model: str | ModelChoice | None, n_rows: int, prefix: int, new_tokens: int,
                     json_path: str | None = None, plot_path: str | None = None) -> dict:
     from ..cli_common import load_engine
 
+    choice = as_choice(model)
     console = bench_console()
     with console.status("loading model"):
-        engine = load_engine(model_name)
+        engine = load_engine(choice)
     system_ids, rows = _rows(engine, n_rows, prefix)
     with console.status("storing the shared prefix"):
         engine.warm_ids(system_ids, None)
@@ -102,7 +103,7 @@ def run_batch_bench(model_name: str | None, n_rows: int, prefix: int, new_tokens
         with console.status(f"decoding {n_rows} rows: {label}"):
             runs.append(_run(engine, rows, new_tokens, shared, label, prefix))
     identical = runs[0].outputs == runs[1].outputs
-    report = {"model": model_name or "embedded", "device": str(engine.device), "rows": n_rows,
+    report = {"benchmark": "batch", **choice.record(engine), "rows": n_rows,
               "prefix_tokens": prefix, "new_tokens": new_tokens, "identical_outputs": identical,
               "runs": [{k: v for k, v in vars(r).items() if k != "outputs"} for r in runs]}
     _print(console, runs, identical)
@@ -155,7 +156,7 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def bench_batch_command(
-    model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
     rows: Annotated[int, typer.Option("--rows", min=1, help="Rows decoded together.")] = 16,
     prefix: Annotated[int, typer.Option("--prefix", min=1, help="Shared prefix length in tokens.")] = 1000,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="Greedy tokens per row.")] = 32,
@@ -164,5 +165,5 @@ def bench_batch_command(
                                                                  "shared prefix vs per-row copies.")] = None,
 ) -> None:
     """Decode tokens/s of rows sharing a prefix: shared-prefix attention on vs off (per-row copies)."""
-    report = run_batch_bench(model, rows, prefix, new_tokens, json_path, plot_path)
+    report = run_batch_bench(model_choice(model, shape, device, dtype), rows, prefix, new_tokens, json_path, plot_path)
     raise typer.Exit(0 if report["identical_outputs"] else 1)

@@ -17,14 +17,19 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import typer
 from rich.live import Live
 from rich.table import Table
-from transformers import DynamicCache
 
+from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from ..reuse.match import common_prefix_length
 from .console import bench_console
+
+if TYPE_CHECKING:  # transformers loads on first use: `kvboost --help` stays fast
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -68,10 +73,13 @@ class TurnSummary:
     extra: dict = field(default_factory=dict)
 
 
-def _greedy(model, ids: list[int], cache: DynamicCache, start: int, n: int, eos: set[int]) -> tuple[float, list[int]]:
-    """Prefill ids[start:] over `cache`, then decode greedily; returns (ttft_ms, tokens)."""
+def greedy_over_cache(model, ids: list[int], cache: DynamicCache, start: int, n: int,
+                      eos: set[int]) -> tuple[float, list[int]]:
+    """Prefill ids[start:] over `cache`, then decode greedily; returns (ttft_ms, tokens). Tensors are built on
+    the model's device, and reading each token id waits for the device, so the clock sees the whole prefill."""
+    device = model.device
     t0 = time.perf_counter()
-    logits = model(input_ids=torch.tensor([ids[start:]]), past_key_values=cache, use_cache=True,
+    logits = model(input_ids=torch.tensor([ids[start:]], device=device), past_key_values=cache, use_cache=True,
                    logits_to_keep=1).logits
     token = int(logits[0, -1].argmax())
     ttft = (time.perf_counter() - t0) * 1e3
@@ -80,12 +88,13 @@ def _greedy(model, ids: list[int], cache: DynamicCache, start: int, n: int, eos:
         out.append(token)
         if len(out) >= n:
             break
-        logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+                       use_cache=True).logits
         token = int(logits[0, -1].argmax())
     return ttft, out
 
 
-class _Manual:
+class ManualPrefixCache:
     """The hand-written prefix-cache recipe a careful transformers user would write."""
 
     def __init__(self, model):
@@ -100,13 +109,15 @@ class _Manual:
     def run(self, ids: list[int], n: int, eos: set[int]) -> tuple[float, list[int]]:
         shared = self.shared_with(ids)
         if self.cache is None or shared == 0:
+            from transformers import DynamicCache
+
             cache, shared = DynamicCache(config=self.model.config), 0
         else:
             cache = self.cache
             extra = cache.get_seq_length() - shared
             if extra:
                 cache.crop(-extra)  # drop what the new prompt does not share (e.g. a re-tokenized reply)
-        ttft, out = _greedy(self.model, ids, cache, shared, n, eos)
+        ttft, out = greedy_over_cache(self.model, ids, cache, shared, n, eos)
         self.ids, self.cache = (ids + out)[: cache.get_seq_length()], cache
         return ttft, out
 
@@ -141,14 +152,20 @@ def _load_workload(name: str) -> list[dict]:
     return load_conversations() if name == "chat" else load_support_conversations()
 
 
-def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, new_tokens: int,
+def run_multiturn_bench(model: str | ModelChoice | None, conversations: int, turns: int, new_tokens: int,
                         json_path: str | None, plot_path: str | None, peer_python: str | None = None,
                         workload: str = "chat") -> list[TurnSummary]:
+    from transformers import DynamicCache
+
     from ..cli_common import load_engine
 
+    choice = as_choice(model)
+    if peer_python and choice.shape:
+        raise ValueError("--peer-python needs a checkpoint the other package can load; a --shape has none")
+    model_name = choice.model
     console = bench_console()
     with console.status("loading model"):
-        engine = load_engine(model_name)
+        engine = load_engine(choice)
     model, tok = engine.model, engine.tokenizer
     eos = engine.eos_token_ids
     peer = None
@@ -159,12 +176,13 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
     convs = _load_workload(workload)[:conversations]
     with Live(console=console, refresh_per_second=2) as live, torch.inference_mode():
         for ci, conv in enumerate(convs):
-            manual = _Manual(model)
+            manual = ManualPrefixCache(model)
             messages = [{"role": "system", "content": conv["system"]}]
             for t, user in enumerate(conv["turns"][:turns]):
                 messages.append({"role": "user", "content": user})
                 ids = engine.encode(messages=messages)
-                plain_ttft, reference = _greedy(model, ids, DynamicCache(config=model.config), 0, new_tokens, eos)
+                plain_ttft, reference = greedy_over_cache(model, ids, DynamicCache(config=model.config), 0,
+                                                          new_tokens, eos)
                 reusable = manual.shared_with(ids)
                 manual_ttft, manual_out = manual.run(ids, new_tokens, eos)
                 r = engine.generate(messages=messages, max_new_tokens=new_tokens)
@@ -190,9 +208,8 @@ def run_multiturn_bench(model_name: str | None, conversations: int, turns: int, 
                   "never among them); of history = KVBoost cached tokens among those / those")
     if json_path:
         from .plots import write_json
-        write_json(json_path, {"benchmark": "multiturn", "model": model_name or "embedded SmolLM2-135M-Instruct",
-                               "workload": workload, "conversations": len(convs), "turns": turns,
-                               "new_tokens": new_tokens,
+        write_json(json_path, {"benchmark": "multiturn", **choice.record(engine), "workload": workload,
+                               "conversations": len(convs), "turns": turns, "new_tokens": new_tokens,
                                "summary": overall, "reuse_rate": overall["kvboost_reuse_from_turn2"],
                                "prefill_tokens_per_s": overall["plain_prefill_tokens_per_s"],
                                "per_turn": [asdict(x) for x in summary], "samples": [asdict(x) for x in samples]})
@@ -299,3 +316,26 @@ def _table(summary: list[TurnSummary], caption: str) -> Table:
                     f"{s.peer_identical_rate:.0%}" if s.peer_identical_rate is not None else "-"]
         table.add_row(*row)
     return table
+
+
+def bench_multiturn_command(
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
+    conversations: int = typer.Option(8, min=1, help="Conversations to replay (of 64 shipped)."),
+    turns: int = typer.Option(8, min=1, help="At most this many user turns per conversation."),
+    new_tokens: int = typer.Option(128, min=1, help="Greedy tokens per reply (at most; EOS ends it)."),
+    json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+    peer_python: str | None = typer.Option(None, "--peer-python", help="Python of a virtualenv with another kvboost."),
+    workload: str = typer.Option("chat", help="chat: the 64 shipped conversations (80-370-token system prompts); "
+                                              "support: the ~1,000-token manual of the system-prompt workload, its "
+                                              "questions as turns."),
+) -> None:
+    """Replay chats turn by turn: plain transformers, the manual prefix-cache recipe, KVBoost (and a peer)."""
+    choice = model_choice(model, shape, device, dtype)
+    if workload not in WORKLOADS:
+        raise typer.BadParameter(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}",
+                                 param_hint="--workload")
+    if peer_python and shape:
+        raise typer.BadParameter("the peer loads a checkpoint by path; random-weight shapes have none",
+                                 param_hint="--peer-python")
+    run_multiturn_bench(choice, conversations, turns, new_tokens, json_path, plot_path, peer_python, workload)

@@ -187,9 +187,26 @@ def machine_info() -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count()
-    return {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "usable_cpus": usable,
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    info: dict[str, Any] = {
+        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "usable_cpus": usable,
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": _version("transformers"),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    if torch.cuda.is_available():  # GPU figures compare only on the same GPU, driver stack and library versions
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": props.name, "count": torch.cuda.device_count(),
+                       "memory_gb": round(props.total_memory / 2**30, 1),
+                       "capability": f"{props.major}.{props.minor}", "cuda_runtime": torch.version.cuda,
+                       "cudnn": torch.backends.cudnn.version(), "triton": _version("triton")}
+    return info
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
@@ -207,6 +224,7 @@ def write_json(path: str | Path, obj: Any) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are meant to be shared
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -11,14 +11,19 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from transformers import DynamicCache
 
+from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
+
+if TYPE_CHECKING:  # transformers loads on first use: `kvboost --help` stays fast
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -43,28 +48,37 @@ class PrefixRow:
         return self.kvboost_store_ms / self.floor_store_ms
 
 
-def _prefix_text(tokenizer, n_tokens: int) -> str:
+def prefix_text(tokenizer, n_tokens: int) -> str:
+    """About n_tokens of workload text (the RAG documents, repeated as needed), cut at a token boundary."""
     from .workloads import load_rag
 
     docs, _ = load_rag()
-    text = ""
-    for doc in list(docs.values()) * 50:
-        text += doc["title"] + "\n" + doc["text"] + "\n\n"
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= n_tokens:
-            return tokenizer.decode(ids[:n_tokens])
-    raise RuntimeError("not enough workload text")
+    pieces = [doc["title"] + "\n" + doc["text"] + "\n\n" for doc in docs.values()]
+    sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces]
+    if not any(sizes):
+        raise RuntimeError("the RAG workload has no text")
+    # Tokenize the whole text once (pieces counted alone add up to about the same), with a 5% margin.
+    text, total, i = "", 0, 0
+    while total < n_tokens * 1.05 + 16:
+        text += pieces[i % len(pieces)]
+        total += sizes[i % len(pieces)]
+        i += 1
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < n_tokens:
+        raise RuntimeError("not enough workload text")
+    return tokenizer.decode(ids[:n_tokens])
 
 
-def _questions() -> list[str]:
+def bench_questions() -> list[str]:
+    """The system-prompt workload's questions: a different suffix for every measurement."""
     from .workloads import load_system_prompt
 
     _, qs = load_system_prompt()
     return [q["question"] if isinstance(q, dict) else str(q) for q in qs]
 
 
-class _Floor:
-    """A DynamicCache holding ids[:split], cloned fresh for each timed suffix prefill."""
+class SuffixFloor:
+    """A DynamicCache holding ids[:split], cloned fresh for each timed suffix prefill: what no cache can beat."""
 
     def __init__(self, model):
         self.model = model
@@ -79,12 +93,17 @@ class _Floor:
             self.ids, self.layers = [], []
         cache = self._fresh()
         if split > len(self.ids):
-            self.model(input_ids=torch.tensor([ids[len(self.ids):split]]), past_key_values=cache, use_cache=True,
+            self.model(input_ids=self._tensor(ids[len(self.ids):split]), past_key_values=cache, use_cache=True,
                        logits_to_keep=1)
             self.layers = [(layer.keys, layer.values) for layer in cache.layers]
             self.ids = list(ids[:split])
 
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=self.model.device)  # built where the model lives
+
     def _fresh(self) -> DynamicCache:
+        from transformers import DynamicCache
+
         cache = DynamicCache(config=self.model.config)
         for i, (k, v) in enumerate(self.layers):
             cache.update(k.clone(), v.clone(), i)
@@ -93,32 +112,45 @@ class _Floor:
     def ttft_ms(self, ids: list[int], split: int) -> tuple[float, int]:
         self._prepare(ids, split)
         cache = self._fresh()
+        suffix = self._tensor(ids[split:])
+        if cache.layers and cache.layers[0].keys is not None and cache.layers[0].keys.is_cuda:
+            torch.cuda.synchronize()  # the clone above must not be billed to the timed prefill
         t0 = time.perf_counter()
-        logits = self.model(input_ids=torch.tensor([ids[split:]]), past_key_values=cache, use_cache=True,
-                            logits_to_keep=1).logits
-        token = int(logits[0, -1].argmax())
+        logits = self.model(input_ids=suffix, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())  # .item() waits for the device: the clock sees the whole prefill
         return (time.perf_counter() - t0) * 1e3, token
 
 
-def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, json_path: str | None,
+def fitting_lengths(lengths: list[int], max_context: int | None, room: int = 64) -> list[int]:
+    """The prefix lengths that leave `room` positions of the model's context for the question and answer."""
+    return [n for n in lengths if max_context is None or n + room <= max_context]
+
+
+def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeats: int, json_path: str | None,
                      plot_path: str | None) -> list[PrefixRow]:
     from ..cli_common import load_engine
     from ..reuse.match import match_exact
     from .plots import plot_lines, write_json
 
+    choice = as_choice(model)
     console = bench_console()
     with console.status("loading model"):
-        engine = load_engine(model_name)
+        engine = load_engine(choice)
     tok, model = engine.tokenizer, engine.model
-    questions = _questions()
+    fitting = fitting_lengths(lengths, engine.max_context)
+    if len(fitting) < len(lengths):
+        console.print(f"skipping prefix lengths {sorted(set(lengths) - set(fitting))}: the model's context is "
+                      f"{engine.max_context} tokens")
+    lengths = fitting
+    questions = bench_questions()
     rows: list[PrefixRow] = []
     with Progress(console=console, transient=True) as progress, torch.inference_mode():
         task = progress.add_task("prefix bench", total=len(lengths) * repeats)
         for n in lengths:
-            prefix = _prefix_text(tok, n)
+            prefix = prefix_text(tok, n)
             engine.clear_cache()
             engine.warm(prefix)
-            floor = _Floor(model)
+            floor = SuffixFloor(model)
             samples: dict[str, list[float]] = {k: [] for k in ("base", "ws", "store", "floor", "floor_store", "keys")}
             cached, agree = 0, True
             qi = 0
@@ -157,8 +189,8 @@ def run_prefix_bench(model_name: str | None, lengths: list[int], repeats: int, j
                                   med["floor_store"], med["keys"], cached, agree))
     _print(console, rows)
     if json_path:
-        write_json(json_path, {"benchmark": "prefix", "model": model_name or "embedded SmolLM2-135M-Instruct",
-                               "device": str(engine.device), "threads": torch.get_num_threads(), "repeats": repeats,
+        write_json(json_path, {"benchmark": "prefix", **choice.record(engine),
+                               "threads": torch.get_num_threads(), "repeats": repeats,
                                "rows": [asdict(r) | {"ratio": r.ratio, "ratio_store": r.ratio_store} for r in rows]})
         console.print(f"wrote {json_path}")
     if plot_path:
@@ -187,3 +219,20 @@ def _print(console: Console, rows: list[PrefixRow]) -> None:
                       f"{r.baseline_ms / r.kvboost_ms:.1f}x", f"{r.keys_and_match_ms:.2f}",
                       "yes" if r.identical_first_token else "NO")
     console.print(table)
+
+
+def bench_prefix_command(
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
+    lengths: str = typer.Option("1000,2000,4000,7000", help="Cached prefix lengths in tokens."),
+    repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
+    json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+) -> None:
+    """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
+    choice = model_choice(model, shape, device, dtype)
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{lengths!r}: expected comma-separated token counts",
+                                 param_hint="--lengths") from None
+    run_prefix_bench(choice, sizes, repeats, json_path, plot_path)

@@ -9,10 +9,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from ..cli_common import (
+    QUALITY_REFUSAL,
+    DeviceOption,
+    DtypeOption,
+    ModelChoice,
+    ModelOption,
+    ShapeOption,
+    as_choice,
+    model_choice,
+)
 from .console import bench_console
 
 
@@ -38,15 +49,16 @@ def _prompts(limit: int) -> list[tuple[list[dict], list[dict]]]:
     return out[:limit]
 
 
-def run_quant_bench(model_name: str | None, n_prompts: int, new_tokens: int, json_path: str | None,
+def run_quant_bench(model: str | ModelChoice | None, n_prompts: int, new_tokens: int, json_path: str | None,
                     plot_path: str | None) -> list[QuantRow]:
     from .. import KVBoost
     from ..cli_common import load_engine
     from .plots import plot_bars, write_json
 
+    choice = as_choice(model)
     console = bench_console()
     with console.status("loading model"):
-        reference = load_engine(model_name)
+        reference = load_engine(choice)
     engines = {16: reference}
     for bits in (8, 4):
         engines[bits] = KVBoost(reference.model, reference.tokenizer, kv_cache_bits=bits)
@@ -80,7 +92,7 @@ def run_quant_bench(model_name: str | None, n_prompts: int, new_tokens: int, jso
         row.ratio_to_fp16 = row.bytes_per_token / fp16_bytes_per_token
     _print(console, rows, fp16_bytes_per_token)
     if json_path:
-        write_json(json_path, {"benchmark": "quant", "model": model_name or "embedded SmolLM2-135M-Instruct",
+        write_json(json_path, {"benchmark": "quant", **choice.record(reference),
                                "fp16_bytes_per_token": fp16_bytes_per_token, "new_tokens": new_tokens,
                                "rows": [asdict(r) for r in rows]})
         console.print(f"wrote {json_path}")
@@ -107,3 +119,15 @@ def _print(console: Console, rows: list[QuantRow], fp16_bpt: float) -> None:
         table.add_row(label, f"{r.bytes_per_token:,.0f}", f"{r.ratio_to_fp16:.3f}x",
                       f"{r.first_token_agreement:.1%}", f"{r.mean_kl:.2e}", f"{r.greedy_match:.1%}", str(r.prompts))
     console.print(table)
+
+
+def bench_quant_command(
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
+    prompts: int = typer.Option(109, min=1, help="Chat prompts (system prompt warmed, first user turn)."),
+    new_tokens: int = typer.Option(16, min=1, help="Greedy tokens compared per prompt."),
+    json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+) -> None:
+    """Bytes per cached token and fidelity of int8 / int4 KV storage against 16-bit (refuses --shape)."""
+    choice = model_choice(model, shape, device, dtype, refuse_shape=QUALITY_REFUSAL.format(command="bench quant"))
+    run_quant_bench(choice, prompts, new_tokens, json_path, plot_path)

@@ -25,7 +25,7 @@ from typing import Any
 
 import typer
 
-from ..cli_common import MODEL_HELP
+from ..cli_common import QUALITY_REFUSAL, DeviceOption, DtypeOption, ModelOption, ShapeOption, load_engine, model_choice
 from .console import bench_console
 
 SYSTEM_PROMPT = ("You answer questions about the documents the user provides. Use only those documents and reply "
@@ -177,7 +177,7 @@ _COLUMNS = [("method", "method"), ("items", "items"), ("ttft_ms", "TTFT ms"), ("
 
 
 def eval_rag_command(
-        model: str | None = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+        model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
         json_path: str | None = typer.Option(None, "--json", help="Write the results as JSON."),
         plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG: TTFT ratio vs fidelity."),
         limit: int = typer.Option(0, "--limit", min=0, help="Evaluate the first N matching items (0: all)."),
@@ -192,16 +192,16 @@ def eval_rag_command(
     import torch
     from rich.progress import Progress
 
-    from .. import KVBoost
     from .plots import plot_scatter, render_table, write_json
     from .workloads import load_rag
 
+    choice = model_choice(model, shape, device, dtype, refuse_shape=QUALITY_REFUSAL.format(command="eval rag"))
     if threads:
         torch.set_num_threads(threads)
     console = bench_console()
     ratio_list = [float(x) for x in ratios.split(",") if x.strip()]
     with console.status("loading model"):
-        engine = KVBoost.from_pretrained(model, chunk_size=chunk_size, content_reuse=True)
+        engine = load_engine(choice, chunk_size=chunk_size, content_reuse=True)
     all_docs, all_items = load_rag()
     items = [it for it in all_items if docs is None or len(it["doc_ids"]) == docs]
     items = items[:limit] if limit else items
@@ -223,7 +223,7 @@ def eval_rag_command(
                       f"{none['ttft_ratio']:.3f}, agreement {none['first_token_agreement']:.1%}")
     if json_path:
         write_json(json_path, {
-            "benchmark": "rag", "model": model or "embedded SmolLM2-135M-Instruct", "device": str(engine.device),
+            "benchmark": "rag", **choice.record(engine),
             "threads": torch.get_num_threads(), "chunk_size": chunk_size, "items": len(items),
             "docs_filter": docs, "new_tokens": new_tokens, "elapsed_s": elapsed, "target": target,
             "rows": [asdict(r) for r in rows]})

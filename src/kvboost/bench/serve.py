@@ -11,14 +11,13 @@ have it). Targets: >= 2x requests/s and >= 3x lower p50 TTFT with reuse on.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
 import typer
 
-from ..cli_common import MODEL_HELP
+from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
 
 TARGET_RPS_GAIN = 2.0
@@ -103,7 +102,7 @@ def _warm(url: str, model: str, system: str) -> None:
     client.close()
 
 
-def run_serve_bench(model: str | None = None, clients: int = 16, requests_per_client: int = 4,
+def run_serve_bench(model: str | ModelChoice | None = None, clients: int = 16, requests_per_client: int = 4,
                     max_tokens: int = 16, max_batch_size: int = 16, batch_window_ms: float = 20.0,
                     progress=print) -> dict:
     from ..cli_common import load_engine
@@ -113,12 +112,15 @@ def run_serve_bench(model: str | None = None, clients: int = 16, requests_per_cl
 
     system, items = load_system_prompt()
     questions = [q["question"] for q in items]
-    engine = load_engine(model)
+    choice = as_choice(model)
+    engine = load_engine(choice)
+    # A shape has no checkpoint path to serve under; the server names it after the shape.
+    served = {"served_model_name": f"shape-{choice.shape}"} if choice.shape else {}
     runs: list[ServeRun] = []
     for mode in (GenerationMode.BASELINE, GenerationMode.CHUNK_KV_REUSE):
         engine.clear_cache()
-        settings = ServerSettings(model=model, mode=mode, max_batch_size=max_batch_size,
-                                  batch_window_ms=batch_window_ms, max_queue=max(256, clients * 2))
+        settings = ServerSettings(model=choice.model, mode=mode, max_batch_size=max_batch_size,
+                                  batch_window_ms=batch_window_ms, max_queue=max(256, clients * 2), **served)
         with BackgroundServer(create_app(engine, settings)) as srv:
             progress(f"[{mode.value}] warming up on {srv.base_url}")
             _warm(srv.base_url, settings.model_id, system)
@@ -133,7 +135,8 @@ def run_serve_bench(model: str | None = None, clients: int = 16, requests_per_cl
     rps_gain = on.requests_per_s / off.requests_per_s if off.requests_per_s else float("nan")
     ttft_gain = off.ttft_p50_ms / on.ttft_p50_ms if on.ttft_p50_ms else float("nan")
     return {
-        "model": settings.model_id, "clients": clients, "requests_per_client": requests_per_client,
+        "benchmark": "serve", **choice.record(engine), "model": settings.model_id, "clients": clients,
+        "requests_per_client": requests_per_client,
         "max_tokens": max_tokens, "max_batch_size": max_batch_size, "batch_window_ms": batch_window_ms,
         "runs": {r.mode: asdict(r) for r in runs},
         "requests_per_s_gain": rps_gain, "ttft_p50_gain": ttft_gain,
@@ -174,7 +177,7 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def bench_serve_command(
-    model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
     clients: Annotated[int, typer.Option(min=1, help="Concurrent clients.")] = 16,
     requests: Annotated[int, typer.Option(min=1, help="Requests per client.")] = 4,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 16,
@@ -185,12 +188,13 @@ def bench_serve_command(
     = None,
 ) -> None:
     """Requests/s and p50/p90 TTFT of the OpenAI server, reuse on versus off, 16 clients sharing a system prompt."""
-    report = run_serve_bench(model, clients, requests, max_tokens, max_batch_size, batch_window_ms,
-                             progress=lambda m: typer.echo(m, err=True))
+    report = run_serve_bench(model_choice(model, shape, device, dtype), clients, requests, max_tokens,
+                             max_batch_size, batch_window_ms, progress=lambda m: typer.echo(m, err=True))
     print_report(report)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+        from .plots import write_json
+
+        write_json(json_path, report)
         typer.echo(f"wrote {json_path}", err=True)
     if plot_path:
         plot_report(report, plot_path)

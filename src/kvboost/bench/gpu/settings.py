@@ -1,0 +1,59 @@
+"""What `kvboost bench gpu` measures and how long each part may take: full runs and `--quick` smoke runs."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SECTIONS = ("chat", "prefix", "decode", "kernels")
+PREFIX_LENGTHS = (1000, 4000, 16000, 30000)
+# Shares of the time left after loading. Decode holds the torch.compile warm-ups (minutes on a GPU); the
+# order of the run is chat, prefix, kernels, decode, so an unused share carries over to what comes later.
+SHARES = {"chat": 0.2, "prefix": 0.2, "kernels": 0.1, "decode": 0.5}
+RUN_ORDER = ("chat", "prefix", "kernels", "decode")
+
+
+@dataclass
+class GpuBenchSettings:
+    quick: bool = False
+    sections: tuple[str, ...] = SECTIONS
+    # a. chat turns: a ~900-token system prompt, 40-token user turns, short greedy replies
+    conversations: int = 4
+    turns: int = 6
+    system_tokens: int = 900
+    user_tokens: int = 40
+    reply_tokens: int = 8
+    # b. prefix TTFT against the suffix-only floor
+    prefix_lengths: list[int] = field(default_factory=lambda: list(PREFIX_LENGTHS))
+    prefix_repeats: int = 3
+    # c. decode tokens/s
+    decode_prompt_tokens: int = 1000
+    decode_tokens: int = 128
+    batch_sizes: tuple[int, ...] = (1, 16)
+    decode_repeats: int = 2
+    compile: bool = True
+    compile_reason: str = ""  # why compile is off, when it is
+    # whole run
+    time_limit_s: float = 510.0
+
+    @classmethod
+    def make(cls, *, quick: bool, device_type: str, max_prefix: int, sections: tuple[str, ...],
+             compile_flag: bool | None, time_limit_s: float) -> GpuBenchSettings:
+        s = cls(quick=quick, sections=sections, time_limit_s=time_limit_s)
+        if quick:  # every code path once, at sizes that take seconds (batch 4 runs batch 16's code on a CPU)
+            s.conversations, s.reply_tokens = 1, 4
+            s.prefix_lengths, s.prefix_repeats = [n for n in PREFIX_LENGTHS if n <= 4000], 1
+            s.decode_prompt_tokens, s.decode_tokens, s.decode_repeats = 256, 8, 1
+            s.batch_sizes = (1, 16) if device_type == "cuda" else (1, 4)
+        s.prefix_lengths = [n for n in s.prefix_lengths if n <= max_prefix]
+        if compile_flag is not None:
+            s.compile = compile_flag
+            s.compile_reason = "" if compile_flag else "off (--no-compile)"
+        elif device_type != "cuda":
+            s.compile = False
+            s.compile_reason = "skipped on CPU: minutes to compile, needs a C++ toolchain (--compile forces it)"
+        elif quick:
+            s.compile = False
+            s.compile_reason = "skipped with --quick (--compile forces it)"
+        return s
+
+    def record(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,130 @@
+"""--shape/--device/--dtype on the bench commands and `kvboost bench gpu`, end to end on the tiny shape (CPU)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvboost.cli import app
+
+BENCH_COMMANDS = ("prefix", "quant", "multiturn", "serve", "batch", "rag", "gpu")
+
+
+@pytest.fixture
+def one_thread():
+    """End-to-end runs assert what was measured, not how fast: one torch thread keeps them quick on a busy
+    machine, where two threads on shared cores can make every small op wait (70x seen on a 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+def _text(result) -> str:
+    """The output with rich's error box and line wrapping taken out."""
+    return " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("command", BENCH_COMMANDS)
+def test_every_bench_command_takes_the_model_options(command):
+    out = _invoke(["bench", command, "--help"])
+    assert out.exit_code == 0, out.output
+    for option in ("--model", "--shape", "--device", "--dtype"):
+        assert option in out.output, (command, option)
+
+
+def test_prefix_runs_on_a_shape_and_records_it(tmp_path, one_thread):
+    js = tmp_path / "prefix.json"
+    out = _invoke(["bench", "prefix", "--shape", "tiny", "--device", "cpu", "--lengths", "150,300",
+                   "--repeats", "1", "--json", str(js)])
+    assert out.exit_code == 0, out.output
+    data = json.loads(js.read_text())
+    assert (data["shape"], data["device"], data["dtype"]) == ("tiny", "cpu", "float32")
+    assert data["model"] == "shape tiny (random weights)" and "machine" in data
+    assert [r["prefix_tokens"] for r in data["rows"]] == [150, 300]
+    assert all(r["cached_tokens"] >= 128 for r in data["rows"])
+
+
+@pytest.mark.parametrize("command", ["prefix", "gpu", "batch"])
+def test_unknown_shape_is_a_usage_error_listing_the_known_ones(command):
+    out = _invoke(["bench", command, "--shape", "qwen9"])
+    assert out.exit_code == 2
+    text = _text(out)
+    assert "unknown shape 'qwen9'" in text and "qwen2.5-3b" in text and "llama-3.1-8b" in text
+
+
+def test_model_and_shape_are_mutually_exclusive():
+    out = _invoke(["bench", "prefix", "--shape", "tiny", "--model", "some/model"])
+    assert out.exit_code == 2 and "mutually exclusive" in _text(out)
+
+
+@pytest.mark.parametrize("args", [["bench", "quant"], ["bench", "rag"], ["eval", "rag"]])
+def test_quality_benchmarks_refuse_random_weights(args):
+    out = _invoke([*args, "--shape", "tiny"])
+    assert out.exit_code == 2 and "random weights make meaningless" in _text(out)
+
+
+def test_bad_dtype_and_missing_cuda_are_usage_errors():
+    out = _invoke(["bench", "batch", "--shape", "tiny", "--dtype", "int3"])
+    assert out.exit_code == 2 and "unknown dtype 'int3'" in _text(out)
+    if not torch.cuda.is_available():
+        out = _invoke(["bench", "gpu", "--device", "cuda"])
+        assert out.exit_code == 2 and "no CUDA device" in _text(out)
+
+
+def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
+    """`kvboost bench gpu --shape tiny --quick` on the suite's device (cpu here; cuda under --device cuda)."""
+    js, png = tmp_path / "gpu.json", tmp_path / "out" / "gpu.png"
+    out = _invoke(["bench", "gpu", "--shape", "tiny", "--device", str(device), "--quick", "--max-prefix", "1000",
+                   "--json", str(js), "--plot", str(png)])
+    assert out.exit_code == 0, out.output
+    data = json.loads(js.read_text())
+    assert data["complete"] and (data["shape"], data["dtype"]) == ("tiny", "float32" if device.type == "cpu"
+                                                                   else "bfloat16")
+    assert data["device"].startswith(device.type) and "machine" in data
+    sections = data["sections"]
+    assert set(sections) == {"chat", "prefix", "decode", "kernels"}
+    assert all(s["status"] in ("ok", "truncated") for s in sections.values()), {
+        k: (s["status"], s.get("reason")) for k, s in sections.items()}
+    chat = sections["chat"]
+    assert [r["turn"] for r in chat["per_turn"]] == [1, 2, 3, 4, 5, 6]
+    assert all(r["kvboost_cached"] > 800 for r in chat["per_turn"][1:])  # the ~900-token system prompt and more
+    assert set(chat["spike"]) == {"plain", "manual", "kvboost"}
+    assert [r["prefix_tokens"] for r in sections["prefix"]["rows"]] == [1000]  # --max-prefix caps the sweep
+    decode = {(r["system"], r["batch"]): r for r in sections["decode"]["rows"]}
+    for batch in data["settings"]["batch_sizes"]:
+        assert decode[("kvboost", batch)]["status"] == decode[("hf eager", batch)]["status"] == "ok"
+        compiled = decode[("hf static+compile", batch)]
+        assert compiled["status"] == "skipped" and compiled["reason"]  # CPU / --quick: said why
+    kernels = sections["kernels"]
+    assert kernels["sdpa"] and kernels["kernel"]["status"] in ("ok", "unavailable")
+    assert kernels["kernel"]["status"] == "ok" or kernels["kernel"]["reason"]
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 5000
+
+
+def test_kernel_rows_are_normalized_and_compared_with_flash_lower_right():
+    from dataclasses import dataclass
+
+    from kvboost.bench.gpu.kernels import _as_rows, _call, with_speedups
+
+    @dataclass
+    class Row:
+        shape: str
+        impl: str
+        median_ms: float
+
+    rows = with_speedups(_as_rows([Row("s", "triton", 0.5), Row("s", "sdpa_lower_right", 1.0)]))
+    assert rows[0]["speedup_vs_sdpa_lower_right"] == 2.0
+    assert _as_rows({"a": {"median_ms": 1.0}}) == [{"case": "a", "median_ms": 1.0}]
+
+    def timings(device, dtype, *, repeats=20):
+        return {"device": device, "dtype": dtype, "repeats": repeats}
+
+    assert _call(timings, {"device": "cpu", "dtype": torch.float32, "repeats": 3, "quick": True}) == {
+        "device": "cpu", "dtype": torch.float32, "repeats": 3}
