@@ -67,7 +67,7 @@ class EngineConfig:
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

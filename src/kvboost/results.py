@@ -6,7 +6,6 @@ from enum import Enum
 
 from .errors import InvalidRequestError
 
-
 _PARAM_NAMES = {"GenerationMode": "mode", "RecomputeStrategy": "recompute_strategy"}
 
 
@@ -64,7 +63,7 @@ class GenerationResult:
     approximate_tokens: int = 0  # reused from a content match at another position
     recomputed_tokens: int = 0  # reused tokens whose K/V was recomputed by repair
     lookup_ms: float = 0.0  # hashing + matching + assembly, inside ttft_ms
-    first_token_logits: "object | None" = field(default=None, repr=False)  # torch.Tensor when requested
+    first_token_logits: object | None = field(default=None, repr=False)  # torch.Tensor when requested
 
     @property
     def text(self) -> str:

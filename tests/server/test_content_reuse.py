@@ -31,6 +31,7 @@ def test_warmed_documents_in_another_order_are_reused(rag_engine, tiny_model_dir
         # Far more than any exact prefix of this prompt (the chat template's first tokens) could give.
         assert r.usage.prompt_tokens_details.cached_tokens == expected.cached_tokens > 3 * CHUNK
         assert r.choices[0].message.content == expected.output_text
+        fresh_tenant = {"cache_salt": f"tenant-{max_batch_size}"}
         plain = live.client().chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=4,
-                                                      temperature=0, extra_body={"cache_salt": f"tenant-{max_batch_size}"})
+                                                      temperature=0, extra_body=fresh_tenant)
         assert plain.usage.prompt_tokens_details.cached_tokens < CHUNK  # a new tenant sees none of it

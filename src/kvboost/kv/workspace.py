@@ -31,7 +31,7 @@ class InPlaceLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, workspace: "KVWorkspace", layer_idx: int, length: int):
+    def __init__(self, workspace: KVWorkspace, layer_idx: int, length: int):
         super().__init__()
         if workspace.base:
             raise ValueError("InPlaceLayer needs a workspace whose columns start at position 0")

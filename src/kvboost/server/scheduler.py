@@ -24,15 +24,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
 
 log = logging.getLogger("kvboost.server")
 
-Event = Union[tuple[Literal["delta"], str], tuple[Literal["done"], GenerationResult],
-              tuple[Literal["error"], BaseException]]
+Event = (tuple[Literal["delta"], str] | tuple[Literal["done"], GenerationResult]
+         | tuple[Literal["error"], BaseException])
 RunnerFactory = Callable[..., Any]
 
 
