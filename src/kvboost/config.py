@@ -42,6 +42,9 @@ class EngineConfig:
     # Batched rows that share a stored prefix attend to one copy of its K/V (cascade attention) instead of
     # each holding its own; off: every row copies the prefix into its slot.
     shared_prefix_attention: bool = True
+    # The engine's own forwards: "auto" (torch SDPA without cuDNN on CUDA, the model's own attention elsewhere),
+    # "model", "sdpa", or "triton" (KVBoost's kernels; CUDA + triton). See model.forward.resolve_attention.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
@@ -63,6 +66,8 @@ class EngineConfig:
         _require(self.chunk_boundary_window >= 0 and self.chunk_boundary_window < self.chunk_size // 2,
                  f"chunk_boundary_window must be in [0, chunk_size/2), got {self.chunk_boundary_window}")
         _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        _require(self.attention_backend in ("auto", "model", "sdpa", "triton"),
+                 f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
 

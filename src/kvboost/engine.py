@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .errors import ContextLengthError, InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.workspace import KVWorkspace
-from .model.forward import forward_tokens, probe_layer_shapes
+from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .prompting import Messages, encode_prompt
 from .request import Request
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
@@ -76,6 +76,7 @@ class InferenceEngine:
         self.device = next(model.parameters()).device
         shapes, kv_dtype = probe_layer_shapes(model)
         self.kv_dtype = kv_dtype
+        self.attention, self.attention_reason = resolve_attention(self.config.attention_backend, model)
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         self.fingerprint = model_fingerprint(model)
@@ -201,7 +202,7 @@ class InferenceEngine:
                         yield delta
                     if tracker.finished:
                         break
-                    token = sampler(forward_tokens(self.model, [token], cache)[0, -1])
+                    token = sampler(forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1])
             finally:
                 # K/V exists for every token fed to the model: the prompt and each output run to sample the
                 # next one. A decode forward that raised part-way leaves layers at different lengths; the prompt
@@ -233,7 +234,7 @@ class InferenceEngine:
             cache = ws.make_cache(len(ids))
         else:
             cache = ws.make_cache(plan.reuse_len)
-            logits = forward_tokens(self.model, ids[plan.reuse_len:], cache)[0, -1]
+            logits = forward_tokens(self.model, ids[plan.reuse_len:], cache, attention=self.attention)[0, -1]
         self._claim(request, plan, ids)
         return Prefill(plan, cache, logits)
 
@@ -286,7 +287,7 @@ class InferenceEngine:
             self.kv.place(plan, ws, ids)
             cache = ws.make_cache(plan.reuse_len)
             if plan.reuse_len < len(ids):
-                forward_tokens(self.model, ids[plan.reuse_len:], cache)
+                forward_tokens(self.model, ids[plan.reuse_len:], cache, attention=self.attention)
             ws.resident_ids, ws.resident_tag = ids, self.kv.tag(salt)
             return self.kv.write_back(ids, salt, ws, cut_ids=cut_ids)
 

@@ -18,13 +18,13 @@ so the prefix is neither copied into rows nor allocated for them. Attention read
 step for all rows. A row that arrives without that prefix shrinks it to what all rows still share: the
 dropped part, prefix[P':P], is copied into every active row's positions [P', P) after the workspace is
 rebased to P' (exact; P' may be 0, which is the plain per-row layout). The prefix never grows while rows
-are active and is dropped when the batch empties. Models where this cannot be exact (sliding windows, softcapping...) keep the per-row path.
+are active and is dropped when the batch empties. Models where this cannot be exact (sliding windows,
+softcapping...) keep the per-row path.
 """
 from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ from ..compat import has_sliding_layers
 from ..decoding import OutputTracker
 from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
+from ..model.forward import attention_context
 from ..request import Request
 from ..results import GenerationMode, GenerationResult
 from ..sampling import Sampler, SamplingParams
@@ -300,9 +301,14 @@ class BatchRunner:
         self.prefix = prefix.truncated(n)
 
     def _forward(self, cache: Cache, **inputs) -> torch.Tensor:
-        ctx = cascade_forward(self.engine.model, cache) if self.prefix is not None else nullcontext()
+        model = self.engine.model
+        # The shared prefix needs cascade attention; otherwise rows use the engine's attention (resolve_attention).
+        if self.prefix is not None:
+            ctx = cascade_forward(model, cache)
+        else:
+            ctx = attention_context(model, self.engine.attention)
         with ctx:
-            return self.engine.model(past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits
+            return model(past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: _Row) -> None:

@@ -1,6 +1,8 @@
 """Forward helpers: learn a model's per-layer K/V shapes, run tokens after what a Cache holds."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -22,11 +24,58 @@ def probe_layer_shapes(model: torch.nn.Module) -> tuple[list[LayerShape], torch.
     return shapes, dtype
 
 
+ATTENTION_BACKENDS = ("auto", "model", "sdpa", "triton")
+
+
+def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
+    """The attention the engine's own forwards use, and why. "model": the model's own implementation;
+    "sdpa": torch SDPA without the cuDNN backend (which builds a plan per new (q_len, kv_len), 46-91 ms per
+    layer on an H100: a spike on every chat turn); "triton": KVBoost's kernels (CUDA + triton). "auto": sdpa on
+    CUDA (the Triton kernels are opt-in until measured on a GPU), the model's own elsewhere."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    device = next(model.parameters()).device
+    if choice == "model" or (choice == "auto" and device.type != "cuda"):
+        return "model", "the model's own attention" if choice == "model" else f"auto on {device.type}"
+    from .attention.hf import unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason is not None:
+        if choice == "auto":
+            return "model", reason
+        raise ValueError(f"attention_backend={choice!r}: {reason}")
+    if choice == "triton":
+        from .attention.backend import select_backend
+
+        if device.type != "cuda":  # the CPU interpreter is for tests, never for serving
+            raise ValueError(f"attention_backend='triton' needs a CUDA device, the model is on {device.type}")
+        picked, why = select_backend(device, next(model.parameters()).dtype, _head_dim(model), prefer="triton")
+        if picked != "triton":
+            raise ValueError(f"attention_backend='triton' is not available here: {why}")
+        return "triton", why
+    return "sdpa", "torch SDPA, cuDNN excluded" + (" (auto on cuda)" if choice == "auto" else "")
+
+
+def _head_dim(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config()
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_context(model: torch.nn.Module, backend: str) -> AbstractContextManager:
+    """The block inside which a forward runs with the engine's attention (resolve_attention's choice)."""
+    if backend == "model":
+        return nullcontext()
+    from .attention.hf import kvboost_attention
+
+    return kvboost_attention(model, backend=backend)
+
+
 def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, cache: Cache,
-                   logits_to_keep: int = 1) -> torch.Tensor:
+                   logits_to_keep: int = 1, attention: str = "model") -> torch.Tensor:
     """Run tokens after what the cache holds; returns float32 logits of the last `logits_to_keep` positions.
 
     Shape: [batch, logits_to_keep, vocab]. Positions follow from the cache length, as in generate().
+    attention: resolve_attention's choice for this forward (the caller holds the engine lock).
     """
     device = next(model.parameters()).device
     if isinstance(token_ids, torch.Tensor):
@@ -35,5 +84,6 @@ def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, 
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    with attention_context(model, attention):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits.float()
