@@ -2,32 +2,49 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import kvboost
+
 from .tiny_models import make_tiny_model
 
+ROOT = Path(__file__).resolve().parents[1]
+# Everything the optional extras (and the test extra's openai) bring; a plain `pip install kvboost` has none.
+EXTRA_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "redis", "matplotlib", "openai")
 
-def kvboost(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+
+def kvboost_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvboost.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**__import__("os").environ, "COLUMNS": "200"})
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+def kvboost_without(blocked: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
+    """The CLI in a process where `blocked` cannot be imported (None in sys.modules), as on a bare install."""
+    prelude = (f"import sys\nfor m in {list(blocked)!r}: sys.modules[m] = None\n"
+               f"sys.argv = ['kvboost', *{list(args)!r}]\nfrom kvboost.cli import main\nmain()\n")
+    return subprocess.run([sys.executable, "-c", prelude], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 def test_help_lists_commands_and_benchmarks():
-    out = kvboost("--help")
+    out = kvboost_cli("--help")
     assert out.returncode == 0
     for name in ("demo", "verify", "bench", "cost"):
         assert name in out.stdout
-    bench = kvboost("bench", "--help").stdout
+    bench = kvboost_cli("bench", "--help").stdout
     for name in ("prefix", "multiturn", "quant", "serve", "rag"):
         assert name in bench
 
 
 def test_cost_prints_and_writes_json(tmp_path):
     path = tmp_path / "cost.json"
-    out = kvboost("cost", "--requests-per-day", "100000", "--prefix-tokens", "4000", "--reuse-rate", "0.86",
+    out = kvboost_cli("cost", "--requests-per-day", "100000", "--prefix-tokens", "4000", "--reuse-rate", "0.86",
                   "--prefill-rate", "10000", "--json", str(path))
     assert out.returncode == 0, out.stderr
     data = json.loads(path.read_text())
@@ -37,19 +54,66 @@ def test_cost_prints_and_writes_json(tmp_path):
 def test_verify_on_a_local_model(tmp_path, tokenizer):
     make_tiny_model("qwen2", tokenizer).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    out = kvboost("verify", "--model", str(tmp_path), "--max-new-tokens", "6")
+    out = kvboost_cli("verify", "--model", str(tmp_path), "--max-new-tokens", "6")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3/3 prompts identical" in out.stdout
 
 
 def test_unknown_model_path_fails_cleanly(tmp_path):
-    out = kvboost("verify", "--model", str(tmp_path / "missing"))
+    out = kvboost_cli("verify", "--model", str(tmp_path / "missing"))
     assert out.returncode != 0
     assert "Traceback" not in out.stdout + out.stderr and "cannot load model" in out.stderr
 
 
 @pytest.mark.slow
 def test_demo_runs_on_the_embedded_model():
-    out = kvboost("demo", "--questions", "1", "--max-new-tokens", "4")
+    out = kvboost_cli("demo", "--questions", "1", "--max-new-tokens", "4")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "KVBoost TTFT" in out.stdout and "yes" in out.stdout
+    assert "135M parameters" in out.stdout  # the answers are a small model's, and the demo says so
+
+
+def test_version_is_the_package_version_and_pyproject_agrees():
+    out = kvboost_cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"kvboost {kvboost.__version__}"
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # tomllib is 3.11+; we support 3.10
+    assert re.search(r'^version = "([^"]+)"$', pyproject, re.M).group(1) == kvboost.__version__
+
+
+def test_core_commands_run_without_any_extra(tmp_path):
+    assert kvboost_without(EXTRA_MODULES, "--help").returncode == 0
+    assert kvboost_without(EXTRA_MODULES, "bench", "--help").returncode == 0
+    assert kvboost_without(EXTRA_MODULES, "--version").stdout.strip() == f"kvboost {kvboost.__version__}"
+    out = kvboost_without(EXTRA_MODULES, "cost", "--json", str(tmp_path / "c.json"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "c.json").read_text())["usd_per_day"] > 0
+
+
+def _one_line_hint(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", [("serve",), ("serve", "--port", "0", "--model", "x")])
+def test_serve_without_the_server_extra_prints_the_install_hint(args):
+    hint = _one_line_hint(kvboost_without(("fastapi",), *args))
+    assert hint == "kvboost serve needs the server extra: pip install 'kvboost[server]'"
+
+
+def test_bench_serve_names_what_is_missing():
+    hint = _one_line_hint(kvboost_without(("fastapi", "openai"), "bench", "serve", "--requests", "1"))
+    assert hint.startswith("kvboost bench serve needs the server extra and the openai package")
+    assert hint.endswith("pip install 'kvboost[server]' openai")
+
+
+@pytest.mark.parametrize("command", ["prefix", "quant", "multiturn", "batch", "rag"])
+def test_plot_without_matplotlib_fails_before_the_benchmark_runs(command, tmp_path):
+    # The check comes first: no model is loaded (that would take far longer than this test allows).
+    out = kvboost_without(("matplotlib",), "bench", command, "--model", str(tmp_path / "missing"),
+                          "--plot", str(tmp_path / "p.png"))
+    assert _one_line_hint(out) == (f"kvboost bench {command} --plot needs the bench extra: "
+                                   "pip install 'kvboost[bench]'")

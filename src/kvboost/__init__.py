@@ -7,7 +7,7 @@ from .errors import (ContextLengthError, EmbeddedModelMissingError, InvalidReque
 from .results import (CorrectnessReport, GenerationMode, GenerationResult, PromptCheck, RecomputeStrategy,
                       WarmResult)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "KVBoost", "InferenceEngine", "EngineConfig", "GenerationMode", "RecomputeStrategy", "GenerationResult",

@@ -1,9 +1,19 @@
-"""Command line: kvboost demo | verify | bench ... | cost | serve."""
+"""Command line: kvboost demo | verify | bench ... | cost | serve.
+
+A plain `pip install kvboost` runs every command except `serve` / `bench serve` (the server extra) and
+--plot (the bench extra); those check for their extra first and exit with a one-line install hint.
+"""
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import typer
+
+from . import __version__
+from .cli_common import load_engine
+from .extras import missing_extras, require
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
@@ -12,22 +22,24 @@ app.add_typer(bench_app, name="bench")
 eval_app = typer.Typer(no_args_is_help=True, help="Fidelity evaluations of approximate reuse.")
 app.add_typer(eval_app, name="eval")
 
-def load_engine(model: str | None, **options):
-    """KVBoost.from_pretrained, with a one-line error instead of a traceback for a bad model argument."""
-    from . import KVBoost
 
-    try:
-        return KVBoost.from_pretrained(model, **options)
-    except (OSError, ValueError, ImportError) as exc:
-        typer.echo(f"error: cannot load model {model or '(embedded)'!r}: {str(exc).splitlines()[0]}", err=True)
-        raise typer.Exit(2) from None
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvboost {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
 
 
 ModelOpt = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id (default: embedded SmolLM2-135M).")
 
 
 @app.command()
-def demo(model: Optional[str] = ModelOpt,
+def demo(model: str | None = ModelOpt,
          questions: int = typer.Option(4, min=1, max=20, help="How many questions to ask."),
          max_new_tokens: int = typer.Option(32, min=1, help="Tokens per answer.")):
     """Warm a ~1,000-token system prompt, answer questions, compare baseline vs reused TTFT."""
@@ -37,9 +49,9 @@ def demo(model: Optional[str] = ModelOpt,
 
 
 @app.command()
-def verify(model: Optional[str] = ModelOpt,
+def verify(model: str | None = ModelOpt,
            max_new_tokens: int = typer.Option(32, min=1),
-           prompt: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="Prompt(s) to check (repeatable).")):
+           prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt(s) to check (repeatable).")):
     """Check that cached generation is token-identical to plain generation on this model."""
     from rich.console import Console
     from rich.table import Table
@@ -60,49 +72,47 @@ def verify(model: Optional[str] = ModelOpt,
     raise typer.Exit(0 if report else 1)
 
 
-@bench_app.command("prefix")
-def bench_prefix(model: Optional[str] = ModelOpt,
-                 lengths: str = typer.Option("1000,2000,4000,7000", help="Cached prefix lengths in tokens."),
-                 repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
-                 json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
-                 plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot.")):
-    """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
-    from .bench.prefix import run_prefix_bench
-
-    run_prefix_bench(model, [int(x) for x in lengths.split(",") if x.strip()], repeats, json_path, plot_path)
+def _check_plot_extra(command: str, plot_path: str | None) -> None:
+    # Checked before the benchmark runs: a missing matplotlib must not cost a long run its results.
+    if plot_path:
+        require(f"{command} --plot", "bench")
 
 
-@bench_app.command("quant")
-def bench_quant(model: Optional[str] = ModelOpt,
-                prompts: int = typer.Option(109, min=1, help="Chat prompts (system prompt warmed, first user turn)."),
-                new_tokens: int = typer.Option(16, min=1, help="Greedy tokens compared per prompt."),
-                json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
-                plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot.")):
-    """Bytes per cached token and fidelity of int8 / int4 KV storage against 16-bit."""
-    from .bench.quant import run_quant_bench
+def _plot_needs_bench_extra(command: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a bench command defined elsewhere, with a plot_path parameter) checking for matplotlib first."""
+    @functools.wraps(fn)  # typer reads the options from the wrapped signature
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        _check_plot_extra(command, kwargs.get("plot_path"))
+        return fn(*args, **kwargs)
 
-    run_quant_bench(model, prompts, new_tokens, json_path, plot_path)
+    return checked
 
 
-@bench_app.command("multiturn")
-def bench_multiturn(model: Optional[str] = ModelOpt,
-                    conversations: int = typer.Option(8, min=1, help="Conversations to replay (of 64 shipped)."),
-                    turns: int = typer.Option(8, min=1, help="At most this many user turns per conversation."),
-                    new_tokens: int = typer.Option(128, min=1, help="Greedy tokens per reply (at most; EOS ends it)."),
-                    json_path: Optional[str] = typer.Option(None, "--json", help="Write results as JSON."),
-                    plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot."),
-                    peer_python: Optional[str] = typer.Option(None, "--peer-python",
-                                                              help="Python of a virtualenv with another kvboost."),
-                    workload: str = typer.Option("chat", help="chat: the 64 shipped conversations (80-370-token "
-                                                              "system prompts); support: the ~1,000-token manual "
-                                                              "of the system-prompt workload, its questions as turns.")):
-    """Replay chats turn by turn: plain transformers, the manual prefix-cache recipe, KVBoost (and a peer)."""
-    from .bench.multiturn import WORKLOADS, run_multiturn_bench
+def _needs_extras(command: str, fn: Callable[..., Any], *extras: str, modules: tuple[str, ...] = ()
+                  ) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        require(command, *extras, modules=modules)
+        return fn(*args, **kwargs)
 
-    if workload not in WORKLOADS:
-        raise typer.BadParameter(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}",
-                                 param_hint="--workload")
-    run_multiturn_bench(model, conversations, turns, new_tokens, json_path, plot_path, peer_python, workload)
+    return checked
+
+
+def _serve_command() -> Callable[..., Any]:
+    """The server's command when its extra is installed; else a stand-in that prints the install hint.
+
+    Importing the server package loads fastapi, so without the extra the real command cannot even be
+    registered; the stand-in takes any arguments so `kvboost serve --port 1` gets the hint, not a usage error.
+    """
+    if not missing_extras("server"):
+        from .server.__main__ import serve_command
+
+        return serve_command
+
+    def serve(ctx: typer.Context) -> None:
+        require("kvboost serve", "server")
+
+    return serve
 
 
 def _register_modules() -> None:
@@ -111,18 +121,31 @@ def _register_modules() -> None:
     from .bench.cost import cost_command
     from .bench.rag import eval_rag_command
     from .bench.serve import bench_serve_command
-    from .server.__main__ import serve_command
 
-    app.command("serve", help="OpenAI-compatible server (also installed as kvboost-server).")(serve_command)
+    loose = {"allow_extra_args": True, "ignore_unknown_options": True}
+    serve = _serve_command()
+    app.command("serve", help="OpenAI-compatible server (also installed as kvboost-server; needs the server "
+                              "extra).", context_settings=loose if serve.__name__ == "serve" else None)(serve)
     app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(
         cost_command)
-    bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off.")(
-        bench_serve_command)
+    bench_serve = _needs_extras("kvboost bench serve", bench_serve_command, "server", modules=("openai",))
+    bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off (needs the "
+                                    "server extra and openai).")(
+        _plot_needs_bench_extra("kvboost bench serve", bench_serve))
     bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
-        bench_batch_command)
+        _plot_needs_bench_extra("kvboost bench batch", bench_batch_command))
     rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."
-    eval_app.command("rag", help=rag_help)(eval_rag_command)
-    bench_app.command("rag", help=rag_help)(eval_rag_command)
+    eval_app.command("rag", help=rag_help)(_plot_needs_bench_extra("kvboost eval rag", eval_rag_command))
+    bench_app.command("rag", help=rag_help)(_plot_needs_bench_extra("kvboost bench rag", eval_rag_command))
+    # Each takes --model/--shape/--device/--dtype (cli_common).
+    from .bench.gpu import bench_gpu_command
+    from .bench.multiturn import bench_multiturn_command
+    from .bench.prefix import bench_prefix_command
+    from .bench.quant import bench_quant_command
+
+    for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
+                          ("multiturn", bench_multiturn_command), ("gpu", bench_gpu_command)):
+        bench_app.command(name)(_plot_needs_bench_extra(f"kvboost bench {name}", command))
 
 
 _register_modules()

@@ -9,8 +9,9 @@ from rich.table import Table
 
 
 def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
-    from .cli import load_engine
     from .bench.workloads import load_system_prompt
+    from .cli_common import load_engine
+    from .loading import is_embedded
 
     console = Console()
     system, questions = load_system_prompt()
@@ -32,8 +33,8 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
                          ("identical", "center")):
         table.add_column(col, justify=justify)
     answers = []
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("answering", total=len(questions))
         for q in questions:
@@ -47,6 +48,10 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
             answers.append((q, fast.output_text))
             progress.advance(task)
     console.print(table)
+    if is_embedded(model):
+        # The answers often contradict the system prompt; say why before anyone reads them as KVBoost's doing.
+        console.print("[dim]The embedded model has 135M parameters, so its answers are illustrative only: the point "
+                      "is the TTFT and that both runs give identical outputs.[/]")
     for q, a in answers[:2]:
         console.print(f"[bold]Q:[/] {q}\n[bold]A:[/] {a.strip()}\n")
     stats = engine.cache_stats()

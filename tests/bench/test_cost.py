@@ -9,8 +9,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvboost.bench.cost import (BenchSchemaError, cost_command, estimate_cost, read_bench_rates,  # noqa: E402
-                                render_cost_table)
+from kvboost.bench.cost import (
+    BenchSchemaError,
+    CostInputError,
+    cost_command,
+    estimate_cost,
+    read_bench_rates,
+    render_cost_table,
+)
 
 SITE = dict(requests_per_day=100_000, prefix_tokens=4000, reuse_rate=0.86, prefill_tokens_per_s=10_000,
             usd_per_gpu_hour=0.75)
@@ -21,9 +27,10 @@ def test_product_site_example():
     assert est.tokens_saved_per_day == pytest.approx(344_000_000)
     assert est.gpu_seconds_per_day == pytest.approx(34_400)
     assert round(est.gpu_hours_per_day, 2) == 9.56  # the site rounds this to "about 9.6 GPU-hours/day"
-    assert est.usd_per_day == pytest.approx(34_400 * 0.75 / 3600)
-    assert est.usd_per_month == pytest.approx(215.0)
-    assert est.usd_per_year == pytest.approx(2580.0)
+    assert est.usd_per_day == pytest.approx(34_400 * 0.75 / 3600)  # $7.17
+    assert est.usd_per_year == pytest.approx(7.1666667 * 365)  # a year is 365 days, not 12 x 30
+    assert est.usd_per_month == pytest.approx(est.usd_per_year / 12)  # $217.99: an average month, 30.42 days
+    assert round(est.usd_per_month, 2) == 217.99 and round(est.usd_per_year, 2) == 2615.83
 
 
 def test_second_hand_computed_case():
@@ -31,8 +38,9 @@ def test_second_hand_computed_case():
     assert est.tokens_saved_per_day == pytest.approx(1_000_000)
     assert est.gpu_seconds_per_day == pytest.approx(200)
     assert est.gpu_hours_per_day == pytest.approx(200 / 3600)
-    assert est.usd_per_month == pytest.approx(200 * 2.0 * 30 / 3600)
-    assert est.usd_per_year == pytest.approx(12 * est.usd_per_month)
+    assert est.usd_per_day == pytest.approx(200 * 2.0 / 3600)
+    assert est.usd_per_year == pytest.approx(365 * est.usd_per_day)
+    assert est.usd_per_month == pytest.approx(365 / 12 * est.usd_per_day)
     assert est.to_dict()["reuse_rate"] == 0.5
 
 
@@ -49,8 +57,9 @@ def test_zero_volume_or_reuse_saves_nothing(field):
     ("requests_per_day", "100"), ("prefix_tokens", True),
 ])
 def test_validation(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as info:  # the Python API names its parameters
         estimate_cost(**{**SITE, field: value})
+    assert isinstance(info.value, CostInputError) and info.value.param == field
 
 
 def test_reuse_bounds_are_inclusive():
@@ -109,8 +118,9 @@ def run_cli():
 def test_cli_defaults_are_the_site_example(run_cli):
     res = run_cli()
     assert res.exit_code == 0, res.output
-    assert "344,000,000" in res.output and "9.56" in res.output and "$215.00" in res.output
-    assert "$2,580.00" in res.output
+    assert "344,000,000" in res.output and "9.56" in res.output and "$217.99" in res.output
+    assert "$2,615.83" in res.output
+    assert "365 days" in res.output and "365/12" in res.output  # the calendar is stated, not implied
 
 
 def test_cli_json_and_flags(run_cli, tmp_path):
@@ -134,21 +144,27 @@ def test_cli_from_bench_with_override(run_cli, tmp_path):
     assert data["tokens_saved_per_day"] == 100_000 * 4000 * 0.5
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--reuse-rate", "1.5"], "reuse_rate"),
-    (["--prefill-rate", "0"], "prefill_tokens_per_s"),
-    (["--from-bench", "/nonexistent/bench.json"], "not found"),
+@pytest.mark.parametrize("args,flag,message", [
+    (["--reuse-rate", "1.5"], "--reuse-rate", "within [0, 1]"),
+    (["--prefill-rate", "0"], "--prefill-rate", "> 0"),
+    (["--requests-per-day", "-5"], "--requests-per-day", ">= 0"),
+    (["--prefix-tokens", "-1"], "--prefix-tokens", ">= 0"),
+    (["--usd-per-gpu-hour", "0"], "--usd-per-gpu-hour", "> 0"),
+    (["--from-bench", "/nonexistent/bench.json"], "--from-bench", "not found"),
 ])
-def test_cli_errors_are_usage_errors(run_cli, args, message):
+def test_cli_errors_are_usage_errors_naming_the_flag(run_cli, args, flag, message):
     res = run_cli(*args)
-    assert res.exit_code == 2 and message in res.output
+    assert res.exit_code == 2 and flag in res.output and message in res.output
+    for python_name in ("reuse_rate", "prefill_tokens_per_s", "requests_per_day", "prefix_tokens",
+                        "usd_per_gpu_hour"):
+        assert python_name not in res.output  # the user typed flags, not Python variables
 
 
 def test_cost_command_callable_from_python(tmp_path, capsys):
     # Unspecified parameters are typer OptionInfo objects when called directly; they must fall back to defaults.
     est = cost_command(json_path=tmp_path / "c.json")
     assert est.tokens_saved_per_day == pytest.approx(344_000_000)
-    assert json.loads((tmp_path / "c.json").read_text())["usd_per_month"] == pytest.approx(215.0)
+    assert json.loads((tmp_path / "c.json").read_text())["usd_per_month"] == pytest.approx(217.99, abs=0.01)
     assert "GPU-hours" in capsys.readouterr().out
 
 

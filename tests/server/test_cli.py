@@ -24,21 +24,24 @@ def test_console_script_entry_points_exist():
     assert scripts.get("kvboost-server") == "kvboost.server.__main__:main"
 
 
-def _read_line(proc: subprocess.Popen, pattern: str, timeout: float) -> str:
-    """The first stdout line matching pattern, read on a helper thread so a silent child cannot hang us."""
-    found: list[str] = []
+def _read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> list[str]:
+    """stdout lines up to the first matching pattern (the last one), read on a helper thread so a silent
+    child cannot hang us."""
+    seen: list[str] = []
+    found = threading.Event()
 
     def reader() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
+            seen.append(line)
             if re.search(pattern, line):
-                found.append(line)
+                found.set()
                 return
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
     t.join(timeout)
-    assert found, f"no line matching {pattern!r} within {timeout}s (exit code {proc.poll()})"
-    return found[0]
+    assert found.is_set(), f"no line matching {pattern!r} within {timeout}s (exit code {proc.poll()}): {seen}"
+    return seen
 
 
 def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
@@ -49,10 +52,16 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        line = _read_line(proc, r"listening on http://", timeout=120)
-        url = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert url, line
+        lines = _read_until(proc, r"listening on http://", timeout=120)
+        url = re.search(r"http://127\.0\.0\.1:(\d+)", lines[-1])
+        assert url, lines
         base = url.group(0)
+        # Before it listens, the server says what it runs on and how it will batch, and has warmed up.
+        start = "".join(lines)
+        for expected in ("model 'tiny-cli' on cpu", "float32", "context 1,024 tokens", "loaded in ",
+                         "warmed up in ", "K/V cache: memory budget ", "chunks of 128 tokens stored at 8 bits",
+                         "batching: one request at a time; queue 4"):
+            assert expected in start, start
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -62,6 +71,10 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
                 pass
             assert time.monotonic() < deadline, "server never became healthy"
             time.sleep(0.1)
+        stats = httpx.get(base + "/v1/stats", timeout=5).json()
+        # The warm-up ran through the worker, in baseline mode: nothing was stored by it.
+        assert stats["scheduler"]["completed"] == 1 and stats["cache"]["requests_by_mode"] == {"baseline": 1}
+        assert stats["cache"]["chunks_written"] == 0 and stats["cache"]["tiers"]["memory"]["entries"] == 0
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
         r = client.chat.completions.create(model="tiny-cli", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=3, temperature=0)
@@ -79,10 +92,43 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
     assert proc.returncode is not None
 
 
+def test_warm_files_are_stored_before_listening(tiny_model_dir, tmp_path):
+    """--warm: the first request that starts with the warmed system prompt reuses it (no first-request spike)."""
+    system = "You answer questions about the river. " * 12
+    (tmp_path / "system.txt").write_text(system)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", KVBOOST_API_KEY="")
+    cmd = [sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), "--port", "0",
+           "--served-model-name", "tiny-warm", "--chunk-size", "16", "--warm", str(tmp_path / "system.txt"),
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = _read_until(proc, r"listening on http://", timeout=120)
+        assert any("warmed 1 prompt(s)" in line for line in lines), lines
+        base = re.search(r"http://127\.0\.0\.1:(\d+)", lines[-1]).group(0)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(
+            model="tiny-warm", max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "Where is it?"}])
+        assert r.usage.prompt_tokens_details.cached_tokens >= 0.7 * r.usage.prompt_tokens
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 @pytest.mark.parametrize("flags, named", [(["--kv-cache-bits", "3"], "kv_cache_bits"),
                                           (["--chunk-size", "32", "--chunk-boundary-window", "16"],
-                                           "chunk_boundary_window")])
-def test_bad_flags_exit_with_a_message(tiny_model_dir, flags, named):
+                                           "chunk_boundary_window"),
+                                          (["--warm", "/nonexistent/system.txt"], "/nonexistent/system.txt"),
+                                          (["--warm", "BADJSON"], "messages")])
+def test_bad_flags_exit_with_a_message(tiny_model_dir, tmp_path, flags, named):
+    if "BADJSON" in flags:
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"role": "system"}')  # an object, not a list of messages
+        flags = [str(bad) if f == "BADJSON" else f for f in flags]
     proc = subprocess.run([sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), *flags,
                            "--port", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -64,7 +64,8 @@ def test_malformed_json_is_400_whatever_the_content_type(server, raw):
 
 def test_curl_style_form_content_type_is_still_parsed(server):
     with server.http() as http:
-        r = http.post("/v1/completions", content=b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % TINY_NAME.encode(),
+        body = b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % TINY_NAME.encode()
+        r = http.post("/v1/completions", content=body,
                       headers={"content-type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200, r.text
 

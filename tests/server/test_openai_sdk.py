@@ -1,6 +1,8 @@
 """The real openai SDK against a live server: chat, streaming, completions, models, sampling semantics."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ..prompts import text_with_tokens, words
@@ -55,6 +57,30 @@ def test_streaming_chat_role_deltas_finish_usage_done(sdk):
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == full.usage.completion_tokens
     # The same prompt again: its K/V is reused, and usage says so the way OpenAI does.
     assert usage_chunk.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_stream_deltas_carry_only_what_they_set(live):
+    """On the wire, as OpenAI streams: the role chunk, content-only deltas, then a final chunk whose delta is
+    {} beside the finish_reason (never role/content null, which naive clients print as "None")."""
+    body = {"model": TINY_NAME, "messages": _messages(9), "max_tokens": 5, "temperature": 0, "stream": True}
+    with live.http() as http:
+        raw = http.post("/v1/chat/completions", json=body).text
+    events = [line.removeprefix("data: ") for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all(set(d) == {"content"} and d["content"] for d in deltas[1:-1])
+    final = chunks[-1]["choices"][0]
+    assert final["delta"] == {} and final["finish_reason"] in ("length", "stop")
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_the_sdk_reads_the_empty_final_delta(sdk):
+    chunks = list(sdk.chat.completions.create(model=TINY_NAME, messages=_messages(9), max_tokens=5,
+                                              temperature=0, stream=True))
+    last = chunks[-1].choices[0]
+    assert last.finish_reason in ("length", "stop") and last.delta.content is None and last.delta.role is None
 
 
 def test_stream_without_include_usage_has_no_usage_chunk(sdk):

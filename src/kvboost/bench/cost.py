@@ -5,8 +5,9 @@ Model: every reused prefix token is a token the GPU does not have to prefill.
     tokens_saved_per_day = requests_per_day * prefix_tokens * reuse_rate
     gpu_seconds_per_day  = tokens_saved_per_day / prefill_tokens_per_s
     gpu_hours_per_day    = gpu_seconds_per_day / 3600
-    usd_per_month        = gpu_seconds_per_day * usd_per_gpu_hour * 30 / 3600   (30-day month)
-    usd_per_year         = 12 * usd_per_month
+    usd_per_day          = gpu_seconds_per_day * usd_per_gpu_hour / 3600
+    usd_per_year         = 365 * usd_per_day
+    usd_per_month        = usd_per_year / 12      (an average month: 365/12 = 30.42 days)
 
 Bench JSON schema read by ``read_bench_rates`` / ``--from-bench`` (any benchmark may emit it):
 
@@ -22,7 +23,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -36,7 +37,12 @@ DEFAULT_PREFIX_TOKENS = 4_000
 DEFAULT_REUSE_RATE = 0.86
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 DEFAULT_USD_PER_GPU_HOUR = 0.75
-DAYS_PER_MONTH = 30
+DAYS_PER_YEAR = 365
+DAYS_PER_MONTH = DAYS_PER_YEAR / 12  # an average month, so that 12 months make the year
+
+# The flag each estimate_cost parameter comes from, so CLI errors name what the user typed.
+FLAGS = {"requests_per_day": "--requests-per-day", "prefix_tokens": "--prefix-tokens", "reuse_rate": "--reuse-rate",
+         "prefill_tokens_per_s": "--prefill-rate", "usd_per_gpu_hour": "--usd-per-gpu-hour"}
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,21 @@ class BenchSchemaError(ValueError):
     """The bench JSON lacks ``reuse_rate`` / ``prefill_tokens_per_s`` or holds invalid values."""
 
 
+class CostInputError(ValueError):
+    """An estimate_cost argument is invalid; ``param`` names it, ``problem`` says what is wrong with it."""
+
+    def __init__(self, param: str, problem: str):
+        super().__init__(f"{param} {problem}")
+        self.param = param
+        self.problem = problem
+
+
 def _number(name: str, value: Any) -> float:
     # bool is an int subclass; True as "1 request/day" is always a bug upstream.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise CostInputError(name, f"must be a number, got {value!r}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise CostInputError(name, f"must be finite, got {value!r}")
     return float(value)
 
 
@@ -85,15 +100,15 @@ def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefil
     rate = _number("prefill_tokens_per_s", prefill_tokens_per_s)
     usd = _number("usd_per_gpu_hour", usd_per_gpu_hour)
     if req < 0:
-        raise ValueError(f"requests_per_day must be >= 0, got {req:g}")
+        raise CostInputError("requests_per_day", f"must be >= 0, got {req:g}")
     if pre < 0:
-        raise ValueError(f"prefix_tokens must be >= 0, got {pre:g}")
+        raise CostInputError("prefix_tokens", f"must be >= 0, got {pre:g}")
     if not 0.0 <= reuse <= 1.0:
-        raise ValueError(f"reuse_rate must be within [0, 1], got {reuse:g}")
+        raise CostInputError("reuse_rate", f"must be within [0, 1], got {reuse:g}")
     if rate <= 0:
-        raise ValueError(f"prefill_tokens_per_s must be > 0, got {rate:g}")
+        raise CostInputError("prefill_tokens_per_s", f"must be > 0, got {rate:g}")
     if usd <= 0:
-        raise ValueError(f"usd_per_gpu_hour must be > 0, got {usd:g}")
+        raise CostInputError("usd_per_gpu_hour", f"must be > 0, got {usd:g}")
     return req, pre, reuse, rate, usd
 
 
@@ -101,18 +116,18 @@ def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: flo
                   usd_per_gpu_hour: float) -> CostEstimate:
     """GPU time and money saved per day/month/year by reusing cached prefixes (formulas in the module doc).
 
-    Raises ValueError for negative volumes, a reuse rate outside [0, 1], or non-positive prefill rate or price.
+    Raises CostInputError (a ValueError naming the parameter) for negative volumes, a reuse rate outside
+    [0, 1], or a non-positive prefill rate or price.
     """
     req, pre, reuse, rate, usd = _validate(requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
                                            usd_per_gpu_hour)
     tokens = req * pre * reuse
     gpu_s = tokens / rate
     usd_day = gpu_s * usd / 3600
-    usd_month = usd_day * DAYS_PER_MONTH
     return CostEstimate(requests_per_day=req, prefix_tokens=pre, reuse_rate=reuse, prefill_tokens_per_s=rate,
                         usd_per_gpu_hour=usd, tokens_saved_per_day=tokens, gpu_seconds_per_day=gpu_s,
-                        gpu_hours_per_day=gpu_s / 3600, usd_per_day=usd_day, usd_per_month=usd_month,
-                        usd_per_year=12 * usd_month)
+                        gpu_hours_per_day=gpu_s / 3600, usd_per_day=usd_day, usd_per_month=usd_day * DAYS_PER_MONTH,
+                        usd_per_year=usd_day * DAYS_PER_YEAR)
 
 
 def _lookup(data: dict[str, Any], key: str, path: Path) -> Any:
@@ -166,8 +181,9 @@ def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
         ("GPU price", f"${est.usd_per_gpu_hour:,.2f}/h"),
         ("Prefill tokens saved per day", f"{est.tokens_saved_per_day:,.0f}"),
         ("GPU-hours saved per day", f"{est.gpu_hours_per_day:,.2f}"),
-        ("Saved per month (30 days)", f"${est.usd_per_month:,.2f}"),
-        ("Saved per year", f"${est.usd_per_year:,.2f}"),
+        ("Saved per day", f"${est.usd_per_day:,.2f}"),
+        (f"Saved per month ({DAYS_PER_YEAR}/12 = {DAYS_PER_MONTH:.2f} days)", f"${est.usd_per_month:,.2f}"),
+        (f"Saved per year ({DAYS_PER_YEAR} days)", f"${est.usd_per_year:,.2f}"),
     ]
     for i, (k, v) in enumerate(rows):
         table.add_row(k, v, end_section=(i == 4))  # rule between inputs and results
@@ -184,18 +200,19 @@ def cost_command(
                                            help="Requests served per day."),
     prefix_tokens: float = typer.Option(DEFAULT_PREFIX_TOKENS, "--prefix-tokens",
                                         help="Shared prefix length per request, in tokens."),
-    reuse_rate: Optional[float] = typer.Option(
+    reuse_rate: float | None = typer.Option(
         None, "--reuse-rate", show_default=False,
-        help=f"Fraction of prefix tokens served from cache, 0..1. Default: the --from-bench value, else {DEFAULT_REUSE_RATE}."),
-    prefill_rate: Optional[float] = typer.Option(
+        help="Fraction of prefix tokens served from cache, 0..1. "
+             f"Default: the --from-bench value, else {DEFAULT_REUSE_RATE}."),
+    prefill_rate: float | None = typer.Option(
         None, "--prefill-rate", show_default=False,
         help="Baseline prefill throughput in tokens/s. "
              f"Default: the --from-bench value, else {DEFAULT_PREFILL_TOKENS_PER_S:g}."),
     usd_per_gpu_hour: float = typer.Option(DEFAULT_USD_PER_GPU_HOUR, "--usd-per-gpu-hour",
                                            help="GPU price in USD per hour."),
-    from_bench: Optional[Path] = typer.Option(
+    from_bench: Path | None = typer.Option(
         None, "--from-bench", help="Bench JSON providing reuse_rate and prefill_tokens_per_s (explicit flags win)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the estimate to this JSON file."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the estimate to this JSON file."),
 ) -> CostEstimate:
     """Estimate GPU time and money saved by KV-cache prefix reuse."""
     requests_per_day, prefix_tokens, reuse_rate, prefill_rate, usd_per_gpu_hour, from_bench, json_path = map(
@@ -211,8 +228,10 @@ def cost_command(
         est = estimate_cost(requests_per_day, prefix_tokens,
                             DEFAULT_REUSE_RATE if reuse_rate is None else reuse_rate,
                             DEFAULT_PREFILL_TOKENS_PER_S if prefill_rate is None else prefill_rate, usd_per_gpu_hour)
-    except ValueError as e:  # includes BenchSchemaError; typer renders it as a usage error (exit code 2)
-        raise typer.BadParameter(str(e)) from None
+    except CostInputError as e:  # named by the flag the user typed, not the Python parameter
+        raise typer.BadParameter(e.problem, param_hint=FLAGS[e.param]) from None
+    except BenchSchemaError as e:  # typer renders both as a usage error (exit code 2)
+        raise typer.BadParameter(str(e), param_hint="--from-bench") from None
     Console().print(render_cost_table(est, reuse_source=reuse_src, prefill_source=prefill_src))
     if json_path is not None:
         write_json(json_path, {**est.to_dict(), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})

@@ -19,13 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import typer
 from rich.live import Live
 from rich.table import Table
 
 from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
-from ..reuse.match import common_prefix_length
 from .console import bench_console
 
 if TYPE_CHECKING:  # transformers loads on first use: `kvboost --help` stays fast
@@ -77,6 +75,8 @@ def greedy_over_cache(model, ids: list[int], cache: DynamicCache, start: int, n:
                       eos: set[int]) -> tuple[float, list[int]]:
     """Prefill ids[start:] over `cache`, then decode greedily; returns (ttft_ms, tokens). Tensors are built on
     the model's device, and reading each token id waits for the device, so the clock sees the whole prefill."""
+    import torch
+
     device = model.device
     t0 = time.perf_counter()
     logits = model(input_ids=torch.tensor([ids[start:]], device=device), past_key_values=cache, use_cache=True,
@@ -104,6 +104,8 @@ class ManualPrefixCache:
 
     def shared_with(self, ids: list[int]) -> int:
         """Tokens of `ids` whose K/V the previous turn left behind (prompt + reply, as fed to the model)."""
+        from ..reuse.match import common_prefix_length
+
         return min(common_prefix_length(self.ids, ids), len(ids) - 1)
 
     def run(self, ids: list[int], n: int, eos: set[int]) -> tuple[float, list[int]]:
@@ -155,6 +157,7 @@ def _load_workload(name: str) -> list[dict]:
 def run_multiturn_bench(model: str | ModelChoice | None, conversations: int, turns: int, new_tokens: int,
                         json_path: str | None, plot_path: str | None, peer_python: str | None = None,
                         workload: str = "chat") -> list[TurnSummary]:
+    import torch
     from transformers import DynamicCache
 
     from ..cli_common import load_engine

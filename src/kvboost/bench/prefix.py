@@ -13,7 +13,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -22,7 +21,8 @@ from rich.table import Table
 from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
 
-if TYPE_CHECKING:  # transformers loads on first use: `kvboost --help` stays fast
+if TYPE_CHECKING:  # torch and transformers load on first use: `kvboost --help` stays fast
+    import torch
     from transformers import DynamicCache
 
 
@@ -81,6 +81,7 @@ class SuffixFloor:
     """A DynamicCache holding ids[:split], cloned fresh for each timed suffix prefill: what no cache can beat."""
 
     def __init__(self, model):
+
         self.model = model
         self.ids: list[int] = []
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -99,6 +100,8 @@ class SuffixFloor:
             self.ids = list(ids[:split])
 
     def _tensor(self, ids: list[int]) -> torch.Tensor:
+        import torch
+
         return torch.tensor([ids], device=self.model.device)  # built where the model lives
 
     def _fresh(self) -> DynamicCache:
@@ -110,6 +113,8 @@ class SuffixFloor:
         return cache
 
     def ttft_ms(self, ids: list[int], split: int) -> tuple[float, int]:
+        import torch
+
         self._prepare(ids, split)
         cache = self._fresh()
         suffix = self._tensor(ids[split:])
@@ -128,6 +133,8 @@ def fitting_lengths(lengths: list[int], max_context: int | None, room: int = 64)
 
 def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeats: int, json_path: str | None,
                      plot_path: str | None) -> list[PrefixRow]:
+    import torch
+
     from ..cli_common import load_engine
     from ..reuse.match import match_exact
     from .plots import plot_lines, write_json

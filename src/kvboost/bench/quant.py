@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -51,6 +50,8 @@ def _prompts(limit: int) -> list[tuple[list[dict], list[dict]]]:
 
 def run_quant_bench(model: str | ModelChoice | None, n_prompts: int, new_tokens: int, json_path: str | None,
                     plot_path: str | None) -> list[QuantRow]:
+    import torch
+
     from .. import KVBoost
     from ..cli_common import load_engine
     from .plots import plot_bars, write_json

@@ -5,9 +5,17 @@ or `kvboost-server`; embed it with `create_app(engine, ServerSettings(...))`.
 """
 from __future__ import annotations
 
-from .app import create_app
-from .background import BackgroundServer
-from .scheduler import Job, QueueFullError, Scheduler
-from .settings import ServerSettings
+from importlib import import_module
+from typing import Any
 
-__all__ = ["BackgroundServer", "Job", "QueueFullError", "Scheduler", "ServerSettings", "create_app"]
+# Loaded on first use, so importing kvboost.server.__main__ (the CLI registering `serve`) loads neither
+# fastapi nor torch, and a missing extra is reported by the command, not by an ImportError here.
+_EXPORTS = {"create_app": ".app", "BackgroundServer": ".background", "Job": ".scheduler",
+            "QueueFullError": ".scheduler", "Scheduler": ".scheduler", "ServerSettings": ".settings"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name], __name__), name)

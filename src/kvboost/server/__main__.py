@@ -1,17 +1,20 @@
-"""`kvboost serve` / `kvboost-server`: load a model and serve the OpenAI-compatible API."""
+"""`kvboost serve` / `kvboost-server`: load a model, warm it up, and serve the OpenAI-compatible API."""
 from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 
 import typer
 
+from .. import __version__
+from ..extras import require
 from ..results import GenerationMode, RecomputeStrategy
 
 
 def serve_command(
-    model: str | None = typer.Option(None, "--model", "-m",
-                                        help="Local path or Hugging Face id (default: embedded SmolLM2-135M-Instruct)."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id "
+                                                                 "(default: embedded SmolLM2-135M-Instruct)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port (0: pick a free one)."),
     content_reuse: bool = typer.Option(False, help="Also reuse stored chunks found at other positions (RAG; "
@@ -34,6 +37,10 @@ def serve_command(
                                          help="K/V reuse for every request (baseline: none, for comparisons)."),
     device: str | None = typer.Option(None, help="cpu, cuda, mps (default: best available)."),
     dtype: str | None = typer.Option(None, help="float32, bfloat16, float16 (default: fp32 on CPU)."),
+    warm: list[str] | None = typer.Option(None, "--warm", metavar="FILE", help=(
+        "Store this system prompt's K/V before listening (repeatable): a text file is warmed as the system "
+        "message of a chat, a .json file holding a list of chat messages as those messages. The first request "
+        "that starts with it then costs what later ones do.")),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
@@ -41,11 +48,12 @@ def serve_command(
 
     Sampling follows OpenAI: temperature omitted means 1.0 (sampling); send temperature=0 for greedy output.
     """
+    require("kvboost serve", "server")  # before anything loads: a one-line hint, not an ImportError
     import uvicorn
 
     from .. import KVBoost
     from ..config import EngineConfig
-    from .app import create_app
+    from .app import create_app, warm_up
     from .background import bind_socket
     from .settings import ServerSettings
 
@@ -59,17 +67,38 @@ def serve_command(
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window)
         EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
+        warm_messages = [read_warm_file(path) for path in warm or []]
+        t0 = time.perf_counter()
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, **options)
+        load_s = time.perf_counter() - t0
         sock = bind_socket(host, port)
-    except (ValueError, OSError, ImportError) as exc:
+    except (ValueError, OSError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
         typer.echo(f"kvboost serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    t0 = time.perf_counter()
+    try:
+        warmed = sum(engine.warm(messages=messages).tokens for messages in warm_messages)
+    except ValueError as exc:
+        typer.echo(f"kvboost serve: --warm: {exc}", err=True)
+        raise typer.Exit(2) from None
+    warm_prompts_s = time.perf_counter() - t0
     app = create_app(engine, settings)
-    scheduler = app.state.kvboost.scheduler
+    # One short generation through the worker before saying "listening": the first client must not pay
+    # for first-call initialisation (kernels, allocator, chat template), and nothing is stored by it.
+    try:
+        warm_s = warm_up(app)
+    except Exception as exc:  # a server that cannot generate must not claim to be listening
+        app.state.kvboost.scheduler.stop()
+        sock.close()
+        typer.echo(f"kvboost serve: the warm-up generation failed: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
+    for line in startup_lines(engine, settings, app.state.kvboost.scheduler, load_s, warm_s):
+        typer.echo(line)
+    if warm_messages:
+        typer.echo(f"  warmed {len(warm_messages)} prompt(s), {warmed:,} tokens, in {warm_prompts_s:.1f} s")
     bound = sock.getsockname()
     shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    typer.echo(f"KVBoost server listening on http://{shown_host}:{bound[1]}  (model '{settings.model_id}', "
-               f"{scheduler.mode_name}, reuse {settings.mode.value}"
+    typer.echo(f"KVBoost server listening on http://{shown_host}:{bound[1]}  (model '{settings.model_id}'"
                f"{', API key required' if settings.api_key else ''})")
     if not settings.api_key and not _is_loopback(host):
         typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it",
@@ -77,6 +106,52 @@ def serve_command(
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=10)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def read_warm_file(path: str) -> list[dict]:
+    """Chat messages to warm from a --warm file: a JSON list of messages, or text used as the system message."""
+    import json
+    from pathlib import Path
+
+    from ..prompting import validate_messages
+
+    text = Path(path).read_text(encoding="utf-8")
+    if path.endswith(".json"):
+        messages = json.loads(text)
+        validate_messages(messages)
+        return messages
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return [{"role": "system", "content": text}]
+
+
+def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> list[str]:
+    """What an operator needs to know before the first request: hardware, model limits, cache, batching."""
+    config = engine.config
+    context = f"{engine.max_context:,} tokens" if engine.max_context else "not declared"
+    dtype = str(engine.kv_dtype).removeprefix("torch.")
+    tiers = ", ".join(_tier_line(name, tier, config) for name, tier in engine.cache_stats()["tiers"].items())
+    reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse
+                                   else "")
+    window = f", {scheduler.batch_window_s * 1e3:g} ms window" if scheduler.batched else ""
+    return [
+        f"KVBoost {__version__}: model '{settings.model_id}' on {engine.device}, {dtype}, context {context}; "
+        f"loaded in {load_s:.1f} s, warmed up in {warm_s:.1f} s",
+        f"  K/V cache: {tiers}; chunks of {config.chunk_size} tokens stored at {config.kv_cache_bits} bits; "
+        f"reuse {reuse}",
+        f"  batching: {scheduler.mode_name}{window}; queue {settings.max_queue}",
+    ]
+
+
+def _tier_line(name: str, tier: dict, config) -> str:
+    budget = tier.get("budget_bytes")
+    where = {"disk": config.disk_cache_dir, "redis": config.redis_url}.get(name)
+    return (f"{name}" + (f" {where}" if where else "")
+            + (f" budget {_gib(budget)}" if budget else ""))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
 def _is_loopback(host: str) -> bool:

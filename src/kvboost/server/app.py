@@ -24,7 +24,8 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..results import GenerationResult
+from ..results import GenerationMode, GenerationResult
+from ..sampling import SamplingParams
 from .errors import APIError, install_error_handlers, to_api_error, validation_message
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
@@ -39,6 +40,7 @@ _DISCONNECT_POLL_S = 0.5  # non-streaming requests check this often whether thei
 _FINGERPRINT = f"kvboost-{__version__}"
 BodyT = TypeVar("BodyT", bound=BaseModel)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
+_WARM_UP_MESSAGES = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
 @dataclass
@@ -75,6 +77,44 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
     app.add_middleware(GatewayMiddleware, settings=settings, metrics=metrics)
     _add_routes(app, state)
     return app
+
+
+def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> float:
+    """Run one short greedy chat through the app's scheduler (the path requests take); the seconds it took.
+
+    The first generation in a process pays one-time costs (kernel selection and allocation on the device,
+    the chat template's compilation, the batch runner's setup); this makes the server pay them before it
+    listens. Mode BASELINE: nothing is looked up or written to the cache. Starts the scheduler's worker.
+    Raises whatever the generation raised: a server that cannot generate should not start.
+    """
+    state: ServerState = app.state.kvboost
+    t0 = time.perf_counter()
+    with state.tokenizer_lock:
+        ids = state.engine.encode(messages=_WARM_UP_MESSAGES)
+        text = state.engine.tokenizer.decode(ids)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    state.scheduler.start()
+    asyncio.run(_run_to_end(state.scheduler, ids, params, text, timeout_s))
+    return time.perf_counter() - t0
+
+
+async def _run_to_end(scheduler: Scheduler, ids: list[int], params: SamplingParams, text: str,
+                      timeout_s: float) -> GenerationResult:
+    job = Job(ids, params, text, asyncio.get_running_loop(), mode=GenerationMode.BASELINE)
+    scheduler.submit(job)
+
+    async def result() -> GenerationResult:
+        async for kind, payload in job.stream():
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return payload
+        raise RuntimeError("the warm-up generation ended without a result")
+
+    try:
+        return await asyncio.wait_for(result(), timeout_s)
+    finally:
+        job.cancel()  # a no-op once done; stops the worker's generation after a timeout
 
 
 class GatewayMiddleware:

@@ -12,8 +12,9 @@ class BackgroundServer:
     """`with BackgroundServer(app) as srv:` serves on srv.base_url until the block ends."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 startup_timeout_s: float = 60.0):
+                 startup_timeout_s: float = 60.0, warm_up: bool = False):
         self.app = app
+        self.warm_up = warm_up  # run kvboost.server.app.warm_up first, as `kvboost serve` does
         self.host = host
         self.port = port
         self.log_level = log_level
@@ -26,6 +27,10 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> BackgroundServer:
+        if self.warm_up:
+            from .app import warm_up
+
+            warm_up(self.app)
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=self.log_level, access_log=False, lifespan="on",

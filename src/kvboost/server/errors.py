@@ -15,6 +15,8 @@ from .scheduler import QueueFullError, ShuttingDownError
 
 log = logging.getLogger("kvboost.server")
 
+# An engine argument → the OpenAI request field a client sent it as.
+_OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
@@ -48,15 +50,19 @@ def to_api_error(exc: BaseException) -> APIError:
     """Any exception as the APIError a client should see: engine validation → 400, the unknown → 500."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, ContextLengthError):
-        return APIError(400, str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, ContextLengthError):  # prepare.py checks first; this is the engine's own check
+        return APIError(400, str(exc), param=_openai_param(exc.param), code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+        return APIError(400, str(exc), param=_openai_param(exc.param), code="invalid_value")
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ShuttingDownError):
         return APIError(503, str(exc), code="shutting_down")
     return APIError(500, f"internal error while generating: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def _openai_param(param: str | None) -> str | None:
+    return _OPENAI_PARAMS.get(param, param) if param else param
 
 
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:

@@ -5,7 +5,10 @@ reaches the client as an HTTP 400 with the OpenAI error body (never as a broken 
 
 Sampling follows OpenAI semantics: temperature omitted → 1.0 (sampling), temperature 0 → greedy
 (argmax, no division), top_p omitted → 1.0. Chat without max_tokens may use the rest of the context
-window; /v1/completions without max_tokens generates 16 tokens (OpenAI's legacy default).
+window; /v1/completions without max_tokens generates 16 tokens (OpenAI's legacy default), fewer when
+fewer positions are left. An explicit max_tokens that does not fit beside the prompt is a 400
+`context_length_exceeded`, as OpenAI and vLLM answer it (never a reply silently cut short); an omitted
+one is never rejected.
 """
 from __future__ import annotations
 
@@ -46,11 +49,8 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     with lock:
         ids = _encode(engine, None, messages, "messages")
         prompt_text = engine.tokenizer.decode(ids)
-    _check_context(engine, len(ids), "messages")
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    if max_tokens is None:
-        room = engine.max_context - len(ids) if engine.max_context else _FALLBACK_MAX_TOKENS
-        max_tokens = max(1, room)
+    requested = req.max_completion_tokens or req.max_tokens
+    max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
     return Prepared(ids, _sampling(req, max_tokens), prompt_text, bool(req.stream), _usage_wanted(req))
 
 
@@ -82,8 +82,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
         text = prompt if prompt is not None else engine.tokenizer.decode(ids)
-    _check_context(engine, len(ids), "prompt")
-    max_tokens = req.max_tokens or settings.default_completion_tokens
+    max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
     return Prepared(ids, _sampling(req, max_tokens), text, bool(req.stream), _usage_wanted(req))
 
 
@@ -128,22 +127,40 @@ def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
                        code="invalid_value") from None
 
 
-def _check_context(engine, n_prompt: int, param: str) -> None:
+def _token_budget(engine, n_prompt: int, requested: int | None, default: int | None, param: str) -> int:
+    """max_new_tokens for this request; ContextLengthError (→ 400) when the prompt and the request don't fit.
+
+    requested: the client's max_tokens (None: omitted). default: the endpoint's budget when omitted (None: all
+    the context the prompt leaves, as vLLM does), lowered to what is left rather than rejected.
+    """
     limit = engine.max_context
-    if limit is not None and n_prompt >= limit:
+    if limit is None:  # a model that declares no context size: nothing to check against
+        return requested or default or _FALLBACK_MAX_TOKENS
+    if n_prompt >= limit:
         raise ContextLengthError(
             f"This model's maximum context length is {limit} tokens, but the {param} has {n_prompt} tokens "
             f"(at least one position must stay free for the reply). Shorten the {param}.", param)
+    room = limit - n_prompt
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the {param}, {requested} in the completion). "
+            f"Please reduce the length of the {param} or max_tokens (at most {room} fit).", param)
+    return requested
 
 
 def _sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        return SamplingParams(max_new_tokens=max_tokens,
+                              temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
                               stop=stop)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=_PARAM_NAMES.get(exc.param or "", exc.param), code="invalid_value") from None
+        raise APIError(400, str(exc), param=_PARAM_NAMES.get(exc.param or "", exc.param),
+                       code="invalid_value") from None
 
 
 def _usage_wanted(req: _Sampling) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 
 class _Request(BaseModel):
@@ -99,6 +99,12 @@ class ChatChunkChoice(BaseModel):
     delta: ChunkDelta
     finish_reason: str | None = None
     logprobs: None = None
+
+    @field_serializer("delta")
+    def _only_what_changed(self, delta: ChunkDelta) -> dict[str, Any]:
+        # As OpenAI streams: a delta carries only the fields it sets, so the last chunk's is {} (not role and
+        # content null, which some clients append as the text "None").
+        return delta.model_dump(mode="json", exclude_none=True)
 
 
 class ChatCompletionChunk(BaseModel):

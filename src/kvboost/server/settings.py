@@ -22,7 +22,8 @@ class ServerSettings:
     max_batch_size: int = 16  # rows per batch; 1 = one request at a time via generate_stream
     batch_window_ms: float = 20.0  # how long an idle worker waits for more requests to batch together
     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE  # BASELINE turns reuse off (benchmarks)
-    default_completion_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's legacy default)
+    # /v1/completions without max_tokens (OpenAI's and vLLM's default); fewer when fewer positions are left
+    default_completion_tokens: int = 16
     engine_options: dict[str, Any] = field(default_factory=dict)  # passed to KVBoost.from_pretrained
 
     def __post_init__(self) -> None:

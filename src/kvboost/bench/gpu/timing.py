@@ -5,9 +5,10 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the functions that use it: the CLI registers this module
+    import torch
 
 T = TypeVar("T")
 
@@ -15,6 +16,8 @@ T = TypeVar("T")
 def sync(device: torch.device) -> None:
     """Wait for queued device work: CUDA kernels run asynchronously, so a host clock alone measures launches."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 

@@ -1,0 +1,54 @@
+"""Optional extras: which are installed, and a one-line exit for a command that needs a missing one.
+
+`pip install kvboost` alone must run the core commands (demo, verify, cost, bench); the server, plots and
+the Redis tier come with extras. Modules are looked up with importlib.util.find_spec, which imports
+nothing, so asking is cheap and a command that does not need an extra never loads it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+# extra name in pyproject -> the import names its commands need
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "server": ("fastapi", "uvicorn", "pydantic", "prometheus_client"),
+    "bench": ("matplotlib",),
+    "redis": ("redis",),
+}
+# Modules outside any extra that a command may still need: module -> what to pip install.
+STANDALONE = {"openai": "openai"}
+
+
+def missing(*modules: str) -> list[str]:
+    """The import names among `modules` that cannot be imported (None in sys.modules counts as missing)."""
+    absent = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package that fails, or a module set to None
+            found = False
+        if not found:
+            absent.append(name)
+    return absent
+
+
+def missing_extras(*extras: str) -> list[str]:
+    """The extras among `extras` with at least one module missing."""
+    return [extra for extra in extras if missing(*EXTRAS[extra])]
+
+
+def install_hint(command: str, extras: list[str], modules: list[str] = ()) -> str:
+    """E.g. "kvboost serve needs the server extra: pip install 'kvboost[server]'"."""
+    needs = [f"the {', '.join(extras)} extra{'s' if len(extras) > 1 else ''}"] if extras else []
+    needs += [f"the {m} package" for m in modules]
+    pip = ([f"'kvboost[{','.join(extras)}]'"] if extras else []) + [STANDALONE.get(m, m) for m in modules]
+    return f"{command} needs {' and '.join(needs)}: pip install {' '.join(pip)}"
+
+
+def require(command: str, *extras: str, modules: tuple[str, ...] = ()) -> None:
+    """Exit with code 1 and a one-line install hint on stderr unless every extra and module is importable."""
+    absent_extras = missing_extras(*extras)
+    absent_modules = missing(*modules)
+    if absent_extras or absent_modules:
+        print(install_hint(command, absent_extras, absent_modules), file=sys.stderr)
+        raise SystemExit(1)
