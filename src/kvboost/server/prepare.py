@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import ContextLengthError, InvalidRequestError
 from ..sampling import SamplingParams
 from .errors import APIError
-from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from .settings import ServerSettings
 
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # engine argument → OpenAI request field
@@ -87,7 +87,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
-def _reject_common(req: _Sampling) -> None:
+def _reject_common(req: SamplingRequest) -> None:
     if req.n not in (None, 1):
         raise _unsupported("n other than 1 is not supported by this server; send several requests instead", "n")
 
@@ -151,7 +151,7 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
     return requested
 
 
-def _sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
+def _sampling(req: SamplingRequest, max_tokens: int) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(max_new_tokens=max_tokens,
@@ -163,5 +163,5 @@ def _sampling(req: _Sampling, max_tokens: int) -> SamplingParams:
                        code="invalid_value") from None
 
 
-def _usage_wanted(req: _Sampling) -> bool:
+def _usage_wanted(req: SamplingRequest) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)

@@ -30,7 +30,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class _Sampling(_Request):
+class SamplingRequest(_Request):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # omitted → 1.0, as OpenAI; 0 → greedy
@@ -46,12 +46,12 @@ class _Sampling(_Request):
     cache_salt: str | None = None  # tenant isolation: K/V is shared only between equal salts
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
