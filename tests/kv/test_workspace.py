@@ -8,7 +8,7 @@ import torch
 
 from kvboost.kv.workspace import KVWorkspace, LayerShape
 
-from .devices import assert_on
+from ..devices import assert_on
 
 SHAPES = [LayerShape(kv_heads=2, head_dim_k=4, head_dim_v=4)] * 3
 

@@ -15,8 +15,8 @@ from kvboost.batch.cascade import (
     unsupported_reason,
 )
 
-from .devices import assert_on
-from .tiny_models import make_tiny_model
+from ..devices import assert_on
+from ..tiny_models import make_tiny_model
 
 
 def _reference(query, key, value, pk, pv, mask):
