@@ -13,6 +13,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the first test (any directory: the
+    # kernel tests, `bench gpu`'s kernel timings...) imports kvboost's kernel modules. Without a GPU the kernels
+    # can only run in the interpreter, so the whole session uses it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from . import devices  # noqa: E402

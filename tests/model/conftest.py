@@ -1,17 +1,13 @@
 """tests/model: the Triton kernels run in triton's CPU interpreter when no GPU is present.
 
-triton reads TRITON_INTERPRET when a kernel is decorated (@triton.jit at import of kvboost's kernel modules),
-so it is set here, before any test module of this directory imports them. With a GPU the real kernels run.
+triton reads TRITON_INTERPRET when a kernel is decorated (@triton.jit at import of kvboost's kernel modules);
+tests/conftest.py sets it for the whole session (another directory may import them first). With a GPU the
+real kernels run.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
