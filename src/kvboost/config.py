@@ -34,6 +34,10 @@ class EngineConfig:
     disk_budget_bytes: int | None = None
     redis_url: str | None = None
     redis_ttl_s: int | None = 24 * 3600
+    # Disk and Redis are written behind, off the request path, through a queue of at most this many bytes
+    # (a write that does not fit is dropped and counted); flush()/close() wait at most flush_timeout_s.
+    write_queue_bytes: int = 256 * 1024**2
+    flush_timeout_s: float = 10.0
     cache_salt: str | None = None  # default tenant (requests and warm()); a request's own cache_salt overrides it
     chunk_boundary_window: int = 0
     sink_tokens: int = 0
@@ -65,6 +69,9 @@ class EngineConfig:
         _require(self.kv_cache_bits in (4, 8, 16), f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits!r}")
         _require(self.chunk_boundary_window >= 0 and self.chunk_boundary_window < self.chunk_size // 2,
                  f"chunk_boundary_window must be in [0, chunk_size/2), got {self.chunk_boundary_window}")
+        _require(isinstance(self.write_queue_bytes, int) and self.write_queue_bytes > 0,
+                 f"write_queue_bytes must be a positive int, got {self.write_queue_bytes!r}")
+        _require(self.flush_timeout_s > 0, f"flush_timeout_s must be > 0, got {self.flush_timeout_s!r}")
         _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
         _require(self.attention_backend in ("auto", "model", "sdpa", "triton"),
                  f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")

@@ -367,6 +367,16 @@ class InferenceEngine:
             self.kv.clear()
             self.workspace.resident_ids, self.workspace.resident_tag = [], None
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until chunks written behind to the disk / Redis tiers have landed (bounded; False on timeout).
+        Not needed for correctness: a chunk still queued is served from the queue, and exit flushes."""
+        return self.kv.flush(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush (bounded) and release the disk and Redis tiers: call it when done with the engine (process exit
+        flushes on its own)."""
+        return self.kv.close(timeout_s)
+
     def forget_workspace(self) -> None:
         """Make the next request load its reuse from the store instead of the resident workspace prefix."""
         with self.lock:

@@ -11,7 +11,6 @@ import socket
 import sys
 import time
 
-
 import torch  # noqa: E402
 
 from kvboost.store.base import ChunkRecord  # noqa: E402
@@ -19,10 +18,14 @@ from kvboost.store.base import ChunkRecord  # noqa: E402
 
 def make_record(seed: int, layers: int = 4, heads: int = 2, tokens: int = 16, head_dim: int = 16,
                 dtype: torch.dtype = torch.float32, parent_key: str | None = None, content_key: str | None = None,
-                key: str | None = None, start: int = 0) -> ChunkRecord:
+                key: str | None = None, start: int = 0, device: torch.device | str | None = None) -> ChunkRecord:
+    """A record on `device` (default cpu: this module also runs as a writer script, outside pytest); the values
+    are drawn on the CPU, so a seed means the same record on every device."""
+    device = device if device is not None else "cpu"
     g = torch.Generator().manual_seed(seed)
-    keys = [torch.randn(heads, tokens, head_dim, generator=g).to(dtype) for _ in range(layers)]
-    values = [torch.randn(heads, tokens, head_dim, generator=g).to(dtype) for _ in range(layers)]
+    keys = [torch.randn(heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype) for _ in range(layers)]
+    values = [torch.randn(heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype)
+              for _ in range(layers)]
     token_ids = tuple(int(t) for t in torch.randint(0, 50_000, (tokens,), generator=g))
     return ChunkRecord(key or f"chunk-{seed}", parent_key, content_key or f"content-{seed}", token_ids, start,
                        keys, values)
@@ -30,7 +33,8 @@ def make_record(seed: int, layers: int = 4, heads: int = 2, tokens: int = 16, he
 
 def same(a: ChunkRecord, b: ChunkRecord) -> bool:
     return (a.meta() == b.meta() and len(a.keys) == len(b.keys)
-            and all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values)))
+            # .cpu(): a record read back from disk or Redis lives on the CPU, the original on the device
+            and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.keys + a.values, b.keys + b.values)))
 
 
 def free_port() -> int:

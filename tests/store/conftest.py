@@ -98,3 +98,65 @@ def redis_server_factory(tmp_path):
 @pytest.fixture
 def redis_server(redis_server_factory) -> RedisServer:
     return redis_server_factory()
+
+
+class ReadOnlyView:
+    """`source` seen through `path`, which `make_read_only()` turns read-only for everyone, root included.
+
+    With mount privileges (root in most CI containers) `path` is a bind mount remounted read-only: writes
+    fail with a real EROFS. Without them it is a symlink and the disk tier's writability probe is patched
+    (`emulated` is True), since chmod does not stop root; tests that need a real EROFS skip then.
+    """
+
+    def __init__(self, source: Path, path: Path, monkeypatch):
+        self.source, self.path, self._monkeypatch = source, path, monkeypatch
+        self._mounts: list[Path] = []
+        source.mkdir(parents=True, exist_ok=True)
+        path.mkdir()
+        self.emulated = not self._bind(source, path)
+        if self.emulated:
+            path.rmdir()
+            path.symlink_to(source, target_is_directory=True)
+
+    def make_read_only(self, sub: str | None = None) -> None:
+        """The whole view read-only; or only its subdirectory `sub` (a remount is refused while files are
+        open for writing under it, so a live store's directory turns read-only from its chunk folder)."""
+        if not self.emulated:
+            target = self.path / sub if sub else self.path
+            if sub:
+                assert self._bind(target, target)
+            assert _mount("-o", "remount,bind,ro", str(target)), "remount read-only failed"
+            return
+        import kvboost.store.disk as disk_mod
+        real = disk_mod._writable
+        self._monkeypatch.setattr(disk_mod, "_writable", lambda d: not str(d).startswith(str(self.path)) and real(d))
+
+    def _bind(self, source: Path, target: Path) -> bool:
+        if _mount("--bind", str(source), str(target)):
+            self._mounts.append(target)
+            return True
+        return False
+
+    def release(self) -> None:
+        for target in reversed(self._mounts):
+            subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def _mount(*args: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def read_only_view(tmp_path, monkeypatch):
+    views: list[ReadOnlyView] = []
+
+    def factory(name: str = "cache") -> ReadOnlyView:
+        view = ReadOnlyView(tmp_path / f"{name}-src", tmp_path / f"{name}-view", monkeypatch)
+        views.append(view)
+        return view
+
+    yield factory
+    for view in views:
+        view.release()

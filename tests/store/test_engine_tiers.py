@@ -1,6 +1,7 @@
 """Tiers seen through the engine: restarts, isolation and faults never change what generate() returns."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -77,7 +78,9 @@ def test_another_model_or_salt_never_uses_the_directory(saved_model, tmp_path, t
 def test_damaged_files_are_dropped_and_output_stays_exact(saved_model, tmp_path, tokenizer, damage):
     cache = tmp_path / "cache"
     prefix, prompt = prompt_pair(tokenizer, seed=5)
-    engine_on(saved_model, disk_cache_dir=str(cache)).warm(prefix)
+    writer = engine_on(saved_model, disk_cache_dir=str(cache))
+    writer.warm(prefix)
+    assert writer.store.flush(30)  # disk writes are behind the request: wait for them before damaging files
     files = sorted(p for p in cache.rglob("*") if p.is_file() and p.stat().st_size > 1000
                    and not p.name.startswith("index"))
     assert len(files) >= 6
@@ -106,6 +109,7 @@ def test_writer_killed_mid_write_leaves_a_usable_cache(saved_model, tmp_path, to
         e = KVBoost.from_pretrained({str(saved_model)!r}, chunk_size={CHUNK}, disk_cache_dir={str(cache)!r})
         for i in range(1000):
             e.warm(text_with_tokens(e.tokenizer, 8 * {CHUNK}, seed=1000 + i))
+            e.store.flush(30)  # disk writes are behind: a line printed means that warm is on disk
             print(i, flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -153,6 +157,37 @@ def test_redis_shared_between_engines_and_outage_never_fails(saved_model, redis_
     assert back.cached_tokens >= 6 * CHUNK and back.output_token_ids == expected
 
 
+@pytest.mark.redis
+def test_full_redis_changes_no_output_and_is_reported_once(saved_model, redis_server_factory, tokenizer, caplog):
+    server = redis_server_factory("--maxmemory-policy", "noeviction")
+    server.client().config_set("maxmemory", "1")  # full: every write is refused with OOM
+    engine = engine_on(saved_model, redis_url=server.url)
+    for seed in (20, 21, 22):
+        _, prompt = prompt_pair(tokenizer, seed=seed)
+        assert engine.generate(prompt, NEW).output_token_ids == baseline_tokens(engine, prompt)
+    assert engine.store.flush(10)
+    redis = engine.cache_stats()["tiers"]["redis"]
+    assert redis["write_breaker_opened"] >= 1 and redis["breaker"] == "closed"  # reads still go to Redis
+    assert redis["dropped_writes"]["refused"] >= 1 and redis["dropped_writes"]["breaker_open"] >= 1
+    refused = [r for r in caplog.records if r.levelno == logging.WARNING and "write_refused" in r.getMessage()]
+    assert len(refused) == 1
+
+
+def test_read_only_cache_directory_still_gives_hits(saved_model, tokenizer, read_only_view):
+    view = read_only_view()
+    prefix, prompt = prompt_pair(tokenizer, seed=13)
+    writer = engine_on(saved_model, disk_cache_dir=str(view.source))
+    writer.warm(prefix)
+    writer.store.close()
+    view.make_read_only()
+    engine = engine_on(saved_model, disk_cache_dir=str(view.path))
+    result = engine.generate(prompt, NEW)
+    assert result.cached_tokens >= 6 * CHUNK and result.output_token_ids == baseline_tokens(engine, prompt)
+    assert engine.store.flush(10)
+    disk = engine.cache_stats()["tiers"]["disk"]
+    assert disk["read_only"] and disk["hits"] >= 6 and disk["dropped_writes"]["read_only"] >= 1
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_memory_tier_stores_fewer_bytes(saved_model, tokenizer, bits):
     prefix, prompt = prompt_pair(tokenizer, seed=11)
@@ -167,3 +202,16 @@ def test_quantized_memory_tier_stores_fewer_bytes(saved_model, tokenizer, bits):
     quant.forget_workspace()
     result = quant.generate(prompt, NEW)
     assert result.cached_tokens >= 6 * CHUNK and result.generated_tokens > 0
+
+
+def test_engine_flush_lands_written_behind_chunks_and_close_releases_the_tiers(saved_model, tmp_path, tokenizer):
+    cache = tmp_path / "kv"
+    engine = engine_on(saved_model, disk_cache_dir=str(cache))
+    prefix, prompt = prompt_pair(tokenizer, seed=7)
+    engine.warm(prefix)
+    assert engine.flush()
+    disk = engine.cache_stats()["tiers"]["disk"]
+    assert disk["entries"] >= 6 and disk["queued_writes"] == 0
+    assert engine.close()
+    again = engine_on(saved_model, disk_cache_dir=str(cache))
+    assert again.generate(prompt, 4).exact_tokens >= 6 * CHUNK  # what the first engine stored, from the files

@@ -5,8 +5,16 @@ import pytest
 import torch
 
 from kvboost.store.memory import MemoryStore
-from kvboost.store.quant import (QuantCodec, QuantRecord, QuantTensor, dequantize_tensor, fp16_baseline_bytes,
-                                 pack_int4, quantize_tensor, unpack_int4)
+from kvboost.store.quant import (
+    QuantCodec,
+    QuantRecord,
+    QuantTensor,
+    dequantize_tensor,
+    fp16_baseline_bytes,
+    pack_int4,
+    quantize_tensor,
+    unpack_int4,
+)
 
 
 def _group_scale(q: QuantTensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -5,8 +5,8 @@ import time
 
 import pytest
 import torch
-
 from _synth import free_port, make_record, same
+
 from kvboost.store.redis import CircuitBreaker, RedisStore
 
 pytestmark = pytest.mark.redis
@@ -125,6 +125,7 @@ def test_full_server_without_eviction_rejects_writes_only(redis_server_factory):
     assert not all(results)
     s = store.stats()
     assert s.errors >= 1 and s.extra["rejected_writes"] >= 1 and s.extra["breaker"] == "closed"
+    assert s.extra["write_breaker_opened"] >= 1  # refused writes are skipped like an unreachable server's
     assert same(store.get(first.key), first)  # reads still work on a full server
 
 

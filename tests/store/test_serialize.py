@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _synth import same
+
 from kvboost.store.quant import QuantCodec
-from kvboost.store.serialize import (FRAME_SIZE, CorruptRecordError, NamespaceMismatchError, RecordError, dumps,
-                                     loads, loads_meta)
+from kvboost.store.serialize import (
+    FRAME_SIZE,
+    CorruptRecordError,
+    NamespaceMismatchError,
+    RecordError,
+    dumps,
+    loads,
+    loads_meta,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

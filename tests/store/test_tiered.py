@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _synth import make_record, same
+
 from kvboost.config import EngineConfig
 from kvboost.store.base import ChunkStore, TierStats
 from kvboost.store.disk import DiskStore
@@ -30,6 +30,7 @@ def test_memory_evictions_spill_to_disk_and_promote_back(tmp_path):
     memory = MemoryStore(3 * recs[0].nbytes)
     store = TieredStore(memory, disk=DiskStore(tmp_path, namespace="m"))
     assert all(store.put(r) for r in recs)
+    assert store.flush(10)  # spills are written behind
     tiers = store.tier_stats()
     assert tiers["memory"].entries == 3 and tiers["disk"].entries == 5  # nothing lost, overflow on disk
     assert all(same(store.get(r.key), r) for r in recs)
@@ -75,6 +76,7 @@ def test_disk_write_through_is_visible_to_other_processes_and_restarts(tmp_path)
     writer = TieredStore(MemoryStore(10**8), disk=DiskStore(tmp_path, namespace="m"), write_through_disk=True)
     recs = [make_record(i) for i in range(3)]
     assert all(writer.put(r) for r in recs)
+    assert writer.flush(10)
     assert writer.tier_stats()["memory"].evictions == 0  # nothing had to be evicted to reach the disk
     reader = TieredStore(MemoryStore(10**8), disk=DiskStore(tmp_path, namespace="m"))
     assert all(same(reader.get(r.key), r) for r in recs)
@@ -86,14 +88,14 @@ def test_redis_write_through_and_promotion(redis_server):
     breaker = CircuitBreaker(failure_threshold=1, base_backoff_s=0.2)
     a = TieredStore(MemoryStore(10**8), redis=RedisStore(redis_server.url, "m", breaker=breaker))
     rec = make_record(0, parent_key="p")
-    assert a.put(rec)
+    assert a.put(rec) and a.flush(10)
     b = TieredStore(MemoryStore(10**8), redis=RedisStore(redis_server.url, "m"))  # another host, same Redis
     assert [m.key for m in b.children("p")] == [rec.key]
     assert same(b.get(rec.key), rec)
     assert b.tier_stats()["redis"].promotions == 1 and b.memory.contains(rec.key)
     redis_server.stop()  # a dead Redis costs nothing on the memory path and raises nowhere
     assert same(a.get(rec.key), rec) and a.get("missing") is None
-    assert a.put(make_record(1)) and a.children("p") == [rec.meta()]
+    assert a.put(make_record(1)) and a.flush(10) and a.children("p") == [rec.meta()]
     assert a.tier_stats()["redis"].errors >= 1
 
 
@@ -107,6 +109,7 @@ def test_build_store_from_config(tmp_path, redis_server):
     assert isinstance(store.redis, RedisStore) and store.redis.ttl_s == 60
     rec = make_record(0, tokens=128, head_dim=64)
     assert store.put(rec) and store.get(rec.key).meta() == rec.meta()
+    assert store.flush(10)
     assert set(store.stats().extra["tiers"]) == {"memory", "disk", "redis"}
     assert store.disk.contains(rec.key) and store.redis.contains(rec.key)  # written through to both
 

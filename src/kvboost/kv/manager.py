@@ -224,6 +224,15 @@ class KVCacheManager:
             "namespace": self.namespace,
         }
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait (at most timeout_s, default config.flush_timeout_s) until chunks queued for the disk and Redis
+        tiers are written; False if the wait ran out."""
+        return self.store.flush(self.config.flush_timeout_s if timeout_s is None else timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush (bounded), then release the tiers; later writes are dropped and counted."""
+        return self.store.close(timeout_s)
+
     def clear(self) -> None:
         """Forget every stored chunk (all tiers) and the content index."""
         self.store.clear()

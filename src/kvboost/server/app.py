@@ -70,6 +70,8 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
             yield
         finally:
             await asyncio.to_thread(scheduler.stop)
+            # Chunks written behind to disk / Redis land before the process goes (bounded by flush_timeout_s).
+            await asyncio.to_thread(engine.flush)
 
     app = FastAPI(title="KVBoost", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvboost = state

@@ -1,10 +1,14 @@
 """The unit of storage (one chunk's K/V for every layer) and the protocol every tier implements."""
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+log = logging.getLogger("kvboost.store")
 
 
 @dataclass
@@ -33,7 +37,7 @@ class ChunkRecord:
         return sum(t.numel() * t.element_size() for t in self.keys) + sum(
             t.numel() * t.element_size() for t in self.values)
 
-    def meta(self) -> "ChunkMeta":
+    def meta(self) -> ChunkMeta:
         return ChunkMeta(self.key, self.parent_key, self.content_key, self.token_ids, self.start)
 
 
@@ -68,14 +72,53 @@ class TierStats:
         return d
 
 
+class TierHealth:
+    """How a tier degraded: events and dropped writes counted by reason, each reason logged once.
+
+    A tier that degrades (full Redis, damaged index, read-only directory...) keeps serving what it can;
+    the operator learns about it from one WARNING per reason (not one per request) and from the counts
+    in cache_stats()["tiers"][name]["events"] / ["dropped_writes"].
+    """
+
+    def __init__(self, tier: str):
+        self.tier = tier
+        self.log = log.getChild(tier)
+        self._lock = threading.Lock()
+        self._events: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
+        self._logged: set[str] = set()
+
+    def event(self, reason: str, detail: str = "", n: int = 1) -> None:
+        self._add(self._events, reason, n, f"{reason}: {detail}" if detail else reason)
+
+    def dropped(self, reason: str, detail: str = "", n: int = 1) -> None:
+        """A write (put or delete) that did not reach this tier."""
+        message = f"writes dropped ({reason})" + (f": {detail}" if detail else "")
+        self._add(self._dropped, reason, n, message, key=f"dropped:{reason}")
+
+    def _add(self, table: dict[str, int], reason: str, n: int, message: str, key: str | None = None) -> None:
+        key = key or reason
+        with self._lock:
+            table[reason] = table.get(reason, 0) + n
+            first = key not in self._logged
+            self._logged.add(key)
+        if first:
+            self.log.warning("kvboost %s tier: %s (logged once; counted in cache_stats()['tiers'][%r])",
+                             self.tier, message, self.tier)
+
+    def as_extra(self) -> dict:
+        with self._lock:
+            return {"events": dict(self._events), "dropped_writes": dict(self._dropped)}
+
+
 class CountedTier:
     """Hit/miss/error accounting shared by the tiers that can fail (disk, Redis).
 
     Subclasses provide `_get(key)` (may raise: a failing tier is a miss, never a failed request),
-    `_lock`, `_stats` (TierStats) and `_counters` (extra named counters).
+    `_lock`, `_stats` (TierStats), `_counters` (extra named counters) and `health` (TierHealth).
     """
 
-    def get(self, key: str) -> "ChunkRecord | None":
+    def get(self, key: str) -> ChunkRecord | None:
         try:
             record = self._get(key)
         except Exception:
@@ -84,7 +127,7 @@ class CountedTier:
         self._count("hits" if record is not None else "misses")
         return record
 
-    def _get(self, key: str) -> "ChunkRecord | None":
+    def _get(self, key: str) -> ChunkRecord | None:
         raise NotImplementedError
 
     def _count(self, field: str, n: int = 1) -> None:

@@ -5,21 +5,25 @@ Crash safety comes from ordering, not from hoping nothing dies:
      temp file, swept at the next open);
   2. inside one SQLite write transaction (BEGIN IMMEDIATE: one writer across all processes) the temp
      file is renamed over the final name and the index row is upserted (a kill between the two
-     leaves an unindexed file, never served, swept by the next exclusive open);
+     leaves an unindexed file, not served until the next exclusive open verifies and indexes it);
   3. every read re-verifies the blob's checksum, namespace and key; a bad file is deleted with its row
      and counted, never served.
 Eviction and deletes remove the row and unlink the file inside the same kind of transaction, so a
 concurrent writer of the same key either lands before (and is evicted) or after (and survives).
 
+Degrading instead of failing (each counted in stats().extra["events"] / ["dropped_writes"] and logged
+once at WARNING):
+  - a damaged index is rebuilt from the chunk files' own verified headers (disk_index.py): every valid
+    file is kept, only files that fail verification are removed;
+  - a read-only directory (or mount, or one that turns read-only later) serves hits; writes are skipped;
+  - a full disk drops writes until space comes back.
 Every public method swallows backend errors (counted in stats().errors): a cache must not fail a request.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
-import shutil
 import socket
 import sqlite3
 import threading
@@ -28,38 +32,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import xxhash
-
-from .base import ChunkMeta, ChunkRecord, CountedTier, TierStats
+from . import disk_index as idx
+from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
-from .serialize import RecordError, dumps, frame_checksum, loads
+from .serialize import RecordError, dumps, loads
 
-MANIFEST = "manifest.json"
-MANIFEST_CONTENT = {"format": "kvboost-disk", "version": 1}
-_SUFFIX = ".kvb"
-_TMP_SUFFIX = ".tmp"
+MANIFEST = idx.MANIFEST
+_SUFFIX, _TMP_SUFFIX = idx.SUFFIX, idx.TMP_SUFFIX
+_unlink = idx.unlink
+# errno values that mean "this directory cannot be written", as opposed to "this write failed"
+_READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+_READ_BUSY_MS = 100
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS chunks (
-    namespace   TEXT NOT NULL,
-    key         TEXT NOT NULL,
-    parent_key  TEXT,
-    content_key TEXT NOT NULL,
-    start       INTEGER NOT NULL,
-    n_tokens    INTEGER NOT NULL,
-    token_ids   TEXT NOT NULL,
-    nbytes      INTEGER NOT NULL,
-    checksum    TEXT NOT NULL,
-    path        TEXT NOT NULL,
-    hits        INTEGER NOT NULL DEFAULT 0,
-    last_access REAL NOT NULL,
-    PRIMARY KEY (namespace, key)
-);
-CREATE INDEX IF NOT EXISTS chunks_parent ON chunks(namespace, parent_key);
-CREATE INDEX IF NOT EXISTS chunks_content ON chunks(namespace, content_key);
-CREATE INDEX IF NOT EXISTS chunks_eviction ON chunks(hits, last_access);
-"""
-_META_COLS = "key, parent_key, content_key, token_ids, start"
+_META_COLS = idx.META_COLS
 
 
 class DiskStore(CountedTier):
@@ -68,19 +53,27 @@ class DiskStore(CountedTier):
     def __init__(self, directory: str | os.PathLike, budget_bytes: int | None = None, namespace: str = "default",
                  bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, fsync: bool = True,
                  busy_timeout_s: float = 5.0, stale_tmp_s: float = 600.0):
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()
         self.budget_bytes = int(budget_bytes) if budget_bytes is not None else None
         self.namespace = namespace
         self.codec = QuantCodec(bits, group_size) if bits < 16 else None
         self.fsync = fsync
         self.stale_tmp_s = stale_tmp_s
-        self._ns_dir = self.directory / "chunks" / xxhash.xxh3_64_hexdigest(namespace.encode())
+        self._ns_dir = self.directory / "chunks" / idx.namespace_dir(namespace)
         self._host = socket.gethostname().replace(".", "_")
-        self._lock = threading.RLock()
+        # Two connections: requests read (and count hits) on one while the write-behind thread holds write
+        # transactions on the other, so a read never queues behind a write, in this process or another.
+        self._lock = threading.RLock()  # guards _conn (reads)
+        self._write_lock = threading.RLock()  # guards _wconn (write transactions)
         self._stats = TierStats(self.name, budget_bytes=self.budget_bytes)
-        self._counters = {"corrupt_dropped": 0, "missing_files": 0, "swept_tmp": 0, "swept_orphans": 0}
+        self._counters = {"corrupt_dropped": 0, "missing_files": 0, "swept_tmp": 0, "swept_orphans": 0,
+                          "adopted_files": 0}
+        self.health = TierHealth(self.name)
         self.disabled: str | None = None  # why this store serves nothing, if it cannot be used safely
+        self.read_only: str | None = None  # why this store serves hits but writes nothing
+        self._unservable: set[str] = set()  # read-only: damaged files we may not delete, never served
         self._conn: sqlite3.Connection | None = None
+        self._wconn: sqlite3.Connection | None = None
         self._pid = os.getpid()
         self._busy_timeout_s = busy_timeout_s
         self._lock_fd: int | None = None
@@ -90,12 +83,20 @@ class DiskStore(CountedTier):
             self.disabled = f"{type(exc).__name__}: {exc}"
             self._stats.errors += 1
             self._release()  # never keep the directory lock (an exclusive one would block every other opener)
+            self.health.event("disabled", f"{self.directory}: {self.disabled}; the disk tier serves nothing")
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _open(self, busy_timeout_s: float) -> None:
-        self._ns_dir.mkdir(parents=True, exist_ok=True)
-        self._check_manifest()
-        self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        if not _writable(self.directory):
+            return self._open_read_only("read-only directory")
+        try:
+            self._ns_dir.mkdir(parents=True, exist_ok=True)
+            idx.check_manifest(self.directory)
+            self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY_ERRNOS:
+                raise
+            return self._open_read_only(f"{type(exc).__name__}: {exc}")
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
@@ -105,18 +106,48 @@ class DiskStore(CountedTier):
             alone = False
         if not alone:
             self._shared_lock(timeout_s=max(30.0, busy_timeout_s))  # waits only while another opener sweeps
+        damaged: Exception | None = None
         try:
-            self._conn = self._connect(busy_timeout_s)
-        except sqlite3.DatabaseError:
-            if not alone:
+            self._conn = idx.connect(self.directory, busy_timeout_s, check=alone)
+        except sqlite3.OperationalError:  # locked, I/O error, permissions: not damage, so nothing is rebuilt
+            raise
+        except sqlite3.DatabaseError as exc:  # not a database, malformed, quick_check failed
+            if not alone:  # others have it open: rebuilding now would pull it from under them
                 raise
-            self._remove_index_files()  # a corrupt index is rebuilt empty; the sweep drops its files
-            self._conn = self._connect(busy_timeout_s)
+            damaged = exc
+            idx.remove_index_files(self.directory)  # rebuilt from the chunk files by the sweep below
+            self._conn = idx.connect(self.directory, busy_timeout_s)
+        self._conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")  # a hit count is not worth waiting for
         if alone:
-            self._sweep(everything=True)
+            adopted, removed = self._sweep(everything=True)
             fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # others may open (and share) from now on
+            if damaged is not None:
+                self.health.event("index_rebuilt", f"{type(damaged).__name__}: {damaged}; rebuilt from the chunk "
+                                  f"files: kept {adopted}, removed {removed} that failed verification")
         else:
             self._sweep(everything=False)
+
+    def _open_read_only(self, why: str) -> None:
+        """Serve what the directory holds without writing a byte: no manifest, lock, sweep or hit counts."""
+        self.read_only = why
+        if (self.directory / MANIFEST).exists():
+            idx.check_manifest(self.directory)
+        try:
+            self._lock_fd = os.open(self.directory / ".lock", os.O_RDONLY)
+            self._shared_lock(timeout_s=max(30.0, self._busy_timeout_s))  # not while a writer's opener sweeps
+        except FileNotFoundError:
+            pass
+        self._conn, detail = self._read_only_index()
+        self.health.event("read_only", f"{self.directory}: {why}; serving hits, skipping writes ({detail})")
+
+    def _read_only_index(self) -> tuple[sqlite3.Connection, str]:
+        try:
+            return idx.connect_read_only(self.directory), "index opened read-only"
+        except (sqlite3.Error, OSError) as exc:  # missing, damaged, or a WAL index we may not open
+            conn = idx.memory_index()
+            kept, bad = idx.adopt(conn, self.directory, idx.chunk_files(self.directory))
+            return conn, (f"index unusable ({type(exc).__name__}: {exc}); indexed {kept} chunk files in memory, "
+                          f"{len(bad)} failed verification")
 
     def _shared_lock(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -129,58 +160,39 @@ class DiskStore(CountedTier):
                     raise
             time.sleep(0.01)
 
-    def _connect(self, busy_timeout_s: float) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.directory / "index.sqlite3", timeout=busy_timeout_s, isolation_level=None,
-                               check_same_thread=False)
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.executescript(_SCHEMA)
-            conn.execute("SELECT COUNT(*) FROM chunks").fetchone()
-        except Exception:
-            conn.close()
-            raise
-        return conn
-
     def _db(self) -> sqlite3.Connection:
-        """The connection, reopened in a forked child: SQLite connections must not cross fork()."""
+        """The read connection, reopened in a forked child: SQLite connections must not cross fork()."""
         if self._pid != os.getpid():
-            self._conn = self._connect(self._busy_timeout_s)  # the parent's handle is left to the parent
+            self._wconn = None  # (the parent's handles are left to the parent)
+            if self.read_only:
+                self._conn = self._read_only_index()[0]
+            else:
+                self._conn = idx.connect(self.directory, self._busy_timeout_s)
+                self._conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")
             self._pid = os.getpid()
         return self._conn
 
-    def _remove_index_files(self) -> None:
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                os.unlink(self.directory / f"index.sqlite3{suffix}")
-            except FileNotFoundError:
-                pass
-
-    def _check_manifest(self) -> None:
-        path = self.directory / MANIFEST
-        try:
-            found = json.loads(path.read_text())
-        except FileNotFoundError:
-            tmp = path.with_name(f".{MANIFEST}.{os.getpid()}{_TMP_SUFFIX}")
-            tmp.write_text(json.dumps(MANIFEST_CONTENT))
-            os.replace(tmp, path)
-            return
-        if found != MANIFEST_CONTENT:
-            raise RuntimeError(f"{path} describes another cache format: {found!r}")
+    def _wdb(self) -> sqlite3.Connection:
+        """The write connection (opened on first write), waiting up to busy_timeout_s for other writers."""
+        self._db()  # (fork check)
+        if self._wconn is None:
+            self._wconn = idx.connect(self.directory, self._busy_timeout_s)
+        return self._wconn
 
     def close(self) -> None:
-        with self._lock:
+        with self._write_lock, self._lock:
             self._release()
             if self.disabled is None:
                 self.disabled = "closed"
 
     def _release(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except sqlite3.Error:
-                pass
-            self._conn = None
+        for conn in (self._wconn, self._conn):
+            if conn is not None:
+                try:
+                    conn.close()
+                except sqlite3.Error:
+                    pass
+        self._conn = self._wconn = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -193,7 +205,7 @@ class DiskStore(CountedTier):
 
     # ---- reads ---------------------------------------------------------------------------------
     def _get(self, key: str) -> ChunkRecord | None:
-        if self.disabled:
+        if self.disabled or key in self._unservable:
             return None
         with self._lock:
             row = self._db().execute("SELECT path FROM chunks WHERE namespace = ? AND key = ?",
@@ -213,16 +225,18 @@ class DiskStore(CountedTier):
         except RecordError:
             self._drop(key, path, st, "corrupt_dropped")
             return None
-        try:
-            with self._lock:
-                self._db().execute("UPDATE chunks SET hits = hits + 1, last_access = ? WHERE namespace = ? AND key = ?",
-                                   (time.time(), self.namespace, key))
-        except sqlite3.Error:
-            self._count("errors")  # a busy index only costs us a hit count; the data is verified and good
+        if not self.read_only:
+            try:
+                with self._lock:
+                    self._db().execute("UPDATE chunks SET hits = hits + 1, last_access = ? "
+                                       "WHERE namespace = ? AND key = ?", (time.time(), self.namespace, key))
+            except sqlite3.Error:
+                self._count("errors")  # a busy index only costs us a hit count; the data is verified and good
         return record
 
     def contains(self, key: str) -> bool:
-        return bool(self._query("SELECT 1 FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key)))
+        return key not in self._unservable and bool(
+            self._query("SELECT 1 FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key)))
 
     def children(self, parent_key: str | None) -> list[ChunkMeta]:
         rows = self._query(f"SELECT {_META_COLS} FROM chunks WHERE namespace = ? AND parent_key IS ?",
@@ -237,14 +251,17 @@ class DiskStore(CountedTier):
     def _metas(self, rows: list[tuple]) -> list[ChunkMeta]:
         metas = []
         for row in rows:
+            if row[0] in self._unservable:
+                continue
             try:
-                metas.append(_row_meta(row))
+                metas.append(idx.row_meta(row))
             except (ValueError, TypeError):  # a damaged index row: skip it, get() will judge the file
                 self._count("errors")
         return metas
 
     def keys(self) -> list[str]:
-        return [r[0] for r in self._query("SELECT key FROM chunks WHERE namespace = ?", (self.namespace,))]
+        rows = self._query("SELECT key FROM chunks WHERE namespace = ?", (self.namespace,))
+        return [r[0] for r in rows if r[0] not in self._unservable]
 
     def stats(self) -> TierStats:
         rows = self._query("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM chunks WHERE namespace = ?",
@@ -256,13 +273,16 @@ class DiskStore(CountedTier):
         if rows:
             s.entries, s.bytes = rows[0]
         s.extra["directory_bytes"] = total[0][0] if total else 0
+        s.extra.update(self.health.as_extra())
         if self.disabled:
             s.extra["disabled"] = self.disabled
+        if self.read_only:
+            s.extra["read_only"] = self.read_only
         return s
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
-        if self.disabled:
+        if not self._may_write():
             return False
         tmp: Path | None = None
         try:
@@ -272,29 +292,26 @@ class DiskStore(CountedTier):
                 return True  # chunk K/V are a pure function of the key: nothing to rewrite
             blob = dumps(record, self.namespace, self.codec)
             if self.budget_bytes is not None and len(blob) > self.budget_bytes:
+                self.health.dropped("over_budget", f"a {len(blob)}-byte chunk exceeds the whole disk budget")
                 return False
-            tmp = self._write_tmp(path, blob)
-            row = (self.namespace, record.key, record.parent_key, record.content_key, record.start,
-                   len(record.token_ids), json.dumps(list(record.token_ids)), len(blob),
-                   format(frame_checksum(blob), "016x"), str(path.relative_to(self.directory)), time.time())
+            tmp = idx.write_tmp(path, blob, self._host, self.fsync)
+            row = idx.index_row(self.namespace, record.meta(), blob, str(path.relative_to(self.directory)))
             with self._write_txn() as conn:
                 os.replace(tmp, path)
                 tmp = None
-                conn.execute(
-                    "INSERT INTO chunks (namespace, key, parent_key, content_key, start, n_tokens, token_ids, nbytes,"
-                    " checksum, path, last_access) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT(namespace, key) DO UPDATE SET nbytes = excluded.nbytes,"
-                    " checksum = excluded.checksum, path = excluded.path, last_access = excluded.last_access", row)
+                conn.execute(idx.UPSERT, row)
                 self._evict_over_budget(conn, protect=record.key)
             return True
-        except Exception:
-            self._count("errors")
+        except Exception as exc:
+            self._write_failed(exc)
             return False
         finally:
             if tmp is not None:
                 _unlink(tmp)
 
     def delete(self, key: str) -> None:
+        if not self._may_write():
+            return
         try:
             with self._write_txn() as conn:
                 row = conn.execute("SELECT path FROM chunks WHERE namespace = ? AND key = ?",
@@ -302,45 +319,56 @@ class DiskStore(CountedTier):
                 conn.execute("DELETE FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key))
                 if row:
                     _unlink(self.directory / row[0])
-        except Exception:
-            self._count("errors")
+        except Exception as exc:
+            self._write_failed(exc)
 
     def clear(self) -> None:
         """Drop this namespace's entries (other namespaces sharing the directory are left alone)."""
+        if not self._may_write():
+            return
         try:
             with self._write_txn() as conn:
                 rows = conn.execute("SELECT path FROM chunks WHERE namespace = ?", (self.namespace,)).fetchall()
                 conn.execute("DELETE FROM chunks WHERE namespace = ?", (self.namespace,))
                 for (rel,) in rows:
                     _unlink(self.directory / rel)
-        except Exception:
-            self._count("errors")
+        except Exception as exc:
+            self._write_failed(exc)
+
+    def _may_write(self) -> bool:
+        """False (and the write counted as dropped, with why) when this store does not write."""
+        if self.disabled:
+            self.health.dropped("disabled", self.disabled)
+            return False
+        if self.read_only:
+            self.health.dropped("read_only", self.read_only)
+            return False
+        return True
+
+    def _write_failed(self, exc: Exception) -> None:
+        """Count a failed write by reason; a directory that turned read-only stops taking writes at all."""
+        self._count("errors")
+        code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+        if code in _READ_ONLY_ERRNOS or (isinstance(exc, sqlite3.OperationalError) and "readonly" in str(exc)):
+            self.read_only = f"{type(exc).__name__}: {exc}"
+            self.health.event("read_only", f"{self.directory} became read-only ({self.read_only}); "
+                              "serving hits, skipping writes")
+            self.health.dropped("read_only", self.read_only)
+        elif code in (errno.ENOSPC, errno.EDQUOT):
+            self.health.dropped("no_space", f"{type(exc).__name__}: {exc}")
+        else:
+            self.health.dropped("error", f"{type(exc).__name__}: {exc}")
 
     # ---- internals -----------------------------------------------------------------------------
     def _path(self, key: str) -> Path:
-        return self._ns_dir / (xxhash.xxh3_128_hexdigest(key.encode()) + _SUFFIX)
-
-    def _write_tmp(self, path: Path, blob: bytes) -> Path:
-        # host + pid in the name let a later opener tell a dead writer's leftovers from a live one's.
-        tmp = path.with_name(f".{path.stem}.{self._host}.{os.getpid()}.{os.urandom(4).hex()}{_TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-        except BaseException:
-            _unlink(tmp)
-            raise
-        return tmp
+        return self.directory / idx.chunk_relpath(self.namespace, key)
 
     @contextmanager
     def _write_txn(self) -> Iterator[sqlite3.Connection]:
         if self.disabled:
             raise RuntimeError(f"disk store disabled: {self.disabled}")
-        with self._lock:
-            conn = self._db()
+        with self._write_lock:
+            conn = self._wdb()
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
@@ -382,6 +410,10 @@ class DiskStore(CountedTier):
 
     def _drop(self, key: str, path: Path, seen: os.stat_result | None, counter: str) -> None:
         """Remove a damaged/missing entry, unless another process replaced the file since we read it."""
+        if self.read_only:  # may not delete it: never serve it again instead
+            self._unservable.add(key)
+            self._count(counter)
+            return
         try:
             with self._write_txn() as conn:
                 try:
@@ -399,8 +431,10 @@ class DiskStore(CountedTier):
         except Exception:
             self._count("errors")
 
-    def _sweep(self, everything: bool) -> None:
-        """Remove dead writers' temp files; when alone, also unindexed files and rows without files."""
+    def _sweep(self, everything: bool) -> tuple[int, int]:
+        """Remove dead writers' temp files; when alone, also rows without files, and index the files without
+        rows that verify (a rebuilt index, or a writer killed between rename and commit), removing the others.
+        Returns (files adopted, files removed)."""
         chunks_root = self.directory / "chunks"
         now = time.time()
         files: set[str] = set()
@@ -409,7 +443,8 @@ class DiskStore(CountedTier):
                 continue
             for entry in os.scandir(ns_dir):
                 if entry.name.endswith(_TMP_SUFFIX):
-                    if everything or self._tmp_is_dead(entry.name, now - entry.stat().st_mtime):
+                    age_s = now - entry.stat().st_mtime
+                    if everything or idx.tmp_is_dead(entry.name, age_s, self._host, self.stale_tmp_s):
                         _unlink(Path(entry.path))
                         self._counters["swept_tmp"] += 1
                 elif entry.name.endswith(_SUFFIX):
@@ -418,49 +453,26 @@ class DiskStore(CountedTier):
             if everything:
                 _unlink(tmp)
         if not everything:
-            return
+            return 0, 0
         with self._write_txn() as conn:
             indexed = {rel for (rel,) in conn.execute("SELECT path FROM chunks")}
             for rel in indexed - files:
                 conn.execute("DELETE FROM chunks WHERE path = ?", (rel,))
-            for rel in files - indexed:
+            adopted, bad = idx.adopt(conn, self.directory, files - indexed)
+            for rel in bad:
                 _unlink(self.directory / rel)
-            self._counters["swept_orphans"] += len(indexed - files) + len(files - indexed)
-
-    def _tmp_is_dead(self, name: str, age_s: float) -> bool:
-        if age_s > self.stale_tmp_s:
-            return True
-        parts = name.split(".")  # "", stem, host, pid, rand, "tmp"
-        if len(parts) != 6 or parts[2] != self._host or not parts[3].isdigit():
-            return False
-        try:
-            os.kill(int(parts[3]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+            self._counters["swept_orphans"] += len(indexed - files) + len(bad)
+            self._counters["adopted_files"] += adopted
+            if adopted:
+                self._evict_over_budget(conn, protect="")
+        return adopted, len(bad)
 
 
 
-def default_disk_budget(directory: str | os.PathLike, cap_bytes: int = 16 * 1024**3) -> int:
-    """Half of what the cache could occupy (free space + what it already holds), capped: never fill a disk."""
-    directory = Path(directory)
+def _writable(directory: Path) -> bool:
+    """Whether we may write the directory (or, if it does not exist yet, create it). access() reports a
+    read-only mount even to root, for whom permission bits do not count."""
     probe = directory
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    held = sum(e.stat().st_size for d in (directory / "chunks").glob("*") if d.is_dir() for e in os.scandir(d))
-    return int(min(cap_bytes, (free + held) // 2))
-
-
-def _row_meta(row: tuple) -> ChunkMeta:
-    key, parent_key, content_key, token_ids, start = row
-    return ChunkMeta(key, parent_key, content_key, tuple(json.loads(token_ids)), start)
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    return os.access(probe, os.W_OK)

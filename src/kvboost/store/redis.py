@@ -7,9 +7,15 @@ Keys (all under kvboost:{namespace}:):
 Redis may evict any of these under maxmemory or let them expire independently, so every index entry is
 checked against its blob: a member whose blob is gone is a miss and is removed from the index.
 
-Redis being down, hung or full must never fail or slow a request: every call has a socket timeout of
-~0.25 s, redis-py's own retries are disabled, and a circuit breaker skips Redis entirely after repeated
-connection failures, probing again after an exponentially growing backoff.
+Redis being down, hung, full or read-only must never fail or slow a request: every call has a socket
+timeout of ~0.25 s, redis-py's own retries are disabled, and two circuit breakers skip what fails,
+probing again after an exponentially growing backoff:
+  - `breaker` opens on a connection failure or timeout, or on an error reply to a read: Redis is skipped
+    entirely, and probed with a PING from a background thread, so a hung server costs requests one
+    timeout in all (the call that found it hung), not one per probe;
+  - `write_breaker` opens on an error reply to a write (OOM under maxmemory + noeviction, READONLY from a
+    replica, anything else): writes are skipped, reads keep being served (a full Redis still has hits).
+Writes normally arrive from the tiered store's write-behind thread, never from a request.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .base import ChunkMeta, ChunkRecord, CountedTier, TierStats
+from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
 from .serialize import RecordError, dumps, loads
 
@@ -30,11 +36,16 @@ try:  # optional dependency: kvboost[redis]
 except ImportError:  # pragma: no cover - exercised only without redis-py
     _redis = None
 
-# Failures that mean "the server is unreachable": they feed the circuit breaker. Other RedisErrors
-# (OOM under noeviction, wrong type...) are the server answering, so they only count as errors.
+# Failures that mean "the server is unreachable" (they open `breaker`), and error replies: the server
+# answered but refused (OOM, READONLY, unknown command...), which open `breaker` for a read and
+# `write_breaker` for a write.
 _UNREACHABLE: tuple[type[BaseException], ...] = (OSError,)
+_ERROR_REPLY: tuple[type[BaseException], ...] = ()
+_READ_ONLY: tuple[type[BaseException], ...] = ()
 if _redis is not None:
     _UNREACHABLE = (_redis.exceptions.ConnectionError, _redis.exceptions.TimeoutError, OSError)
+    _ERROR_REPLY = (_redis.exceptions.ResponseError,)
+    _READ_ONLY = (_redis.exceptions.ReadOnlyError,)
 
 
 @dataclass
@@ -44,7 +55,7 @@ class CircuitBreaker:
     Each failed probe doubles the backoff up to max_backoff_s; a success resets it.
     """
 
-    failure_threshold: int = 2
+    failure_threshold: int = 1  # one timeout is all a request may pay
     base_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     failures: int = 0
@@ -83,6 +94,11 @@ class CircuitBreaker:
                 return
             self._open_until = time.monotonic() + self._backoff_s
 
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return not self._is_open
+
     def blocked(self) -> bool:
         """Whether allow() would refuse right now, without taking the probe slot."""
         with self._lock:
@@ -114,13 +130,21 @@ class RedisStore(CountedTier):
     name = "redis"
 
     def __init__(self, url: str, namespace: str, ttl_s: int | None = None, socket_timeout: float = 0.25,
-                 bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, breaker: CircuitBreaker | None = None):
+                 bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, breaker: CircuitBreaker | None = None,
+                 write_breaker: CircuitBreaker | None = None):
         if _redis is None:
             raise ImportError("RedisStore needs redis-py: pip install 'kvboost[redis]'")
+        self.url = url
         self.namespace = namespace
         self.ttl_s = int(ttl_s) if ttl_s else None
         self.codec = QuantCodec(bits, group_size) if bits < 16 else None
         self.breaker = breaker or CircuitBreaker()
+        self.write_breaker = write_breaker or CircuitBreaker(
+            self.breaker.failure_threshold, self.breaker.base_backoff_s, self.breaker.max_backoff_s)
+        # Reads refresh TTLs (GETEX/EXPIRE, which are writes); a read-only replica refuses them, so reads
+        # fall back to plain GET/SMEMBERS there rather than losing the hits.
+        self._sliding_ttl = self.ttl_s is not None
+        self.health = TierHealth(self.name)
         self._prefix = f"kvboost:{namespace}:"
         # retry=0: redis-py would otherwise retry 10 times with backoff, turning a dead server into seconds.
         self.client = _redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
@@ -160,7 +184,7 @@ class RedisStore(CountedTier):
         return record
 
     def _fetch(self, pipe, key: str) -> None:
-        if self.ttl_s:  # sliding expiry: a chunk in use stays
+        if self._sliding_ttl:  # sliding expiry: a chunk in use stays
             pipe.getex(self.chunk_key(key), ex=self.ttl_s)
             pipe.getex(self.meta_key(key), ex=self.ttl_s)
         else:
@@ -183,7 +207,7 @@ class RedisStore(CountedTier):
     def _index_members(self, set_key: str) -> list[ChunkMeta]:
         def read(pipe):
             pipe.smembers(set_key)
-            if self.ttl_s:
+            if self._sliding_ttl:
                 pipe.expire(set_key, self.ttl_s)  # an index in use stays as long as its members
         results = self._run(read)
         if not results or not results[0]:
@@ -216,15 +240,21 @@ class RedisStore(CountedTier):
             s.extra = dict(self._counters)
         s.extra["breaker"] = self.breaker.state
         s.extra["breaker_opened"] = self.breaker.opened
+        s.extra["write_breaker"] = self.write_breaker.state
+        s.extra["write_breaker_opened"] = self.write_breaker.opened
+        s.extra.update(self.health.as_extra())
         return s
 
     # ---- writes ----------------------------------------------------------------------------------
     @_never_raises(False)
     def put(self, record: ChunkRecord) -> bool:
-        if self.breaker.blocked():  # do not even serialize for a server we know is down
-            self._count("short_circuited")
+        if self.breaker.blocked() or self.write_breaker.blocked():  # do not even serialize for a server we know is
+            self._count("short_circuited")                          # down or refusing writes
+            self.health.dropped("breaker_open")
             return False
-        blob = dumps(record, self.namespace, self.codec)
+        # A memoryview, not bytes: when Redis refuses the command, redis-py writes the command's arguments
+        # into the error message, and decoding a multi-MB blob for that took ~1.6 s per refused write.
+        blob = memoryview(dumps(record, self.namespace, self.codec))
         meta = json.dumps({"parent_key": record.parent_key, "content_key": record.content_key,
                            "start": record.start, "token_ids": list(record.token_ids)})
 
@@ -236,10 +266,13 @@ class RedisStore(CountedTier):
                 pipe.sadd(set_key, record.key)
                 if ex:
                     pipe.expire(set_key, ex)
-        return self._run(write, transaction=True, checked=True) is not None
+        return self._run(write, transaction=True, write=True) is not None
 
     @_never_raises(None)
     def delete(self, key: str) -> None:
+        if self.write_breaker.blocked():
+            self.health.dropped("breaker_open")
+            return
         results = self._run(lambda p: p.get(self.meta_key(key)))
         self._forget([(key, results[0] if results else None)], None)
 
@@ -247,8 +280,9 @@ class RedisStore(CountedTier):
         """Delete every key of this namespace (SCAN, so a large keyspace does not block Redis)."""
         pattern = _glob_escape(self._prefix) + "*"
         try:
-            if not self.breaker.allow():
+            if not self.breaker.allow() or not self.write_breaker.allow():
                 self._count("short_circuited")
+                self.health.dropped("breaker_open")
                 return
             batch = []
             for k in self.client.scan_iter(match=pattern, count=1000):
@@ -259,11 +293,9 @@ class RedisStore(CountedTier):
             if batch:
                 self.client.delete(*batch)
             self.breaker.success()
-        except _UNREACHABLE:
-            self.breaker.failure()
-            self._count("errors")
-        except Exception:
-            self._count("errors")
+            self.write_breaker.success()
+        except Exception as exc:
+            self._failed(exc, write=True)
 
     def close(self) -> None:
         try:
@@ -272,27 +304,73 @@ class RedisStore(CountedTier):
             pass
 
     # ---- internals -------------------------------------------------------------------------------
-    def _run(self, build, transaction: bool = False, checked: bool = False) -> list | None:
+    def _run(self, build, transaction: bool = False, write: bool = False) -> list | None:
         """Run one pipeline (one round trip); None on any failure, which is counted, never raised."""
-        if not self.breaker.allow():
+        if not self.breaker.closed:
+            if self.breaker.allow():  # this caller holds the probe slot: probe without making it wait
+                threading.Thread(target=self._probe, name="kvboost-redis-probe", daemon=True).start()
+            blocked = True
+        else:
+            blocked = write and not self.write_breaker.allow()  # (a write is the write breaker's probe)
+        if blocked:
             self._count("short_circuited")
+            if write:
+                self.health.dropped("breaker_open")
             return None
         try:
-            pipe = self.client.pipeline(transaction=transaction)
-            build(pipe)
-            results = pipe.execute(raise_on_error=True)
-        except _UNREACHABLE:
-            self.breaker.failure()
-            self._count("errors")
-            return None
+            results = self._execute(build, transaction)
+        except _READ_ONLY as exc:
+            if write or not self._sliding_ttl:
+                self._failed(exc, write)
+                return None
+            # A read-only replica refuses the TTL refresh our reads piggy-back: read without it from now on.
+            self._sliding_ttl = False
+            self.health.event("read_only_replica", "reads no longer refresh TTLs")
+            return self._run(build, transaction, write)
         except Exception as exc:
-            self.breaker.success()  # the server answered; it is up, just unwilling (e.g. OOM under noeviction)
-            self._count("errors")
-            if checked and (isinstance(exc, _redis.exceptions.OutOfMemoryError) or "OOM" in str(exc)):
-                self._count("rejected_writes")
+            self._failed(exc, write)
             return None
         self.breaker.success()
+        if write:
+            self.write_breaker.success()
         return results
+
+    def _probe(self) -> None:
+        """Is the server back? Answers the breaker, off every request's path."""
+        try:
+            self.client.ping()
+        except Exception as exc:
+            self._failed(exc, write=False)
+            return
+        self.breaker.success()
+
+    def _execute(self, build, transaction: bool) -> list:
+        pipe = self.client.pipeline(transaction=transaction)
+        build(pipe)
+        return pipe.execute(raise_on_error=True)
+
+    def _failed(self, exc: Exception, write: bool) -> None:
+        """Count a failure by reason and feed the breaker it concerns."""
+        self._count("errors")
+        if isinstance(exc, _UNREACHABLE):
+            self.breaker.failure()
+            self.health.event("unreachable", type(exc).__name__)
+            reason = "unreachable"
+        elif isinstance(exc, _ERROR_REPLY):
+            if write:
+                self.breaker.success()  # the server answered: it is up, just unwilling to store
+                self.write_breaker.failure()
+            else:
+                self.breaker.failure()  # a read it will not answer: skip it like one that cannot
+            self.health.event("write_refused" if write else "error_reply", _reply(exc))
+            reason = "refused"
+            if write:
+                self._count("rejected_writes")
+        else:  # not Redis's doing (a bug, a value it cannot encode): counted, breakers untouched
+            self.health.event("error", type(exc).__name__)
+            reason = "error"
+        if write:
+            self.health.dropped(reason)
 
     def _forget(self, entries: list[tuple[str, bytes | None]], counter: str | None,
                 also_from: str | None = None) -> None:
@@ -309,7 +387,7 @@ class RedisStore(CountedTier):
                 pipe.delete(self.chunk_key(key), self.meta_key(key))
                 for set_key in sets:
                     pipe.srem(set_key, key)
-        self._run(drop)
+        self._run(drop, write=True)
         if counter:
             self._count(counter, len(entries))
 
@@ -323,6 +401,12 @@ def _parse_meta(key: str, raw: bytes | None) -> ChunkMeta | None:
         return ChunkMeta(key, d["parent_key"], d["content_key"], tuple(int(t) for t in d["token_ids"]), int(d["start"]))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _reply(exc: Exception) -> str:
+    """The server's words (redis-py prefixes pipeline errors with the command, which may be a blob)."""
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    return f"{type(exc).__name__}: {message.split('caused error: ')[-1][:200]}"
 
 
 def _glob_escape(s: str) -> str:

@@ -1,29 +1,35 @@
 """Memory -> disk -> Redis, behind the one ChunkStore interface the engine uses.
 
 get() walks the tiers fastest first and promotes a lower-tier hit into memory, so the next request
-for a hot chunk pays no deserialization. put() writes memory and, when Redis is configured, writes
-through to it (Redis is the tier shared with other hosts, so it must learn new chunks right away).
-The disk tier either receives what memory evicts, through the memory tier's on_evict hook (overflow
-only: no disk write per put, but chunks still in memory are gone when the process exits), or, with
-write_through_disk, every put (what other processes sharing the directory and the next run can see).
+for a hot chunk pays no deserialization. put() writes memory synchronously; writes to the slow tiers
+(disk, Redis) go through a bounded write-behind queue drained by one background thread, so a slow,
+full or refusing backend never costs a request time (see writeback.py). A chunk still queued is served
+from the queue. Redis, when configured, gets every put (it is the tier shared with other hosts). The
+disk tier either receives what memory evicts, through the memory tier's on_evict hook (overflow only:
+chunks still in memory are gone when the process exits), or, with write_through_disk, every put (what
+other processes sharing the directory and the next run can see).
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 from .base import ChunkMeta, ChunkRecord, ChunkStore, TierStats
-from .disk import DiskStore, default_disk_budget
+from .disk import DiskStore
+from .disk_index import default_disk_budget
 from .memory import MemoryStore
 from .quant import QuantCodec
 from .redis import RedisStore
+from .writeback import DEFAULT_FLUSH_TIMEOUT_S, DEFAULT_QUEUE_BYTES, WriteBehind, flush_targets
 
 
 class TieredStore:
     name = "tiered"
 
     def __init__(self, memory: MemoryStore, disk: ChunkStore | None = None, redis: ChunkStore | None = None,
-                 write_through_disk: bool = False):
+                 write_through_disk: bool = False, write_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S):
         self.memory = memory
         self.disk = disk
         self.redis = redis
@@ -31,7 +37,11 @@ class TieredStore:
         self._lock = threading.Lock()
         self._stats = TierStats(self.name)
         self._promotions: dict[str, int] = {}
-        self._spill_failures = 0
+        self._queue_hits = 0
+        self.writer: WriteBehind | None = None
+        if disk is not None or redis is not None:
+            self.writer = WriteBehind(write_queue_bytes, flush_timeout_s, targets=_targets(
+                getattr(disk, "directory", None), getattr(redis, "url", None)))
         if disk is not None and not self.write_through_disk:
             self._chain_on_evict(memory.on_evict)
 
@@ -39,11 +49,13 @@ class TieredStore:
     def tiers(self) -> list[ChunkStore]:
         return [t for t in (self.memory, self.disk, self.redis) if t is not None]
 
+    @property
+    def slow_tiers(self) -> list[ChunkStore]:
+        return [t for t in (self.disk, self.redis) if t is not None]
+
     def _chain_on_evict(self, previous: Callable[[ChunkRecord], None] | None) -> None:
         def spill(record: ChunkRecord) -> None:
-            if not self.disk.put(record):
-                with self._lock:
-                    self._spill_failures += 1
+            self.writer.submit(record, [self.disk])  # (a dropped spill is counted by the queue)
             if previous is not None:
                 previous(record)
         self.memory.on_evict = spill
@@ -51,16 +63,25 @@ class TieredStore:
     # ---- reads -----------------------------------------------------------------------------------
     def get(self, key: str) -> ChunkRecord | None:
         record = self.memory.get(key)
+        if record is None and self.writer is not None:
+            pending, record = self.writer.lookup(key)
+            if pending:  # queued: served from the queue, or deleted (then the slow tiers' copy is stale)
+                if record is not None:
+                    self.memory.put(record)
+                    with self._lock:
+                        self._queue_hits += 1
+                return self._counted(record)
         if record is None:
-            for tier in (self.disk, self.redis):
-                if tier is None:
-                    continue
+            for tier in self.slow_tiers:
                 record = tier.get(key)
                 if record is not None:
                     if self.memory.put(record):
                         with self._lock:
                             self._promotions[tier.name] = self._promotions.get(tier.name, 0) + 1
                     break
+        return self._counted(record)
+
+    def _counted(self, record: ChunkRecord | None) -> ChunkRecord | None:
         with self._lock:
             if record is None:
                 self._stats.misses += 1
@@ -69,51 +90,84 @@ class TieredStore:
         return record
 
     def contains(self, key: str) -> bool:
-        return any(t.contains(key) for t in self.tiers)
+        if self.memory.contains(key):
+            return True
+        if self.writer is not None:
+            pending, record = self.writer.lookup(key)
+            if pending:
+                return record is not None
+        return any(t.contains(key) for t in self.slow_tiers)
 
     def children(self, parent_key: str | None) -> list[ChunkMeta]:
-        return _merge(t.children(parent_key) for t in self.tiers)
+        return self._merged(lambda t: t.children(parent_key))
 
     def by_content(self, content_key: str) -> list[ChunkMeta]:
-        return _merge(t.by_content(content_key) for t in self.tiers)
+        return self._merged(lambda t: t.by_content(content_key))
+
+    def _merged(self, ask: Callable) -> list[ChunkMeta]:
+        lists = [ask(self.memory)]
+        deleted: set[str] = set()
+        if self.writer is not None:
+            lists.append(ask(self.writer))
+            deleted = self.writer.deleted()
+        lists += [[m for m in ask(t) if m.key not in deleted] for t in self.slow_tiers]
+        return _merge(lists)
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
+        """Memory now; disk/Redis behind. True when memory holds it or it is queued for a slower tier."""
         stored = self.memory.put(record)
+        slow = []
         if self.disk is not None and (self.write_through_disk or not stored):
             # (when not writing through: larger than the whole memory budget, so keep it one tier down)
-            stored = self.disk.put(record) or stored
+            slow.append(self.disk)
         if self.redis is not None:
-            stored = self.redis.put(record) or stored
+            slow.append(self.redis)
+        if slow:
+            stored = self.writer.submit(record, slow) or stored
         return stored
 
     def delete(self, key: str) -> None:
-        for t in self.tiers:
-            t.delete(key)
+        self.memory.delete(key)
+        if self.writer is not None:
+            self.writer.submit_delete(key, self.slow_tiers)
 
     def clear(self) -> None:
-        for t in self.tiers:
+        """Forget everything, in every tier, now (an explicit request, so it waits for the slow tiers)."""
+        self.memory.clear()
+        if self.writer is not None:
+            self.writer.cancel_all()
+        for t in self.slow_tiers:
             t.clear()
 
-    def close(self) -> None:
-        for t in (self.disk, self.redis):
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write queued for disk/Redis has landed; False if timeout_s passed first."""
+        return self.writer.flush(timeout_s) if self.writer is not None else True
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush (bounded: timeout_s, default the store's flush_timeout_s), then close the slow tiers."""
+        done = self.writer.close(timeout_s) if self.writer is not None else True
+        for t in self.slow_tiers:
             close = getattr(t, "close", None)
             if close is not None:
                 close()
+        return done
 
     # ---- stats -----------------------------------------------------------------------------------
     def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's own stats, with `promotions` = hits that tier served which were promoted to memory."""
+        """Each tier's own stats, with `promotions` = hits that tier served which were promoted to memory,
+        and for disk/Redis the write-behind queue's counts (queued_writes, written_behind, dropped_writes)."""
         out: dict[str, TierStats] = {}
         with self._lock:
             promotions = dict(self._promotions)
-            spill_failures = self._spill_failures
+            queue_hits = self._queue_hits
         for t in self.tiers:
             s = t.stats()
             s.promotions = promotions.get(t.name, 0)
-            if t is self.disk:
-                s.extra["spill_failures"] = spill_failures
+            if t is not self.memory and self.writer is not None:
+                _add_queue_stats(s, self.writer.stats(t.name))
             out[t.name] = s
+        out["memory"].extra["queue_hits"] = queue_hits
         return out
 
     def stats(self) -> TierStats:
@@ -128,6 +182,25 @@ class TieredStore:
         s.errors = sum(t.errors for t in per_tier.values())
         s.extra = {"tiers": {name: t.as_dict() for name, t in per_tier.items()}}
         return s
+
+
+def _add_queue_stats(s: TierStats, queue: dict) -> None:
+    """Merge the queue's drops into the tier's own dropped_writes, so one dict gives every reason."""
+    dropped = dict(s.extra.get("dropped_writes", {}))
+    for reason, n in queue.pop("queue_dropped").items():
+        dropped[reason] = dropped.get(reason, 0) + n
+    s.extra.update(queue)
+    s.extra["dropped_writes"] = dropped
+
+
+def _targets(directory: str | os.PathLike | None, redis_url: str | None) -> frozenset[str]:
+    """Names for what a write-behind queue writes to, so stores sharing a target can be told apart."""
+    out = set()
+    if directory:
+        out.add(f"disk:{os.path.realpath(os.path.expanduser(directory))}")
+    if redis_url:
+        out.add(f"redis:{redis_url}")
+    return frozenset(out)
 
 
 def _merge(lists) -> list[ChunkMeta]:
@@ -145,6 +218,10 @@ def build_store(config, namespace: str, write_through_disk: bool = True) -> Tier
     A configured disk directory is written through by default: a cache directory that only ever held
     memory's overflow would come back empty after a restart and share nothing between processes.
     """
+    # Another store in this process may still be writing to the same directory / Redis (an engine
+    # rebuilt on the same cache): let it land first, so this one starts from what that one stored.
+    flush_timeout_s = config.flush_timeout_s
+    flush_targets(_targets(config.disk_cache_dir, config.redis_url), flush_timeout_s)
     bits = config.kv_cache_bits
     # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per
     # token instead of several keeps int8 at <= 0.52x of fp16 bytes on small-head models like SmolLM2.
@@ -159,4 +236,6 @@ def build_store(config, namespace: str, write_through_disk: bool = True) -> Tier
     redis = None
     if config.redis_url:
         redis = RedisStore(config.redis_url, namespace=namespace, ttl_s=config.redis_ttl_s, bits=bits)
-    return TieredStore(memory, disk=disk, redis=redis, write_through_disk=write_through_disk)
+    return TieredStore(memory, disk=disk, redis=redis, write_through_disk=write_through_disk,
+                       write_queue_bytes=config.write_queue_bytes,
+                       flush_timeout_s=flush_timeout_s)

@@ -1,0 +1,251 @@
+"""The disk tier's SQLite index, how to rebuild it from the chunk files alone, and its file helpers.
+
+The index is a convenience: every chunk file is self-describing (a framed safetensors blob whose
+checksummed header names its namespace, key, parent, content key and start, with the token ids as a
+tensor; see serialize.py). So an index that is damaged, missing, or unreadable (read-only medium) is
+rebuilt by reading the files: a file that verifies is indexed again, only one that fails verification
+(or lies where its key would never put it) is given up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import struct
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import xxhash
+
+from .base import ChunkMeta
+from .serialize import FRAME_SIZE, CorruptRecordError, RecordError, frame_checksum, loads_meta
+
+INDEX = "index.sqlite3"
+MANIFEST = "manifest.json"
+MANIFEST_CONTENT = {"format": "kvboost-disk", "version": 1}
+SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (
+    namespace   TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    parent_key  TEXT,
+    content_key TEXT NOT NULL,
+    start       INTEGER NOT NULL,
+    n_tokens    INTEGER NOT NULL,
+    token_ids   TEXT NOT NULL,
+    nbytes      INTEGER NOT NULL,
+    checksum    TEXT NOT NULL,
+    path        TEXT NOT NULL,
+    hits        INTEGER NOT NULL DEFAULT 0,
+    last_access REAL NOT NULL,
+    PRIMARY KEY (namespace, key)
+);
+CREATE INDEX IF NOT EXISTS chunks_parent ON chunks(namespace, parent_key);
+CREATE INDEX IF NOT EXISTS chunks_content ON chunks(namespace, content_key);
+CREATE INDEX IF NOT EXISTS chunks_eviction ON chunks(hits, last_access);
+"""
+META_COLS = "key, parent_key, content_key, token_ids, start"
+UPSERT = (
+    "INSERT INTO chunks (namespace, key, parent_key, content_key, start, n_tokens, token_ids, nbytes,"
+    " checksum, path, last_access) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT(namespace, key) DO UPDATE SET nbytes = excluded.nbytes,"
+    " checksum = excluded.checksum, path = excluded.path, last_access = excluded.last_access")
+
+
+# ---- where a chunk lives ------------------------------------------------------------------------------
+def namespace_dir(namespace: str) -> str:
+    return xxhash.xxh3_64_hexdigest(namespace.encode())
+
+
+def chunk_relpath(namespace: str, key: str) -> str:
+    """A chunk file's path relative to the cache directory: a pure function of (namespace, key)."""
+    return f"chunks/{namespace_dir(namespace)}/{xxhash.xxh3_128_hexdigest(key.encode())}{SUFFIX}"
+
+
+def index_row(namespace: str, meta: ChunkMeta, blob: bytes, relpath: str) -> tuple:
+    """The UPSERT parameters for one chunk file."""
+    return (namespace, meta.key, meta.parent_key, meta.content_key, meta.start, len(meta.token_ids),
+            json.dumps(list(meta.token_ids)), len(blob), format(frame_checksum(blob) or 0, "016x"), relpath,
+            time.time())
+
+
+def row_meta(row: tuple) -> ChunkMeta:
+    key, parent_key, content_key, token_ids, start = row
+    return ChunkMeta(key, parent_key, content_key, tuple(json.loads(token_ids)), start)
+
+
+# ---- connections ------------------------------------------------------------------------------------
+def connect(directory: Path, busy_timeout_s: float, check: bool = False) -> sqlite3.Connection:
+    """The shared, writable index (WAL). check=True also runs PRAGMA quick_check (done by the first opener:
+    a damaged page anywhere would otherwise surface later, as errors on requests)."""
+    conn = sqlite3.connect(directory / INDEX, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(SCHEMA)
+        conn.execute("SELECT COUNT(*) FROM chunks").fetchone()
+        if check:
+            verdict = conn.execute("PRAGMA quick_check").fetchone()
+            if not verdict or verdict[0] != "ok":
+                found = " ".join(str(verdict[0]).split())[:160] if verdict else "no answer"  # (one line, short)
+                raise sqlite3.DatabaseError(f"quick_check: {found}")
+    except Exception:
+        conn.close()
+        raise
+    return conn
+
+
+def connect_read_only(directory: Path) -> sqlite3.Connection:
+    """The index of a directory we may not write. A WAL index needs its -shm file, which only exists while
+    a writer has it open; without one, open it immutable (every file read is verified anyway)."""
+    uri = (directory / INDEX).resolve().as_uri()
+    last: Exception | None = None
+    for flags in ("?mode=ro", "?mode=ro&immutable=1"):
+        try:
+            conn = sqlite3.connect(uri + flags, uri=True, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            last = exc
+            continue
+        try:
+            conn.execute("SELECT COUNT(*) FROM chunks").fetchone()
+            return conn
+        except sqlite3.Error as exc:
+            conn.close()
+            last = exc
+    raise last if last is not None else sqlite3.DatabaseError("index unreadable")
+
+
+def memory_index() -> sqlite3.Connection:
+    """An index held in memory, for a read-only directory whose index file cannot be used."""
+    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    conn.executescript(SCHEMA)
+    return conn
+
+
+def remove_index_files(directory: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            os.unlink(directory / f"{INDEX}{suffix}")
+        except FileNotFoundError:
+            pass
+
+
+# ---- rebuilding from the files ------------------------------------------------------------------------
+def chunk_files(directory: Path) -> set[str]:
+    """Every chunk file under directory/chunks, as paths relative to directory."""
+    out: set[str] = set()
+    root = directory / "chunks"
+    if not root.is_dir():
+        return out
+    for ns_dir in root.iterdir():
+        if ns_dir.is_dir():
+            out.update(f"chunks/{ns_dir.name}/{e.name}" for e in os.scandir(ns_dir) if e.name.endswith(SUFFIX))
+    return out
+
+
+def read_chunk_file(path: Path) -> tuple[str, ChunkMeta, bytes]:
+    """(namespace, meta, blob) of a chunk file that verifies; raises RecordError or OSError otherwise."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    namespace = _header_namespace(blob)
+    return namespace, loads_meta(blob, namespace), blob  # loads_meta checks checksum, header and namespace
+
+
+def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) -> tuple[int, list[str]]:
+    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not verify)."""
+    kept, bad = 0, []
+    for rel in sorted(relpaths):
+        try:
+            namespace, meta, blob = read_chunk_file(directory / rel)
+        except (OSError, RecordError):
+            bad.append(rel)
+            continue
+        if rel != chunk_relpath(namespace, meta.key):  # not where a put would write it: never trust it
+            bad.append(rel)
+            continue
+        conn.execute(UPSERT, index_row(namespace, meta, blob, rel))
+        kept += 1
+    return kept, bad
+
+
+def _header_namespace(blob: bytes) -> str:
+    """The namespace a blob's header claims (verified afterwards by loads_meta against the checksum)."""
+    try:
+        (n,) = struct.unpack_from("<Q", blob, FRAME_SIZE)  # safetensors: u64 header length, then JSON
+        header = json.loads(blob[FRAME_SIZE + 8:FRAME_SIZE + 8 + n])
+        namespace = json.loads(header["__metadata__"]["kvboost"])["namespace"]
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise CorruptRecordError(f"no readable header: {exc}") from exc
+    if not isinstance(namespace, str):
+        raise CorruptRecordError("header names no namespace")
+    return namespace
+
+
+# ---- the directory ----------------------------------------------------------------------------------
+def tmp_is_dead(name: str, age_s: float, host: str, stale_s: float) -> bool:
+    """Whether a temp file's writer is gone: old, or named by a dead process of this host."""
+    if age_s > stale_s:
+        return True
+    parts = name.split(".")  # "", stem, host, pid, rand, "tmp"
+    if len(parts) != 6 or parts[2] != host or not parts[3].isdigit():
+        return False
+    try:
+        os.kill(int(parts[3]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def default_disk_budget(directory: str | os.PathLike, cap_bytes: int = 16 * 1024**3) -> int:
+    """Half of what the cache could occupy (free space + what it already holds), capped: never fill a disk."""
+    directory = Path(directory).expanduser()
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    held = sum(e.stat().st_size for d in (directory / "chunks").glob("*") if d.is_dir() for e in os.scandir(d))
+    return int(min(cap_bytes, (free + held) // 2))
+
+
+def check_manifest(directory: Path) -> None:
+    """Claim an empty directory for this format, or refuse one that holds another (RuntimeError)."""
+    path = directory / MANIFEST
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        tmp = path.with_name(f".{MANIFEST}.{os.getpid()}{TMP_SUFFIX}")
+        tmp.write_text(json.dumps(MANIFEST_CONTENT))
+        os.replace(tmp, path)
+        return
+    if found != MANIFEST_CONTENT:
+        raise RuntimeError(f"{path} describes another cache format: {found!r}")
+
+
+def write_tmp(path: Path, blob: bytes, host: str, fsync: bool) -> Path:
+    """Write blob to a fresh temp file next to path (fsynced if asked) and return its name."""
+    # host + pid in the name let a later opener tell a dead writer's leftovers from a live one's.
+    tmp = path.with_name(f".{path.stem}.{host}.{os.getpid()}.{os.urandom(4).hex()}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    except BaseException:
+        unlink(tmp)
+        raise
+    return tmp
+
+
+def unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
