@@ -73,7 +73,8 @@ def test_token_id_prompts_reuse_the_exact_generated_tokens(tiny):
     assert reply.output_token_ids == hf_greedy(model, tokenizer, first, NEW)
     engine.forget_workspace()  # the second turn must come from stored chunks
     second = first + reply.output_token_ids + engine.encode(" " + words(7, seed=12))
-    result = engine.generate(input_ids=torch.tensor([second], device=engine.device), max_new_tokens=NEW, return_logits=True)
+    second_ids = torch.tensor([second], device=engine.device)
+    result = engine.generate(input_ids=second_ids, max_new_tokens=NEW, return_logits=True)
     assert result.prompt_tokens == len(second)
     assert result.cached_tokens >= (len(first) + len(reply.output_token_ids)) // CHUNK * CHUNK
     assert result.output_token_ids == hf_greedy(model, tokenizer, second, NEW)

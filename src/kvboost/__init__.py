@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from .config import EngineConfig
-from .errors import (ContextLengthError, EmbeddedModelMissingError, InvalidRequestError, KVBoostError,
-                     ModelNotSupportedError)
-from .results import (CorrectnessReport, GenerationMode, GenerationResult, PromptCheck, RecomputeStrategy,
-                      WarmResult)
+from .errors import (
+    ContextLengthError,
+    EmbeddedModelMissingError,
+    InvalidRequestError,
+    KVBoostError,
+    ModelNotSupportedError,
+)
+from .results import CorrectnessReport, GenerationMode, GenerationResult, PromptCheck, RecomputeStrategy, WarmResult
 
 __version__ = "0.2.0"
 

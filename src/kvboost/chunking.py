@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ BOUNDARY_END = 2  # the token's text ends a sentence or clause (. ! ? :) or hold
 BOUNDARY_WORD = 1  # the token's text starts a word (a space or the word-start marker): cut right before it
 _SENTENCE_ENDS = (".", "!", "?", ":")
 _WORD_MARKERS = (" ", "\u0120", "\u2581")  # a space, byte-level BPE's "Ġ", SentencePiece's "▁"
-_CLASS_CACHE: "weakref.WeakKeyDictionary[object, np.ndarray]" = weakref.WeakKeyDictionary()
+_CLASS_CACHE: weakref.WeakKeyDictionary[object, np.ndarray] = weakref.WeakKeyDictionary()
 
 
 def boundary_classes(tokenizer) -> np.ndarray:

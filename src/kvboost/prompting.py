@@ -6,7 +6,7 @@ than as an index error deep inside the model.
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

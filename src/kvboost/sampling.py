@@ -23,7 +23,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+        n = self.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}",
                                       "max_new_tokens")
         if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):

@@ -1,8 +1,8 @@
 """verify_correctness: run prompts with and without reused K/V and compare, token for token."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -9,8 +9,8 @@ from kvboost.batch import BatchRunner, broadcast_kv, find_common_chunk_prefix, g
 from kvboost.compat import has_sliding_layers
 from kvboost.sampling import SamplingParams
 
-from ..prompts import text_with_tokens, words
 from ..hf_reference import hf_greedy
+from ..prompts import text_with_tokens, words
 from ..tiny_models import make_tiny_model
 
 CHUNK = 16
@@ -97,7 +97,8 @@ def test_batches_of_token_ids_match_their_text(tokenizer):
     ids = [engine.encode(p) for p in prompts]
     by_text = engine.generate_many(prompts, max_new_tokens=6)
     for results in (engine.generate_batch(input_ids=ids, max_new_tokens=6),
-                    engine.generate_many(input_ids=[torch.tensor(x, device=engine.device) for x in ids], max_new_tokens=6)):
+                    engine.generate_many(input_ids=[torch.tensor(x, device=engine.device) for x in ids],
+                                         max_new_tokens=6)):
         assert [r.output_token_ids for r in results] == [r.output_token_ids for r in by_text]
         assert [r.prompt_tokens for r in results] == [len(x) for x in ids]
     for call in (engine.generate_batch, engine.generate_many):

@@ -11,8 +11,8 @@ from kvboost import KVBoost
 from kvboost.batch import BatchRunner, cascade
 from kvboost.sampling import SamplingParams
 
-from ..prompts import text_with_tokens, words
 from ..hf_reference import hf_greedy
+from ..prompts import text_with_tokens, words
 from ..tiny_models import make_tiny_model
 
 CHUNK = 16
@@ -194,7 +194,8 @@ def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
     for prompt, h in zip(prompts, handles):
         fed = engine.encode(prompt) + h.result.output_token_ids[:-1]
         with torch.inference_mode():
-            full = model(input_ids=torch.tensor([fed], device=model.device), past_key_values=DynamicCache(), use_cache=True)
+            full = model(input_ids=torch.tensor([fed], device=model.device), past_key_values=DynamicCache(),
+                         use_cache=True)
         for chunk in engine.chunker.split(fed):
             record = engine.store.get(chunk.prefix_key)
             assert record is not None and record.token_ids == chunk.token_ids

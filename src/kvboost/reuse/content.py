@@ -15,8 +15,8 @@ loaded record before its K/V is used, so a stale entry or a hash collision never
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import xxhash

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..results import RecomputeStrategy
 from ..kv.workspace import KVWorkspace
+from ..results import RecomputeStrategy
 
 CHECK_LAYER = 2  # layer 0's K/V equals the stored K/V (no context yet); layer 2 ranks better than 1 for ~equal cost
 GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens
