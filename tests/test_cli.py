@@ -69,7 +69,7 @@ def test_unknown_model_path_fails_cleanly(tmp_path):
 def test_demo_runs_on_the_embedded_model():
     out = kvboost_cli("demo", "--questions", "1", "--max-new-tokens", "4")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "KVBoost TTFT" in out.stdout and "yes" in out.stdout
+    assert "TTFT: baseline" in out.stdout and "KVBoost" in out.stdout and "yes" in out.stdout
     assert "135M parameters" in out.stdout  # the answers are a small model's, and the demo says so
 
 

@@ -27,9 +27,9 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
     console.print(f"warmed {warm.tokens} system-prompt tokens into {warm.chunks_stored} chunks "
                   f"in {warm.elapsed_ms:.0f} ms")
 
-    table = Table(title="Baseline (full prefill) vs KVBoost (reused system prompt)")
-    for col, justify in (("question", "left"), ("prompt tok", "right"), ("baseline TTFT", "right"),
-                         ("KVBoost TTFT", "right"), ("speedup", "right"), ("reuse", "right"),
+    table = Table(title="TTFT: baseline (full prefill) vs KVBoost (system prompt reused)")
+    for col, justify in (("question", "left"), ("tokens", "right"), ("baseline", "right"),
+                         ("KVBoost", "right"), ("speedup", "right"), ("reuse", "right"),
                          ("identical", "center")):
         table.add_column(col, justify=justify)
     answers = []
@@ -42,7 +42,9 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
             base = engine.generate(messages=messages, max_new_tokens=max_new_tokens, mode="baseline")
             fast = engine.generate(messages=messages, max_new_tokens=max_new_tokens)
             same = base.output_token_ids == fast.output_token_ids
-            table.add_row(q[:48], str(fast.prompt_tokens), f"{base.ttft_ms:.0f} ms", f"{fast.ttft_ms:.0f} ms",
+            # Cut to fit one line of an 80-column terminal beside the figures (the answers below repeat it whole).
+            short = q if len(q) <= 28 else q[:27] + "…"
+            table.add_row(short, str(fast.prompt_tokens), f"{base.ttft_ms:.0f} ms", f"{fast.ttft_ms:.0f} ms",
                           f"{base.ttft_ms / fast.ttft_ms:.1f}x", f"{fast.kv_reuse_ratio:.0%}",
                           "[green]yes[/]" if same else "[red]NO[/]")
             answers.append((q, fast.output_text))

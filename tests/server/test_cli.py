@@ -44,6 +44,16 @@ def _read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> list[st
     return seen
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops it; killed only if it does not exit in time."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", KVBOOST_API_KEY="")
     cmd = [sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
@@ -83,12 +93,7 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
         stats = httpx.get(base + "/v1/stats", timeout=5).json()
         assert stats["cache"]["namespace"].endswith("b8")  # --kv-cache-bits reached the engine
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        _stop(proc)
     assert proc.returncode is not None
 
 
@@ -111,12 +116,7 @@ def test_warm_files_are_stored_before_listening(tiny_model_dir, tmp_path):
             messages=[{"role": "system", "content": system}, {"role": "user", "content": "Where is it?"}])
         assert r.usage.prompt_tokens_details.cached_tokens >= 0.7 * r.usage.prompt_tokens
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        _stop(proc)
 
 
 @pytest.mark.parametrize("flags, named", [(["--kv-cache-bits", "3"], "kv_cache_bits"),

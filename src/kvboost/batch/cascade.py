@@ -22,7 +22,6 @@ so other users of the same model object keep exact results.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,7 +30,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..compat import has_sliding_layers
 from ..errors import KVBoostError
+from ..model.attention.switch import switch_unsupported_reason, switched_attention
 
 CASCADE_ATTENTION = "kvboost_cascade"
 
@@ -128,35 +129,11 @@ AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention_forward)
 AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
 
 
-_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its configs (walked once)
-
-
-def _configs(model: torch.nn.Module) -> list:
-    """Every distinct config that a submodule's attention reads `_attn_implementation` from."""
-    cached = _CONFIGS.get(model)
-    if cached is not None:
-        return cached
-    seen: dict[int, object] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation_internal"):
-            seen.setdefault(id(config), config)
-            text = config.get_text_config() if hasattr(config, "get_text_config") else None
-            if text is not None and hasattr(text, "_attn_implementation_internal"):
-                seen.setdefault(id(text), text)
-    _CONFIGS[model] = list(seen.values())
-    return _CONFIGS[model]
-
-
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why shared-prefix attention cannot be exact for this model (None: it can)."""
-    from ..compat import has_sliding_layers
-
-    if not getattr(model, "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_set is not None and not can_set():
-        return f"{type(model).__name__} cannot switch its attention implementation"
+    reason = switch_unsupported_reason(model)
+    if reason is not None:
+        return reason
     text = model.config.get_text_config()
     if getattr(text, "attn_logit_softcapping", None):
         return "attention logit softcapping"
@@ -175,18 +152,13 @@ def cascade_forward(model: torch.nn.Module, cache) -> Iterator[None]:
     on the model's config. On exit the previous implementation is restored, and a forward in which not
     every cache layer's attention went through the shared prefix raises instead of returning wrong output.
     """
-    configs = _configs(model)
-    saved = [c._attn_implementation_internal for c in configs]
     ctx = _Context(cache)
     previous = getattr(_local, "ctx", None)
     _local.ctx = ctx
-    for c in configs:
-        c._attn_implementation_internal = CASCADE_ATTENTION
     try:
-        yield
+        with switched_attention(model, CASCADE_ATTENTION):
+            yield
     finally:
-        for c, impl in zip(configs, saved):
-            c._attn_implementation_internal = impl
         _local.ctx = previous
     expected = len(cache.layers)
     if ctx.calls != expected:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ from transformers.masking_utils import (
 
 from .backend import dispatch
 from .reference import bottom_right_mask, sdpa_with_mask
+from .switch import switch_unsupported_reason, switched_attention
 
 KVBOOST_ATTENTION = "kvboost_attention"
 _EAGER_ONLY = ("softcap", "s_aux", "sinks")  # scores must be transformed before softmax: SDPA cannot
@@ -165,33 +165,9 @@ AttentionInterface.register(KVBOOST_ATTENTION, kvboost_attention_forward)
 AttentionMaskInterface.register(KVBOOST_ATTENTION, kvboost_mask)
 
 
-_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its configs (walked once)
-
-
-def _configs(model: torch.nn.Module) -> list:
-    """Every distinct config that a submodule's attention reads `_attn_implementation` from."""
-    cached = _CONFIGS.get(model)
-    if cached is None:
-        seen: dict[int, object] = {}
-        for module in model.modules():
-            config = getattr(module, "config", None)
-            if config is not None and hasattr(config, "_attn_implementation_internal"):
-                seen.setdefault(id(config), config)
-                text = config.get_text_config() if hasattr(config, "get_text_config") else None
-                if text is not None and hasattr(text, "_attn_implementation_internal"):
-                    seen.setdefault(id(text), text)
-        cached = _CONFIGS[model] = list(seen.values())
-    return cached
-
-
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why switching this model's attention does nothing (None: its layers dispatch through AttentionInterface)."""
-    if not getattr(model, "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_set is not None and not can_set():
-        return f"{type(model).__name__} cannot switch its attention implementation"
-    return None
+    return switch_unsupported_reason(model)
 
 
 @contextmanager
@@ -201,16 +177,11 @@ def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None) -> 
     The switch is on the model's config: the caller must hold the lock that serializes the model's forwards.
     The previous implementation is restored on exit, also when the block raises.
     """
-    configs = _configs(model)
-    saved = [c._attn_implementation_internal for c in configs]
     ctx = AttentionContext(backend)
     previous = getattr(_local, "ctx", None), getattr(_local, "record", None)
     _local.ctx, _local.record = ctx, None
-    for c in configs:
-        c._attn_implementation_internal = KVBOOST_ATTENTION
     try:
-        yield ctx
+        with switched_attention(model, KVBOOST_ATTENTION):
+            yield ctx
     finally:
-        for c, impl in zip(configs, saved):
-            c._attn_implementation_internal = impl
         _local.ctx, _local.record = previous
