@@ -30,6 +30,7 @@ from .support import (
     last_dim_contiguous,
     padded_head_dim,
 )
+from .tiles import online_softmax, tile_scores, weighted_values
 
 LOG2E = 1.4426950408889634
 MAX_FOLDED_ROWS = 128  # GROUP * q above this would spill registers: use the prefill kernel instead
@@ -90,32 +91,15 @@ def _decode_split_kernel(Q, K, V, MidO, MidL, Ends, Valid,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        if IEEE or DOT_F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        s = tile_scores(q, k, qk_scale, IEEE, DOT_F32)
         # Decode is memory-bound: masking every tile costs nothing measurable, so there is one loop.
         keep = (offs_n[None, :] <= qi[:, None] + diag) & n_ok[None, :]
         if HAS_VALID:
             valid = tl.load(valid_base + offs_n, mask=n_ok, other=0)
             keep = keep & (valid[None, :] != 0)
         s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+        acc = acc * alpha[:, None] + weighted_values(p, v, IEEE, DOT_F32)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

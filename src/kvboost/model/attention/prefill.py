@@ -27,6 +27,7 @@ from .support import (
     last_dim_contiguous,
     padded_head_dim,
 )
+from .tiles import online_softmax, tile_scores, weighted_values
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 
@@ -44,35 +45,17 @@ def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, strid
         n_ok = offs_n < end
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-        if IEEE or DOT_F32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, N] fp32
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
+        s = tile_scores(q, k, qk_scale, IEEE, DOT_F32)  # [M, N] fp32
         if MASKED:
             keep = (offs_n[None, :] <= offs_m[:, None] + diag) & n_ok[None, :]
             if HAS_VALID:
                 valid = tl.load(valid_base + offs_n, mask=n_ok, other=0)
                 keep = keep & (valid[None, :] != 0)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; subtracting 0 instead avoids (-inf) - (-inf) = NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        if DOT_F32:  # P rounded to V's dtype first, as on the GPU path; the products are then exact in fp32
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = acc * alpha[:, None] + weighted_values(p, v, IEEE, DOT_F32)
     return acc, l_i, m_i
 
 
