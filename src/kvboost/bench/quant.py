@@ -107,8 +107,7 @@ def run_quant_bench(model: str | ModelChoice | None, n_prompts: int, new_tokens:
 
 def _all_meta(engine):
     memory = engine.store.memory if hasattr(engine.store, "memory") else engine.store
-    with memory._lock:
-        return [e.meta for e in memory._entries.values()]
+    return memory.metas()
 
 
 def _print(console: Console, rows: list[QuantRow], fp16_bpt: float) -> None:

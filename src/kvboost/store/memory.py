@@ -103,6 +103,11 @@ class MemoryStore:
                 self.on_evict(victim)
         return record.key in self._entries
 
+    def metas(self) -> list[ChunkMeta]:
+        """What every stored chunk is (no K/V is decoded): a snapshot, in insertion order."""
+        with self._lock:
+            return [e.meta for e in self._entries.values()]
+
     def delete(self, key: str) -> None:
         with self._lock:
             self._remove(key)
