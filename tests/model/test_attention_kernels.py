@@ -87,7 +87,7 @@ def test_prefill_reads_strided_views(kernel_device):
 def _decode(query, key, value, **kw):
     from kvboost.model.attention.decode import decode_attention
 
-    return decode_attention(query, key, value, split_len=128, block_n=64, **kw)
+    return decode_attention(query, key, value, **{"split_len": 128, "block_n": 64, **kw})
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,q", [(torch.float32, 4, 1, 1), (torch.bfloat16, 2, 2, 1),
@@ -107,13 +107,97 @@ def test_decode_ragged_rows(kernel_device):
     assert out[2].abs().max() == 0  # a row with no key attends to nothing: zeros, not NaN
 
 
-def test_decode_refuses_too_many_folded_rows(kernel_device):
-    from kvboost.model.attention.decode import decode_attention
-    from kvboost.model.attention.support import KernelUnsupportedError
+def test_split_kernel_takes_any_query_block(kernel_device):
+    # 8 heads x 17 queries = 136 folded rows: several row tiles of 32, each with its own causal bound, over
+    # splits of 32 keys; the cache tail past kv_len is poisoned and must not be read.
+    query, key, value = _qkv(1, 8, 1, 17, 120, 64, torch.float16, kernel_device)
+    key[:, :, 100:], value[:, :, 100:] = float("nan"), float("nan")
+    out = _decode(query, key, value, scale=0.1, kv_len=100, split_len=32, block_m=32, block_n=16)
+    _check(out, query, key[:, :, :100], value[:, :, :100], scale=0.1)
 
-    query, key, value = _qkv(1, 8, 1, 17, 20, 64, torch.float32, kernel_device)
-    with pytest.raises(KernelUnsupportedError, match="folded rows"):
-        decode_attention(query, key, value, scale=0.1)
+
+def test_split_kernel_causal_prefill_and_padding(kernel_device):
+    # q == kv (plain causal prefill): splits above a row tile's diagonal skip all work; GQA 3 does not divide
+    # the row tile, so a query's heads straddle two tiles; a padding vector masks every tile.
+    query, key, value = _qkv(2, 3, 1, 24, 24, 80, torch.float32, kernel_device)
+    _check(_decode(query, key, value, scale=0.1, split_len=16, block_m=16, block_n=16), query, key, value, scale=0.1)
+    valid = torch.rand(2, 24, generator=torch.Generator().manual_seed(2)).to(kernel_device) > 0.3
+    out = _decode(query, key, value, scale=0.1, key_valid=valid, split_len=16, block_m=16, block_n=16)
+    _check(out, query, key, value, scale=0.1, key_valid=valid)
+
+
+class _NoSyncEnds(torch.Tensor):
+    """A device `ends` that raises on every host read of its values (or of a tensor computed from it)."""
+
+    SYNCS = {"item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.SYNCS:
+            raise AssertionError(f"host read of ends: {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_split_kernel_same_capacity_any_ends_no_sync(kernel_device, monkeypatch):
+    """Graph safety: one capacity, several `ends`: the same launches (grid, split count, scratch shapes), no host
+    read of the ends, never a key at or past a row's end (the stale tail is NaN), empty splits merge to 0."""
+    from kvboost.model.attention import decode, prefill
+
+    grids, empties = [], []
+    real_split, real_empty = decode._split_kernel, torch.empty
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real_split[grid]
+
+    monkeypatch.setattr(decode, "_split_kernel", _Recorder())
+    monkeypatch.setattr(decode.torch, "empty", lambda *a, **k: empties.append(a) or real_empty(*a, **k))
+    query, key, value = _qkv(3, 4, 2, 5, 96, 64, torch.float32, kernel_device)
+    for ends in ([96, 40, 0], [3, 96, 33], [64, 17, 2]):
+        ends_t = torch.tensor(ends, dtype=torch.int32, device=kernel_device)
+        k, v = key.clone(), value.clone()
+        for row, end in enumerate(ends):
+            k[row, :, end:], v[row, :, end:] = float("nan"), float("nan")
+        out = _decode(query, k, v, scale=0.1, ends=ends_t.as_subclass(_NoSyncEnds), split_len=32, block_n=16)
+        _check(out.as_subclass(torch.Tensor), query, key, value, scale=0.1, ends=ends_t)
+        out = prefill.prefill_attention(query, k, v, scale=0.1, ends=ends_t.as_subclass(_NoSyncEnds),
+                                        block_m=16, block_n=16)
+        _check(out.as_subclass(torch.Tensor), query, key, value, scale=0.1, ends=ends_t)
+    assert len(grids) == 3 and len(set(grids)) == 1
+    # Per ends: split out, partials, lse; prefill out (the same shape as split's). Identical for every ends.
+    assert len(empties) == 12 and len(set(map(str, empties))) == 3
+    with pytest.raises(AssertionError, match="host read"):  # the guard itself works
+        ends_t.as_subclass(_NoSyncEnds).max().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and sync debug mode need CUDA")
+def test_kernels_capture_in_a_cuda_graph(kernel_device):
+    from kvboost.model.attention.backend import run_kernel
+
+    query, key, value = _qkv(2, 16, 2, 32, 3000, 128, torch.bfloat16, kernel_device)
+    ends = torch.tensor([3000, 3000], dtype=torch.int32, device=kernel_device)
+    for q_len in (1, 32):  # decode, and a short block over a long cache (split-K with several row tiles)
+        def call(block=query[:, :, :q_len]):
+            return run_kernel(block, key, value, scale=0.1, kv_len=3000, ends=ends, key_valid=None)
+
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()  # compile outside the capture; then no sync
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                call()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for new in ([3000, 1234], [77, 2999], [q_len, 1]):
+            ends.copy_(torch.tensor(new))
+            graph.replay()
+            _check(out, query[:, :, :q_len], key, value, scale=0.1, ends=ends)
 
 
 # ---- dispatch --------------------------------------------------------------------------------------------------
@@ -129,3 +213,16 @@ def test_dispatch_routes_to_both_kernels(kernel_device, monkeypatch):
     out, used, _ = backend.dispatch(query, key, value, scale=0.1, backend="triton")
     assert used == "triton"
     _check(out, query, key, value, scale=0.1)
+
+
+def test_dispatch_rule_splits_long_caches_only():
+    """Shapes only (no kernel runs): a short block over a long cache splits the keys, causal prefill does not."""
+    pytest.importorskip("triton")
+    from kvboost.model.attention.backend import use_split_kernel
+    from kvboost.model.attention.decode import split_plan
+
+    rule = lambda q, kv, b=1, hq=16, hkv=2: use_split_kernel(q, kv, b, hq, hkv, 128, torch.bfloat16, 132)  # noqa: E731
+    assert rule(1, 1541) and rule(32, 30_032) and rule(40, 1540) and rule(256, 16_384) and rule(512, 1540)
+    assert not rule(2048, 2048) and not rule(512, 512) and not rule(1024, 32_768, b=2) and not rule(40, 100)
+    plan = split_plan(32, 30_032, 1, 16, 2, 128, torch.bfloat16, 132)
+    assert 100 <= plan.row_tiles * plan.n_splits * 2 <= 132  # about one full wave of programs, never a second

@@ -26,9 +26,12 @@ from .support import (
 )
 
 Backend = Literal["triton", "sdpa"]
-# Decode kernel while the GQA group times the query count fits one M tile: it folds the group into M and
-# splits the keys, so short query blocks over long caches still fill the GPU. Above that, prefill tiles.
-DECODE_MAX_ROWS = 64
+# Folded rows (GQA group x queries) up to which the split-K kernel always runs: one row tile, decode and drafts.
+DECODE_MAX_ROWS = 128
+# use_split_kernel's cost model, fitted on an H100 (Qwen2.5-3B shape, bf16): the split path's fixed cost (reduce
+# launch and pass, partial results) in key-tile time, and the margin it must win by.
+SPLIT_OVERHEAD_KEYS = 512
+SPLIT_MARGIN = 0.9
 
 
 @functools.lru_cache(maxsize=64)
@@ -66,13 +69,38 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int
                    prefer, interpreted())
 
 
+def use_split_kernel(q_len: int, kv_len: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, sms: int) -> bool:
+    """Whether the split-K kernel (decode.py) runs rather than the prefill kernel; shapes only, no sync.
+
+    Always for up to DECODE_MAX_ROWS folded rows (GQA group x queries: one row tile). Above that, by the
+    keys the slowest program walks: the prefill grid (q tiles x B * Hq) runs in waves of `sms` programs that
+    each walk up to kv_len keys; the split grid in waves that each walk split_len keys, plus the reduce pass
+    and partial-result traffic (SPLIT_OVERHEAD_KEYS). Split-K must win by SPLIT_MARGIN: where the two are
+    close (causal prefill, q ~ kv) the prefill kernel's causal tile skipping is measured faster.
+    """
+    from .decode import split_plan
+    from .prefill import default_blocks
+
+    if q_heads // kv_heads * q_len <= DECODE_MAX_ROWS:
+        return True
+    plan = split_plan(q_len, kv_len, batch, q_heads, kv_heads, head_dim, dtype, sms)
+    if plan.n_splits < 2:
+        return False
+    prefill_programs = -(-q_len // default_blocks(head_dim, dtype)[0]) * batch * q_heads
+    prefill_keys = -(-prefill_programs // sms) * kv_len
+    split_programs = plan.row_tiles * plan.n_splits * batch * kv_heads
+    split_keys = -(-split_programs // sms) * plan.split_len + SPLIT_OVERHEAD_KEYS
+    return split_keys < SPLIT_MARGIN * prefill_keys
+
+
 def run_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float, kv_len: int,
                ends: torch.Tensor | None, key_valid: torch.Tensor | None) -> torch.Tensor:
-    """The Triton kernel for these shapes: split-K decode for few (GQA-folded) queries, tiled prefill otherwise."""
-    group = query.shape[1] // key.shape[1]
-    if group * query.shape[2] <= DECODE_MAX_ROWS:
-        from .decode import decode_attention
+    """The Triton kernel for these shapes (use_split_kernel): split-K over the keys, or tiled prefill."""
+    from .decode import decode_attention, sm_count
 
+    b, hq, q_len, d = query.shape
+    if use_split_kernel(q_len, kv_len, b, hq, key.shape[1], d, query.dtype, sm_count(query.device)):
         return decode_attention(query, key, value, scale=scale, kv_len=kv_len, ends=ends, key_valid=key_valid)
     from .prefill import prefill_attention
 

@@ -47,6 +47,9 @@ class AttentionContext:
     """What one `kvboost_attention` block did: calls per path (for tests, logs and bench)."""
 
     backend: str | None = None  # None: auto; "triton" / "sdpa": forced
+    # [B] valid lengths of the keys handed to attention, as a device tensor: a static cache (kv/static.py)
+    # hands the whole workspace buffer, and a captured graph can read its ends only from device memory.
+    lengths: torch.Tensor | None = None
     counts: Counter = field(default_factory=Counter)
 
     @property
@@ -128,8 +131,12 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ctx: AttentionContext | None = getattr(_local, "ctx", None)
     counts = ctx.counts if ctx is not None else Counter()  # another thread mid-block: exact, just not counted
     backend = ctx.backend if ctx is not None else None
+    lengths = ctx.lengths if ctx is not None else None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     reason = _fallback_reason(module, dropout, is_causal, kwargs)
+    if reason is not None and lengths is not None:
+        # Keys past each row's end are stale workspace columns: only the kernels' own path honours `lengths`.
+        raise NotImplementedError(f"attention over a static cache needs the plain causal path, not {reason}")
     if reason in _EAGER_ONLY:
         counts[f"eager:{reason}"] += 1
         return _eager(module, query, key, value, attention_mask, dropout, scale, **kwargs)
@@ -140,6 +147,8 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
             key_valid = record.key_valid
         else:
             reason = "mask"  # a mask this module did not build: its pattern is unknown, SDPA applies it as is
+    if reason is not None and lengths is not None:
+        raise NotImplementedError(f"attention over a static cache cannot apply a {reason}")
     if reason is not None:
         counts[f"sdpa:{reason}"] += 1
         causal = reason != "non_causal"  # non-causal: a None mask means every key
@@ -156,7 +165,8 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         out = sdpa_with_mask(query, key, value, mask, scale=scale, is_causal=causal,
                              dropout=dropout if module.training else 0.0)
     else:
-        out, used, _ = dispatch(query, key, value, key_valid=key_valid, scale=scale, backend=backend)
+        out, used, _ = dispatch(query, key, value, lengths=lengths, key_valid=key_valid, scale=scale,
+                                backend=backend)
         counts[used] += 1  # "triton", or "sdpa" (the fallback computing the same bottom-right semantics)
     return out.transpose(1, 2), None
 
@@ -171,13 +181,14 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 @contextmanager
-def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None) -> Iterator[AttentionContext]:
+def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None,
+                      lengths: torch.Tensor | None = None) -> Iterator[AttentionContext]:
     """Run the model's forwards in this block through KVBoost's attention; yields the block's AttentionContext.
 
     The switch is on the model's config: the caller must hold the lock that serializes the model's forwards.
-    The previous implementation is restored on exit, also when the block raises.
+    The previous implementation is restored on exit, also when the block raises. lengths: see AttentionContext.
     """
-    ctx = AttentionContext(backend)
+    ctx = AttentionContext(backend, lengths)
     previous = getattr(_local, "ctx", None), getattr(_local, "record", None)
     _local.ctx, _local.record = ctx, None
     try:

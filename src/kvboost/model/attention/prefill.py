@@ -27,36 +27,9 @@ from .support import (
     last_dim_contiguous,
     padded_head_dim,
 )
-from .tiles import online_softmax, tile_scores, weighted_values
+from .tiles import attend_tiles
 
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
-
-
-@triton.jit
-def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                  offs_m, offs_d, n_lo, n_hi, end, diag, qk_scale,
-                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold key tiles [n_lo, n_hi) into the running (acc [M, D], l [M], m [M]); returns them updated."""
-    offs_n0 = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < HEAD_DIM  # all-true unless the head dim was padded (80, 96 -> 128)
-    for start_n in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < end
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        s = tile_scores(q, k, qk_scale, IEEE, DOT_F32)  # [M, N] fp32
-        if MASKED:
-            keep = (offs_n[None, :] <= offs_m[:, None] + diag) & n_ok[None, :]
-            if HAS_VALID:
-                valid = tl.load(valid_base + offs_n, mask=n_ok, other=0)
-                keep = keep & (valid[None, :] != 0)
-            s = tl.where(keep, s, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        acc = acc * alpha[:, None] + weighted_values(p, v, IEEE, DOT_F32)
-    return acc, l_i, m_i
 
 
 # Lengths, and strides that follow them, are not specialized (== 1 / % 16): a new length must not recompile.
@@ -104,16 +77,16 @@ def _prefill_kernel(Q, K, V, Out, Ends, Valid,
     last_m = tl.minimum(first_m + BLOCK_M, q_len) - 1
     hi = tl.maximum(tl.minimum(end, last_m + diag + 1), 0)  # keys past this are hidden from every query here
     if HAS_VALID:  # the padding vector applies to every tile: all of them masked
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
                                       offs_m, offs_d, 0, hi, end, diag, qk_scale,
                                       HEAD_DIM, D_PAD, BLOCK_N, True, True, IEEE, DOT_F32)
     else:
         # Tiles below `full` are visible to the block's first query, hence to all of its queries: no mask.
         full = tl.maximum(tl.minimum(end, first_m + diag + 1), 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
                                       offs_m, offs_d, 0, full, end, diag, qk_scale,
                                       HEAD_DIM, D_PAD, BLOCK_N, False, False, IEEE, DOT_F32)
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
                                       offs_m, offs_d, full, hi, end, diag, qk_scale,
                                       HEAD_DIM, D_PAD, BLOCK_N, True, False, IEEE, DOT_F32)
 

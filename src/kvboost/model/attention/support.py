@@ -70,11 +70,13 @@ def kernel_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
 
 def check_lengths(ends: torch.Tensor | None, key_valid: torch.Tensor | None, batch: int, kv_cap: int,
                   device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Validate (by shape only) and convert per-row `ends` to int32 and `key_valid` to uint8 for the kernels."""
+    """Validate (by shape only) per-row `ends` (kept as is when int32/int64 on `device`, else converted to int32)
+    and convert `key_valid` to uint8 for the kernels. Never reads a value: safe inside a CUDA-graph capture."""
     if ends is not None:
         if ends.shape != (batch,):
             raise KernelUnsupportedError(f"ends must be [B] = [{batch}], got {tuple(ends.shape)}")
-        ends = ends.to(device=device, dtype=torch.int32)
+        if ends.dtype not in (torch.int32, torch.int64) or ends.device != device:
+            ends = ends.to(device=device, dtype=torch.int32)
     if key_valid is not None:
         if key_valid.dim() != 2 or key_valid.shape[0] != batch or key_valid.shape[1] < kv_cap:
             raise KernelUnsupportedError(f"key_valid must be [B, >= kv] = [{batch}, {kv_cap}], "

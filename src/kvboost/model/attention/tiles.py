@@ -1,8 +1,9 @@
 """The tile math both kernels share (Triton device functions, inlined where called).
 
-A key tile's scores, the online-softmax update of the running max m and denominator l (base 2), and the
-probability-weighted values. Precision follows the kernels' flags: IEEE for fp32 inputs (no TF32), DOT_F32
-under the CPU interpreter, which multiplies bf16 tiles wrongly unless they are widened first.
+The loop over key tiles, and in it a key tile's scores, the online-softmax update of the running max m and
+denominator l (base 2), and the probability-weighted values. Precision follows the kernels' flags: IEEE for
+fp32 inputs (no TF32), DOT_F32 under the CPU interpreter, which multiplies bf16 tiles wrongly unless they are
+widened first.
 """
 from __future__ import annotations
 
@@ -43,3 +44,34 @@ def weighted_values(p, v, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return pv
+
+
+@triton.jit
+def attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+                 offs_m, offs_d, n_lo, n_hi, end, diag, qk_scale,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Fold key tiles [n_lo, n_hi) into the running (acc [M, D], l [M], m [M]); returns them updated.
+
+    Keys at j >= end are never read (masked loads). MASKED applies the bottom-right causal mask (query offs_m
+    sees j <= offs_m + diag), the `end` bound and, with HAS_VALID, the padding vector; unmasked calls must only
+    cover tiles that every query of the block sees in full."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM  # all-true unless the head dim was padded (80, 96 -> 128)
+    for start_n in range(n_lo, n_hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        s = tile_scores(q, k, qk_scale, IEEE, DOT_F32)  # [M, N] fp32
+        if MASKED:
+            keep = (offs_n[None, :] <= offs_m[:, None] + diag) & n_ok[None, :]
+            if HAS_VALID:
+                valid = tl.load(valid_base + offs_n, mask=n_ok, other=0)
+                keep = keep & (valid[None, :] != 0)
+            s = tl.where(keep, s, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + weighted_values(p, v, IEEE, DOT_F32)
+    return acc, l_i, m_i
