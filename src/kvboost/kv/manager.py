@@ -30,6 +30,7 @@ from ..reuse.content import ContentSegment
 from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
 from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
+from ..store.quant import LazyQuantRecord, QuantRun
 from .workspace import KVWorkspace
 
 
@@ -146,13 +147,8 @@ class KVCacheManager:
         already holds (plan.resident) are not copied. Content matches are re-positioned and verified again
         against the prompt's ids; a piece whose record is gone is left for prefill."""
         t0 = time.perf_counter()
-        for seg in plan.segments:
-            start = max(seg.start, plan.resident)
-            n = min(seg.end, plan.reuse_len) - start
-            if n > 0:
-                keys = [k[:, start - seg.start:] for k in seg.record.keys]
-                values = [v[:, start - seg.start:] for v in seg.record.values]
-                workspace.write(keys, values, start, n, row=row)
+        for run in _runs(_exact_pieces(plan)):
+            _place_run(run, workspace, row)
         if plan.has_content:
             assert plan.rotary is not None
             plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
@@ -237,3 +233,99 @@ class KVCacheManager:
         """Forget every stored chunk (all tiers) and the content index."""
         self.store.clear()
         self.content.index.clear()
+
+
+# ---- placing exact segments ---------------------------------------------------------------------------
+# A 30k-token prefix is ~235 stored chunks; copying them one by one is 235 x layers x 2 (K, V) copies, each a
+# kernel launch on a GPU (~17,000 on a 36-layer model), where the bytes themselves move in under a millisecond.
+# Consecutive chunks are therefore written as one run: per layer, the chunks' K (and V) go into the workspace
+# with one concatenation (KVWorkspace.write_layer), and quantized chunks are dequantized together (QuantRun).
+# One layer at a time: nothing of the size layers x tokens is ever built.
+
+
+@dataclass
+class _Piece:
+    """Tokens [offset, offset + n) of `record`, placed at positions [start, start + n)."""
+
+    record: ChunkRecord
+    offset: int
+    n: int
+    start: int
+
+    @property
+    def whole_tail(self) -> bool:
+        """The piece runs to its record's last token."""
+        return self.offset + self.n == self.record.n_tokens
+
+
+def _exact_pieces(plan: Plan) -> list[_Piece]:
+    """What place() copies: the plan's segments less the positions the workspace already holds (resident)."""
+    pieces = []
+    for seg in plan.segments:
+        start = max(seg.start, plan.resident)
+        n = min(seg.end, plan.reuse_len) - start
+        if n > 0:
+            pieces.append(_Piece(seg.record, start - seg.start, n, start))
+    return pieces
+
+
+def _runs(pieces: list[_Piece]) -> list[list[_Piece]]:
+    """Pieces written together: consecutive positions, and every boundary inside a run falls between whole
+    records (only a run's first piece may skip leading tokens, only its last may stop short), so a run's K/V
+    is its records' tokens concatenated, trimmed at both ends."""
+    runs: list[list[_Piece]] = []
+    for p in pieces:
+        prev = runs[-1][-1] if runs else None
+        if prev is not None and prev.start + prev.n == p.start and prev.whole_tail and p.offset == 0:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _place_run(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> None:
+    sources = _LayerSources([p.record for p in run])
+    head = run[0].offset
+    tail = run[-1].record.n_tokens - run[-1].offset - run[-1].n
+    for i in range(len(workspace.shapes)):
+        keys, values = sources.layer(i)
+        workspace.write_layer(i, _trim(keys, head, tail), _trim(values, head, tail), run[0].start, row=row)
+
+
+class _LayerSources:
+    """Full-precision K/V of consecutive records, one layer at a time: plain records as stored, runs of
+    quantized ones (from the memory tier, not yet dequantized) dequantized together."""
+
+    def __init__(self, records: list[ChunkRecord]):
+        self.parts: list[ChunkRecord | QuantRun] = []
+        for r in records:
+            if isinstance(r, LazyQuantRecord):
+                if self.parts and isinstance(self.parts[-1], QuantRun):
+                    self.parts[-1].payloads.append(r.payload)
+                else:
+                    self.parts.append(QuantRun([r.payload]))
+            else:
+                self.parts.append(r)
+
+    def layer(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Layer i's K and V pieces ([kv_heads, tokens, head_dim]) holding every record's tokens in order."""
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for part in self.parts:
+            if isinstance(part, QuantRun):
+                k, v = part.layer(i)
+                keys += k
+                values += v
+            else:
+                keys.append(part.keys[i])
+                values.append(part.values[i])
+        return keys, values
+
+
+def _trim(pieces: list[torch.Tensor], head: int, tail: int) -> list[torch.Tensor]:
+    """Drop `head` tokens from the first piece and `tail` from the last (they may be the same piece)."""
+    if head:
+        pieces = [pieces[0][:, head:], *pieces[1:]]
+    if tail:
+        pieces = [*pieces[:-1], pieces[-1][:, :pieces[-1].shape[1] - tail]]
+    return pieces
