@@ -12,8 +12,16 @@
 # Exit status: 0 every selected test passed; 1 a test failed or errored (or pytest itself failed);
 #              2 no CUDA device on this machine: nothing to check (this is a GPU check, so that is not a pass).
 #
+# Then, on CUDA, it runs `kvboost bench gpu` (chat turns, prefix vs floor, decode vs HF static+compiled,
+# kernels vs SDPA: the GPU issue's table) and writes its JSON and plot beside the log.
+#
 # Environment:
 #   KVBOOST_GPU_CHECK_DEVICE  device to run on instead of cuda (e.g. cpu: rehearse the same flow without a GPU)
+#   KVBOOST_GPU_CHECK_BENCH   0: skip the benchmark; otherwise extra arguments for `kvboost bench gpu`
+#                             (default: none, the Qwen2.5-3B shape in bf16 on CUDA, --quick --shape tiny on CPU)
+#   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png (default: benchmarks/results)
+#   KVBOOST_TOKENIZER         a tokenizer folder for the benchmark's random-weight shapes, where the embedded
+#                             model's package is not installed (a GPU machine that cannot carry its 94 MB GGUF)
 #   PYTHON                    interpreter to use (default: python)
 # The junit xml and the full pytest log are kept (and their paths printed) when something fails.
 set -euo pipefail
@@ -122,9 +130,26 @@ set -e
 
 if [[ $status -eq 0 ]]; then
     rm -rf "$workdir"
-    echo "== OK"
+    echo "== tests OK"
 else
-    echo "== FAILED: junit xml $junit, full log $log"
+    echo "== tests FAILED: junit xml $junit, full log $log"
     tail -n 3 "$log" | sed 's/^/   | /'
 fi
-exit $status
+
+bench_status=0
+if [[ "${KVBOOST_GPU_CHECK_BENCH:-}" != "0" ]]; then
+    out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
+    mkdir -p "$out"
+    # shellcheck disable=SC2206  # the variable holds extra CLI arguments, split on spaces on purpose
+    extra=(${KVBOOST_GPU_CHECK_BENCH:-})
+    if [[ "$DEVICE" != cuda* && ${#extra[@]} -eq 0 ]]; then
+        extra=(--quick --shape tiny)
+    fi
+    echo "== kvboost bench gpu --device $DEVICE ${extra[*]} --json $out/gpu.json --plot $out/gpu.png"
+    set +e
+    "$PYTHON" -m kvboost.cli bench gpu --device "$DEVICE" "${extra[@]}" --json "$out/gpu.json" --plot "$out/gpu.png"
+    bench_status=$?
+    set -e
+fi
+[[ $status -eq 0 && $bench_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
+exit $(( status != 0 || bench_status != 0 ))

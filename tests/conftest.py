@@ -63,10 +63,15 @@ def smol_dir():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smol_dir):
+def tokenizer(request):
+    """The embedded model's tokenizer; $KVBOOST_TOKENIZER (a folder of its files) stands in on a GPU machine that
+    cannot carry the 94 MB GGUF, so every test but the slow (real-model) ones runs there."""
+    import os
+
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smol_dir)
+    folder = os.environ.get("KVBOOST_TOKENIZER")
+    return AutoTokenizer.from_pretrained(folder or request.getfixturevalue("smol_dir"))
 
 
 @pytest.fixture(scope="session")

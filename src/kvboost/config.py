@@ -46,9 +46,14 @@ class EngineConfig:
     # Batched rows that share a stored prefix attend to one copy of its K/V (cascade attention) instead of
     # each holding its own; off: every row copies the prefix into its slot.
     shared_prefix_attention: bool = True
-    # The engine's own forwards: "auto" (torch SDPA without cuDNN on CUDA, the model's own attention elsewhere),
+    # The engine's own forwards: "auto" (the Triton kernels on CUDA where they run, else torch SDPA without cuDNN;
+    # the model's own attention elsewhere),
     # "model", "sdpa", or "triton" (KVBoost's kernels; CUDA + triton). See model.forward.resolve_attention.
     attention_backend: str = "auto"
+    # Short forwards (decode steps, suffixes up to 256 tokens) over a static cache in fixed-size buckets:
+    # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
+    # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
+    fast_path: str = "auto"
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
@@ -75,6 +80,8 @@ class EngineConfig:
         _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
         _require(self.attention_backend in ("auto", "model", "sdpa", "triton"),
                  f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
+        _require(self.fast_path in ("auto", "graphs", "eager", "off"),
+                 f"fast_path must be auto, graphs, eager or off, got {self.fast_path!r}")
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
 

@@ -24,6 +24,7 @@ from .errors import ContextLengthError, InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.workspace import KVWorkspace
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
+from .model.runner import make_runner
 from .prompting import Messages, encode_prompt
 from .request import Request
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
@@ -90,8 +91,24 @@ class InferenceEngine:
                                  model)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
+        self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.workspace,
+                                                         self.attention)
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the Triton kernels and capture the runner's graphs at load, so that no request, the first
+        included, pays for either (a Triton compile costs ~0.5-1 s per kernel variant on an H100)."""
+        if self.attention != "triton" and (self.runner is None or self.runner.mode != "graphs"):
+            return
+        with self.lock, torch.inference_mode():
+            n = (self.runner.max_tokens if self.runner else 256) + 1  # past every bucket: the eager prefill path
+            forward_tokens(self.model, [0] * n, self.workspace.make_cache(0), attention=self.attention)
+            if self.runner is not None and self.runner.mode == "graphs":
+                self.runner.warm_up()
+            self.workspace.resident_ids, self.workspace.resident_tag = [], None  # scratch K/V, nothing resident
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | None = None, strict: bool = True, *,
@@ -195,6 +212,7 @@ class InferenceEngine:
             first_logits = pre.logits.clone() if request.return_logits else None
             token = sampler(pre.logits)
             ttft_ms = (time.perf_counter() - request.t_start) * 1e3
+            length = len(request.ids)  # tokens whose K/V the workspace holds
             try:
                 while True:
                     delta = tracker.feed(token)
@@ -202,8 +220,12 @@ class InferenceEngine:
                         yield delta
                     if tracker.finished:
                         break
-                    token = sampler(forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1])
+                    token = sampler(self._decode_step(token, cache, length))
+                    length += 1
             finally:
+                if self.runner is not None:  # the runner wrote the decode K/V: the cache learns its length
+                    for layer in cache.layers:
+                        layer.set_length(length)
                 # K/V exists for every token fed to the model: the prompt and each output run to sample the
                 # next one. A decode forward that raised part-way leaves layers at different lengths; the prompt
                 # (never touched by decode) is still whole.
@@ -232,11 +254,21 @@ class InferenceEngine:
                                       cfg.recompute_overlap)
             logits, plan.recomputed_tokens = repaired.logits, repaired.recomputed
             cache = ws.make_cache(len(ids))
+        elif self.runner is not None and self.runner.fits(len(ids) - plan.reuse_len):
+            logits = self.runner.forward(ids[plan.reuse_len:], plan.reuse_len).clone()
+            cache = ws.make_cache(len(ids))
         else:
             cache = ws.make_cache(plan.reuse_len)
             logits = forward_tokens(self.model, ids[plan.reuse_len:], cache, attention=self.attention)[0, -1]
         self._claim(request, plan, ids)
         return Prefill(plan, cache, logits)
+
+    def _decode_step(self, token: int, cache: Cache, length: int) -> torch.Tensor:
+        """Logits [vocab] after feeding `token` at position `length` (the runner's captured step when there is
+        one; the cache's layer lengths then catch up once, when decoding ends)."""
+        if self.runner is not None:
+            return self.runner.forward([token], length)
+        return forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1]
 
     def _resident(self, salt: str | None) -> list[int]:
         ws = self.workspace
@@ -359,7 +391,10 @@ class InferenceEngine:
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes)
+        fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
+                "failure": self.runner.failure if self.runner else None,
+                **(self.runner.stats.as_dict() if self.runner else {})}
+        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast)
 
     def clear_cache(self) -> None:
         """Forget every stored chunk and the workspace's resident prefix."""

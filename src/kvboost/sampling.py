@@ -88,6 +88,18 @@ class Sampler:
         return torch.softmax(scores, dim=-1)
 
 
+def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """The next token of every row of float32 logits [rows, vocab]: greedy rows with one argmax and one
+    device-to-host copy for all of them (a sync per row costs more than a GPU decode step), others each by
+    its own sampler."""
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    picks: dict[int, int] = {}
+    if greedy:
+        chosen = logits if len(greedy) == len(samplers) else logits[greedy]
+        picks = dict(zip(greedy, chosen.argmax(dim=-1).tolist()))
+    return [picks[i] if i in picks else s(logits[i]) for i, s in enumerate(samplers)]
+
+
 def find_stop(text: str, stops: list[str]) -> int:
     """Index where the earliest stop string begins in text, or -1."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]

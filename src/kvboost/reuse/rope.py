@@ -196,7 +196,9 @@ def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
         elif layer_type is not None and layer_type not in _ATTENTION_LAYER_TYPES:
             infos.append(_not_exact(f"layer type {layer_type!r} has no post-RoPE key cache", layer_type))
         elif no_rope is not None and not no_rope[i]:
-            infos.append(RotaryInfo(torch.empty(0), 0, True, None, "none", layer_type))
+            # Empty, but on the model's device like every other layer's inv_freq (callers move them together).
+            device = next(model.parameters()).device
+            infos.append(RotaryInfo(torch.empty(0, device=device), 0, True, None, "none", layer_type))
         else:
             infos.append(_layer_info(rotary, layer_type, src_len, dst_len))
     return infos

@@ -1,6 +1,6 @@
 """`kvboost bench gpu`: the GPU fast path's numbers side by side in one process (issue 14, point 1).
 
-One module per section (chat, prefix, decode, kernels), the settings and time budgets, the tables
+One module per section (fidelity, chat, prefix, decode, kernels), the settings and time budgets, the tables
 (view) and the plot; command.py runs them in order and writes the JSON.
 """
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Systems, on the same model and the same rows (a ~1,000-token shared prefix + a 16-token question each):
   kvboost           engine.generate (batch 1) / engine.generate_batch
   hf eager          model.generate with its default DynamicCache
-  hf static+compile model.generate over a StaticCache with model.forward = torch.compile(model.forward,
-                    mode="reduce-overhead", fullgraph=True), as transformers documents; skipped with the reason
-                    where compiling is off (CPU, --quick) and reported, never raised, when it fails
+  hf static+compile model.generate over a StaticCache with generate's own compilation (its default
+                    CompileConfig: the decode forward under torch.compile "reduce-overhead", CUDA graphs); skipped
+                    with the reason where compiling is off (CPU, --quick), reported, never raised, when it fails
   hf static         the same static cache, not compiled: only where compiling is off, so the path still runs
 
 Decode rate = rows x (tokens(N) - tokens(1)) / (time(N) - time(1)): two runs of the same rows that differ
@@ -53,7 +53,7 @@ def _kvboost(engine, rows: list[list[int]]) -> Call:
     return call
 
 
-def _hf(model, rows: list[list[int]], pad_id: int, static_len: int | None = None) -> Call:
+def _hf(model, rows: list[list[int]], pad_id: int, static_len: int | None = None, compiled: bool = False) -> Call:
     ids = torch.tensor(rows, device=model.device)
     mask = torch.ones_like(ids)
     cache = None
@@ -69,7 +69,7 @@ def _hf(model, rows: list[list[int]], pad_id: int, static_len: int | None = None
             cache.reset()
             kwargs["past_key_values"] = cache
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                             pad_token_id=pad_id, disable_compile=True, **kwargs)
+                             pad_token_id=pad_id, disable_compile=not compiled, **kwargs)
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return call
 
@@ -86,23 +86,15 @@ def measure(call: Call, n: int, device: torch.device, repeats: int) -> dict:
     return {"decode_tok_s": rate, "prefill_ms": ms1, "total_ms": msn, "tokens": tokn, "decode_tokens": steps}
 
 
-class _CompiledForward:
-    """model.forward compiled as transformers documents, and put back afterwards (other sections share it)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.saved = model.__dict__.get("forward")
+class _CompiledGenerate:
+    """generate() compiles its decode forward itself (over a StaticCache, on CUDA); afterwards the compiled
+    graphs are dropped, so their memory and guards do not leak into later runs."""
 
     def __enter__(self):
-        self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.saved is None:
-            del self.model.forward
-        else:
-            self.model.forward = self.saved
-        torch._dynamo.reset()  # drop the graphs: their memory and guards must not leak into later runs
+        torch._dynamo.reset()
 
 
 def run_decode(engine, settings: GpuBenchSettings, budget: Budget, on_row: Callable[[dict], None]) -> dict:
@@ -153,7 +145,7 @@ def _run_compiled(model, all_rows, settings: GpuBenchSettings, budget: Budget, p
                   add: Callable[..., None]) -> None:
     device = next(model.parameters()).device
     try:
-        with _CompiledForward(model):  # no inference_mode: generate's own no_grad, as transformers documents it
+        with _CompiledGenerate():  # no inference_mode: generate's own no_grad, as transformers documents it
             for b in settings.batch_sizes:
                 if budget.left() < COMPILE_MIN_S:
                     add("hf static+compile", b, None, f"not started: {budget.left():.0f} s of budget left, compiling "
@@ -161,7 +153,7 @@ def _run_compiled(model, all_rows, settings: GpuBenchSettings, budget: Budget, p
                     continue
 
                 def run(rows=all_rows[:b]) -> dict:
-                    call = _hf(model, rows, pad, static_len)
+                    call = _hf(model, rows, pad, static_len, compiled=True)
                     t0 = time.perf_counter()
                     call(settings.decode_tokens)  # compiles (prefill and decode graphs) and records CUDA graphs
                     compile_s = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""One PNG for `kvboost bench gpu`: four panels, one per section (matplotlib imported here only, no pyplot)."""
+"""One PNG for `kvboost bench gpu`: one panel per section (matplotlib imported here only, no pyplot)."""
 from __future__ import annotations
 
 import math
@@ -8,6 +8,24 @@ from pathlib import Path
 
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _fidelity(ax, section: dict) -> None:
+    """Per model and dtype, the questions identical to HF generate for each system, against the question count."""
+    rows = section.get("rows", [])
+    labels = [f"{r['model']}\n{r['dtype']}" for r in rows]
+    xs = range(len(rows))
+    ax.bar(xs, [r["questions"] for r in rows], width=0.8, color="none", edgecolor="gray", linestyle="--",
+           label="questions")
+    for i, (key, label) in enumerate((("kvboost_identical", "KVBoost"), ("recipe_identical", "HF prefix recipe"))):
+        heights = [r[key] for r in rows]
+        bars = ax.bar([x + (i - 0.5) * 0.38 for x in xs], heights, width=0.38, label=label)
+        ax.bar_label(bars, [f"{h}/{r['questions']}" for h, r in zip(heights, rows)], fontsize="x-small")
+    ax.set_xticks(list(xs), labels, fontsize="small")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(0, max([r["questions"] for r in rows], default=1) * 1.35)  # room for the legend above the bars
+    ax.set(title=f"fidelity: identical to HF generate ({section.get('new_tokens', '?')} tokens)",
+           ylabel="questions")
 
 
 def _chat(ax, section: dict) -> None:
@@ -71,11 +89,12 @@ def _kernels(ax, section: dict) -> None:
 def plot_gpu_report(report: dict, path: str | Path) -> Path:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 9), dpi=100, layout="constrained")
-    axes = fig.subplots(2, 2)
+    fig = Figure(figsize=(19, 9), dpi=100, layout="constrained")
+    axes = fig.subplots(2, 3)
+    axes.flat[-1].set_axis_off()  # five sections, six cells
     sections = report.get("sections", {})
-    for ax, (name, draw) in zip(axes.flat, (("chat", _chat), ("prefix", _prefix), ("decode", _decode),
-                                            ("kernels", _kernels))):
+    for ax, (name, draw) in zip(axes.flat, (("fidelity", _fidelity), ("chat", _chat), ("prefix", _prefix),
+                                            ("decode", _decode), ("kernels", _kernels))):
         if name in sections:
             draw(ax, sections[name])
             if ax.get_legend_handles_labels()[0]:

@@ -3,18 +3,24 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SECTIONS = ("chat", "prefix", "decode", "kernels")
+SECTIONS = ("fidelity", "chat", "prefix", "decode", "kernels")
 PREFIX_LENGTHS = (1000, 4000, 16000, 30000)
 # Shares of the time left after loading. Decode holds the torch.compile warm-ups (minutes on a GPU); the
-# order of the run is chat, prefix, kernels, decode, so an unused share carries over to what comes later.
-SHARES = {"chat": 0.2, "prefix": 0.2, "kernels": 0.1, "decode": 0.5}
-RUN_ORDER = ("chat", "prefix", "kernels", "decode")
+# order of the run is fidelity, chat, prefix, kernels, decode, so an unused share carries over to what comes
+# later. Fidelity (seconds on a GPU: small models, ~150 short generations) runs first so that a long decode
+# section can never leave it without time; it builds its own models, which leave no state behind.
+SHARES = {"fidelity": 0.06, "chat": 0.2, "prefix": 0.2, "kernels": 0.1, "decode": 0.5}
+RUN_ORDER = ("fidelity", "chat", "prefix", "kernels", "decode")
 
 
 @dataclass
 class GpuBenchSettings:
     quick: bool = False
     sections: tuple[str, ...] = SECTIONS
+    # fidelity: greedy tokens over a stored prefix vs HF generate, on small random llama/mistral models
+    fidelity_prefix_tokens: int = 700
+    fidelity_questions: int = 12
+    fidelity_new_tokens: int = 24
     # a. chat turns: a ~900-token system prompt, 40-token user turns, short greedy replies
     conversations: int = 4
     turns: int = 6
@@ -43,6 +49,8 @@ class GpuBenchSettings:
             s.prefix_lengths, s.prefix_repeats = [n for n in PREFIX_LENGTHS if n <= 4000], 1
             s.decode_prompt_tokens, s.decode_tokens, s.decode_repeats = 256, 8, 1
             s.batch_sizes = (1, 16) if device_type == "cuda" else (1, 4)
+            # 160 tokens: past one 128-token chunk, so a stored chunk and a resident tail are both reused
+            s.fidelity_prefix_tokens, s.fidelity_questions, s.fidelity_new_tokens = 160, 2, 8
         s.prefix_lengths = [n for n in s.prefix_lengths if n <= max_prefix]
         if compile_flag is not None:
             s.compile = compile_flag

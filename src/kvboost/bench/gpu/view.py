@@ -21,6 +21,28 @@ def _status(section: dict) -> str:
     return f"{section.get('status', '?')}" + (f" ({reason})" if reason else "")
 
 
+def fidelity_table(section: dict) -> RenderableType:
+    n, prefix = section.get("new_tokens", "?"), section.get("prefix_tokens", "?")
+    table = Table(title=f"fidelity: questions whose {n} greedy tokens equal HF generate's, after a {prefix}-token "
+                        f"stored prefix [{_status(section)}]",
+                  caption="recipe = HF's manual prefix cache (prefix DynamicCache, deep-copied into generate); "
+                          "div = mean first differing step of the questions that differ; cut before EOS")
+    for col in ("model", "dtype", "KVBoost", "recipe", "KVB = recipe", "KVB div", "recipe div", "KVB cached",
+                "attention"):
+        table.add_column(col, justify="left" if col in ("model", "dtype", "attention") else "right")
+    for r in section.get("rows", []):
+        q = r["questions"]
+        table.add_row(r["model"], r["dtype"], f"{r['kvboost_identical']}/{q}", f"{r['recipe_identical']}/{q}",
+                      f"{r['kvboost_equals_recipe']}/{q}", _ms(r.get("kvboost_first_divergence_mean")),
+                      _ms(r.get("recipe_first_divergence_mean")), _ms(r.get("kvboost_cached_mean"), 0),
+                      str(r.get("attention", "")))
+    for dtype, t in section.get("totals", {}).items():
+        q = t["questions"]
+        table.add_row("all", dtype, f"{t['kvboost_identical']}/{q}", f"{t['recipe_identical']}/{q}",
+                      f"{t['kvboost_equals_recipe']}/{q}", "", "", "", "", style="bold")
+    return table
+
+
 def chat_table(section: dict) -> RenderableType:
     table = Table(title=f"a. chat-turn TTFT, ms: p50 / p99 over conversations [{_status(section)}]",
                   caption="plain = full prefill each turn; manual = previous turn's DynamicCache cropped + rest; "
@@ -88,6 +110,8 @@ def report_view(report: dict) -> RenderableType:
     parts: list[RenderableType] = [Text(f"kvboost bench gpu: {report['model']} on {report['device']}, "
                                         f"{report['dtype']}", style="bold")]
     sections = report.get("sections", {})
+    if "fidelity" in sections:
+        parts.append(fidelity_table(sections["fidelity"]))
     if "chat" in sections:
         parts.append(chat_table(sections["chat"]))
     if "prefix" in sections:
@@ -122,4 +146,6 @@ def targets_line(report: dict) -> str:
             f"{f('chat_p99_over_p50', 2)} (<= {t.get('chat_p99_over_p50')}); decode batch 1 "
             f"{f('decode_batch1_tok_s')} tok/s (>= {t.get('decode_batch1_tok_s')}); KVBoost/floor at "
             f"{longest if longest else '-'} prefix tokens {f('prefix_longest_over_floor', 2)} "
-            f"(<= {t.get('prefix_30k_over_floor')} at 30k)")
+            f"(<= {t.get('prefix_30k_over_floor')} at 30k); identical to HF generate: fp32 KVBoost "
+            f"{m.get('fidelity_fp32_kvboost', '-')} (all), bf16 KVBoost {m.get('fidelity_bf16_kvboost', '-')} "
+            f"(>= recipe {m.get('fidelity_bf16_recipe', '-')})")

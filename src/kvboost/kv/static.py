@@ -1,0 +1,80 @@
+"""A cache over the workspace whose every shape is fixed: what a CUDA graph (or torch.compile) can capture.
+
+InPlaceLayer (workspace.py) slices the workspace to its valid length, so each forward sees new shapes and
+reads a Python int. StaticLayer instead writes the new K/V at the positions held in a device tensor
+(`index_copy_`) and hands attention the whole buffer, [1, kv_heads, capacity, head_dim]: how much of it is
+valid travels beside it as a device tensor of ends that KVBoost's attention reads (model/attention/hf.py,
+`kvboost_attention(..., lengths=...)`). Nothing in a step then depends on a host value, so one captured
+graph serves every position until the workspace is reallocated.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .workspace import KVWorkspace
+
+
+class StaticLayer(CacheLayerMixin):
+    """One layer's K/V buffers [B, kv_heads, capacity, d], written at `positions`: [q] int64, the same columns
+    for every row (a prefill or a batch-1 step), or [B, 1], one token per row at its own column (batch decode)."""
+
+    is_sliding = False
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: int):
+        super().__init__()
+        self.keys, self.values, self.positions = keys, values, positions
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        # Host-side nominal length (tokens before this step): transformers sizes its masks from it; the
+        # attention ignores those sizes here (a None mask), so it never enters the captured work.
+        self.length = length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states [B, kv_heads, q, d] -> buffer columns `positions` of every row
+        if self.positions.dim() == 1:
+            self.keys.index_copy_(2, self.positions, key_states)
+            self.values.index_copy_(2, self.positions, value_states)
+        else:  # scatter, not index_put: no host sync, so a graph can capture it
+            index = self.positions[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+            self.keys.scatter_(2, index, key_states)
+            self.values.scatter_(2, index, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        # transformers passes the query length (>= 5.2x) or the cache_position tensor (earlier 5.x)
+        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+        return self.length + q, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def static_cache(workspace: KVWorkspace, positions: torch.Tensor, length: int = 0, rows: int = 1) -> Cache:
+    """A Cache writing into the first `rows` rows of every layer of `workspace` (base 0) at `positions`."""
+    if workspace.base:
+        raise ValueError("a static cache needs a workspace whose columns start at position 0")
+    if rows > workspace.batch_size:
+        raise ValueError(f"{rows} rows but the workspace has {workspace.batch_size}")
+    layers = []
+    for i in range(len(workspace.shapes)):
+        k, v = workspace.buffers(i)
+        layers.append(StaticLayer(k[:rows], v[:rows], positions, length))
+    return Cache(layers=layers)
+
+
+def set_length(cache: Cache, length: int) -> None:
+    """Tell every layer of a static cache how many tokens precede the next step (host bookkeeping only)."""
+    for layer in cache.layers:
+        layer.length = length

@@ -1,0 +1,168 @@
+"""ModelRunner (model/runner.py): bucketed static steps give the ordinary path's output, in every mode it runs.
+
+On CPU the bucket logic runs eagerly (fast_path="eager"); on CUDA the same tests also run captured graphs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost import KVBoost
+from kvboost.model.runner import ModelRunner, bucket_for, make_runner, static_path_unsupported_reason
+
+from ..tiny_models import make_tiny_model
+
+STATIC_ARCHS = ["llama", "qwen2", "phi3"]
+
+
+def _prompts(tokenizer) -> list[str]:
+    # 1 token (decode-sized prefill), inside the first bucket, across buckets, past the largest bucket
+    return ["Hi", "Tell me a story about a fox and " + "a hen " * 3, "List: " + "item, " * 60,
+            "Essay: " + "words and more words " * 70]
+
+
+def _modes(device: torch.device) -> list[str]:
+    return ["eager", "graphs"] if device.type == "cuda" else ["eager"]
+
+
+def test_bucket_for_picks_the_smallest_bucket_that_fits():
+    buckets = (16, 32, 64)
+    assert bucket_for(1, buckets) == 1
+    assert [bucket_for(n, buckets) for n in (2, 16, 17, 64)] == [16, 16, 32, 64]
+    assert bucket_for(65, buckets) is None
+
+
+@pytest.mark.parametrize("arch", STATIC_ARCHS)
+def test_static_steps_match_the_ordinary_path(arch, tokenizer, device):
+    """Same greedy tokens and near-identical first logits as fast_path="off", over prompts that fill one
+    bucket, several, or none, and over a second turn that reuses the first one's K/V (suffix after a prefix)."""
+    for mode in _modes(device):  # both engines start empty: the same store and workspace history
+        plain = KVBoost(make_tiny_model(arch, tokenizer, device=device), tokenizer, fast_path="off", chunk_size=16)
+        fast = KVBoost(make_tiny_model(arch, tokenizer, device=device), tokenizer, fast_path=mode, chunk_size=16)
+        assert fast.runner is not None and fast.runner.mode == mode
+        for prompt in _prompts(tokenizer):
+            for text in (prompt, prompt + " and then?"):
+                a = plain.generate(text, max_new_tokens=10, return_logits=True)
+                b = fast.generate(text, max_new_tokens=10, return_logits=True)
+                assert b.output_token_ids == a.output_token_ids, (mode, text[:30])
+                assert b.cached_tokens == a.cached_tokens
+                torch.testing.assert_close(b.first_token_logits, a.first_token_logits, atol=1e-4, rtol=1e-4)
+        stats = fast.cache_stats()["fast_path"]
+        assert stats["mode"] == mode and stats["steps"] > 0
+        if mode == "graphs":
+            assert stats["captures"] >= 1 and stats["replays"] == stats["steps"]
+
+
+def test_stream_and_stop_strings_through_the_runner(tokenizer, device):
+    plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="off")
+    fast = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="eager")
+    base = plain.generate("Once upon a time", max_new_tokens=16)
+    stop = base.text[3:6] if len(base.text) > 6 else None
+    for engine in (plain, fast):
+        pieces = list(engine.generate_stream("Once upon a time", max_new_tokens=16))
+        assert "".join(pieces) == base.text
+    if stop:
+        assert fast.generate("Once upon a time", max_new_tokens=16, stop=stop).text == \
+            plain.generate("Once upon a time", max_new_tokens=16, stop=stop).text
+
+
+def test_workspace_growth_drops_the_captured_steps(tokenizer, device):
+    """A reallocated workspace has new buffer addresses: the runner must not reuse steps built over the old."""
+    engine = KVBoost(make_tiny_model("qwen2", tokenizer, device=device), tokenizer, fast_path="eager")
+    runner: ModelRunner = engine.runner
+    engine.generate("short", max_new_tokens=4)
+    before = engine.workspace.generation
+    long_prompt = "grow " * 400
+    out = engine.generate(long_prompt, max_new_tokens=4)
+    assert engine.workspace.generation > before
+    assert runner.stats.counts["invalidations"] >= 1
+    plain = KVBoost(make_tiny_model("qwen2", tokenizer, device=device), tokenizer, fast_path="off")
+    assert out.output_token_ids == plain.generate(long_prompt, max_new_tokens=4).output_token_ids
+
+
+def test_sliding_window_models_keep_the_ordinary_path(tokenizer, device):
+    model = make_tiny_model("gemma3", tokenizer, device=device)
+    assert static_path_unsupported_reason(model) is not None
+    engine = KVBoost(model, tokenizer)  # auto: off, with the reason
+    assert engine.runner is None
+    with pytest.raises(ValueError, match="fast_path='eager'"):
+        KVBoost(make_tiny_model("gemma3", tokenizer, device=device), tokenizer, fast_path="eager")
+
+
+def test_auto_and_refusals(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer, device=device)
+    engine = KVBoost(model, tokenizer)
+    if device.type != "cuda":
+        assert engine.runner is None and "auto on" in engine.fast_path_reason
+        with pytest.raises(ValueError, match="CUDA"):
+            make_runner("graphs", model, engine.workspace, engine.attention)
+    with pytest.raises(ValueError, match="fast_path must be"):
+        KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graph_warm_up_captures_every_bucket(tokenizer, device):
+    if device.type != "cuda":
+        pytest.skip("run with --device cuda")
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="graphs",
+                     attention_backend="triton")
+    counts = engine.runner.stats.counts
+    assert counts["captures"] == 1 + len(engine.runner.buckets)
+    engine.generate("Hello there", max_new_tokens=5)
+    assert counts["captures"] == 1 + len(engine.runner.buckets)  # the request met no capture
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
+    """Continuous batching through the runner's batch buckets: rows of different lengths, a row count that is
+    not a bucket (padded with free slots), rows joining and leaving - the same tokens as hf generate."""
+    if mode == "graphs" and device.type != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    from kvboost.batch import BatchRunner
+    from kvboost.sampling import SamplingParams
+
+    from ..hf_reference import hf_greedy
+    from ..prompts import text_with_tokens
+
+    model = make_tiny_model("qwen2", tokenizer, device=device)
+    backend = {"graphs": "triton"}.get(mode, "auto")
+    engine = KVBoost(model, tokenizer, chunk_size=16, fast_path=mode, attention_backend=backend)
+    runner = BatchRunner(engine, max_batch_size=3)  # a workspace of 4 rows: bucket 4 pads a row
+    assert runner.steps is not None and runner.ws.batch_size == 4
+    prompts = [text_with_tokens(tokenizer, 20 + 9 * i, seed=40 + i) for i in range(4)]
+    budgets = [4, 11, 7, 9]
+    handles = [runner.add(engine.encode(p), SamplingParams(max_new_tokens=n), p) for p, n in zip(prompts, budgets)]
+    while runner.has_work():
+        runner.step()
+    for prompt, n, handle in zip(prompts, budgets, handles):
+        assert handle.error is None
+        assert handle.result.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), n)
+    counts = runner.steps.stats.counts
+    assert counts["steps"] > 0
+    if mode == "graphs":
+        assert counts["replays"] == counts["steps"] and counts["captures"] >= 2
+
+
+def test_short_shared_prefixes_are_copied_per_row_when_steps_run_through_the_runner(tokenizer, device):
+    from kvboost.batch.runner import CASCADE_MIN_TOKENS
+
+    from ..prompts import text_with_tokens, words
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16, fast_path="eager")
+    system = text_with_tokens(tokenizer, 64, seed=3)
+    prompts = [system + " " + words(n, seed=n) for n in (3, 9, 5)]
+    plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16, fast_path="off")
+    expected = [r.output_token_ids for r in plain.generate_batch(prompts, max_new_tokens=8)]
+    from kvboost.batch import BatchRunner
+    from kvboost.sampling import SamplingParams
+
+    runner = BatchRunner(engine, max_batch_size=4)
+    handles = [runner.add(engine.encode(p), SamplingParams(max_new_tokens=8), p) for p in prompts]
+    shared = []
+    while runner.has_work():
+        runner.step()
+        shared.append(runner.prefix)
+    assert [h.result.output_token_ids for h in handles] == expected
+    assert 64 < CASCADE_MIN_TOKENS and all(p is None for p in shared)  # copied per row, no cascade
+    assert runner.steps.stats.counts["steps"] >= 7
+    assert all(h.result.cached_tokens >= 48 for h in handles)  # the system prompt's chunks still reused
