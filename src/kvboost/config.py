@@ -80,8 +80,8 @@ class EngineConfig:
         _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
         _require(self.attention_backend in ("auto", "model", "sdpa", "triton"),
                  f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
-        _require(self.fast_path in ("auto", "graphs", "eager", "off"),
-                 f"fast_path must be auto, graphs, eager or off, got {self.fast_path!r}")
+        _require(self.fast_path in ("auto", "graphs", "compiled", "eager", "off"),
+                 f"fast_path must be auto, graphs, compiled, eager or off, got {self.fast_path!r}")
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
 

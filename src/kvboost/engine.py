@@ -101,12 +101,14 @@ class InferenceEngine:
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so that no request, the first
         included, pays for either (a Triton compile costs ~0.5-1 s per kernel variant on an H100)."""
-        if self.attention != "triton" and (self.runner is None or self.runner.mode != "graphs"):
+        ahead = self.runner is not None and self.runner.mode in ("graphs", "compiled")  # capture / compile
+        if self.attention != "triton" and not ahead:
             return
         with self.lock, torch.inference_mode():
-            n = (self.runner.max_tokens if self.runner else 256) + 1  # past every bucket: the eager prefill path
-            forward_tokens(self.model, [0] * n, self.workspace.make_cache(0), attention=self.attention)
-            if self.runner is not None and self.runner.mode == "graphs":
+            if self.attention == "triton":
+                n = (self.runner.max_tokens if self.runner else 256) + 1  # past every bucket: the eager path
+                forward_tokens(self.model, [0] * n, self.workspace.make_cache(0), attention=self.attention)
+            if ahead:
                 self.runner.warm_up()
             self.workspace.resident_ids, self.workspace.resident_tag = [], None  # scratch K/V, nothing resident
 

@@ -96,6 +96,9 @@ def test_auto_and_refusals(tokenizer, device):
         assert engine.runner is None and "auto on" in engine.fast_path_reason
         with pytest.raises(ValueError, match="CUDA"):
             make_runner("graphs", model, engine.workspace, engine.attention)
+    else:
+        with pytest.raises(ValueError, match="CPU path"):
+            make_runner("compiled", model, engine.workspace, engine.attention)
     with pytest.raises(ValueError, match="fast_path must be"):
         KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="fast")
 
@@ -166,3 +169,32 @@ def test_short_shared_prefixes_are_copied_per_row_when_steps_run_through_the_run
     assert 64 < CASCADE_MIN_TOKENS and all(p is None for p in shared)  # copied per row, no cascade
     assert runner.steps.stats.counts["steps"] >= 7
     assert all(h.result.cached_tokens >= 48 for h in handles)  # the system prompt's chunks still reused
+
+
+def test_compiled_decode_matches_the_ordinary_path_without_recompiling(tokenizer, device):
+    """fast_path="compiled": the decode step under torch.compile gives fast_path="off"'s tokens, is compiled at
+    load, and neither a new position nor a workspace that grows past its capacity compiles it again."""
+    import torch._dynamo
+
+    if device.type != "cpu":
+        pytest.skip("fast_path='compiled' is the CPU path (CUDA runs graphs)")
+    torch._dynamo.reset()
+    def model():
+        return make_tiny_model("llama", tokenizer, device=device, max_position_embeddings=4096)
+
+    plain = KVBoost(model(), tokenizer, fast_path="off", chunk_size=16)
+    fast = KVBoost(model(), tokenizer, fast_path="compiled", chunk_size=16)
+    assert fast.runner is not None and fast.runner.mode == "compiled"
+    compiled_at_load = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled_at_load >= 1  # the warm-up compiled the decode step
+    for text in ["Hi", "Tell me a story about a fox", "Essay: " + "words and more words " * 70]:
+        a = plain.generate(text, max_new_tokens=12)
+        b = fast.generate(text, max_new_tokens=12)
+        assert b.output_token_ids == a.output_token_ids, text[:30]
+    capacity = fast.workspace.capacity
+    long_text = "Story: " + "a fox runs and a hen sits " * 200  # > one capacity step of tokens
+    a, b = plain.generate(long_text, max_new_tokens=6), fast.generate(long_text, max_new_tokens=6)
+    assert b.output_token_ids == a.output_token_ids
+    assert fast.workspace.capacity > capacity
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_at_load
+    assert fast.cache_stats()["fast_path"]["mode"] == "compiled"

@@ -14,6 +14,9 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
 
 * mode "graphs" (CUDA): each bucket is captured as a CUDA graph the first time it runs over the current
   workspace buffers (or at warm-up) and replayed afterwards: one launch per step;
+* mode "compiled": the decode step (batch 1) runs under torch.compile, the others as in eager: CPU, where
+  the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; the weights are
+  laid out input-major for those products (layout.py);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
@@ -31,15 +34,20 @@ from transformers.cache_utils import Cache
 
 from ..kv.static import set_length, static_cache
 from ..kv.workspace import KVWorkspace
-from .attention.hf import kvboost_attention
+from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
+from .layout import input_major_linears
 
 log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # rows of a batched decode step (continuous batching)
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-FAST_PATHS = ("auto", "graphs", "eager", "off")
+FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
+RUNNER_MODES = ("graphs", "compiled", "eager")
+# Compiled mode compiles the batch-1 decode step only: it is the launch-bound one on CPU, and each further
+# bucket would cost another compile (tens of seconds on a small CPU). Other steps run the same path eagerly.
+COMPILED_STEPS = {("seq", 1)}
 # Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
 # reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
 CAPACITY_STEP = 1024
@@ -87,6 +95,7 @@ class _Step:
     positions [B, 1] (each row's own column), ends [B], last None (one token per row), logits [B, vocab].
     """
 
+    key: tuple[str, int]  # ("seq", tokens) or ("rows", rows)
     ids: torch.Tensor  # int64
     positions: torch.Tensor  # int64: where each token's K/V goes (and its RoPE position)
     ends: torch.Tensor  # int32: each row's valid keys after the write
@@ -108,8 +117,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False):
-        if mode not in ("graphs", "eager"):
-            raise ValueError(f"mode must be 'graphs' or 'eager', got {mode!r}")
+        if mode not in RUNNER_MODES:
+            raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
         if mode == "graphs" and workspace.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the workspace is on {workspace.device}")
         self.model, self.workspace, self.mode, self.backend = model, workspace, mode, backend
@@ -119,6 +128,13 @@ class ModelRunner:
         self.generation = workspace.generation
         self.stats = RunnerStats()
         self.failure: str | None = None  # why graphs were given up (auto mode): the steps then run eagerly
+        # Compiled mode: the decode step's forward under torch.compile (inductor), its capacity axis dynamic so
+        # a growing workspace does not recompile. On CPU the weights are also laid out for fast GEMV (layout.py).
+        self._compiled = None
+        if mode == "compiled":
+            self._compiled = torch.compile(self._logits, dynamic=None)
+            if workspace.device.type == "cpu":
+                input_major_linears(model)
 
     @property
     def max_tokens(self) -> int:
@@ -173,7 +189,7 @@ class ModelRunner:
         self.stats.counts["steps"] += 1
         if self.mode == "graphs" and step.graph is None:
             self._capture(step)
-        if self.mode == "eager":
+        if self.mode != "graphs":
             step.logits = self._run(step)
         else:
             step.graph.replay()
@@ -183,11 +199,16 @@ class ModelRunner:
     def _run(self, step: _Step) -> torch.Tensor:
         position_ids = step.positions if step.last is None else step.positions[None]  # [B, tokens]
         keep = 1 if step.last is None else step.last
-        with kvboost_attention(self.model, backend=self.backend, lengths=step.ends):
-            out = self.model(input_ids=step.ids, position_ids=position_ids, past_key_values=step.cache,
-                             use_cache=True, logits_to_keep=keep)
-        logits = out.logits[:, -1].float()  # [B, vocab]
+        forward = self._compiled if self.mode == "compiled" and step.key in COMPILED_STEPS else self._logits
+        with static_attention(self.model):
+            logits = forward(step.ids, position_ids, step.cache, step.ends, keep)  # [B, vocab]
         return logits[0] if step.last is not None else logits
+
+    def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor,
+                keep: int | torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=keep, kvboost_ends=ends, kvboost_backend=self.backend)
+        return out.logits[:, -1].float()
 
     def _capture(self, step: _Step) -> None:
         """Run the step once for real on a side stream (compiles kernels, sets up cuBLAS), then capture it.
@@ -221,7 +242,7 @@ class ModelRunner:
     def _ensure_capacity(self, needed: int, keep: int) -> None:
         ws = self.workspace
         if needed > ws.capacity:
-            step = CAPACITY_STEP if self.mode == "graphs" else 1
+            step = 1 if self.mode == "eager" else CAPACITY_STEP
             ws.ensure_capacity(-(-needed // step) * step, keep=keep)
 
     def _step(self, key: tuple[str, int]) -> _Step:
@@ -242,12 +263,16 @@ class ModelRunner:
 
             if kind == "seq":  # one row, `size` tokens
                 positions = zeros(size)
-                step = _Step(zeros(1, size), positions, zeros(1, dtype=torch.int32), zeros(1),
+                step = _Step(key, zeros(1, size), positions, zeros(1, dtype=torch.int32), zeros(1),
                              static_cache(self.workspace, positions))
             else:  # `size` rows, one token each
                 positions = zeros(size, 1)
-                step = _Step(zeros(size, 1), positions, zeros(size, dtype=torch.int32), None,
+                step = _Step(key, zeros(size, 1), positions, zeros(size, dtype=torch.int32), None,
                              static_cache(self.workspace, positions, rows=size))
+            if self.mode == "compiled":  # one graph for every capacity, not one per workspace size
+                for layer in step.cache.layers:
+                    torch._dynamo.mark_dynamic(layer.keys, 2)
+                    torch._dynamo.mark_dynamic(layer.values, 2)
             self.steps[key] = step
         return step
 
@@ -256,6 +281,8 @@ class ModelRunner:
         Writes scratch K/V at the first positions: the caller forgets the workspace's resident prefix.
         Returns the number of buckets run."""
         ws = self.workspace
+        if self.mode != "graphs":  # nothing is captured per buffer address: no need to size it ahead
+            capacity = min(capacity, CAPACITY_STEP)
         cap = capacity if ws.max_positions is None else min(capacity, ws.max_positions)
         self._ensure_capacity(max(cap, self.max_tokens), keep=0)
         for size in (1, *self.buckets):
@@ -295,4 +322,9 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
                              f"valid length from device memory); the engine attends with {attention!r}")
         return ModelRunner(model, workspace, mode="graphs", backend="triton"), "CUDA graphs per bucket"
     backend = attention if attention in ("sdpa", "triton") else None
+    if choice == "compiled":
+        if device.type != "cpu":
+            raise ValueError(f"fast_path='compiled' is the CPU path; on {device.type} use 'graphs' (or 'auto')")
+        return ModelRunner(model, workspace, mode="compiled", backend=backend), \
+            "static cache, decode steps under torch.compile"
     return ModelRunner(model, workspace, mode="eager", backend=backend), "static cache, eager"
