@@ -124,7 +124,7 @@ def test_exact_hit_maps_blocks_without_copying():
     writer = BlockTable(pool)
     keys, values = _kv(2 * BS, seed=3)
     _append(writer, keys, values)
-    assert cache.put("chunk", writer.blocks, 2 * BS, start=0)  # write-back keeps the blocks: no clone
+    assert cache.put("chunk", writer.blocks, range(2 * BS), start=0)  # write-back keeps the blocks: no clone
     writer.release()
     assert pool.num_used == 2  # only the cache holds them now
     before = pool.storage.clone()
@@ -149,7 +149,7 @@ def test_partially_filled_shared_block_is_copied_on_write():
     writer = BlockTable(pool)
     keys, values = _kv(BS + 2, seed=5)  # a full block and a partial one (2 of 4 slots)
     _append(writer, keys, values)
-    cache.put("tail", writer.blocks, BS + 2, start=0)
+    cache.put("tail", writer.blocks, range(BS + 2), start=0)
     partial = writer.blocks[-1]
     stored = pool.storage[partial].clone()
     new_k, new_v = _kv(3, seed=6)
@@ -207,7 +207,7 @@ def _stored(cache: BlockCache, key: str, start: int = 0) -> list[int]:
     table = BlockTable(cache.pool)
     keys, values = _kv(BS, seed=hash(key) % 1000)
     _append(table, keys, values)
-    cache.put(key, table.blocks, BS, start=start)
+    cache.put(key, table.blocks, range(start, start + BS), start=start)
     blocks = list(table.blocks)
     table.release()
     return blocks
@@ -261,9 +261,10 @@ def test_cache_refuses_free_blocks_and_delete_keeps_readers_safe():
     freed = pool.allocate(1)
     pool.decref(freed)
     with pytest.raises(FreeBlockError):
-        cache.put("dead", freed, BS, start=0)
+        cache.put("dead", freed, range(BS), start=0)
     with pytest.raises(BlockError):
-        cache.put("wrong", table.blocks, BS + 1, start=0)
-    cache.put("live", table.blocks, BS, start=0)
-    assert cache.delete("live") and not cache.delete("live")
+        cache.put("wrong", table.blocks, range(BS + 1), start=0)
+    cache.put("live", table.blocks, range(BS), start=0, parent_key="root")
+    assert [c.key for c in cache.children("root")] == ["live"]
+    assert cache.delete("live") and not cache.delete("live") and not cache.children("root")
     assert pool.refcount(table.blocks[0]) == 1  # the sequence's own hold remains

@@ -24,8 +24,13 @@ from .blocks import BlockError, BlockPool
 class CachedChunk:
     key: str
     blocks: tuple[int, ...]
-    n_tokens: int
+    token_ids: tuple[int, ...]  # compared with the prompt's before a hit is trusted (a key collision is not a hit)
     start: int  # first position: the policy evicts chain tails (deeper chunks) first among equals
+    parent_key: str | None = None  # the chunk before it in the prefix chain: partial matches search its children
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -48,6 +53,7 @@ class BlockCache:
         self.budget_bytes = budget_bytes
         self._chunks: dict[str, CachedChunk] = {}
         self._held: Counter[int] = Counter()  # holds the cache itself has on each block
+        self._children: dict[str | None, set[str]] = {}
         self._policy: LfuAging[str] = LfuAging()
         self._lock = threading.RLock()
         self._stats = BlockCacheStats(budget_bytes=budget_bytes)
@@ -71,6 +77,24 @@ class BlockCache:
         with self._lock:
             return key in self._chunks
 
+    def acquire(self, key: str, n_tokens: int | None = None) -> CachedChunk | None:
+        """get(), and one hold on each block covering the chunk's first n_tokens (default all), taken under the
+        cache's lock: no eviction can free them between the lookup and the caller's use. The caller owns those
+        holds (BlockTable.map_shared(..., held=True) adopts them)."""
+        with self._lock:
+            chunk = self.get(key)
+            if chunk is not None:
+                n = chunk.n_tokens if n_tokens is None else n_tokens
+                if not 0 < n <= chunk.n_tokens:
+                    raise BlockError(f"cannot acquire {n} tokens of a {chunk.n_tokens}-token chunk")
+                self.pool.incref(chunk.blocks[:self.pool.layout.blocks_for(n)])
+            return chunk
+
+    def children(self, parent_key: str | None) -> list[CachedChunk]:
+        """Stored chunks whose parent is `parent_key` (not counted as hits)."""
+        with self._lock:
+            return [self._chunks[k] for k in self._children.get(parent_key, ())]
+
     def pinned(self, key: str) -> bool:
         """Whether a holder besides the cache (a running sequence) holds any of the chunk's blocks."""
         with self._lock:
@@ -78,10 +102,13 @@ class BlockCache:
             return chunk is not None and self._pinned(chunk)
 
     # ---- writes ----------------------------------------------------------------------------------
-    def put(self, key: str, blocks: Sequence[int], n_tokens: int, start: int) -> bool:
-        """Keep `blocks` (held by the caller, e.g. the sequence that wrote them) as chunk `key`: the cache takes
-        its own hold, nothing is copied. Returns whether the chunk is stored after the budget is enforced."""
-        blocks = tuple(blocks)
+    def put(self, key: str, blocks: Sequence[int], token_ids: Sequence[int], start: int,
+            parent_key: str | None = None) -> bool:
+        """Keep `blocks` (held by the caller, e.g. the sequence that wrote them) as chunk `key` holding
+        `token_ids` at positions start...: the cache takes its own hold, nothing is copied. Returns whether the
+        chunk is stored after the budget is enforced."""
+        blocks, token_ids = tuple(blocks), tuple(token_ids)
+        n_tokens = len(token_ids)
         bs = self.pool.layout.block_size
         if not blocks or not (len(blocks) - 1) * bs < n_tokens <= len(blocks) * bs:
             raise BlockError(f"{len(blocks)} blocks cannot hold exactly {n_tokens} tokens of {bs} per block")
@@ -90,7 +117,8 @@ class BlockCache:
                 self._policy.touch(key)
                 return True
             self.pool.incref(blocks)  # raises FreeBlockError for blocks nobody holds: the cache never revives one
-            self._chunks[key] = CachedChunk(key, blocks, n_tokens, start)
+            self._chunks[key] = CachedChunk(key, blocks, token_ids, start, parent_key)
+            self._children.setdefault(parent_key, set()).add(key)
             self._held.update(blocks)
             self._policy.add(key, depth=start)
             self._policy.evict_while(self._over_budget, lambda k: k != key and self._drop_if_unpinned(k))
@@ -167,6 +195,11 @@ class BlockCache:
         return self._release(chunk)
 
     def _release(self, chunk: CachedChunk) -> int:
+        siblings = self._children.get(chunk.parent_key)
+        if siblings is not None:
+            siblings.discard(chunk.key)
+            if not siblings:
+                del self._children[chunk.parent_key]
         self._held.subtract(chunk.blocks)
         for b in set(chunk.blocks):
             if self._held[b] <= 0:

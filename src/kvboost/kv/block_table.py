@@ -29,8 +29,9 @@ class BlockTable:
         return self.length
 
     # ---- growing ---------------------------------------------------------------------------------
-    def map_shared(self, blocks: Sequence[int], n_tokens: int) -> None:
-        """Append held blocks (a stored chunk's) holding the next n_tokens positions: no copy, one more hold each.
+    def map_shared(self, blocks: Sequence[int], n_tokens: int, held: bool = False) -> None:
+        """Append held blocks (a stored chunk's) holding the next n_tokens positions: no copy, one more hold each
+        (held=True: the caller already took those holds for this table, e.g. BlockCache.acquire).
 
         The table must end on a block boundary; only the last mapped block may be partly filled."""
         bs = self.block_size
@@ -38,7 +39,8 @@ class BlockTable:
             raise BlockError(f"cannot map blocks after position {self.length}: not on a {bs}-token block boundary")
         if not blocks or not (len(blocks) - 1) * bs < n_tokens <= len(blocks) * bs:
             raise BlockError(f"{len(blocks)} blocks cannot hold exactly {n_tokens} tokens of {bs} per block")
-        self.pool.incref(blocks)
+        if not held:
+            self.pool.incref(blocks)
         self.blocks.extend(blocks)
         self.length += n_tokens
 
