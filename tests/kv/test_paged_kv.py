@@ -136,7 +136,8 @@ def test_exact_hit_maps_the_stored_blocks(tokenizer, device):
     before, snapshot = paged.pool.allocations, paged.pool.storage.clone()
     plan = paged.kv.lookup(a, None)
     assert plan.table.blocks[0] == stored[0] and paged.pool.refcount(stored[0]) == 2  # the cache's + this table's
-    assert paged.pool.allocations == before and torch.equal(paged.pool.storage, snapshot)  # nothing copied
+    assert paged.pool.allocations == before  # nothing allocated, nothing written (bitwise: unallocated blocks
+    assert torch.equal(paged.pool.storage.view(torch.int32), snapshot.view(torch.int32))  # may hold NaN)
     assert plan.reuse_len == len(a) - 1  # the last prompt token always runs
     plan.table.release()
     assert paged.pool.refcount(stored[0]) == 1

@@ -100,9 +100,10 @@ class BlockPool:
             raise BlockLayoutError(f"num_blocks must be positive, not {num_blocks}")
         self.layout = layout
         self.device = torch.device(device)
-        # Zeroed, not empty: attention over a block's unwritten tail is masked, but masked NaN garbage would
-        # still poison a softmax (0 * NaN = NaN) in a gather-then-mask path.
-        self.storage = torch.zeros(num_blocks, *layout.block_shape, dtype=layout.dtype, device=self.device)
+        # Empty (a large pool commits memory only as blocks are first written); allocate() zeroes what it hands
+        # out: attention over a block's unwritten tail is masked, but masked NaN garbage would still poison a
+        # softmax (0 * NaN = NaN) in a gather-then-mask path.
+        self.storage = torch.empty(num_blocks, *layout.block_shape, dtype=layout.dtype, device=self.device)
         self._refs = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._lock = threading.Lock()
@@ -153,6 +154,8 @@ class BlockPool:
         if got is None:
             raise OutOfBlocksError(f"{n} blocks wanted, {self.num_free} free of {self.num_blocks} "
                                    "(the rest are held by running sequences or pinned stored chunks)")
+        if got:
+            self.storage[torch.tensor(got, device=self.device)] = 0
         return got
 
     def _take(self, n: int) -> list[int] | None:

@@ -19,14 +19,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from ..chunking import Chunk, Chunker
-from ..reuse.match import common_prefix_length
-from .block_cache import BlockCache
+from ..reuse.match import Segment, common_prefix_length
+from ..store.base import ChunkRecord
+from .block_cache import BlockCache, CachedChunk
 from .block_table import BlockTable
-from .blocks import BlockError, BlockLayoutError, BlockPool
-from .workspace import KVWorkspace
+from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
+from .workspace import KVWorkspace, LayerShape
+
+
+class KVReadable(Protocol):
+    """A sequence's K/V readable by position (a workspace, a batch row's prefixed view): owned copies."""
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
 @dataclass
@@ -38,6 +48,7 @@ class PagedPlan:
     reuse_len: int = 0
     chunks: int = 0
     lookup_ms: float = 0.0
+    mapped: list[tuple[CachedChunk, int]] = field(default_factory=list)  # (stored chunk, tokens of it mapped)
 
 
 class PagedKV:
@@ -53,18 +64,21 @@ class PagedKV:
         self.chunker, self.pool, self.cache = chunker, pool, cache
 
     # ---- lookup ---------------------------------------------------------------------------------------
-    def lookup(self, ids: Sequence[int], salt: str | None) -> PagedPlan:
-        """Map the longest stored prefix of `ids` (whole chunks by key, then the best stored sibling at token
-        granularity) into a new table; at most len(ids) - 1 positions: the last prompt token always runs."""
+    def lookup(self, ids: Sequence[int], salt: str | None, token_granular: bool = True,
+               limit: int | None = None) -> PagedPlan:
+        """Map the longest stored prefix of `ids` (whole chunks by key, then, when token_granular, the best stored
+        sibling at token granularity) into a new table; at most `limit` positions (default len(ids) - 1: the
+        last prompt token always runs)."""
         t0 = time.perf_counter()
         ids = list(ids)
         plan = PagedPlan(BlockTable(self.pool), len(ids))
         for chunk in self.chunker.split(ids, salt):
             if chunk.complete and self._map_whole(plan, chunk):
                 continue
-            self._map_partial(plan, chunk, ids)
+            if token_granular:
+                self._map_partial(plan, chunk, ids)
             break
-        limit = max(len(ids) - 1, 0)
+        limit = max(len(ids) - 1, 0) if limit is None else limit
         if plan.table.length > limit:
             plan.table.truncate(limit)
         plan.reuse_len = plan.table.length
@@ -80,6 +94,7 @@ class PagedKV:
             return False
         plan.table.map_shared(hit.blocks, hit.n_tokens, held=True)
         plan.chunks += 1
+        plan.mapped.append((hit, hit.n_tokens))
         return True
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
@@ -98,6 +113,35 @@ class PagedKV:
             return
         plan.table.map_shared(hit.blocks[:self.pool.layout.blocks_for(agree)], agree, held=True)
         plan.chunks += 1
+        plan.mapped.append((hit, agree))
+
+    def segments(self, plan: PagedPlan) -> list[Segment]:
+        """The plan's mapped chunks as store segments (for callers that read records: placement into a workspace,
+        a batch's shared prefix), each record's per-layer K/V [kv_heads, n, d] read from its blocks: views of the
+        pool for a one-block chunk (no copy), gathered copies otherwise. Valid while the plan's table holds them."""
+        out, start = [], 0
+        for chunk, n in plan.mapped:
+            n = min(n, plan.reuse_len - start)
+            if n <= 0:
+                break
+            out.append(Segment(self.record(chunk), start, n))
+            start += n
+        return out
+
+    def record(self, chunk: CachedChunk) -> ChunkRecord:
+        """A stored chunk as a ChunkRecord over its blocks (see segments())."""
+        n, layers = chunk.n_tokens, self.pool.layout.layers
+        storage = self.pool.storage
+        if len(chunk.blocks) == 1:
+            b = chunk.blocks[0]
+            keys = [storage[b, layer, 0, :, :n] for layer in range(layers)]
+            values = [storage[b, layer, 1, :, :n] for layer in range(layers)]
+        else:
+            ids = torch.tensor(chunk.blocks, device=self.pool.device)[None]
+            kv = [self.pool.gather(layer, ids) for layer in range(layers)]
+            keys = [k[0, :, :n] for k, _ in kv]
+            values = [v[0, :, :n] for _, v in kv]
+        return ChunkRecord(chunk.key, chunk.parent_key, "", chunk.token_ids, chunk.start, keys, values)
 
     # ---- the contiguous mirror (CPU) --------------------------------------------------------------------
     def place(self, plan: PagedPlan, workspace: KVWorkspace, resident: int = 0) -> None:
@@ -114,6 +158,18 @@ class PagedKV:
             k, v = self.pool.gather(layer, ids)  # [1, H, blocks * bs, d]
             workspace.write_layer(layer, [k[0, :, cut:cut + hi - lo]], [v[0, :, cut:cut + hi - lo]], lo)
 
+    def clear(self) -> None:
+        """Forget every stored chunk (blocks running sequences hold stay theirs)."""
+        self.cache.clear()
+
+    def stats(self) -> dict:
+        s = self.cache.stats()
+        return {"block_size": self.pool.layout.block_size, "blocks": self.pool.num_blocks,
+                "blocks_used": self.pool.num_used, "block_bytes": self.pool.layout.block_nbytes,
+                "pool_bytes": self.pool.nbytes, "stored_chunks": s.entries, "stored_blocks": s.blocks,
+                "stored_bytes": s.bytes, "budget_bytes": s.budget_bytes, "hits": s.hits, "misses": s.misses,
+                "evictions": s.evictions, "pinned_skips": s.pinned_skips}
+
     def absorb(self, table: BlockTable, workspace: KVWorkspace, end: int, row: int = 0) -> None:
         """Positions [table.length, end) of workspace row `row` into the table's own blocks (reserved here)."""
         start = table.length
@@ -126,13 +182,45 @@ class PagedKV:
             table.write(layer, start, k_buf[row, :, c0:c1], v_buf[row, :, c0:c1])
 
     # ---- write-back -------------------------------------------------------------------------------------
-    def write_back(self, table: BlockTable, ids: Sequence[int], salt: str | None) -> tuple[int, int]:
-        """Store every chunk of ids[:table.length] not stored yet as the table's blocks; returns (new, existing).
-        A stored partial sibling that a new complete chunk extends is dropped (dead weight)."""
+    def write_back_from(self, source: KVReadable | KVWorkspace, ids: Sequence[int], salt: str | None, row: int = 0,
+                        chunks: list[Chunk] | None = None, table: BlockTable | None = None) -> tuple[int, int]:
+        """write_back for a sequence whose K/V sits in `source` (row `row`): `table` (a request's, mapping its
+        stored prefix; kept) or a temporary one that maps the stored chain first, takes the rest from `source`
+        and is released. Returns (new, existing)."""
+        temporary = table is None
+        if table is None:
+            table = self.lookup(ids, salt, token_granular=False, limit=len(ids)).table
+        try:
+            if table.length < len(ids):
+                self._absorb_from(source, table, len(ids), row)
+            return self.write_back(table, ids, salt, chunks)
+        finally:
+            if temporary:
+                table.release()
+
+    def _absorb_from(self, source: KVReadable | KVWorkspace, table: BlockTable, end: int, row: int) -> None:
+        if isinstance(source, KVWorkspace):
+            self.absorb(table, source, end, row)  # straight from the buffers: no intermediate copy
+            return
+        start = table.length
+        keys, values = source.read(start, end, row=row)
+        table.reserve(end - start)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            table.write(layer, start, k, v)
+
+    def write_back(self, table: BlockTable, ids: Sequence[int], salt: str | None,
+                   chunks: list[Chunk] | None = None) -> tuple[int, int]:
+        """Store every chunk of ids[:table.length] (or the given `chunks`, cut elsewhere) not stored yet as the
+        table's blocks; returns (new, existing). A stored partial sibling that a new complete chunk extends is
+        dropped (dead weight)."""
         n = min(table.length, len(ids))
         bs = self.pool.layout.block_size
         new = existing = 0
-        for chunk in self.chunker.split(list(ids[:n]), salt):
+        if chunks is None:
+            chunks = self.chunker.split(list(ids[:n]), salt)
+        for chunk in chunks:
+            if chunk.end > n:
+                break
             if self.cache.contains(chunk.prefix_key):
                 existing += 1
                 continue
@@ -147,3 +235,13 @@ class PagedKV:
                     if m < chunk.end - chunk.start and sibling.token_ids == chunk.token_ids[:m]:
                         self.cache.delete(sibling.key)
         return new, existing
+
+
+def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,
+                   budget_bytes: int, block_size: int | None = None, max_context: int | None = None) -> PagedKV:
+    """A pool for `budget_bytes` of stored blocks (the block cache's budget) plus room for two sequences of
+    max_context tokens (a request's table and a write-back's temporary one), and its cache."""
+    layout = BlockLayout.for_layers(shapes, block_size or chunker.chunk_size, dtype)
+    running = 2 * (layout.blocks_for(max_context or 32768) + 1)
+    pool = BlockPool(layout, budget_bytes // layout.block_nbytes + running, device)
+    return PagedKV(chunker, pool, BlockCache(pool, budget_bytes=budget_bytes))
