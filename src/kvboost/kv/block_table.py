@@ -85,7 +85,19 @@ class BlockTable:
         if shared:
             raise BlockError(f"blocks {shared} are shared: writing positions [{start}, {start + n}) would change "
                              "what another holder reads")
-        self.pool.write(layer, self.slots(start, start + n), keys, values)
+        self.pool.write_runs(layer, self.runs(start, start + n), keys, values)
+
+    def runs(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Positions [start, end) as (block, offset in block, offset from start, n) runs, one per block touched."""
+        if not 0 <= start <= end <= self.length:
+            raise BlockError(f"positions [{start}, {end}) outside the table's {self.length}")
+        bs, out, pos = self.block_size, [], start
+        while pos < end:
+            off = pos % bs
+            n = min(bs - off, end - pos)
+            out.append((self.blocks[pos // bs], off, pos - start, n))
+            pos += n
+        return out
 
     # ---- sharing and shrinking -------------------------------------------------------------------
     def fork(self) -> BlockTable:

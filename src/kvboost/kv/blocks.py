@@ -154,8 +154,8 @@ class BlockPool:
         if got is None:
             raise OutOfBlocksError(f"{n} blocks wanted, {self.num_free} free of {self.num_blocks} "
                                    "(the rest are held by running sequences or pinned stored chunks)")
-        if got:
-            self.storage[torch.tensor(got, device=self.device)] = 0
+        for b in got:  # a plain fill per block: an indexed assignment is several times slower on CPU
+            self.storage[b].zero_()
         return got
 
     def _take(self, n: int) -> list[int] | None:
@@ -222,6 +222,16 @@ class BlockPool:
         # Advanced indices split by a slice put their dim first: the target is [n, kv_heads, d].
         self.keys(layer)[blk, :, off] = keys.transpose(0, 1).to(self.storage.dtype)
         self.values(layer)[blk, :, off] = values.transpose(0, 1).to(self.storage.dtype)
+
+    def write_runs(self, layer: int, runs: Sequence[tuple[int, int, int, int]], keys: torch.Tensor,
+                   values: torch.Tensor) -> None:
+        """Like write(), with the slots given as runs (block, offset in block, offset in keys, n): one slice copy
+        per run and tensor. What a block table uses on the host; write() (slots as a device tensor, one indexed
+        store per tensor) is the form a captured step can use."""
+        k_dst, v_dst = self.keys(layer), self.values(layer)
+        for block, off, src, n in runs:
+            k_dst[block, :, off:off + n].copy_(keys[:, src:src + n])
+            v_dst[block, :, off:off + n].copy_(values[:, src:src + n])
 
     def gather(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K, V [B, kv_heads, blocks * block_size, d] of block tables [B, blocks] (the torch path)."""

@@ -129,19 +129,12 @@ class PagedKV:
         return out
 
     def record(self, chunk: CachedChunk) -> ChunkRecord:
-        """A stored chunk as a ChunkRecord over its blocks (see segments())."""
-        n, layers = chunk.n_tokens, self.pool.layout.layers
-        storage = self.pool.storage
-        if len(chunk.blocks) == 1:
-            b = chunk.blocks[0]
-            keys = [storage[b, layer, 0, :, :n] for layer in range(layers)]
-            values = [storage[b, layer, 1, :, :n] for layer in range(layers)]
-        else:
-            ids = torch.tensor(chunk.blocks, device=self.pool.device)[None]
-            kv = [self.pool.gather(layer, ids) for layer in range(layers)]
-            keys = [k[0, :, :n] for k, _ in kv]
-            values = [v[0, :, :n] for _, v in kv]
-        return ChunkRecord(chunk.key, chunk.parent_key, "", chunk.token_ids, chunk.start, keys, values)
+        """A stored chunk as a ChunkRecord over its blocks (see segments()); its per-layer tensors are made when
+        read (a 4k-token prompt has ~2,000 of them on a 30-layer model: building them all up front cost more
+        than the lookup itself)."""
+        keys = _LayerViews(self.pool, chunk, 0)
+        values = _LayerViews(self.pool, chunk, 1)
+        return ChunkRecord(chunk.key, chunk.parent_key, "", chunk.token_ids, chunk.start, keys, values)  # type: ignore[arg-type]
 
     # ---- the contiguous mirror (CPU) --------------------------------------------------------------------
     def place(self, plan: PagedPlan, workspace: KVWorkspace, resident: int = 0) -> None:
@@ -187,6 +180,10 @@ class PagedKV:
         """write_back for a sequence whose K/V sits in `source` (row `row`): `table` (a request's, mapping its
         stored prefix; kept) or a temporary one that maps the stored chain first, takes the rest from `source`
         and is released. Returns (new, existing)."""
+        if chunks is None:
+            chunks = self.chunker.split(list(ids), salt)
+        if all(self.cache.contains(c.prefix_key) for c in chunks):  # the common case after a hit: nothing to do
+            return 0, len(chunks)
         temporary = table is None
         if table is None:
             table = self.lookup(ids, salt, token_granular=False, limit=len(ids)).table
@@ -235,6 +232,29 @@ class PagedKV:
                     if m < chunk.end - chunk.start and sibling.token_ids == chunk.token_ids[:m]:
                         self.cache.delete(sibling.key)
         return new, existing
+
+
+class _LayerViews(Sequence[torch.Tensor]):
+    """Layer i's K (kind 0) or V (kind 1) of a stored chunk, [kv_heads, n_tokens, d], made on access: a view of
+    the pool for a one-block chunk, a gathered copy for a chunk spanning several blocks."""
+
+    def __init__(self, pool: BlockPool, chunk: CachedChunk, kind: int):
+        self.pool, self.chunk, self.kind = pool, chunk, kind
+
+    def __len__(self) -> int:
+        return self.pool.layout.layers
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        n, blocks = self.chunk.n_tokens, self.chunk.blocks
+        if len(blocks) == 1:
+            return self.pool.storage[blocks[0], i, self.kind, :, :n]
+        ids = torch.tensor(blocks, device=self.pool.device)[None]
+        kv = self.pool.gather(i % len(self), ids)[self.kind]
+        return kv[0, :, :n]
 
 
 def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,
