@@ -128,6 +128,23 @@ def test_write_and_gather_over_non_contiguous_blocks():
     assert table.length == 0 and not table.blocks and pool.num_free == 6
 
 
+def test_slot_writes_equal_run_writes():
+    """BlockPool.write (slots as a tensor: the form a captured step can use) writes what the table's runs write."""
+    pool = _pool(8)
+    table = BlockTable(pool)
+    pool.allocate(1)
+    table.reserve(11)
+    keys, values = _kv(11, seed=11)
+    for layer in range(LAYERS):
+        table.write(layer, 0, keys[layer], values[layer])
+    by_runs = pool.storage[table.blocks].clone()
+    pool.storage[table.blocks] = 0
+    for layer in range(LAYERS):
+        pool.write(layer, table.slots(0, 11), keys[layer], values[layer])
+    assert torch.equal(pool.storage[table.blocks], by_runs)
+    assert table.runs(3, 11) == [(table.blocks[0], 3, 0, 1), (table.blocks[1], 0, 1, 4), (table.blocks[2], 0, 5, 3)]
+
+
 def test_exact_hit_maps_blocks_without_copying():
     pool = _pool(8)
     cache = BlockCache(pool)
