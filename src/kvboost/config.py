@@ -54,6 +54,11 @@ class EngineConfig:
     # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
     # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
     fast_path: str = "auto"
+    # Exact chunks live in a block pool (kv/paged_kv.py, docs/paged-kv.md): a hit maps stored blocks without
+    # copying them, write-back keeps blocks. Off by default while the block path is being wired; for now it
+    # needs fixed cuts, full precision, no content reuse and no disk/Redis tier (refused otherwise).
+    paged_kv: bool = False
+    kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
@@ -84,6 +89,16 @@ class EngineConfig:
                  f"fast_path must be auto, graphs, compiled, eager or off, got {self.fast_path!r}")
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
+        _require(isinstance(self.paged_kv, bool), f"paged_kv must be a bool, got {self.paged_kv!r}")
+        _require(self.kv_block_size is None or (isinstance(self.kv_block_size, int) and self.kv_block_size > 0
+                                                and self.chunk_size % self.kv_block_size == 0),
+                 f"kv_block_size must be None or a positive divisor of chunk_size, got {self.kv_block_size!r}")
+        if self.paged_kv:
+            unsupported = [name for name, on in (
+                ("chunk_boundary_window", self.chunk_boundary_window != 0), ("content_reuse", self.content_reuse),
+                ("kv_cache_bits", self.kv_cache_bits != 16), ("disk_cache_dir", self.disk_cache_dir is not None),
+                ("redis_url", self.redis_url is not None)) if on]
+            _require(not unsupported, f"paged_kv does not support {', '.join(unsupported)} yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -22,6 +22,7 @@ from .compat import check_model_compatibility
 from .config import EngineConfig
 from .errors import ContextLengthError, InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
+from .kv.paged_kv import build_paged_kv
 from .kv.workspace import KVWorkspace
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
@@ -87,8 +88,10 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
+        blocks = build_paged_kv(self.chunker, shapes, kv_dtype, self.device, self.config.memory_budget_bytes,
+                                self.config.kv_block_size, self.max_context) if self.config.paged_kv else None
         self.kv = KVCacheManager(self.config, self.namespace, self.chunker, build_store(self.config, self.namespace),
-                                 model)
+                                 model, blocks=blocks)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.

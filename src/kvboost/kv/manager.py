@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,6 +32,8 @@ from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
 from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
 from ..store.quant import LazyQuantRecord, QuantRun
+from .block_table import BlockTable
+from .paged_kv import PagedKV
 from .workspace import KVWorkspace
 
 
@@ -56,6 +59,9 @@ class Plan:
     content_fallback: str | None = None  # why content matches were found but not used
     assembly: Assembly | None = None  # set by place() when content was placed
     recomputed_tokens: int = 0  # set by the repair forward
+    # Block path (paged_kv): the stored blocks this plan maps, held until the plan is dropped, so that no
+    # eviction frees them while its segments (views of those blocks) are read.
+    table: BlockTable | None = None
 
     @property
     def exact_tokens(self) -> int:
@@ -91,8 +97,10 @@ class _Counters:
 
 class KVCacheManager:
     def __init__(self, config: EngineConfig, namespace: str, chunker: Chunker, store: ChunkStore,
-                 model: torch.nn.Module):
+                 model: torch.nn.Module, blocks: PagedKV | None = None):
         self.config = config
+        # paged_kv: exact chunks live in pool blocks (kv/paged_kv.py) instead of the store's memory tier.
+        self.blocks = blocks
         self.namespace = namespace
         self.chunker = chunker
         self.store = store
@@ -122,6 +130,10 @@ class KVCacheManager:
             plan.lookup_ms = (time.perf_counter() - t0) * 1e3
             return plan
         token_granular = mode is GenerationMode.CHUNK_KV_REUSE
+        if self.blocks is not None:
+            self._lookup_blocks(plan, ids, salt, token_granular, approximate, resident, skip_before)
+            plan.lookup_ms = (time.perf_counter() - t0) * 1e3
+            return plan
         chunks = self.chunker.split(ids, salt)
         if skip_before:
             chunks = [c for c in chunks if c.start >= skip_before]
@@ -140,6 +152,25 @@ class KVCacheManager:
             plan.content, plan.rotary, plan.content_fallback = self.content.find(self.store, ids, start, limit, salt)
         plan.lookup_ms = (time.perf_counter() - t0) * 1e3
         return plan
+
+    def _lookup_blocks(self, plan: Plan, ids: list[int], salt: str | None, token_granular: bool,
+                       approximate: bool, resident: Sequence[int], skip_before: int) -> None:
+        """lookup() on the block path: the stored prefix mapped into a table the plan holds; its chunks become
+        segments (views of their blocks), so place() and batch prefixes read them as they read records."""
+        assert self.blocks is not None
+        found = self.blocks.lookup(ids, salt, token_granular)
+        plan.table = found.table
+        weakref.finalize(plan, found.table.release)  # the holds go with the plan (no caller must remember)
+        have = common_prefix_length(resident, ids) if resident else 0
+        if have and not token_granular:
+            have = max((c.end for c in self.chunker.split(ids[:have], salt) if c.complete), default=0)
+        plan.reuse_len = min(max(skip_before, have, found.reuse_len), len(ids) - 1)
+        plan.resident = min(have, plan.reuse_len)
+        # Chunks below skip_before are the caller's (a batch's shared prefix, cut on chunk boundaries).
+        plan.segments = [s for s in self.blocks.segments(found)
+                         if s.start >= skip_before and s.end > plan.resident and s.start < plan.reuse_len]
+        if approximate and token_granular:
+            plan.content_fallback = "paged_kv: content reuse is not on the block path yet"
 
     # ---- place ------------------------------------------------------------------------------------
     def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
@@ -166,6 +197,12 @@ class KVCacheManager:
         new = existing = 0
         chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
                   else self.chunker.split(seq, salt))
+        if self.blocks is not None:
+            # The stored chain is mapped (no copy), the rest absorbed from the source into new blocks, once.
+            new, existing = self.blocks.write_back_from(source, seq, salt, row=row, chunks=chunks)
+            with self._count_lock:
+                self._counters.chunks_written += new
+            return new, existing
         index = self.content.index  # every stored chunk is findable by content at other positions too
         for chunk in chunks:
             meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
@@ -217,7 +254,7 @@ class KVCacheManager:
             "chunks_written": c.chunks_written, "requests_by_mode": dict(c.by_mode),
             "tiers": {name: t.as_dict() for name, t in per_tier.items()},
             "content_index_chunks": len(self.content.index), "chunk_size": self.config.chunk_size,
-            "namespace": self.namespace,
+            "namespace": self.namespace, **({"paged_kv": self.blocks.stats()} if self.blocks is not None else {}),
         }
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -233,6 +270,8 @@ class KVCacheManager:
         """Forget every stored chunk (all tiers) and the content index."""
         self.store.clear()
         self.content.index.clear()
+        if self.blocks is not None:
+            self.blocks.clear()
 
 
 # ---- placing exact segments ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .base import ChunkMeta, ChunkRecord, TierStats
+from .policy import LfuAging
 
 
 class Codec(Protocol):
@@ -25,13 +26,10 @@ class _Entry:
     meta: ChunkMeta
     payload: object
     nbytes: int
-    hits: int
-    priority: float
-    last_tick: int
 
 
 class MemoryStore:
-    """LFU with dynamic aging (LFU-DA): priority = age floor + hits.
+    """A byte budget under LFU with dynamic aging (store/policy.py: priority = age floor + hits).
 
     A system prompt hit on every request keeps climbing; a chunk that was popular long ago is
     overtaken as the age floor rises with each eviction. A parent chunk is touched whenever its
@@ -51,8 +49,7 @@ class MemoryStore:
         self._children: dict[str | None, set[str]] = defaultdict(set)
         self._by_content: dict[str, set[str]] = defaultdict(set)
         self._bytes = 0
-        self._age_floor = 0.0
-        self._tick = 0
+        self._policy: LfuAging[str] = LfuAging()
         self._lock = threading.RLock()
         self._stats = TierStats(self.name, budget_bytes=self.budget_bytes)
 
@@ -63,7 +60,7 @@ class MemoryStore:
             if entry is None:
                 self._stats.misses += 1
                 return None
-            self._touch(entry)
+            self._policy.touch(key)
             self._stats.hits += 1
             payload = entry.payload
         return self._decode(payload)
@@ -89,11 +86,10 @@ class MemoryStore:
         with self._lock:
             old = self._entries.get(record.key)
             if old is not None:
-                self._touch(old)
+                self._policy.touch(record.key)
                 return True
-            self._tick += 1
-            entry = _Entry(record.meta(), payload, nbytes, hits=0, priority=self._age_floor, last_tick=self._tick)
-            self._entries[record.key] = entry
+            self._entries[record.key] = _Entry(record.meta(), payload, nbytes)
+            self._policy.add(record.key, depth=record.start)
             self._children[record.parent_key].add(record.key)
             self._by_content[record.content_key].add(record.key)
             self._bytes += nbytes
@@ -116,7 +112,7 @@ class MemoryStore:
         with self._lock:
             for key in list(self._entries):
                 self._remove(key)
-            self._age_floor = 0.0
+            self._policy.reset()
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -129,38 +125,30 @@ class MemoryStore:
         return self._bytes
 
     # ---- internals ---------------------------------------------------------------------------
-    def _touch(self, entry: _Entry) -> None:
-        self._tick += 1
-        entry.hits += 1
-        entry.priority = self._age_floor + entry.hits
-        entry.last_tick = self._tick
-
     def _over_budget(self) -> bool:
         return self._bytes > self.budget_bytes or (
             self.max_entries is not None and len(self._entries) > self.max_entries)
 
     def _evict_over_budget(self, protect: str) -> list[ChunkRecord]:
-        if not self._over_budget():
-            return []
-        # Lowest priority first; among equals the deepest chunk (a chain's tail) and the stalest go first.
-        order = sorted(self._entries.items(), key=lambda kv: (kv[1].priority, -kv[1].meta.start, kv[1].last_tick))
         evicted: list[ChunkRecord] = []
-        for key, entry in order:
-            if not self._over_budget():
-                break
+
+        def evict(key: str) -> bool:
             if key == protect:
-                continue
-            self._age_floor = max(self._age_floor, entry.priority)
+                return False
             if self.on_evict:
-                evicted.append(self._decode(entry.payload))
+                evicted.append(self._decode(self._entries[key].payload))
             self._remove(key)
             self._stats.evictions += 1
+            return True
+
+        self._policy.evict_while(self._over_budget, evict)
         return evicted
 
     def _remove(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        self._policy.remove(key)
         self._bytes -= entry.nbytes
         self._children[entry.meta.parent_key].discard(key)
         if not self._children[entry.meta.parent_key]:

@@ -270,14 +270,26 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         HAS_ENDS=ends is not None, HAS_VALID=key_valid is not None, IEEE=query.dtype == torch.float32,
         DOT_F32=dot_in_fp32(query.dtype), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
+    reduce_splits(mid_o, mid_l, out, ends, kv_heads=hkv, kv_len=kv_len, plan=plan)
+    return out
+
+
+def reduce_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, ends: torch.Tensor | None, *,
+                  kv_heads: int, kv_len: int, plan: SplitPlan) -> None:
+    """Merge split partials into out [B, Hq, q, d] by log-sum-exp. mid_o [B * Hkv, splits, GROUP * q, d] and
+    mid_l [B * Hkv, splits, GROUP * q] (fp32) are laid out as _split_kernel (or a paged variant) writes them:
+    normalised partial outputs and their log2-sum-exp, -inf for a split that saw no key."""
+    b, hq, q_len, d = out.shape
+    group = hq // kv_heads
+    rows = group * q_len
+    ends_arg = ends if ends is not None else mid_l  # a dummy pointer, never read without HAS_ENDS
     # Fixed reduce tiles (masked where rows or splits are fewer): one compile per head dim, group and flags.
     reduce_m, reduce_s = REDUCE_BLOCK_M, REDUCE_BLOCK_S
-    _reduce_kernel[(triton.cdiv(rows, reduce_m), b * hkv)](
+    _reduce_kernel[(triton.cdiv(rows, reduce_m), b * kv_heads)](
         mid_o, mid_l, out, ends_arg,
         mid_o.stride(0), mid_o.stride(1), mid_l.stride(0), mid_l.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        hkv, q_len, kv_len, plan.split_len, plan.n_splits,
+        kv_heads, q_len, kv_len, plan.split_len, plan.n_splits,
         HEAD_DIM=d, D_PAD=padded_head_dim(d), GROUP=group, BLOCK_M=reduce_m, BLOCK_S=reduce_s,
         HAS_ENDS=ends is not None, num_warps=8 if reduce_m * reduce_s * padded_head_dim(d) > 4096 else 4,
     )
-    return out

@@ -1,0 +1,267 @@
+"""The KV-cache manager's block path: an exact hit maps stored blocks into a sequence's block table (no copy);
+write-back keeps the sequence's blocks as stored chunks (no clone).
+
+    lookup(ids, salt) -> PagedPlan        the prompt's longest stored prefix, mapped into a new BlockTable
+    place(plan, workspace, resident)      CPU mirror: copy the mapped positions into the contiguous workspace
+    ... the caller runs its forwards over the workspace (or, with the paged kernel, over the table) ...
+    absorb(table, workspace, end)         CPU mirror: the workspace's new positions into the table's own blocks
+    write_back(table, ids, salt)          every chunk of ids the table holds becomes a stored chunk (its blocks)
+    table.release()                       the sequence's holds go; stored chunks keep theirs
+
+Cuts must be fixed (no boundary window) and the chunk size a multiple of the block size, so that every chunk
+starts on a block boundary and a stored chunk is whole blocks (its last one partly filled for a remainder).
+
+The "mirror" is today's contiguous workspace, kept while the model's own attention (CPU) needs contiguous K/V:
+placing still copies (one gather per layer) and absorbing copies the new positions once. The paged kernel
+(model/attention/paged.py) reads the table directly and needs neither.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..chunking import Chunk, Chunker
+from ..reuse.match import Segment, common_prefix_length
+from ..store.base import ChunkRecord
+from .block_cache import BlockCache, CachedChunk
+from .block_table import BlockTable
+from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
+from .workspace import KVWorkspace, LayerShape
+
+
+class KVReadable(Protocol):
+    """A sequence's K/V readable by position (a workspace, a batch row's prefixed view): owned copies."""
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+
+
+@dataclass
+class PagedPlan:
+    """positions [0, reuse_len) of the prompt are mapped from `chunks` stored chunks into `table`."""
+
+    table: BlockTable
+    n_prompt: int
+    reuse_len: int = 0
+    chunks: int = 0
+    lookup_ms: float = 0.0
+    mapped: list[tuple[CachedChunk, int]] = field(default_factory=list)  # (stored chunk, tokens of it mapped)
+
+
+class PagedKV:
+    def __init__(self, chunker: Chunker, pool: BlockPool, cache: BlockCache):
+        if chunker.boundary_window:
+            raise BlockLayoutError("paged KV needs fixed chunk cuts (chunk_boundary_window=0): a chunk must start "
+                                   "on a block boundary")
+        if chunker.chunk_size % pool.layout.block_size:
+            raise BlockLayoutError(f"block size {pool.layout.block_size} does not divide the chunk size "
+                                   f"{chunker.chunk_size}")
+        if cache.pool is not pool:
+            raise BlockLayoutError("the block cache must keep blocks of this pool")
+        self.chunker, self.pool, self.cache = chunker, pool, cache
+
+    # ---- lookup ---------------------------------------------------------------------------------------
+    def lookup(self, ids: Sequence[int], salt: str | None, token_granular: bool = True,
+               limit: int | None = None) -> PagedPlan:
+        """Map the longest stored prefix of `ids` (whole chunks by key, then, when token_granular, the best stored
+        sibling at token granularity) into a new table; at most `limit` positions (default len(ids) - 1: the
+        last prompt token always runs)."""
+        t0 = time.perf_counter()
+        ids = list(ids)
+        plan = PagedPlan(BlockTable(self.pool), len(ids))
+        for chunk in self.chunker.split(ids, salt):
+            if chunk.complete and self._map_whole(plan, chunk):
+                continue
+            if token_granular:
+                self._map_partial(plan, chunk, ids)
+            break
+        limit = max(len(ids) - 1, 0) if limit is None else limit
+        if plan.table.length > limit:
+            plan.table.truncate(limit)
+        plan.reuse_len = plan.table.length
+        plan.lookup_ms = (time.perf_counter() - t0) * 1e3
+        return plan
+
+    def _map_whole(self, plan: PagedPlan, chunk: Chunk) -> bool:
+        hit = self.cache.acquire(chunk.prefix_key)
+        if hit is None:
+            return False
+        if hit.token_ids != chunk.token_ids or hit.start != chunk.start:  # a key collision is not a hit
+            self.pool.decref(hit.blocks)
+            return False
+        plan.table.map_shared(hit.blocks, hit.n_tokens, held=True)
+        plan.chunks += 1
+        plan.mapped.append((hit, hit.n_tokens))
+        return True
+
+    def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
+        """The stored sibling of `chunk` (same parent, same start) agreeing longest with the prompt from there."""
+        best, agree = None, 0
+        for sibling in self.cache.children(chunk.parent_key):
+            if sibling.start != chunk.start:
+                continue
+            n = common_prefix_length(sibling.token_ids, ids[chunk.start:])
+            if n > agree:
+                best, agree = sibling, n
+        if best is None:
+            return
+        hit = self.cache.acquire(best.key, agree)  # None if evicted since children() looked
+        if hit is None:
+            return
+        plan.table.map_shared(hit.blocks[:self.pool.layout.blocks_for(agree)], agree, held=True)
+        plan.chunks += 1
+        plan.mapped.append((hit, agree))
+
+    def segments(self, plan: PagedPlan) -> list[Segment]:
+        """The plan's mapped chunks as store segments (for callers that read records: placement into a workspace,
+        a batch's shared prefix), each record's per-layer K/V [kv_heads, n, d] read from its blocks: views of the
+        pool for a one-block chunk (no copy), gathered copies otherwise. Valid while the plan's table holds them."""
+        out, start = [], 0
+        for chunk, n in plan.mapped:
+            n = min(n, plan.reuse_len - start)
+            if n <= 0:
+                break
+            out.append(Segment(self.record(chunk), start, n))
+            start += n
+        return out
+
+    def record(self, chunk: CachedChunk) -> ChunkRecord:
+        """A stored chunk as a ChunkRecord over its blocks (see segments()); its per-layer tensors are made when
+        read (a 4k-token prompt has ~2,000 of them on a 30-layer model: building them all up front cost more
+        than the lookup itself)."""
+        keys = _LayerViews(self.pool, chunk, 0)
+        values = _LayerViews(self.pool, chunk, 1)
+        return ChunkRecord(chunk.key, chunk.parent_key, "", chunk.token_ids, chunk.start, keys, values)  # type: ignore[arg-type]
+
+    # ---- the contiguous mirror (CPU) --------------------------------------------------------------------
+    def place(self, plan: PagedPlan, workspace: KVWorkspace, resident: int = 0) -> None:
+        """Copy positions [resident, reuse_len) of the plan's table into batch row 0.. of `workspace` (every row):
+        one gather per layer."""
+        lo, hi = resident, plan.reuse_len
+        if hi <= lo:
+            return
+        bs = self.pool.layout.block_size
+        first, last = lo // bs, self.pool.layout.blocks_for(hi)
+        ids = plan.table.ids()[first:last][None].to(self.pool.device)  # [1, blocks]
+        cut = lo - first * bs
+        for layer in range(self.pool.layout.layers):
+            k, v = self.pool.gather(layer, ids)  # [1, H, blocks * bs, d]
+            workspace.write_layer(layer, [k[0, :, cut:cut + hi - lo]], [v[0, :, cut:cut + hi - lo]], lo)
+
+    def clear(self) -> None:
+        """Forget every stored chunk (blocks running sequences hold stay theirs)."""
+        self.cache.clear()
+
+    def stats(self) -> dict:
+        s = self.cache.stats()
+        return {"block_size": self.pool.layout.block_size, "blocks": self.pool.num_blocks,
+                "blocks_used": self.pool.num_used, "block_bytes": self.pool.layout.block_nbytes,
+                "pool_bytes": self.pool.nbytes, "stored_chunks": s.entries, "stored_blocks": s.blocks,
+                "stored_bytes": s.bytes, "budget_bytes": s.budget_bytes, "hits": s.hits, "misses": s.misses,
+                "evictions": s.evictions, "pinned_skips": s.pinned_skips}
+
+    def absorb(self, table: BlockTable, workspace: KVWorkspace, end: int, row: int = 0) -> None:
+        """Positions [table.length, end) of workspace row `row` into the table's own blocks (reserved here)."""
+        start = table.length
+        if end <= start:
+            return
+        table.reserve(end - start)
+        for layer in range(self.pool.layout.layers):
+            k_buf, v_buf = workspace.buffers(layer)
+            c0, c1 = start - workspace.base, end - workspace.base
+            table.write(layer, start, k_buf[row, :, c0:c1], v_buf[row, :, c0:c1])
+
+    # ---- write-back -------------------------------------------------------------------------------------
+    def write_back_from(self, source: KVReadable | KVWorkspace, ids: Sequence[int], salt: str | None, row: int = 0,
+                        chunks: list[Chunk] | None = None, table: BlockTable | None = None) -> tuple[int, int]:
+        """write_back for a sequence whose K/V sits in `source` (row `row`): `table` (a request's, mapping its
+        stored prefix; kept) or a temporary one that maps the stored chain first, takes the rest from `source`
+        and is released. Returns (new, existing)."""
+        if chunks is None:
+            chunks = self.chunker.split(list(ids), salt)
+        if all(self.cache.contains(c.prefix_key) for c in chunks):  # the common case after a hit: nothing to do
+            return 0, len(chunks)
+        temporary = table is None
+        if table is None:
+            table = self.lookup(ids, salt, token_granular=False, limit=len(ids)).table
+        try:
+            if table.length < len(ids):
+                self._absorb_from(source, table, len(ids), row)
+            return self.write_back(table, ids, salt, chunks)
+        finally:
+            if temporary:
+                table.release()
+
+    def _absorb_from(self, source: KVReadable | KVWorkspace, table: BlockTable, end: int, row: int) -> None:
+        if isinstance(source, KVWorkspace):
+            self.absorb(table, source, end, row)  # straight from the buffers: no intermediate copy
+            return
+        start = table.length
+        keys, values = source.read(start, end, row=row)
+        table.reserve(end - start)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            table.write(layer, start, k, v)
+
+    def write_back(self, table: BlockTable, ids: Sequence[int], salt: str | None,
+                   chunks: list[Chunk] | None = None) -> tuple[int, int]:
+        """Store every chunk of ids[:table.length] (or the given `chunks`, cut elsewhere) not stored yet as the
+        table's blocks; returns (new, existing). A stored partial sibling that a new complete chunk extends is
+        dropped (dead weight)."""
+        n = min(table.length, len(ids))
+        bs = self.pool.layout.block_size
+        new = existing = 0
+        if chunks is None:
+            chunks = self.chunker.split(list(ids[:n]), salt)
+        for chunk in chunks:
+            if chunk.end > n:
+                break
+            if self.cache.contains(chunk.prefix_key):
+                existing += 1
+                continue
+            if chunk.start % bs:
+                raise BlockError(f"chunk at {chunk.start} does not start on a block boundary")
+            blocks = table.blocks[chunk.start // bs:self.pool.layout.blocks_for(chunk.end)]
+            if self.cache.put(chunk.prefix_key, blocks, chunk.token_ids, chunk.start, chunk.parent_key):
+                new += 1
+            if chunk.complete:
+                for sibling in self.cache.children(chunk.parent_key):
+                    m = sibling.n_tokens
+                    if m < chunk.end - chunk.start and sibling.token_ids == chunk.token_ids[:m]:
+                        self.cache.delete(sibling.key)
+        return new, existing
+
+
+class _LayerViews(Sequence[torch.Tensor]):
+    """Layer i's K (kind 0) or V (kind 1) of a stored chunk, [kv_heads, n_tokens, d], made on access: a view of
+    the pool for a one-block chunk, a gathered copy for a chunk spanning several blocks."""
+
+    def __init__(self, pool: BlockPool, chunk: CachedChunk, kind: int):
+        self.pool, self.chunk, self.kind = pool, chunk, kind
+
+    def __len__(self) -> int:
+        return self.pool.layout.layers
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        n, blocks = self.chunk.n_tokens, self.chunk.blocks
+        if len(blocks) == 1:
+            return self.pool.storage[blocks[0], i, self.kind, :, :n]
+        ids = torch.tensor(blocks, device=self.pool.device)[None]
+        kv = self.pool.gather(i % len(self), ids)[self.kind]
+        return kv[0, :, :n]
+
+
+def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,
+                   budget_bytes: int, block_size: int | None = None, max_context: int | None = None) -> PagedKV:
+    """A pool for `budget_bytes` of stored blocks (the block cache's budget) plus room for two sequences of
+    max_context tokens (a request's table and a write-back's temporary one), and its cache."""
+    layout = BlockLayout.for_layers(shapes, block_size or chunker.chunk_size, dtype)
+    running = 2 * (layout.blocks_for(max_context or 32768) + 1)
+    pool = BlockPool(layout, budget_bytes // layout.block_nbytes + running, device)
+    return PagedKV(chunker, pool, BlockCache(pool, budget_bytes=budget_bytes))
