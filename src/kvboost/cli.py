@@ -138,13 +138,15 @@ def _register_modules() -> None:
     eval_app.command("rag", help=rag_help)(_plot_needs_bench_extra("kvboost eval rag", eval_rag_command))
     bench_app.command("rag", help=rag_help)(_plot_needs_bench_extra("kvboost bench rag", eval_rag_command))
     # Each takes --model/--shape/--device/--dtype (cli_common).
+    from .bench.decode import bench_decode_command
     from .bench.gpu import bench_gpu_command
     from .bench.multiturn import bench_multiturn_command
     from .bench.prefix import bench_prefix_command
     from .bench.quant import bench_quant_command
 
     for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
-                          ("multiturn", bench_multiturn_command), ("gpu", bench_gpu_command)):
+                          ("multiturn", bench_multiturn_command), ("decode", bench_decode_command),
+                          ("gpu", bench_gpu_command)):
         bench_app.command(name)(_plot_needs_bench_extra(f"kvboost bench {name}", command))
 
 
