@@ -175,3 +175,41 @@ def test_missing_tool_arguments_schema_means_any_object(client):
         client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=3,
                                        tools=[{"type": "function", "function": {"name": "x", "parameters": {
                                            "type": "array"}}}])
+
+
+def test_auto_grammar_allows_text_or_calls_with_valid_arguments(tiny_engine):
+    from kvboost.server.schema import Tool
+    from kvboost.server.tools import setup_tools
+
+    setup = setup_tools([Tool.model_validate(t) for t in TOOLS], "auto")
+    assert setup.parse == "tagged"
+    tok = tiny_engine.tokenizer
+
+    def walk(text: str) -> bool:
+        c = tiny_engine.grammars.prepare(setup.output_format).constraint()
+        for t in tok.encode(text, add_special_tokens=False):
+            if not c.accepts(t):
+                return False
+            c.advance(t)
+        return c.accepts(tok.eos_token_id)
+
+    assert walk("It is sunny.")
+    assert walk('Checking. <tool_call>{"name": "get_weather", "arguments": {"unit": "C", "days": 3}}</tool_call>')
+    assert not walk('<tool_call>{"name": "get_weather", "arguments": {"unit": "K", "days": 3}}</tool_call>')
+    assert not walk('<tool_call>{"name": "get_weather", "arguments": {"unit": "C", "days": 3}}')  # unclosed
+
+
+def test_n_choices_run_as_rows_of_one_batch(server, client, tiny_engine):
+    from ..prompts import words
+
+    messages = [{"role": "system", "content": words(120, 5)}, {"role": "user", "content": "hi"}]
+    before = server.scheduler.stats.max_rows
+    server.scheduler.stats.max_rows = 0
+    try:
+        r = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=6, temperature=1.0,
+                                           seed=1, n=4)
+        assert len(r.choices) == 4 and server.scheduler.stats.max_rows == 4
+        # A new prompt, yet the rows reused its K/V: the batch computed the shared prompt once for all of them.
+        assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 16
+    finally:
+        server.scheduler.stats.max_rows = max(before, server.scheduler.stats.max_rows)

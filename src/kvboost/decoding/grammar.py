@@ -23,6 +23,10 @@ from typing import Any
 from ..errors import InvalidRequestError, KVBoostError
 
 FORMAT_KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
+# JSON may hold whitespace between tokens, at most this many characters in a row: models write the indented JSON
+# they were trained on (a compact-only grammar pushed SmolLM2 out of distribution: it closed a string with "}" and
+# looped), while a model that would fill its budget with newlines cannot.
+MAX_JSON_WHITESPACE = 20
 
 
 class GrammarError(InvalidRequestError):
@@ -182,10 +186,10 @@ class GrammarCompiler:
             if fmt.kind == "json_object":
                 # OpenAI's json_object is an object (xgrammar's builtin JSON grammar would allow any value), with
                 # any keys (strict_mode off: not additionalProperties=false).
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return c.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if fmt.kind == "json_schema":
-                # Compact JSON (no free whitespace): a small model otherwise can fill its budget with newlines.
-                return c.compile_json_schema(fmt.source, any_whitespace=False)
+                return c.compile_json_schema(fmt.source, max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if fmt.kind == "regex":
                 return c.compile_regex(fmt.source)
             if fmt.kind == "grammar":
