@@ -42,7 +42,7 @@ def test_random_model_output_matches_the_schema(engine):
     for seed in range(3):
         prompt = text_with_tokens(engine.tokenizer, 40, seed=seed)
         free = engine.generate(prompt, 60)
-        r = engine.generate(prompt, 60, response_format=FORMAT)
+        r = engine.generate(prompt, 300, response_format=FORMAT)
         assert not valid(free.output_text)  # the random model alone never writes this JSON
         assert valid(r.output_text), r.output_text
         assert r.finish_reason == "stop"  # EOS as soon as the grammar allows it (nothing else is allowed then)
@@ -50,10 +50,10 @@ def test_random_model_output_matches_the_schema(engine):
 
 def test_sampled_streamed_and_regex_grammar_formats(engine):
     prompt = text_with_tokens(engine.tokenizer, 30, seed=7)
-    r = engine.generate(prompt, 60, response_format=FORMAT, temperature=1.0, seed=3)
+    r = engine.generate(prompt, 300, response_format=FORMAT, temperature=1.0, seed=3)
     assert valid(r.output_text)
-    assert "".join(engine.generate_stream(prompt, 60, response_format=FORMAT)) == \
-        engine.generate(prompt, 60, response_format=FORMAT).output_text
+    assert "".join(engine.generate_stream(prompt, 300, response_format=FORMAT)) == \
+        engine.generate(prompt, 300, response_format=FORMAT).output_text
     assert engine.generate(prompt, 20, regex=r"(yes|no)!").output_text in ("yes!", "no!")
     out = engine.generate(prompt, 20, grammar='root ::= "answer: " [0-9] [0-9]').output_text
     assert out.startswith("answer: ") and out[8:].isdigit() and len(out) == 10
@@ -72,11 +72,11 @@ def test_stop_strings_compose_with_the_format(engine):
 
 def test_batch_rows_each_follow_their_grammar(engine):
     prompts = [text_with_tokens(engine.tokenizer, 40, seed=s) for s in (11, 12, 13)]
-    rows = engine.generate_batch(prompts, 60, response_format=FORMAT)
+    rows = engine.generate_batch(prompts, 300, response_format=FORMAT)
     assert all(valid(r.output_text) for r in rows)
-    singles = [engine.generate(p, 60, response_format=FORMAT) for p in prompts]
+    singles = [engine.generate(p, 300, response_format=FORMAT) for p in prompts]
     assert [r.output_token_ids for r in rows] == [r.output_token_ids for r in singles]
-    mixed = engine.run_batch([engine.request(prompts[0], 60, response_format=FORMAT),
+    mixed = engine.run_batch([engine.request(prompts[0], 300, response_format=FORMAT),
                               engine.request(prompts[1], 12),
                               engine.request(prompts[2], 20, regex="[a-c]{4}")])
     assert valid(mixed[0].output_text) and mixed[2].output_text and set(mixed[2].output_text) <= set("abc")

@@ -33,11 +33,11 @@ def _valid(args: dict, schema: dict) -> bool:
 
 def test_json_schema_and_json_object(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": BOUNDED, "strict": True}}
-    r = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=40, temperature=0,
+    r = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0,
                                        response_format=fmt)
     assert _valid(json.loads(r.choices[0].message.content), BOUNDED)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=TINY_NAME, messages=CHAT, max_tokens=40, temperature=0, response_format=fmt, stream=True) if c.choices)
+        model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0, response_format=fmt, stream=True) if c.choices)
     assert streamed == r.choices[0].message.content
     obj = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=30, temperature=0,
                                          response_format={"type": "json_object"})
@@ -45,14 +45,14 @@ def test_json_schema_and_json_object(client):
 
 
 def test_named_and_required_tool_choice(client):
-    r = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=60, temperature=0, tools=TOOLS,
+    r = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_") and call.type == "function"
     assert _valid(json.loads(call.function.arguments), BOUNDED)
-    req = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=60, temperature=0.9, seed=4,
+    req = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0.9, seed=4,
                                          tools=TOOLS, tool_choice="required")
     (call,) = req.choices[0].message.tool_calls
     schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
@@ -60,7 +60,7 @@ def test_named_and_required_tool_choice(client):
 
 
 def test_tool_calls_stream_as_openai_streams_them(client):
-    kwargs = dict(model=TINY_NAME, messages=CHAT, max_tokens=60, temperature=0, tools=TOOLS,
+    kwargs = dict(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0, tools=TOOLS,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     full = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
     chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
@@ -154,7 +154,7 @@ def test_n_choices(client):
     comp = client.completions.create(model=TINY_NAME, prompt="Once", max_tokens=4, temperature=0, n=2)
     assert len(comp.choices) == 2 and comp.choices[0].text == comp.choices[1].text  # greedy: the same
     fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": BOUNDED}}
-    both = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=40, temperature=1.0, n=2,
+    both = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=1.0, n=2,
                                           response_format=fmt)
     assert all(_valid(json.loads(c.message.content), BOUNDED) for c in both.choices)
 
