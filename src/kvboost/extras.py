@@ -17,7 +17,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "structured": ("xgrammar",),
 }
 # Modules outside any extra that a command may still need: module -> what to pip install.
-STANDALONE = {"openai": "openai"}
+STANDALONE = {"openai": "openai", "jsonschema": "jsonschema"}
 
 
 def missing(*modules: str) -> list[str]:

@@ -100,7 +100,9 @@ class Sampler:
         return self.constraint is None and self.params.logprobs is None
 
     def __call__(self, logits: torch.Tensor) -> int:
-        raw = logits
+        """The next token. With a constraint, logits are masked in place (the caller's row is spent)."""
+        # Log-probabilities are of the model's own distribution: taken before the mask changes the row.
+        logp = torch.log_softmax(logits.float(), dim=-1) if self.params.logprobs is not None else None
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
         if self.params.greedy:
@@ -109,8 +111,8 @@ class Sampler:
             probs = self.probabilities(logits)
             # Sample on the CPU generator so a seed means the same tokens on every device.
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
-        if self.params.logprobs is not None:
-            self.logprobs.append(token_logprob(raw, token, self.params.logprobs))
+        if logp is not None:
+            self.logprobs.append(token_logprob(logp, token, self.params.logprobs or 0))
         if self.constraint is not None:
             self.constraint.advance(token)
         return token
@@ -131,8 +133,8 @@ class Sampler:
         return torch.softmax(scores, dim=-1)
 
 
-def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The entry for `token` from log-probabilities [vocab]."""
     alternatives: list[tuple[int, float]] = []
     if top:
         values, ids = torch.topk(logp, top)
