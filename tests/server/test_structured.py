@@ -213,3 +213,23 @@ def test_n_choices_run_as_rows_of_one_batch(server, client, tiny_engine):
         assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 16
     finally:
         server.scheduler.stats.max_rows = max(before, server.scheduler.stats.max_rows)
+
+
+def test_formats_on_the_single_request_worker_and_completions(tiny_engine, tiny_model_dir):
+    from .conftest import live_server
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": BOUNDED}}
+    with live_server(tiny_engine, model=str(tiny_model_dir), max_batch_size=1) as srv:
+        sdk = srv.client()
+        r = sdk.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0,
+                                        response_format=fmt, n=2)
+        assert all(_valid(json.loads(c.message.content), BOUNDED) for c in r.choices)
+        call = sdk.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0,
+                                           tools=TOOLS, tool_choice="required").choices[0].message.tool_calls[0]
+        assert call.function.name in ("get_weather", "get_time")
+        c = sdk.completions.create(model=TINY_NAME, prompt="Forecast:", max_tokens=300, temperature=0,
+                                   extra_body={"response_format": fmt})
+        assert _valid(json.loads(c.choices[0].text), BOUNDED)
+        with pytest.raises(openai.BadRequestError):
+            sdk.completions.create(model=TINY_NAME, prompt="x", max_tokens=3,
+                                   extra_body={"response_format": {"type": "json_schema"}})

@@ -47,6 +47,7 @@ class Case:
     mask_ms_per_token: float
     constrained_finish: str
     constrained_text: str
+    free_text: str
 
 
 @dataclass
@@ -144,7 +145,7 @@ def run_structured_bench(model: str | ModelChoice | None, prompts_per_schema: in
                                   _valid(fixed.output_text, d["schema"]), free.generated_tokens,
                                   fixed.generated_tokens, _decode_s(free), _decode_s(fixed),
                                   _mask_ms(engine, fmt, fixed.output_token_ids), fixed.finish_reason,
-                                  fixed.output_text))
+                                  fixed.output_text, free.output_text))
                 progress.advance(task)
     summary = _summarize(cases, len(data), first, cached, setup_ms)
     _print(console, summary, cases)

@@ -105,8 +105,14 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
         text = prompt if prompt is not None else engine.tokenizer.decode(ids)
+    try:  # a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
+        fmt = parse_output_format(extra.get("response_format"))
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
-    return Prepared(ids, _sampling(req, max_tokens, req.logprobs), text, bool(req.stream), _usage_wanted(req), n)
+    return Prepared(ids, _sampling(req, max_tokens, req.logprobs), text, bool(req.stream), _usage_wanted(req), n,
+                    fmt)
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
