@@ -98,6 +98,7 @@ class InferenceEngine:
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()
         self._grammars = None  # decoding.grammar.GrammarCompiler, built at the first output format
+        self._grammars_lock = threading.Lock()
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -171,7 +172,7 @@ class InferenceEngine:
         if self._grammars is None:
             from .decoding.grammar import GrammarCompiler
 
-            with self.lock:
+            with self._grammars_lock:  # not self.lock: a server thread must not wait for a running generation
                 if self._grammars is None:
                     head = self.model.get_output_embeddings()
                     vocab = getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
