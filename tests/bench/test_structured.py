@@ -35,8 +35,10 @@ def test_validity_and_summary():
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}, "required": ["a"]}
     assert _valid('{"a": 2}', schema) and not _valid('{"a": 5}', schema) and not _valid("```json\n{}```", schema)
     cases = [Case("s", "p", False, True, 11, 6, 1.0, 1.0, 0.5, "stop", "{}", "x"),
-             Case("s", "q", True, True, 21, 11, 2.0, 1.0, 0.5, "stop", "{}", "y")]
+             Case("s", "q", True, True, 21, 11, 2.0, 1.0, 0.5, "stop", "{}", "y"),
+             Case("s", "r", False, False, 21, 11, 2.0, 1.0, 0.5, "length", "{", "y")]
     s = _summarize(cases, 1, [10.0, 30.0, 20.0], [0.01, 0.02, 0.03], 5.0)
-    assert s.constrained_valid_rate == 1.0 and s.free_valid_rate == 0.5
-    assert s.free_decode_tok_s == pytest.approx(30 / 3.0) and s.constrained_decode_tok_s == pytest.approx(15 / 2.0)
+    assert s.constrained_valid_rate == pytest.approx(2 / 3) and s.free_valid_rate == pytest.approx(1 / 3)
+    assert s.constrained_ended_rate == pytest.approx(2 / 3) and s.valid_when_ended_rate == 1.0
+    assert s.free_decode_tok_s == pytest.approx(50 / 5.0) and s.constrained_decode_tok_s == pytest.approx(25 / 3.0)
     assert s.compile_ms_p50 == 20.0 and s.compile_ms_max == 30.0 and s.mask_ms_per_token == pytest.approx(0.5)

@@ -55,6 +55,8 @@ class Summary:
     schemas: int
     cases: int
     constrained_valid_rate: float
+    constrained_ended_rate: float  # outputs that ended on their own (EOS) within the budget
+    valid_when_ended_rate: float  # of those, schema-valid (the rest ran out of budget: a valid prefix, cut)
     free_valid_rate: float
     free_decode_tok_s: float
     constrained_decode_tok_s: float
@@ -176,7 +178,10 @@ def _summarize(cases: list[Case], schemas: int, first: list[float], cached: list
         sum(c.constrained_decode_s for c in cases), 1e-9)
     tokens = sum(c.constrained_tokens + 1 for c in cases)
     mask_ms = sum(c.mask_ms_per_token * (c.constrained_tokens + 1) for c in cases) / max(tokens, 1)
-    return Summary(schemas, n, sum(c.constrained_valid for c in cases) / n, sum(c.free_valid for c in cases) / n,
+    ended = [c for c in cases if c.constrained_finish == "stop"]
+    return Summary(schemas, n, sum(c.constrained_valid for c in cases) / n, len(ended) / n,
+                   sum(c.constrained_valid for c in ended) / len(ended) if ended else 0.0,
+                   sum(c.free_valid for c in cases) / n,
                    free_tps, fixed_tps, 1 - fixed_tps / free_tps if free_tps else 0.0, mask_ms,
                    mask_ms / (1e3 / free_tps) if free_tps else 0.0, statistics.median(first), max(first),
                    statistics.median(cached), setup_ms)
@@ -187,6 +192,8 @@ def _print(console: Console, s: Summary, cases: list[Case]) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [("schema-valid, constrained", f"{s.constrained_valid_rate:.1%}"),
+            ("constrained outputs that ended (EOS) in budget", f"{s.constrained_ended_rate:.1%}"),
+            ("schema-valid among those", f"{s.valid_when_ended_rate:.1%}"),
             ("schema-valid, free (schema in the prompt only)", f"{s.free_valid_rate:.1%}"),
             ("decode tok/s, free", f"{s.free_decode_tok_s:.1f}"),
             ("decode tok/s, constrained", f"{s.constrained_decode_tok_s:.1f}"),
