@@ -1,8 +1,9 @@
 """`kvboost bench structured`: JSON schemas x prompts, generated with and without the grammar mask.
 
-The shipped set (data/structured.jsonl: 24 schemas with nested objects, arrays, enums, bounded numbers and
-optional fields, two prompts each) is asked for as a chat whose system message shows the schema; every case
-runs greedy twice over the same prompt: free (the model alone) and constrained (response_format json_schema).
+The shipped set (data/structured/schemas.jsonl: hand-written, so outside the generated workload files; 24
+schemas with nested objects, arrays, enums, bounded numbers and optional fields, two prompts each) is asked
+for as a chat whose system message shows the schema; every case runs greedy twice over the same prompt: free
+(the model alone) and constrained (response_format json_schema).
 Reported: the share of outputs that parse and validate against the schema, decode tok/s of both runs, the mask's
 own cost per token (the constrained outputs replayed through a fresh constraint: fill + apply + advance, timed
 alone, so other load on the machine does not blur it), and each schema's compile time on first use and cached.
@@ -70,7 +71,7 @@ class Summary:
 
 
 def load_cases() -> list[dict[str, Any]]:
-    text = resources.files("kvboost.bench").joinpath("data/structured.jsonl").read_text(encoding="utf-8")
+    text = resources.files("kvboost.bench").joinpath("data/structured/schemas.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
