@@ -17,7 +17,7 @@ from .sampling import Sampler, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from .decoding.constraint import CompiledFormat
+    from .decoding.grammar import CompiledFormat
     from .kv.manager import Plan
 
 

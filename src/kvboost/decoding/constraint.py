@@ -8,30 +8,14 @@ EOS ids are the matcher's stop tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..errors import KVBoostError
-from .grammar import OutputFormat
 
 
 class GrammarViolationError(KVBoostError, RuntimeError):
     """A token the grammar does not allow was committed (a bug: the mask should have prevented it)."""
-
-
-@dataclass(frozen=True)
-class CompiledFormat:
-    """An OutputFormat compiled for one tokenizer: immutable and shared, it makes a fresh constraint per sequence."""
-
-    fmt: OutputFormat
-    compiled: Any  # xgrammar.CompiledGrammar
-    vocab_size: int
-    stop_token_ids: tuple[int, ...]
-
-    def constraint(self) -> TokenConstraint:
-        return TokenConstraint(self.compiled, self.vocab_size, self.stop_token_ids)
 
 
 class TokenConstraint:

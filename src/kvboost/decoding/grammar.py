@@ -123,6 +123,22 @@ def structural_tag_format(spec: dict[str, Any], param: str = "tools") -> OutputF
     return OutputFormat("structural_tag", json.dumps(spec, separators=(",", ":")), param)
 
 
+@dataclass(frozen=True)
+class CompiledFormat:
+    """An OutputFormat compiled for one tokenizer: immutable and shared, it makes a fresh constraint per sequence."""
+
+    fmt: OutputFormat
+    compiled: Any  # xgrammar.CompiledGrammar
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+
+    def constraint(self):
+        """A fresh decoding.constraint.TokenConstraint (the per-sequence grammar state)."""
+        from .constraint import TokenConstraint
+
+        return TokenConstraint(self.compiled, self.vocab_size, self.stop_token_ids)
+
+
 @dataclass
 class CompileStats:
     hits: int = 0
@@ -207,10 +223,8 @@ class GrammarCompiler:
         raise InvalidRequestError(f"unknown output format kind {fmt.kind!r}; expected one of {FORMAT_KINDS}",
                                   fmt.param)
 
-    def prepare(self, fmt: OutputFormat):
+    def prepare(self, fmt: OutputFormat) -> CompiledFormat:
         """fmt compiled (cached) as a CompiledFormat, which makes one TokenConstraint per sequence."""
-        from .constraint import CompiledFormat
-
         return CompiledFormat(fmt, self.compile(fmt), self.vocab_size, tuple(self.stop_token_ids))
 
     def cache_size(self) -> int:
