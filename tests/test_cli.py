@@ -38,7 +38,7 @@ def test_help_lists_commands_and_benchmarks():
     for name in ("demo", "verify", "bench", "cost"):
         assert name in out.stdout
     bench = kvboost_cli("bench", "--help").stdout
-    for name in ("prefix", "multiturn", "quant", "serve", "rag"):
+    for name in ("prefix", "multiturn", "quant", "serve", "rag", "structured"):
         assert name in bench
 
 
@@ -102,6 +102,11 @@ def _one_line_hint(out: subprocess.CompletedProcess) -> str:
 def test_serve_without_the_server_extra_prints_the_install_hint(args):
     hint = _one_line_hint(kvboost_without(("fastapi",), *args))
     assert hint == "kvboost serve needs the server extra: pip install 'kvboost[server]'"
+
+
+def test_bench_structured_names_the_missing_extra():
+    hint = _one_line_hint(kvboost_without(("xgrammar",), "bench", "structured", "--schemas", "1"))
+    assert hint == "kvboost bench structured needs the structured extra: pip install 'kvboost[structured]'"
 
 
 def test_bench_serve_names_what_is_missing():

@@ -143,6 +143,12 @@ def _register_modules() -> None:
     from .bench.multiturn import bench_multiturn_command
     from .bench.prefix import bench_prefix_command
     from .bench.quant import bench_quant_command
+    from .bench.structured import bench_structured_command
+
+    bench_app.command("structured", help="JSON-schema constrained output: schema-valid rate, decode tok/s with and "
+                                         "without the mask, compile ms (needs the structured extra).")(
+        _plot_needs_bench_extra("kvboost bench structured", _needs_extras(
+            "kvboost bench structured", bench_structured_command, "structured", modules=("jsonschema",))))
 
     for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
                           ("multiturn", bench_multiturn_command), ("decode", bench_decode_command),

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
+from .decoding.grammar import OutputFormat, parse_output_format
 from .errors import ContextLengthError, InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.paged_kv import build_paged_kv
@@ -29,7 +30,7 @@ from .model.runner import make_runner
 from .prompting import Messages, encode_prompt
 from .request import Request
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 from .store.tiered import build_store
 
 
@@ -99,6 +100,8 @@ class InferenceEngine:
                                                          self.attention)
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()
+        self._grammars = None  # decoding.grammar.GrammarCompiler, built at the first output format
+        self._grammars_lock = threading.Lock()
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -154,37 +157,59 @@ class InferenceEngine:
     def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
                      mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
                      content_reuse: bool | None = None, return_logits: bool = False,
-                     t_start: float | None = None) -> Request:
+                     t_start: float | None = None, output_format: OutputFormat | None = None) -> Request:
         """A validated Request from token ids. content_reuse None follows EngineConfig.content_reuse; the prompt
-        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut)."""
+        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut).
+        output_format: compiled here (cached), so a bad schema fails before anything runs."""
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
                           self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
-                          time.perf_counter() if t_start is None else t_start)
+                          time.perf_counter() if t_start is None else t_start,
+                          self.grammars.prepare(output_format) if output_format is not None else None)
         request.check_context(self.max_context)
         return request
+
+    @property
+    def grammars(self):
+        """The engine's GrammarCompiler (compiled formats, LRU-cached); StructuredOutputUnavailableError without
+        the structured extra."""
+        if self._grammars is None:
+            from .decoding.grammar import GrammarCompiler
+
+            with self._grammars_lock:  # not self.lock: a server thread must not wait for a running generation
+                if self._grammars is None:
+                    head = self.model.get_output_embeddings()
+                    vocab = getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
+                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
 
     def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
                 messages: Messages | None = None, input_ids: Sequence[int] | None = None,
                 mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                 stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                content_reuse: bool | None = None, return_logits: bool = False) -> Request:
-        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids."""
+                content_reuse: bool | None = None, return_logits: bool = False, response_format=None,
+                regex: str | None = None, grammar: str | None = None, logprobs: int | None = None) -> Request:
+        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
+        response_format ({"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}), regex or
+        grammar (EBNF) constrain the output (decoding/grammar.py); logprobs=k reports each token's log-probability
+        and its k best alternatives (GenerationResult.logprobs)."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                do_sample=do_sample, seed=seed, stop=stop)
+                                do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs)
+        fmt = parse_output_format(response_format, regex, grammar)
         mode = GenerationMode.parse(mode)
         ids = self.encode(prompt, messages, input_ids=input_ids)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
-                                 return_logits=return_logits, t_start=t0)
+                                 return_logits=return_logits, t_start=t0, output_format=fmt)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
         """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
-        do_sample, stop, seed, cache_salt, content_reuse, return_logits."""
+        do_sample, stop, seed, cache_salt, content_reuse, return_logits, response_format, regex, grammar,
+        logprobs."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
     def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
@@ -209,7 +234,7 @@ class InferenceEngine:
         return stream
 
     def _generate(self, request: Request, stream: TextStream) -> Iterator[str]:
-        sampler = Sampler(request.params, self.device)
+        sampler = request.sampler(self.device)
         tracker = request.tracker(self.tokenizer, self.eos_token_ids)
         with self.lock, torch.inference_mode():
             pre = self.prefill(request)
@@ -237,7 +262,7 @@ class InferenceEngine:
                 fed = (request.ids + tracker.tokens)[: _consistent_length(cache, len(request.ids))]
                 self._finish(request, plan, fed)
         self.kv.record(request.mode, len(request.ids), plan)
-        stream.result = request.result(plan, tracker, ttft_ms, first_logits)
+        stream.result = request.result(plan, tracker, ttft_ms, first_logits, sampler)
 
     def prefill(self, request: Request) -> Prefill:
         """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
@@ -383,9 +408,11 @@ class InferenceEngine:
             raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
                                 top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
-                                do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"))
+                                do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"),
+                                logprobs=options.get("logprobs"))
+        fmt = parse_output_format(options.get("response_format"), options.get("regex"), options.get("grammar"))
         row = dict(mode=options.get("mode", GenerationMode.CHUNK_KV_REUSE), cache_salt=options.get("cache_salt"),
-                   content_reuse=options.get("content_reuse"), t_start=t0)
+                   content_reuse=options.get("content_reuse"), t_start=t0, output_format=fmt)
         if input_ids is not None:
             encoded = [self.encode(input_ids=ids) for ids in input_ids]
             texts = [self.tokenizer.decode(ids) for ids in encoded]
@@ -432,7 +459,8 @@ class InferenceEngine:
 
 
 # Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
-_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse"}
+_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse",
+                "response_format", "regex", "grammar", "logprobs"}
 
 
 def _consistent_length(cache: Cache, n_prompt: int) -> int:

@@ -14,9 +14,10 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "server": ("fastapi", "uvicorn", "pydantic", "prometheus_client"),
     "bench": ("matplotlib",),
     "redis": ("redis",),
+    "structured": ("xgrammar",),
 }
 # Modules outside any extra that a command may still need: module -> what to pip install.
-STANDALONE = {"openai": "openai"}
+STANDALONE = {"openai": "openai", "jsonschema": "jsonschema"}
 
 
 def missing(*modules: str) -> list[str]:

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 from .decoding import OutputTracker
 from .errors import ContextLengthError, InvalidRequestError
 from .results import GenerationMode, GenerationResult
-from .sampling import SamplingParams
+from .sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
+    from .decoding.grammar import CompiledFormat
     from .kv.manager import Plan
 
 
@@ -33,6 +34,7 @@ class Request:
     content_reuse: bool = False
     return_logits: bool = False
     t_start: float = field(default_factory=time.perf_counter)
+    format: CompiledFormat | None = None  # the output's grammar (response_format / regex / grammar / tool call)
 
     def __post_init__(self) -> None:
         self.mode = GenerationMode.parse(self.mode)
@@ -67,15 +69,22 @@ class Request:
                 f"{n + self.params.max_new_tokens} exceeds the model's context of {max_context} tokens; "
                 f"ask for at most {max_context - n} new tokens", "max_new_tokens")
 
+    def sampler(self, device) -> Sampler:
+        """This sequence's sampler, with a fresh grammar state when the request has a format."""
+        return Sampler(self.params, device, self.format.constraint() if self.format is not None else None)
+
     def tracker(self, tokenizer, eos_token_ids: set[int]) -> OutputTracker:
         return OutputTracker(tokenizer, eos_token_ids, self.params.stop, self.params.max_new_tokens)
 
     def result(self, plan: Plan, tracker: OutputTracker, ttft_ms: float,
-               first_token_logits: torch.Tensor | None = None) -> GenerationResult:
+               first_token_logits: torch.Tensor | None = None, sampler: Sampler | None = None) -> GenerationResult:
         """The one place a GenerationResult is built, for every path."""
         total_ms = (time.perf_counter() - self.t_start) * 1e3
         n = len(self.ids)
         generated = list(tracker.tokens)
+        # One entry per sampled token; the final EOS is not an output token, so it is not reported either.
+        logprobs = sampler.logprobs[: len(generated)] if sampler is not None and self.params.logprobs is not None \
+            else None
         return GenerationResult(
             mode=self.mode.value, prompt=self.prompt_text, output_text=tracker.text, generated_tokens=len(generated),
             ttft_ms=ttft_ms, total_ms=total_ms,
@@ -83,4 +92,4 @@ class Request:
             kv_reuse_ratio=plan.cached_tokens / n, prompt_tokens=n, cached_tokens=plan.cached_tokens,
             output_token_ids=generated, finish_reason=tracker.finish_reason, exact_tokens=plan.exact_tokens,
             approximate_tokens=plan.approximate_tokens, recomputed_tokens=plan.recomputed_tokens,
-            lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits)
+            lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits, logprobs=logprobs)

@@ -64,6 +64,8 @@ class GenerationResult:
     recomputed_tokens: int = 0  # reused tokens whose K/V was recomputed by repair
     lookup_ms: float = 0.0  # hashing + matching + assembly, inside ttft_ms
     first_token_logits: object | None = field(default=None, repr=False)  # torch.Tensor when requested
+    # sampling.TokenLogprob per output token when logprobs were requested, else None
+    logprobs: list | None = field(default=None, repr=False)
 
     @property
     def text(self) -> str:

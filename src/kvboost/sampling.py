@@ -1,12 +1,19 @@
-"""Next-token choice and stopping: greedy, temperature, top-k, top-p, seeds, EOS and stop strings."""
+"""Next-token choice and stopping: greedy, temperature, top-k, top-p, seeds, EOS and stop strings; a grammar
+mask (decoding/constraint.py) and log-probabilities where a request asks for them."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .decoding.constraint import TokenConstraint
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 
 
 @dataclass
@@ -18,6 +25,7 @@ class SamplingParams:
     do_sample: bool | None = None  # None: sample exactly when temperature > 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and its k best alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,6 +48,10 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
         if len(self.stop) > 16:
             raise InvalidRequestError("at most 16 stop strings", "stop")
+        k = self.logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}",
+                                      "logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -52,11 +64,28 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-class Sampler:
-    """Picks tokens from float32 logits [vocab]. A seeded sampler is reproducible on its own generator."""
+@dataclass
+class TokenLogprob:
+    """A chosen token's log-probability under the model's own distribution (log-softmax of the raw logits: before
+    temperature, top-k/p and any grammar mask, as vLLM reports by default) and the `top` best alternatives."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Sampler:
+    """Picks tokens from float32 logits [vocab]. A seeded sampler is reproducible on its own generator.
+
+    constraint: the sequence's grammar state; the sampler masks logits with it and advances it by each token it
+    picks, so every path that samples (single, batch rows, server) honours the format the same way.
+    """
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
+                 constraint: TokenConstraint | None = None):
         self.params = params
+        self.constraint = constraint
+        self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator(device="cpu")
@@ -65,12 +94,28 @@ class Sampler:
             else:
                 self.generator.seed()
 
+    @property
+    def plain(self) -> bool:
+        """Nothing but the choice itself: no mask, no log-probabilities (batched greedy rows take a fast path)."""
+        return self.constraint is None and self.params.logprobs is None
+
     def __call__(self, logits: torch.Tensor) -> int:
+        """The next token. With a constraint, logits are masked in place (the caller's row is spent)."""
+        # Log-probabilities are of the model's own distribution: taken before the mask changes the row.
+        logp = torch.log_softmax(logits.float(), dim=-1) if self.params.logprobs is not None else None
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if self.params.greedy:
-            return int(torch.argmax(logits).item())
-        probs = self.probabilities(logits)
-        # Sample on the CPU generator so a seed means the same tokens on every device.
-        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+            token = int(torch.argmax(logits).item())
+        else:
+            probs = self.probabilities(logits)
+            # Sample on the CPU generator so a seed means the same tokens on every device.
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
+        if logp is not None:
+            self.logprobs.append(token_logprob(logp, token, self.params.logprobs or 0))
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return token
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -88,11 +133,20 @@ class Sampler:
         return torch.softmax(scores, dim=-1)
 
 
+def token_logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The entry for `token` from log-probabilities [vocab]."""
+    alternatives: list[tuple[int, float]] = []
+    if top:
+        values, ids = torch.topk(logp, top)
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logp[token]), alternatives)
+
+
 def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """The next token of every row of float32 logits [rows, vocab]: greedy rows with one argmax and one
-    device-to-host copy for all of them (a sync per row costs more than a GPU decode step), others each by
-    its own sampler."""
-    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    """The next token of every row of float32 logits [rows, vocab]: plain greedy rows with one argmax and one
+    device-to-host copy for all of them (a sync per row costs more than a GPU decode step), others (sampled,
+    grammar-masked, with log-probabilities) each by its own sampler."""
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy and s.plain]
     picks: dict[int, int] = {}
     if greedy:
         chosen = logits if len(greedy) == len(samplers) else logits[greedy]

@@ -44,8 +44,9 @@ def test_unknown_model_is_404_model_not_found(client):
     ({"model": TINY_NAME, "messages": []}, "messages"),
     ({"model": TINY_NAME, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"model": TINY_NAME, "messages": [{"role": "user", "content": 5}]}, None),
-    ({"model": TINY_NAME, "messages": CHAT, "n": 2}, "n"),
-    ({"model": TINY_NAME, "messages": CHAT, "logprobs": True}, "logprobs"),
+    ({"model": TINY_NAME, "messages": CHAT, "n": 17}, "n"),
+    ({"model": TINY_NAME, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": TINY_NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"model": TINY_NAME, "messages": CHAT, "stop": [""]}, "stop"),
 ])
 def test_invalid_chat_bodies_are_400(server, body, param):
@@ -90,7 +91,7 @@ def test_sdk_raises_bad_request_for_wrong_types_and_n(client):
         client.chat.completions.create(model=TINY_NAME, messages=CHAT, temperature="hot")  # type: ignore[arg-type]
     assert info.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=TINY_NAME, messages=CHAT, n=3)
+        client.chat.completions.create(model=TINY_NAME, messages=CHAT, n=17)
     assert info.value.param == "n"
 
 

@@ -201,7 +201,7 @@ class BatchRunner:
         else:
             request.check_context(self.engine.max_context)
         handle = SequenceHandle(request.prompt_text, len(request.ids))
-        row = _Row(handle, request, Sampler(request.params, self.engine.device),
+        row = _Row(handle, request, request.sampler(self.engine.device),
                    request.tracker(self.engine.tokenizer, self.engine.eos_token_ids))
         with self._lock:
             self._pending.append(row)
@@ -393,7 +393,7 @@ class BatchRunner:
             source = PrefixedRows(self.ws, self.prefix) if self.prefix is not None else self.ws
             self.kv.write_back(exact, request.salt, source, row=row.slot)
         self.kv.record(request.mode, len(request.ids), plan)
-        row.handle.result = request.result(plan, row.tracker, row.ttft_ms)
+        row.handle.result = request.result(plan, row.tracker, row.ttft_ms, sampler=row.sampler)
         self._release(row)
         row.handle.finished = True
 

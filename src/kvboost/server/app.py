@@ -6,7 +6,10 @@ GET /v1/stats (engine.cache_stats + scheduler counters, never a 500), GET /healt
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hmac
+import importlib.util
 import json
 import logging
 import math
@@ -91,6 +94,8 @@ def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> 
     """
     state: ServerState = app.state.kvboost
     t0 = time.perf_counter()
+    if importlib.util.find_spec("xgrammar") is not None and hasattr(type(state.engine), "grammars"):
+        _ = state.engine.grammars  # the grammar library's vocabulary preprocessing (~0.3-0.8 s), before listening
     with state.tokenizer_lock:
         ids = state.engine.encode(messages=_WARM_UP_MESSAGES)
         text = state.engine.tokenizer.decode(ids)
@@ -195,8 +200,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, ChatCompletionRequest)
         _check_model(settings, req.model)
         prepared = prepare_chat(state.engine, req, settings, state.tokenizer_lock)
-        return await _respond(state, prepared, ChatRenderer(settings.model_id, _FINGERPRINT),
-                              req.cache_salt, request, t0)
+        renderer = ChatRenderer(settings.model_id, _FINGERPRINT, decode=_decoder(state), tool_parse=prepared.tool_parse,
+                                n=prepared.n)
+        return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -204,8 +210,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, CompletionRequest)
         _check_model(settings, req.model)
         prepared = prepare_completion(state.engine, req, settings, state.tokenizer_lock)
-        return await _respond(state, prepared, CompletionRenderer(settings.model_id, _FINGERPRINT),
-                              req.cache_salt, request, t0)
+        renderer = CompletionRenderer(settings.model_id, _FINGERPRINT, decode=_decoder(state), n=prepared.n)
+        return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
+
+
+def _decoder(state: ServerState):
+    def decode(token: int) -> str:
+        with state.tokenizer_lock:
+            return state.engine.tokenizer.decode([token])
+    return decode
 
 
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
@@ -234,19 +247,36 @@ def _check_model(settings: ServerSettings, name: str) -> None:
 
 async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, salt: str | None,
                    request: Request, t0: float) -> Response:
-    job = Job(prepared.ids, prepared.params, prepared.prompt_text, asyncio.get_running_loop(),
-              cache_salt=salt, mode=state.settings.mode, t_start=t0)
+    # n choices are n rows of the same prompt, submitted together: a batching worker admits them in one step, so
+    # the prompt's K/V is computed (or loaded) once and shared. A seed gives choice i the seed + i.
+    jobs = []
+    for i in range(prepared.n):
+        params = prepared.params if i == 0 or prepared.params.seed is None else \
+            dataclasses.replace(prepared.params, seed=prepared.params.seed + i)
+        jobs.append(Job(prepared.ids, params, prepared.prompt_text, asyncio.get_running_loop(), cache_salt=salt,
+                        mode=state.settings.mode, t_start=t0, output_format=prepared.output_format))
     try:
-        state.scheduler.submit(job)
+        for job in jobs:
+            state.scheduler.submit(job)
     except QueueFullError as exc:
+        for job in jobs:
+            job.cancel()
         state.metrics.outcomes.labels(renderer.endpoint, "rejected").inc()
         raise to_api_error(exc) from None
+
+    def cancel_all() -> None:
+        for job in jobs:
+            job.cancel()
+
     if prepared.stream:
-        return StreamingResponse(_sse(state, job, renderer, prepared.include_usage), media_type="text/event-stream",
+        return StreamingResponse(_sse(state, jobs, renderer, prepared.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                 background=BackgroundTask(job.cancel))  # runs after a disconnect as well
-    result = await _collect(state, job, renderer, request)
-    return JSONResponse(renderer.full(result))
+                                 background=BackgroundTask(cancel_all))  # runs after a disconnect as well
+    try:
+        results = await asyncio.gather(*(_collect(state, job, renderer, request) for job in jobs))
+    finally:
+        cancel_all()  # a no-op for finished jobs; stops the others when one failed
+    return JSONResponse(renderer.full(list(results)))
 
 
 async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Request) -> GenerationResult:
@@ -284,35 +314,68 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Re
             metrics.outcomes.labels(endpoint, "cancelled").inc()
 
 
-async def _sse(state: ServerState, job: Job, renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
-    """role chunk, content chunks, final chunk with finish_reason, usage chunk if asked for, [DONE]."""
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
+    """(choice index, kind, payload) from every job, as they come, until each has ended."""
+    if len(jobs) == 1:
+        async for kind, payload in jobs[0].stream():
+            yield 0, kind, payload
+        return
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        async for kind, payload in job.stream():
+            await events.put((i, kind, payload))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        left = len(jobs)
+        while left:
+            i, kind, payload = await events.get()
+            left -= kind != "delta"
+            yield i, kind, payload
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+    """role chunk(s), content / tool-call chunks, each choice's final chunk with finish_reason, usage chunk if
+    asked for, [DONE]. An error in any choice ends the stream with the error body."""
     metrics, endpoint = state.metrics, renderer.endpoint
     first = True
+    results: list[GenerationResult | None] = [None] * len(jobs)
+    t_start = jobs[0].t_start
     try:
-        head = renderer.head()
-        if head is not None:
-            yield sse(head)
-        async for kind, payload in job.stream():
-            if first:
-                metrics.ttft.labels(endpoint).observe(time.perf_counter() - job.t_start)
-                first = False
-            if kind == "delta":
-                yield sse(renderer.delta(payload))
-            elif kind == "done":
-                metrics.latency.labels(endpoint).observe(time.perf_counter() - job.t_start)
-                metrics.observe_result(endpoint, payload)
-                yield sse(renderer.final(payload))
-                if include_usage:
-                    yield sse(renderer.usage(payload))
-            else:  # the headers are out: the error travels in the stream, where the OpenAI SDK raises it
-                metrics.outcomes.labels(endpoint, "error").inc()
-                log.warning("request failed mid-stream: %r", payload)
-                yield sse(to_api_error(payload).body())
+        for chunk in renderer.head():
+            yield sse(chunk)
+        async with contextlib.aclosing(_merged(jobs)) as events:
+            async for index, kind, payload in events:
+                if first:
+                    metrics.ttft.labels(endpoint).observe(time.perf_counter() - t_start)
+                    first = False
+                if kind == "delta":
+                    for chunk in renderer.delta(payload, index):
+                        yield sse(chunk)
+                elif kind == "done":
+                    results[index] = payload
+                    metrics.observe_result(endpoint, payload)
+                    for chunk in renderer.final(payload, index):
+                        yield sse(chunk)
+                else:  # the headers are out: the error travels in the stream, where the OpenAI SDK raises it
+                    metrics.outcomes.labels(endpoint, "error").inc()
+                    log.warning("request failed mid-stream: %r", payload)
+                    yield sse(to_api_error(payload).body())
+                    break
+        if all(r is not None for r in results):
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - t_start)
+            if include_usage:
+                yield sse(renderer.usage(results))  # type: ignore[arg-type]
         yield DONE
     finally:
-        if not job.finished:  # the client went away: stop generating for it
-            job.cancel()
-            metrics.outcomes.labels(endpoint, "cancelled").inc()
+        for job in jobs:
+            if not job.finished:  # the client went away (or a sibling choice failed): stop generating for it
+                job.cancel()
+                metrics.outcomes.labels(endpoint, "cancelled").inc()
 
 
 def _guard(fn) -> Any:

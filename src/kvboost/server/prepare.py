@@ -9,21 +9,27 @@ window; /v1/completions without max_tokens generates 16 tokens (OpenAI's legacy 
 fewer positions are left. An explicit max_tokens that does not fit beside the prompt is a 400
 `context_length_exceeded`, as OpenAI and vLLM answer it (never a reply silently cut short); an omitted
 one is never rejected.
+
+Structured output: response_format and the tools' call grammar (server/tools.py) are compiled here, so a schema
+the grammar library rejects is a 400 naming the problem before anything is queued. n > 1 becomes n rows of
+the same prompt (app.py submits them together, so a batching worker prefills the shared prompt once).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
+from ..decoding.grammar import OutputFormat, StructuredOutputUnavailableError, parse_output_format
 from ..errors import ContextLengthError, InvalidRequestError
 from ..sampling import SamplingParams
 from .errors import APIError
 from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from .settings import ServerSettings
+from .tools import native_tools, render_messages, setup_tools, template_supports_tools
 
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # engine argument → OpenAI request field
 _FALLBACK_MAX_TOKENS = 4096  # chat without max_tokens on a model that declares no context size
+MAX_N = 16  # choices per request
 
 
 @dataclass
@@ -33,37 +39,54 @@ class Prepared:
     prompt_text: str
     stream: bool
     include_usage: bool
+    n: int = 1
+    output_format: OutputFormat | None = None
+    tool_parse: str = "none"  # how replies are read for tool calls: server/toolcalls.py
 
 
 def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
-    _reject_common(req)
+    n = _choices(req)
     extra = req.model_extra or {}
-    if extra.get("logprobs") or extra.get("top_logprobs"):
-        raise _unsupported("logprobs are not supported by this server", "logprobs")
-    if extra.get("tools") or extra.get("functions"):
-        raise _unsupported("tool / function calling is not supported by this server", "tools")
-    fmt = extra.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise _unsupported(f"response_format {fmt.get('type')!r} is not supported; only 'text'", "response_format")
-    messages = [_plain_message(i, m) for i, m in enumerate(req.messages)]
+    if extra.get("functions") or extra.get("function_call"):
+        raise _unsupported("the deprecated functions / function_call fields are not supported; use tools and "
+                           "tool_choice", "functions")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    try:
+        fmt = parse_output_format(req.response_format)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    tools = setup_tools(req.tools, req.tool_choice)
+    if fmt is not None and tools.output_format is not None:
+        raise APIError(400, f"response_format cannot be combined with tool_choice {tools.choice!r}: the reply "
+                       "follows one format (send tool_choice 'none' to answer in the response_format)",
+                       param="response_format", code="invalid_value")
+    fmt = fmt or tools.output_format
+    texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
     with lock:
-        ids = _encode(engine, None, messages, "messages")
+        native = bool(tools.functions) and template_supports_tools(engine.tokenizer)
+        messages = render_messages(req.messages, texts, tools, native)
+        if native:
+            ids = _encode_with_tools(engine, messages, native_tools(tools))
+        else:
+            ids = _encode(engine, None, messages, "messages")
         prompt_text = engine.tokenizer.decode(ids)
+    _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
-    return Prepared(ids, _sampling(req, max_tokens), prompt_text, bool(req.stream), _usage_wanted(req))
+    return Prepared(ids, _sampling(req, max_tokens, logprobs), prompt_text, bool(req.stream), _usage_wanted(req), n,
+                    fmt, tools.parse)
 
 
 def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
                        lock: threading.Lock) -> Prepared:
-    _reject_common(req)
+    n = _choices(req)
     extra = req.model_extra or {}
     if extra.get("echo"):
         raise _unsupported("echo is not supported by this server", "echo")
     if extra.get("suffix"):
         raise _unsupported("suffix (insertion) is not supported by this server", "suffix")
-    if extra.get("logprobs") is not None:
-        raise _unsupported("logprobs are not supported by this server", "logprobs")
     best_of = extra.get("best_of")
     if best_of not in (None, 1):
         raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
@@ -82,21 +105,53 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
         text = prompt if prompt is not None else engine.tokenizer.decode(ids)
+    try:  # a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
+        fmt = parse_output_format(extra.get("response_format"))
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
-    return Prepared(ids, _sampling(req, max_tokens), text, bool(req.stream), _usage_wanted(req))
+    return Prepared(ids, _sampling(req, max_tokens, req.logprobs), text, bool(req.stream), _usage_wanted(req), n,
+                    fmt)
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
-def _reject_common(req: SamplingRequest) -> None:
-    if req.n not in (None, 1):
-        raise _unsupported("n other than 1 is not supported by this server; send several requests instead", "n")
+def _choices(req: SamplingRequest) -> int:
+    n = req.n or 1
+    if n > MAX_N:
+        raise APIError(400, f"n must be at most {MAX_N}", param="n", code="invalid_value")
+    return n
+
+
+def _compile(engine, fmt: OutputFormat | None) -> None:
+    """Compile now (cached for the worker), so that a bad schema is a 400 before the request is queued."""
+    if fmt is None:
+        return
+    try:
+        engine.grammars.compile(fmt)
+    except StructuredOutputUnavailableError as exc:
+        raise APIError(400, f"{exc}: this server cannot constrain output", param=fmt.param,
+                       code="unsupported_parameter") from None
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+
+def _encode_with_tools(engine, messages: list[dict], tools: list[dict]) -> list[int]:
+    """Through the chat template with its own tool rendering (templates that use `tools`)."""
+    try:
+        ids = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:
+        raise APIError(400, f"could not render the messages with tools: {type(exc).__name__}: {exc}",
+                       param="messages", code="invalid_value") from None
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    return _encode(engine, None, None, "messages", [int(t) for t in ids])
 
 
 def _unsupported(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
 
-def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
+def _message_text(i: int, m: ChatMessage) -> str:
     content = m.content
     if content is None:
         text = ""
@@ -110,8 +165,7 @@ def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
                                    f"messages.{i}.content")
             parts.append(part.text)
         text = "\n".join(parts)
-    role = "system" if m.role == "developer" else m.role
-    return {"role": role, "content": text}
+    return text
 
 
 def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
@@ -151,13 +205,13 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
     return requested
 
 
-def _sampling(req: SamplingRequest, max_tokens: int) -> SamplingParams:
+def _sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(max_new_tokens=max_tokens,
                               temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
-                              stop=stop)
+                              stop=stop, logprobs=logprobs)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=_PARAM_NAMES.get(exc.param or "", exc.param),
                        code="invalid_value") from None

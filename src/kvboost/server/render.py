@@ -1,9 +1,17 @@
-"""OpenAI response bodies and SSE chunks for chat and text completions, built from engine results."""
+"""OpenAI response bodies and SSE chunks for chat and text completions, built from engine results.
+
+One renderer per HTTP request; it serves n choices (index i for the i-th row). Tool calls (chat) are read out
+of each choice's text by a ToolCallParser, streamed as `delta.tool_calls` [{index, id, type, function: {name,
+arguments: ""}}] then argument pieces, as OpenAI streams them. Log-probabilities, when asked for, come with
+the result: in the choice of a full body, and in a streamed choice's final chunk (the text deltas are cut at
+UTF-8 and stop-string boundaries, not at tokens).
+"""
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ..results import GenerationResult
@@ -17,54 +25,135 @@ from .schema import (
     Completion,
     CompletionChoice,
     PromptTokensDetails,
+    ResponseFunctionCall,
+    ResponseToolCall,
     Usage,
     dump,
 )
+from .toolcalls import ToolCallParser
 
 DONE = "data: [DONE]\n\n"
+Decode = Callable[[int], str]  # token id -> its text
 
 
 def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage_of(result: GenerationResult) -> Usage:
-    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.generated_tokens,
-                 total_tokens=result.prompt_tokens + result.generated_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens))
+def usage_of(results: list[GenerationResult]) -> Usage:
+    """The prompt counts once for n choices (they share it), the completions add up."""
+    first = results[0]
+    completion = sum(r.generated_tokens for r in results)
+    return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                 total_tokens=first.prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens))
+
+
+def _entry(decode: Decode, token: int, logprob: float) -> dict[str, Any]:
+    text = decode(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(result: GenerationResult, decode: Decode) -> dict[str, Any] | None:
+    if result.logprobs is None:
+        return None
+    return {"content": [dict(_entry(decode, t.token, t.logprob),
+                             top_logprobs=[_entry(decode, a, lp) for a, lp in t.top]) for t in result.logprobs]}
+
+
+def completion_logprobs(result: GenerationResult, decode: Decode) -> dict[str, Any] | None:
+    """The legacy shape: tokens, token_logprobs, top_logprobs (token text -> logprob), text_offset."""
+    if result.logprobs is None:
+        return None
+    tokens = [decode(t.token) for t in result.logprobs]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in result.logprobs],
+            "top_logprobs": [{decode(a): lp for a, lp in t.top} for t in result.logprobs], "text_offset": offsets}
 
 
 class ChatRenderer:
-    """chat.completion and chat.completion.chunk bodies for one request."""
+    """chat.completion and chat.completion.chunk bodies for one request (n choices)."""
 
     endpoint = "chat"
 
-    def __init__(self, model: str, fingerprint: str | None = None):
+    def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None,
+                 tool_parse: str = "none", n: int = 1):
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.model = model
         self.created = int(time.time())
         self.fingerprint = fingerprint
+        self.decode = decode or str
+        self.tool_parse = tool_parse
+        self.n = n
+        self._parsers = [ToolCallParser(tool_parse) if tool_parse != "none" else None for _ in range(n)]
+        self._call_ids: dict[tuple[int, int], str] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict[str, Any]:
         return dump(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                         usage=usage, system_fingerprint=self.fingerprint))
 
-    def head(self) -> dict[str, Any] | None:
-        return self._chunk([ChatChunkChoice(delta=ChunkDelta(role="assistant", content=""))])
+    def _call_id(self, choice: int, call: int) -> str:
+        return self._call_ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk([ChatChunkChoice(delta=ChunkDelta(content=text))])
+    def head(self) -> list[dict[str, Any]]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChunkDelta(role="assistant", content=""))])
+                for i in range(self.n)]
 
-    def final(self, result: GenerationResult) -> dict[str, Any]:
-        return self._chunk([ChatChunkChoice(delta=ChunkDelta(), finish_reason=result.finish_reason)])
+    def delta(self, text: str, index: int = 0) -> list[dict[str, Any]]:
+        parser = self._parsers[index]
+        if parser is None:
+            return [self._chunk([ChatChunkChoice(index=index, delta=ChunkDelta(content=text))])]
+        return [self._event_chunk(index, e) for e in parser.feed(text)]
 
-    def usage(self, result: GenerationResult) -> dict[str, Any]:
-        return self._chunk([], usage_of(result))
+    def _event_chunk(self, index: int, event: tuple) -> dict[str, Any]:
+        if event[0] == "content":
+            delta = ChunkDelta(content=event[1])
+        elif event[0] == "call":
+            call = ResponseToolCall(index=event[1], id=self._call_id(index, event[1]), type="function",
+                                    function=ResponseFunctionCall(name=event[2], arguments=""))
+            delta = ChunkDelta(tool_calls=[call])
+        else:
+            delta = ChunkDelta(tool_calls=[ResponseToolCall(index=event[1],
+                                                            function=ResponseFunctionCall(arguments=event[2]))])
+        return self._chunk([ChatChunkChoice(index=index, delta=delta)])
 
-    def full(self, result: GenerationResult) -> dict[str, Any]:
-        choice = ChatChoice(message=AssistantMessage(content=result.output_text), finish_reason=result.finish_reason)
-        return dump(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                   usage=usage_of(result), system_fingerprint=self.fingerprint))
+    def final(self, result: GenerationResult, index: int = 0) -> list[dict[str, Any]]:
+        parser = self._parsers[index]
+        chunks = [self._event_chunk(index, e) for e in parser.finish()] if parser is not None else []
+        reason = self._finish_reason(result, parser)
+        chunks.append(self._chunk([ChatChunkChoice(index=index, delta=ChunkDelta(), finish_reason=reason,
+                                                   logprobs=chat_logprobs(result, self.decode))]))
+        return chunks
+
+    @staticmethod
+    def _finish_reason(result: GenerationResult, parser: ToolCallParser | None) -> str:
+        # As OpenAI: "tool_calls" when the reply called tools and ended on its own; "length" when cut short.
+        return "tool_calls" if parser is not None and parser.calls and result.finish_reason == "stop" \
+            else result.finish_reason
+
+    def usage(self, results: list[GenerationResult]) -> dict[str, Any]:
+        return self._chunk([], usage_of(results))
+
+    def full(self, results: list[GenerationResult]) -> dict[str, Any]:
+        choices = []
+        for i, result in enumerate(results):
+            parser = None
+            if self.tool_parse != "none":
+                parser = ToolCallParser(self.tool_parse)
+                parser.feed(result.output_text)
+                parser.finish()
+            calls = [ResponseToolCall(id=self._call_id(i, j), type="function",
+                                      function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+                     for j, c in enumerate(parser.calls)] if parser is not None else []
+            content = parser.content if parser is not None else result.output_text
+            message = AssistantMessage(content=content if content or not calls else None, tool_calls=calls or None)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=self._finish_reason(result, parser),
+                                      logprobs=chat_logprobs(result, self.decode)))
+        return dump(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage_of(results), system_fingerprint=self.fingerprint))
 
 
 class CompletionRenderer:
@@ -72,31 +161,35 @@ class CompletionRenderer:
 
     endpoint = "completions"
 
-    def __init__(self, model: str, fingerprint: str | None = None):
+    def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None, n: int = 1):
         self.id = f"cmpl-{uuid.uuid4().hex[:24]}"
         self.model = model
         self.created = int(time.time())
         self.fingerprint = fingerprint
+        self.decode = decode or str
+        self.n = n
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
         return dump(Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
                                system_fingerprint=self.fingerprint))
 
-    def head(self) -> dict[str, Any] | None:
-        return None
+    def head(self) -> list[dict[str, Any]]:
+        return []
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._body([CompletionChoice(text=text)])
+    def delta(self, text: str, index: int = 0) -> list[dict[str, Any]]:
+        return [self._body([CompletionChoice(index=index, text=text)])]
 
-    def final(self, result: GenerationResult) -> dict[str, Any]:
-        return self._body([CompletionChoice(text="", finish_reason=result.finish_reason)])
+    def final(self, result: GenerationResult, index: int = 0) -> list[dict[str, Any]]:
+        return [self._body([CompletionChoice(index=index, text="", finish_reason=result.finish_reason,
+                                             logprobs=completion_logprobs(result, self.decode))])]
 
-    def usage(self, result: GenerationResult) -> dict[str, Any]:
-        return self._body([], usage_of(result))
+    def usage(self, results: list[GenerationResult]) -> dict[str, Any]:
+        return self._body([], usage_of(results))
 
-    def full(self, result: GenerationResult) -> dict[str, Any]:
-        return self._body([CompletionChoice(text=result.output_text, finish_reason=result.finish_reason)],
-                          usage_of(result))
+    def full(self, results: list[GenerationResult]) -> dict[str, Any]:
+        return self._body([CompletionChoice(index=i, text=r.output_text, finish_reason=r.finish_reason,
+                                            logprobs=completion_logprobs(r, self.decode))
+                           for i, r in enumerate(results)], usage_of(results))
 
 
 Renderer = ChatRenderer | CompletionRenderer

@@ -2,13 +2,13 @@
 
 Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion); unknown
 fields are accepted and ignored, as OpenAI-compatible clients send many optional ones. Fields that would
-change the result and are not supported (n > 1, logprobs, tools, echo...) are rejected in prepare.py.
+change the result and are not supported (echo, suffix, best_of...) are rejected in prepare.py.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
 
 
 class _Request(BaseModel):
@@ -24,10 +24,44 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingRequest(_Request):
@@ -49,10 +83,17 @@ class SamplingRequest(_Request):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None  # checked by decoding.grammar.parse_output_format
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's top-k
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -67,16 +108,39 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseToolCall(BaseModel):
+    index: int | None = None  # streamed deltas only
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_empty_tool_calls(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        else:
+            for call in data["tool_calls"]:
+                call.pop("index", None)
+        return data
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -92,13 +156,14 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
     @field_serializer("delta")
     def _only_what_changed(self, delta: ChunkDelta) -> dict[str, Any]:
@@ -121,7 +186,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(BaseModel):

@@ -1,0 +1,82 @@
+"""Per-sequence grammar state: which tokens may come next, applied to logits as a mask.
+
+One TokenConstraint per generated sequence (a batch row, a server choice). The sampler calls mask() before
+choosing and advance() after; accepts()/rollback() let a verifier check draft tokens (speculative decoding)
+and undo the ones it rejects. EOS is allowed exactly where the grammar accepts termination: the engine's
+EOS ids are the matcher's stop tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import KVBoostError
+
+
+class GrammarViolationError(KVBoostError, RuntimeError):
+    """A token the grammar does not allow was committed (a bug: the mask should have prevented it)."""
+
+
+class TokenConstraint:
+    def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int]):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # int32 on the CPU, where xgrammar fills it
+        self._device_bitmask: torch.Tensor | None = None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] (any device) with every token the grammar forbids at -inf: in place when they are
+        contiguous float32 (the engine's always are), else in a float32 copy. In place because a copy of the row
+        is the one cost here that scales with the vocabulary: on the loaded 2-core box this was measured on, one
+        200 kB copy took ~15 ms (thread wake-ups), fill + apply ~0.05 ms."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        out = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
+        row = out.reshape(1, -1)
+        bitmask = self.bitmask
+        if out.device.type != "cpu":
+            if self._device_bitmask is None or self._device_bitmask.device != out.device:
+                self._device_bitmask = torch.empty_like(bitmask, device=out.device)
+            self._device_bitmask.copy_(bitmask, non_blocking=True)
+            bitmask = self._device_bitmask
+        # The model's vocabulary may be padded past the tokenizer's: the mask covers vocab_size tokens. On the CPU
+        # the C++ kernel is named: "auto" picked a torch path there that costs ~15 ms a token (0.03 ms this way).
+        backend = "cpu" if out.device.type == "cpu" else "auto"
+        self._xgr.apply_token_bitmask_inplace(row, bitmask, vocab_size=min(self.vocab_size, row.shape[-1]),
+                                              backend=backend)
+        if row.shape[-1] > self.vocab_size:
+            row[:, self.vocab_size:] = float("-inf")
+        return out
+
+    def allowed(self) -> torch.Tensor:
+        """Bool [vocab] of the tokens allowed next (CPU); for tests and draft checking in bulk."""
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        bits = self.bitmask[0].to(torch.int64)
+        shifts = torch.arange(32, dtype=torch.int64)
+        return (((bits[:, None] >> shifts) & 1).bool().reshape(-1))[: self.vocab_size]
+
+    def accepts(self, token: int) -> bool:
+        """Whether token may come next, leaving the state as it was."""
+        if self.matcher.is_terminated():
+            return False
+        if not self.matcher.accept_token(int(token)):
+            return False
+        self.matcher.rollback(1)
+        return True
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.accept_token(int(token)):
+            raise GrammarViolationError(f"token {token} is not allowed by the output format here")
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n advanced tokens (xgrammar keeps the whole history: any n up to the tokens advanced)."""
+        if n > 0:
+            self.matcher.rollback(n)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar accepted a stop token: nothing more may follow."""
+        return self.matcher.is_terminated()

@@ -1,0 +1,162 @@
+"""Tools in a chat request: checking them, putting them in the prompt, and the grammar a call must follow.
+
+Rendering. Where the model's chat template uses `tools` (Qwen2.5, Llama 3.1, Hermes...), tools and the history's
+tool calls / results go through the template (HF's `tools=` / `tool_calls` conventions). Elsewhere (SmolLM2's
+plain ChatML, for one) the generic format is used:
+* a system message lists the functions (name, description, JSON Schema of the parameters) and says that a
+  call is written as  <tool_call>{"name": "<function>", "arguments": {...}}</tool_call>;
+* an assistant turn that called tools is rendered as those <tool_call> lines (after its text, if any);
+* a tool result is rendered as a user turn "<tool_response name=...>{content}</tool_response>", since many
+  templates know no `tool` role.
+
+Output, by tool_choice:
+* none (or no tools): free text; nothing is parsed as a call.
+* required / a named function: the output is constrained to one call object
+  {"name": <one of the functions, or the named one>, "arguments": <that function's parameters schema>}
+  (compact JSON), parsed as the reply's only tool call.
+* auto (the default with tools): free text in which the trigger "<tool_call>" opens a call whose object is
+  constrained as above up to "</tool_call>" (an xgrammar structural tag); the text outside calls is the
+  reply's content, each call one tool_call.
+One call per constrained reply for required/named (parallel_tool_calls is honoured as "at most one" there);
+auto may produce several.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..decoding.grammar import OutputFormat, json_schema_format, structural_tag_format
+from .errors import APIError
+from .schema import ChatMessage, NamedToolChoice, Tool
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolSetup:
+    """What a request's tools mean for its prompt and output. parse: "none" | "call" (the whole output is one
+    call object) | "tagged" (calls inside <tool_call> tags in free text)."""
+
+    functions: list[dict[str, Any]] = field(default_factory=list)  # {"name", "description", "parameters"}
+    choice: str = "none"
+    output_format: OutputFormat | None = None
+    parse: str = "none"
+
+    @property
+    def names(self) -> list[str]:
+        return [f["name"] for f in self.functions]
+
+
+def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None) -> ToolSetup:
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools: the request has none", param="tool_choice",
+                           code="invalid_value")
+        return ToolSetup()
+    functions = []
+    for i, tool in enumerate(tools):
+        params = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
+        if params.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of type object",
+                           param=f"tools.{i}.function.parameters", code="invalid_value")
+        functions.append({"name": tool.function.name, "description": tool.function.description or "",
+                          "parameters": params})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not among the "
+                           f"request's tools ({', '.join(names)})", param="tool_choice.function.name",
+                           code="invalid_value")
+        chosen = [f for f in functions if f["name"] == choice.function.name]
+        return ToolSetup(functions, "named", json_schema_format(_call_schema(chosen), "tools"), "call")
+    if choice == "none":
+        return ToolSetup(functions, "none")
+    if choice == "required":
+        return ToolSetup(functions, "required", json_schema_format(_call_schema(functions), "tools"), "call")
+    tags = [{"begin": f'{TOOL_OPEN}{{"name": "{f["name"]}", "arguments": ', "schema": f["parameters"],
+             "end": "}" + TOOL_CLOSE} for f in functions]
+    return ToolSetup(functions, "auto", structural_tag_format({"triggers": [TOOL_OPEN], "tags": tags}), "tagged")
+
+
+def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def template_supports_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSetup,
+                    native: bool) -> list[dict[str, Any]]:
+    """Chat messages for the template, tool turns included (texts: each message's content as plain text).
+    Checks that tool results answer calls made earlier in the history (400 otherwise)."""
+    calls: dict[str, str] = {}  # tool_call id -> function name, from assistant turns so far
+    out: list[dict[str, Any]] = []
+    for i, (m, text) in enumerate(zip(messages, texts)):
+        role = "system" if m.role == "developer" else m.role
+        if role == "function":
+            raise APIError(400, f"messages[{i}]: the deprecated 'function' role is not supported; use 'tool' "
+                           "messages with tool_call_id", param=f"messages.{i}.role", code="invalid_value")
+        if m.tool_calls and role != "assistant":
+            raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                           param=f"messages.{i}.tool_calls", code="invalid_value")
+        if role == "assistant" and m.tool_calls:
+            parsed = []
+            for j, call in enumerate(m.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments or "{}")
+                except ValueError as exc:
+                    raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
+                                   f"{exc}", param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                                   code="invalid_value") from None
+                calls[call.id] = call.function.name
+                parsed.append({"name": call.function.name, "arguments": arguments})
+            if native:
+                out.append({"role": "assistant", "content": text,
+                            "tool_calls": [{"type": "function", "function": p} for p in parsed]})
+            else:
+                lines = [text] if text else []
+                lines += [TOOL_OPEN + json.dumps(p, ensure_ascii=False) + TOOL_CLOSE for p in parsed]
+                out.append({"role": "assistant", "content": "\n".join(lines)})
+            continue
+        if role == "tool":
+            if not m.tool_call_id:
+                raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",
+                               param=f"messages.{i}.tool_call_id", code="invalid_value")
+            if m.tool_call_id not in calls:
+                raise APIError(400, f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call made by an "
+                               "earlier assistant message", param=f"messages.{i}.tool_call_id", code="invalid_value")
+            name = calls[m.tool_call_id]
+            if native:
+                out.append({"role": "tool", "content": text, "name": name, "tool_call_id": m.tool_call_id})
+            else:
+                out.append({"role": "user",
+                            "content": f'<tool_response name="{name}">\n{text}\n</tool_response>'})
+            continue
+        out.append({"role": role, "content": text})
+    if setup.functions and not native:
+        out = _with_tool_prompt(out, setup)
+    return out
+
+
+def _with_tool_prompt(messages: list[dict[str, Any]], setup: ToolSetup) -> list[dict[str, Any]]:
+    listing = json.dumps(setup.functions, ensure_ascii=False)
+    prompt = ("You can call these functions (each with a JSON Schema of its parameters):\n" + listing +
+              f'\nTo call one, answer with {TOOL_OPEN}{{"name": "<function name>", "arguments": {{<arguments as '
+              f"JSON>}}}}{TOOL_CLOSE}. Otherwise answer normally.")
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]
+    return [{"role": "system", "content": prompt}] + messages
+
+
+def native_tools(setup: ToolSetup) -> list[dict[str, Any]]:
+    """The tools as HF chat templates take them."""
+    return [{"type": "function", "function": f} for f in setup.functions]
