@@ -54,6 +54,12 @@ class EngineConfig:
     # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
     # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
     fast_path: str = "auto"
+    # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
+    # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.
+    speculative: str | None = None
+    num_speculative_tokens: int = 8  # the most drafts verified per forward (adapted to acceptance below it)
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_min_ngram: int = 1
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
@@ -82,6 +88,11 @@ class EngineConfig:
                  f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
         _require(self.fast_path in ("auto", "graphs", "eager", "off"),
                  f"fast_path must be auto, graphs, eager or off, got {self.fast_path!r}")
+        from .decoding.speculative import check_speculative_numbers, parse_method
+
+        self.speculative = parse_method(self.speculative)
+        check_speculative_numbers(self.num_speculative_tokens, self.prompt_lookup_max_ngram,
+                                  self.prompt_lookup_min_ngram)
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
 

@@ -20,6 +20,8 @@ from transformers.cache_utils import Cache
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
+from .decoding.factory import make_draft_engine, make_speculator, resolve_speculation
+from .decoding.speculative import SpecCounts, SpeculativeParams
 from .errors import ContextLengthError, InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.workspace import KVWorkspace
@@ -64,7 +66,7 @@ class InferenceEngine:
     def __init__(self, model, tokenizer, chunk_size: int = 128, max_chunks: int | None = None,
                  recompute_overlap: int = 16, recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
                  recompute_ratio: float = 0.15, kv_cache_bits: int = 16, disk_cache_dir: str | None = None,
-                 device: str | None = None, *, strict: bool = True, **options):
+                 device: str | None = None, *, strict: bool = True, draft_model=None, **options):
         self.config = EngineConfig.from_kwargs(
             chunk_size=chunk_size, max_chunks=max_chunks, recompute_overlap=recompute_overlap,
             recompute_strategy=recompute_strategy, recompute_ratio=recompute_ratio, kv_cache_bits=kv_cache_bits,
@@ -97,6 +99,13 @@ class InferenceEngine:
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()
         self._warm_up()
+        # Speculative decoding with a draft model: the draft runs in an engine of its own (its own workspace and
+        # prefix reuse), used only under this engine's lock.
+        self.draft: InferenceEngine | None = make_draft_engine(self, draft_model) if draft_model is not None else None
+        if self.config.speculative == "draft" and self.draft is None:
+            raise ValueError("speculative='draft' needs draft_model= (a path, hub id or loaded model sharing the "
+                             "tokenizer)")
+        self.spec_counts = SpecCounts()  # summed over finished requests: cache_stats()["speculative"]
 
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so that no request, the first
@@ -149,37 +158,53 @@ class InferenceEngine:
     def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
                      mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
                      content_reuse: bool | None = None, return_logits: bool = False,
-                     t_start: float | None = None) -> Request:
+                     t_start: float | None = None,
+                     speculative: SpeculativeParams | str | None = "default") -> Request:
         """A validated Request from token ids. content_reuse None follows EngineConfig.content_reuse; the prompt
-        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut)."""
+        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut).
+        speculative: "default" (EngineConfig.speculative), a method name, None/"off", or resolved params."""
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
                           self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
-                          time.perf_counter() if t_start is None else t_start)
+                          time.perf_counter() if t_start is None else t_start,
+                          speculative if isinstance(speculative, SpeculativeParams) else
+                          self.speculation(speculative))
         request.check_context(self.max_context)
         return request
+
+    def speculation(self, speculative: str | None = "default", num_speculative_tokens: int | None = None,
+                    prompt_lookup_max_ngram: int | None = None,
+                    prompt_lookup_min_ngram: int | None = None) -> SpeculativeParams | None:
+        """A request's speculation, resolved against EngineConfig (None: off); see decoding.factory."""
+        return resolve_speculation(self.config, self.draft is not None, speculative, num_speculative_tokens,
+                                   prompt_lookup_max_ngram, prompt_lookup_min_ngram)
 
     def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
                 messages: Messages | None = None, input_ids: Sequence[int] | None = None,
                 mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
                 stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                content_reuse: bool | None = None, return_logits: bool = False) -> Request:
-        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids."""
+                content_reuse: bool | None = None, return_logits: bool = False,
+                speculative: str | None = "default", num_speculative_tokens: int | None = None,
+                prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None) -> Request:
+        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
+        speculative: "prompt_lookup", "draft", None/"off", or "default" (the engine's); see speculation()."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 do_sample=do_sample, seed=seed, stop=stop)
         mode = GenerationMode.parse(mode)
+        spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
         ids = self.encode(prompt, messages, input_ids=input_ids)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
-                                 return_logits=return_logits, t_start=t0)
+                                 return_logits=return_logits, t_start=t0, speculative=spec)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
         """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
-        do_sample, stop, seed, cache_salt, content_reuse, return_logits."""
+        do_sample, stop, seed, cache_salt, content_reuse, return_logits, speculative, num_speculative_tokens,
+        prompt_lookup_max_ngram, prompt_lookup_min_ngram."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
     def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
@@ -210,29 +235,37 @@ class InferenceEngine:
             pre = self.prefill(request)
             plan, cache = pre.plan, pre.cache
             first_logits = pre.logits.clone() if request.return_logits else None
-            token = sampler(pre.logits)
+            burst = [sampler(pre.logits)]  # tokens sampled and not yet shown; the last one has no K/V yet
             ttft_ms = (time.perf_counter() - request.t_start) * 1e3
-            length = len(request.ids)  # tokens whose K/V the workspace holds
+            length = len(request.ids)  # tokens whose K/V the workspace holds: it grows only after a forward
+            spec = None
             try:
+                if request.speculative is not None:
+                    spec = make_speculator(self, request, sampler, cache, request.ids + burst)
                 while True:
-                    delta = tracker.feed(token)
+                    delta = "".join(_feed(tracker, burst))
                     if delta:
-                        yield delta
+                        yield delta  # a speculative step's kept tokens arrive as one burst
                     if tracker.finished:
                         break
-                    token = sampler(self._decode_step(token, cache, length))
-                    length += 1
+                    if spec is None:
+                        burst = [sampler(self._decode_step(burst[-1], cache, length))]
+                    else:
+                        burst = spec.step(burst[-1], length, tracker.max_new_tokens - len(tracker.tokens))
+                    length += len(burst)  # the fed token and the kept drafts; rejected drafts' K/V is past it
             finally:
-                if self.runner is not None:  # the runner wrote the decode K/V: the cache learns its length
-                    for layer in cache.layers:
-                        layer.set_length(length)
-                # K/V exists for every token fed to the model: the prompt and each output run to sample the
-                # next one. A decode forward that raised part-way leaves layers at different lengths; the prompt
-                # (never touched by decode) is still whole.
-                fed = (request.ids + tracker.tokens)[: _consistent_length(cache, len(request.ids))]
-                self._finish(request, plan, fed)
+                # The cache learns its length (the runner wrote decode K/V behind it; a verify wrote rejected
+                # drafts past it; a forward that raised part-way left layers longer): K/V exists for exactly
+                # the prompt and each output token run to produce the next one.
+                self.set_cache_length(cache, length)
+                fed = (request.ids + tracker.tokens)[:length]
+                self.finish(request, plan, fed)
+                if spec is not None:
+                    spec.close(request.ids + tracker.tokens)
         self.kv.record(request.mode, len(request.ids), plan)
-        stream.result = request.result(plan, tracker, ttft_ms, first_logits)
+        if spec is not None:
+            self.spec_counts.merge(spec.counts)
+        stream.result = request.result(plan, tracker, ttft_ms, first_logits, spec.counts if spec else None)
 
     def prefill(self, request: Request) -> Prefill:
         """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
@@ -270,6 +303,24 @@ class InferenceEngine:
             return self.runner.forward([token], length)
         return forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1]
 
+    def forward_at(self, tokens: list[int], cache: Cache, start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start, start + n) after the workspace K/V of [0, start): float32 logits of
+        the last token [vocab], or of every token [n, vocab] (all_logits: a speculative verify). Whatever the
+        workspace held past `start` (a rejected draft) is overwritten. The caller holds the lock; the cache's
+        length is right again only after set_cache_length (the runner writes behind it)."""
+        if self.runner is not None and self.runner.fits(len(tokens)):
+            return self.runner.verify(tokens, start) if all_logits else self.runner.forward(tokens, start)
+        self.set_cache_length(cache, start)
+        logits = forward_tokens(self.model, tokens, cache, logits_to_keep=len(tokens) if all_logits else 1,
+                                attention=self.attention)[0]
+        return logits if all_logits else logits[-1]
+
+    @staticmethod
+    def set_cache_length(cache: Cache, length: int) -> None:
+        """Every layer of a workspace cache holds `length` positions (rolls back what lies past it)."""
+        for layer in cache.layers:
+            layer.set_length(length)
+
     def _resident(self, salt: str | None) -> list[int]:
         ws = self.workspace
         return ws.resident_ids if ws.resident_tag == self.kv.tag(salt) else []
@@ -280,7 +331,8 @@ class InferenceEngine:
         exact = fed[: plan.reuse_len] if plan.needs_repair else fed
         self.workspace.resident_ids, self.workspace.resident_tag = list(exact), self.kv.tag(request.salt)
 
-    def _finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
+    def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
+        """The workspace holds the K/V of `fed` (prompt + output) for `request`: claim it, write back its chunks."""
         self._claim(request, plan, fed)
         if request.uses_cache and self.config.write_back:
             self.kv.write_back(self.workspace.resident_ids, request.salt, self.workspace)
@@ -379,8 +431,10 @@ class InferenceEngine:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
                                 top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
                                 do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"))
+        spec = self.speculation(options.get("speculative", "default"), options.get("num_speculative_tokens"),
+                                options.get("prompt_lookup_max_ngram"), options.get("prompt_lookup_min_ngram"))
         row = dict(mode=options.get("mode", GenerationMode.CHUNK_KV_REUSE), cache_salt=options.get("cache_salt"),
-                   content_reuse=options.get("content_reuse"), t_start=t0)
+                   content_reuse=options.get("content_reuse"), t_start=t0, speculative=spec)
         if input_ids is not None:
             encoded = [self.encode(input_ids=ids) for ids in input_ids]
             texts = [self.tokenizer.decode(ids) for ids in encoded]
@@ -394,7 +448,8 @@ class InferenceEngine:
         fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
                 "failure": self.runner.failure if self.runner else None,
                 **(self.runner.stats.as_dict() if self.runner else {})}
-        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast)
+        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
+                    speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict()))
 
     def clear_cache(self) -> None:
         """Forget every stored chunk and the workspace's resident prefix."""
@@ -427,14 +482,16 @@ class InferenceEngine:
 
 
 # Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
-_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse"}
+_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse",
+                "speculative", "num_speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram"}
 
 
-def _consistent_length(cache: Cache, n_prompt: int) -> int:
-    """Positions whose K/V every layer holds: all of them, or only the prompt after a forward that failed
-    part-way (decode never writes below n_prompt)."""
-    lengths = {layer.get_seq_length() for layer in cache.layers}
-    return lengths.pop() if len(lengths) == 1 else n_prompt
+def _feed(tracker, tokens: list[int]) -> Iterator[str]:
+    """Text deltas of tokens fed in order, up to the one that finishes the output (the rest are dropped)."""
+    for token in tokens:
+        yield tracker.feed(token)
+        if tracker.finished:
+            return
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

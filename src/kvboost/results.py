@@ -64,6 +64,13 @@ class GenerationResult:
     recomputed_tokens: int = 0  # reused tokens whose K/V was recomputed by repair
     lookup_ms: float = 0.0  # hashing + matching + assembly, inside ttft_ms
     first_token_logits: object | None = field(default=None, repr=False)  # torch.Tensor when requested
+    speculative: str | None = None  # "prompt_lookup" | "draft" when the request speculated
+    draft_tokens: int = 0  # drafts proposed and verified by the target
+    accepted_tokens: int = 0  # drafts the target kept (each saved one decode forward)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def text(self) -> str:

@@ -1,7 +1,7 @@
 """Turning sampled tokens into text: EOS, stop strings, and stream-safe deltas."""
 from __future__ import annotations
 
-from .sampling import find_stop, held_back_length
+from ..sampling import find_stop, held_back_length
 
 
 class OutputTracker:
