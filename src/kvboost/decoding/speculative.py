@@ -109,41 +109,69 @@ def accept_sampled(probs: torch.Tensor, drafts: Sequence[int], generator: torch.
 
 # ---- how many drafts to propose ---------------------------------------------------------------------
 class AdaptiveK:
-    """The number of drafts to propose next, from measured acceptance.
+    """The number of drafts to propose next: the k that maximizes expected tokens per second, from measured
+    acceptance and measured step cost.
 
-    Verifying k drafts costs more than a decode step of one token, and the extra is wasted on every rejected
-    draft. Policy (per request): after a fully accepted proposal k grows by 2 (up to k_max); after a partial
-    one it becomes accepted + 1. When proposals keep failing (an exponential moving average of kept drafts per
-    proposal under `min_gain`), proposing pauses for `pause` steps, doubling up to `max_pause` while it keeps
-    failing, then retries with one draft: open-ended text pays for about one short verify per pause.
+    Acceptance: each proposal ends in a rejection or with every draft kept, so a per-draft acceptance
+    probability a is estimated as kept / (kept + rejections) over recent proposals (decaying counts). With k
+    drafts a verify emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the kept drafts and the target's
+    own token).
+    Cost: a step of n tokens costs t(n) = t1 + b (n - 1) seconds, t1 and b measured from the engine's own steps
+    (on a CPU a forward grows with its tokens, b ~ 0.4 t1; on a GPU decode is memory-bound, b ~ 0). k = 0 (a plain
+    decode step) is picked when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to
+    `max_pause` while it keeps losing, and retries with one draft: open-ended text pays for about one short
+    verify per pause.
     """
 
-    def __init__(self, k_max: int, min_gain: float = 0.5, max_pause: int = 64):
-        self.k_max, self.k = k_max, k_max
-        self.min_gain, self.max_pause = min_gain, max_pause
-        self.gain = 1.0  # EMA of drafts kept per proposal
+    def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7):
+        self.k_max, self.max_pause, self.decay = k_max, max_pause, decay
+        self.kept, self.rejected = 2.0, 0.5  # prior: drafts are worth trying (a ~ 0.8)
+        self.t1: float | None = None  # seconds of a plain step
+        self.extra: float | None = None  # seconds per extra verified token (b)
         self.pause, self.wait = 4, 0
+        self.k = k_max
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def expected(self, k: int) -> float:
+        a = min(self.acceptance, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def best_k(self) -> int:
+        if self.t1 is None or self.extra is None:
+            return self.k_max if self.acceptance > 0.5 else 1
+        rates = {k: self.expected(k) / (self.t1 + self.extra * k) for k in range(0, self.k_max + 1)}
+        return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
         """Drafts to propose now (0: decode one token normally). budget: tokens that may still be emitted
-        after this step's correction token."""
+        after this step's own token."""
         if self.wait > 0:
             self.wait -= 1
             return 0
-        return max(0, min(self.k, budget))
+        k = self.best_k()
+        if k == 0:  # speculation does not pay now: pause, then retry once with one draft to re-measure
+            self.wait, self.pause = self.pause, min(self.max_pause, self.pause * 2)
+            k = 1
+        self.k = k
+        return max(0, min(k, budget))
+
+    def timed(self, n_tokens: int, seconds: float) -> None:
+        """A step of n_tokens took `seconds` (the caller measured it around a host sync)."""
+        if n_tokens == 1:
+            self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
+        elif self.t1 is not None:
+            b = max(0.0, (seconds - self.t1) / (n_tokens - 1))
+            self.extra = b if self.extra is None else 0.8 * self.extra + 0.2 * b
 
     def update(self, proposed: int, kept: int) -> None:
         if proposed <= 0:
             return
-        self.gain = 0.6 * self.gain + 0.4 * kept
-        if kept == proposed:
-            self.k = min(self.k_max, self.k + 2)
-        else:
-            self.k = max(1, kept + 1)
-        if self.gain < self.min_gain:
-            self.wait, self.pause = self.pause, min(self.max_pause, self.pause * 2)
-            self.k, self.gain = 1, self.min_gain  # retry small; one success lifts it again
-        elif kept > 0:
+        self.kept = self.decay * self.kept + kept
+        self.rejected = self.decay * self.rejected + (0 if kept == proposed else 1)
+        if kept > 0 and kept == proposed:
             self.pause = 4
 
 

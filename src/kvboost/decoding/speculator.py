@@ -8,6 +8,7 @@ so the next forward overwrites the rejected positions and write-back never sees 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -60,6 +61,7 @@ class Speculator:
         positions [0, length + len(returned))."""
         k = self.adaptive.next_k(budget - 1)
         drafts = self.proposer.propose(k) if k > 0 else []
+        t0 = time.perf_counter()
         logits = self.forward([token, *drafts], length)
         if self.sampler.params.greedy:
             out = accept_greedy(logits, drafts)
@@ -68,6 +70,8 @@ class Speculator:
             out = accept_sampled(probs, drafts, self.sampler.generator)
         else:  # no drafts: exactly the plain sampler's step (same generator draws)
             out = [self.sampler(logits[-1])]
+        # Each branch copied its pick to the host, which waits for the forward: the time is the step's real cost.
+        self.adaptive.timed(1 + len(drafts), time.perf_counter() - t0)
         if drafts:
             self.adaptive.update(len(drafts), len(out) - 1)
             self.counts.add(len(drafts), len(out) - 1)
