@@ -405,17 +405,19 @@ class InferenceEngine:
         return results  # type: ignore[return-value]
 
     def run_batch(self, requests: list[Request], max_batch_size: int | None = None) -> list[GenerationResult]:
-        """Run requests together through the continuous-batching runner until all are done."""
+        """Run requests together through the continuous-batching runner until all are done. Speculative requests
+        run apart, one at a time through the single-request path (a verify is per sequence); results keep order."""
         from .batch import BatchRunner
 
-        runner = BatchRunner(self, max_batch_size=max_batch_size or len(requests))
-        handles = [runner.add(r) for r in requests]
+        plain = [r for r in requests if r.speculative is None]
+        runner = BatchRunner(self, max_batch_size=max_batch_size or max(1, len(plain)))
+        handles = {id(r): runner.add(r) for r in plain}
         while runner.has_work():
             runner.step()
-        for h in handles:
+        for h in handles.values():
             if h.error is not None:
                 raise h.error
-        return [h.result for h in handles]
+        return [handles[id(r)].result if id(r) in handles else self.run(r) for r in requests]
 
     def _requests(self, prompts, input_ids, max_new_tokens: int, options: dict) -> list[Request]:
         """One Request per prompt, from exactly one of `prompts` and `input_ids`; each prompt encoded once."""

@@ -212,3 +212,17 @@ def test_bad_values_are_typed_errors(tokenizer):
     assert on.generate("hello there", 4).speculative == "prompt_lookup"
     assert on.generate("hello there", 4, speculative="off").speculative is None
     assert on.generate("hello there", 4, speculative=None).speculative is None
+
+
+def test_batches_run_speculative_rows_apart_and_the_runner_refuses_them(tokenizer):
+    from kvboost.batch import BatchRunner
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    prompts = [text_with_tokens(tokenizer, 30, seed=s) for s in (11, 12)]
+    plain = engine.generate_batch(prompts, 20)
+    spec = engine.generate_batch(prompts, 20, speculative="prompt_lookup")
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
+    assert all(r.speculative == "prompt_lookup" for r in spec) and all(r.speculative is None for r in plain)
+    request = engine.request(prompts[0], 4, speculative="prompt_lookup")
+    with pytest.raises(InvalidRequestError, match="not supported in batches"):
+        BatchRunner(engine).add(request)

@@ -140,7 +140,9 @@ class AdaptiveK:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def best_k(self) -> int:
-        if self.t1 is None or self.extra is None:
+        if self.t1 is None:  # no plain step timed yet: when drafts fail, take plain steps (and time them)
+            return self.k_max if self.acceptance > 0.5 else 0
+        if self.extra is None:
             return self.k_max if self.acceptance > 0.5 else 1
         rates = {k: self.expected(k) / (self.t1 + self.extra * k) for k in range(0, self.k_max + 1)}
         return max(rates, key=lambda k: (rates[k], -k))

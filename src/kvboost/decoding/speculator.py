@@ -59,9 +59,9 @@ class Speculator:
         it. Returns the tokens emitted by this step: the kept drafts and the target's next token (1 to k + 1
         of them, never more than `budget`). The K/V of `token` and the kept drafts is valid afterwards, i.e.
         positions [0, length + len(returned))."""
+        t0 = time.perf_counter()  # the cost of a step includes proposing (a draft model's forwards)
         k = self.adaptive.next_k(budget - 1)
         drafts = self.proposer.propose(k) if k > 0 else []
-        t0 = time.perf_counter()
         logits = self.forward([token, *drafts], length)
         if self.sampler.params.greedy:
             out = accept_greedy(logits, drafts)
