@@ -76,9 +76,8 @@ def test_accept_greedy_keeps_the_agreeing_prefix_and_adds_the_targets_token():
 
 def test_adaptive_k_follows_acceptance_and_step_cost():
     a = AdaptiveK(8)
-    assert a.next_k(100) == 0  # the first step is plain: it times a decode step
+    assert a.next_k(100) == 8  # optimistic before anything is measured
     a.timed(1, 1.0)
-    assert 1 <= a.next_k(100) < 8  # unproven drafts start short
     a.timed(9, 5.0)  # CPU-like: each extra verified token costs half a step
     for _ in range(6):
         a.update(8, 8)
@@ -91,7 +90,6 @@ def test_adaptive_k_follows_acceptance_and_step_cost():
         skipped += 1
     assert skipped >= 4
     free = AdaptiveK(8)  # GPU-like: extra verified tokens cost ~nothing, so even modest acceptance pays
-    free.next_k(100)
     free.timed(1, 1.0)
     free.timed(9, 1.05)
     for _ in range(6):

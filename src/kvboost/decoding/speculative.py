@@ -123,13 +123,12 @@ class AdaptiveK:
     verify per pause.
     """
 
-    def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7, extra_prior: float = 0.25):
+    def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7):
         self.k_max, self.max_pause, self.decay = k_max, max_pause, decay
-        self.kept, self.rejected = 1.5, 1.0  # prior: a ~ 0.6, so the first proposals are short until drafts win
+        self.kept, self.rejected = 2.0, 0.5  # prior: drafts are worth trying (a ~ 0.8)
         self.t1: float | None = None  # seconds of a plain step
         self.extra: float | None = None  # seconds per extra verified token (b)
-        self.extra_prior = extra_prior  # b / t1 until a verify has been timed (CPU-like: the cautious side)
-        self.pause, self.wait = 4, 1  # the first step is a plain one: it measures t1
+        self.pause, self.wait = 4, 0
         self.k = k_max
 
     @property
@@ -141,10 +140,11 @@ class AdaptiveK:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def best_k(self) -> int:
-        if self.t1 is None:
+        if self.t1 is None:  # no plain step timed yet: when drafts fail, take plain steps (and time them)
+            return self.k_max if self.acceptance > 0.5 else 0
+        if self.extra is None:
             return self.k_max if self.acceptance > 0.5 else 1
-        extra = self.extra if self.extra is not None else self.extra_prior * self.t1
-        rates = {k: self.expected(k) / (self.t1 + extra * k) for k in range(0, self.k_max + 1)}
+        rates = {k: self.expected(k) / (self.t1 + self.extra * k) for k in range(0, self.k_max + 1)}
         return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
@@ -165,10 +165,7 @@ class AdaptiveK:
         if n_tokens == 1:
             self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
         elif self.t1 is not None:
-            # Clamped: a forward of n tokens reads the weights once, so an extra token costs well under a
-            # step (measured 0.16-0.45 of one on a CPU); a larger sample is a preempted step on a busy host, and
-            # trusting it would switch speculation off for text where every draft is kept.
-            b = min(max(0.0, (seconds - self.t1) / (n_tokens - 1)), 0.75 * self.t1)
+            b = max(0.0, (seconds - self.t1) / (n_tokens - 1))
             self.extra = b if self.extra is None else 0.8 * self.extra + 0.2 * b
 
     def update(self, proposed: int, kept: int) -> None:
