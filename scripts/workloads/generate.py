@@ -31,6 +31,7 @@ from kvboost.bench.workloads import (
     CONVERSATIONS_FILE,
     RAG_DOCS_FILE,
     RAG_QA_FILE,
+    SPEC_FILE,
     SUPPORT_FILE,
     SYSTEM_PROMPT_FILE,
     package_data_dir,
@@ -41,6 +42,7 @@ from .chat_domains_b import DOMAINS_B
 from .chat_pastes import PASTES
 from .policy_manual import MANUAL, QUESTIONS
 from .rag_docs import build_docs
+from .spec_tasks import generate_spec_tasks
 
 DEFAULT_SEED = 20240521
 N_CONVERSATIONS = 64
@@ -204,12 +206,14 @@ def generate_all(seed: int = DEFAULT_SEED) -> dict[str, str]:
     """Map file name -> full JSONL text for every workload file."""
     docs, items = generate_rag(seed)
     system, questions = generate_system_prompt(seed)
+    conversations = generate_conversations(seed)
     return {
-        CONVERSATIONS_FILE: dumps_jsonl(generate_conversations(seed)),
+        CONVERSATIONS_FILE: dumps_jsonl(conversations),
         RAG_DOCS_FILE: dumps_jsonl(docs),
         RAG_QA_FILE: dumps_jsonl(items),
         SYSTEM_PROMPT_FILE: dumps_jsonl([{"id": "system", "type": "system", "text": system}, *questions]),
         SUPPORT_FILE: dumps_jsonl(generate_support_conversations(system, questions, seed)),
+        SPEC_FILE: dumps_jsonl(generate_spec_tasks(docs, items, conversations)),
     }
 
 

@@ -143,6 +143,7 @@ def _register_modules() -> None:
     from .bench.multiturn import bench_multiturn_command
     from .bench.prefix import bench_prefix_command
     from .bench.quant import bench_quant_command
+    from .bench.spec import bench_spec_command
     from .bench.structured import bench_structured_command
 
     bench_app.command("structured", help="JSON-schema constrained output: schema-valid rate, decode tok/s with and "
@@ -152,7 +153,7 @@ def _register_modules() -> None:
 
     for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
                           ("multiturn", bench_multiturn_command), ("decode", bench_decode_command),
-                          ("gpu", bench_gpu_command)):
+                          ("gpu", bench_gpu_command), ("spec", bench_spec_command)):
         bench_app.command(name)(_plot_needs_bench_extra(f"kvboost bench {name}", command))
 
 

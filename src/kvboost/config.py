@@ -59,6 +59,12 @@ class EngineConfig:
     # needs fixed cuts, full precision, no content reuse and no disk/Redis tier (refused otherwise).
     paged_kv: bool = False
     kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
+    # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
+    # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.
+    speculative: str | None = None
+    num_speculative_tokens: int = 8  # the most drafts verified per forward (adapted to acceptance below it)
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_min_ngram: int = 1
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
@@ -87,6 +93,11 @@ class EngineConfig:
                  f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
         _require(self.fast_path in ("auto", "graphs", "compiled", "eager", "off"),
                  f"fast_path must be auto, graphs, compiled, eager or off, got {self.fast_path!r}")
+        from .decoding.speculative import check_speculative_numbers, parse_method
+
+        self.speculative = parse_method(self.speculative)
+        check_speculative_numbers(self.num_speculative_tokens, self.prompt_lookup_max_ngram,
+                                  self.prompt_lookup_min_ngram)
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
         _require(isinstance(self.paged_kv, bool), f"paged_kv must be a bool, got {self.paged_kv!r}")

@@ -20,15 +20,17 @@ from transformers.cache_utils import Cache
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
-from .decoding.grammar import OutputFormat, parse_output_format
-from .errors import ContextLengthError, InvalidRequestError
+from .decoding.factory import make_draft_engine, make_speculator
+from .decoding.speculative import SpecCounts
+from .errors import InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.paged_kv import build_paged_kv
 from .kv.workspace import KVWorkspace
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
-from .prompting import Messages, encode_prompt
+from .prompting import Messages
 from .request import Request
+from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
 from .store.tiered import build_store
@@ -66,7 +68,7 @@ class InferenceEngine:
     def __init__(self, model, tokenizer, chunk_size: int = 128, max_chunks: int | None = None,
                  recompute_overlap: int = 16, recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
                  recompute_ratio: float = 0.15, kv_cache_bits: int = 16, disk_cache_dir: str | None = None,
-                 device: str | None = None, *, strict: bool = True, **options):
+                 device: str | None = None, *, strict: bool = True, draft_model=None, **options):
         self.config = EngineConfig.from_kwargs(
             chunk_size=chunk_size, max_chunks=max_chunks, recompute_overlap=recompute_overlap,
             recompute_strategy=recompute_strategy, recompute_ratio=recompute_ratio, kv_cache_bits=kv_cache_bits,
@@ -95,14 +97,21 @@ class InferenceEngine:
                                  model, blocks=blocks)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
         self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.workspace,
                                                          self.attention)
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()
-        self._grammars = None  # decoding.grammar.GrammarCompiler, built at the first output format
-        self._grammars_lock = threading.Lock()
         self._warm_up()
+        # Speculative decoding with a draft model: the draft runs in an engine of its own (its own workspace and
+        # prefix reuse), used only under this engine's lock.
+        self.draft: InferenceEngine | None = make_draft_engine(self, draft_model) if draft_model is not None else None
+        self.requests.has_draft = self.draft is not None
+        if self.config.speculative == "draft" and self.draft is None:
+            raise ValueError("speculative='draft' needs draft_model= (a path, hub id or loaded model sharing the "
+                             "tokenizer)")
+        self.spec_counts = SpecCounts()  # summed over finished requests: cache_stats()["speculative"]
 
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so that no request, the first
@@ -136,80 +145,42 @@ class InferenceEngine:
         """The chunk store (every tier) behind the KV-cache manager."""
         return self.kv.store
 
-    # ---- requests -----------------------------------------------------------------------------
+    # ---- requests (request_factory.py) ---------------------------------------------------------------
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
                add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
-        """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template), or
-        input_ids the caller tokenized itself (checked against the model's vocabulary, used as-is)."""
-        return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
-                             add_generation_prompt, input_ids)
+        """Token ids for a raw prompt (used as-is), chat messages (chat template) or the caller's own ids."""
+        return self.requests.encode(prompt, messages, add_generation_prompt, input_ids)
 
     def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
-        if self.max_context is not None and n_prompt >= self.max_context:
-            raise ContextLengthError(
-                f"prompt is {n_prompt} tokens but the model's context is {self.max_context} tokens "
-                f"(at least one position must stay free for generation)", param)
+        self.requests.check_prompt_length(n_prompt, param)
 
     def tenant(self, cache_salt: str | None) -> str | None:
-        """A request's tenant: its own cache_salt, else the engine's default (EngineConfig.cache_salt)."""
-        return cache_salt if cache_salt is not None else self.config.cache_salt
+        return self.requests.tenant(cache_salt)
 
-    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
-                     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
-                     content_reuse: bool | None = None, return_logits: bool = False,
-                     t_start: float | None = None, output_format: OutputFormat | None = None) -> Request:
-        """A validated Request from token ids. content_reuse None follows EngineConfig.content_reuse; the prompt
-        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut).
-        output_format: compiled here (cached), so a bad schema fails before anything runs."""
-        if content_reuse is not None and not isinstance(content_reuse, bool):
-            raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
-        request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
-                          self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
-                          time.perf_counter() if t_start is None else t_start,
-                          self.grammars.prepare(output_format) if output_format is not None else None)
-        request.check_context(self.max_context)
-        return request
+    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", **options) -> Request:
+        """A validated Request from token ids (RequestFactory.make_request)."""
+        return self.requests.make_request(ids, params, prompt_text, **options)
 
     @property
     def grammars(self):
-        """The engine's GrammarCompiler (compiled formats, LRU-cached); StructuredOutputUnavailableError without
-        the structured extra."""
-        if self._grammars is None:
-            from .decoding.grammar import GrammarCompiler
+        """The GrammarCompiler (compiled output formats, LRU-cached)."""
+        return self.requests.grammars
 
-            with self._grammars_lock:  # not self.lock: a server thread must not wait for a running generation
-                if self._grammars is None:
-                    head = self.model.get_output_embeddings()
-                    vocab = getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
-                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-        return self._grammars
+    def speculation(self, *args, **kwargs):
+        """A request's SpeculativeParams resolved against EngineConfig, None when off (RequestFactory)."""
+        return self.requests.speculation(*args, **kwargs)
 
-    def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
-                messages: Messages | None = None, input_ids: Sequence[int] | None = None,
-                mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, temperature: float = 0.0,
-                top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
-                stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
-                content_reuse: bool | None = None, return_logits: bool = False, response_format=None,
-                regex: str | None = None, grammar: str | None = None, logprobs: int | None = None) -> Request:
-        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
-        response_format ({"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}), regex or
-        grammar (EBNF) constrain the output (decoding/grammar.py); logprobs=k reports each token's log-probability
-        and its k best alternatives (GenerationResult.logprobs)."""
-        t0 = time.perf_counter()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs)
-        fmt = parse_output_format(response_format, regex, grammar)
-        mode = GenerationMode.parse(mode)
-        ids = self.encode(prompt, messages, input_ids=input_ids)
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
-                                 return_logits=return_logits, t_start=t0, output_format=fmt)
+    def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> Request:
+        """The keyword API as a Request (RequestFactory.request): one of prompt, messages or input_ids; mode,
+        temperature, top_p, top_k, do_sample, stop, seed, cache_salt, content_reuse, return_logits,
+        response_format, regex, grammar, logprobs, speculative, num_speculative_tokens, prompt_lookup_*_ngram."""
+        return self.requests.request(prompt, max_new_tokens, **options)
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
         """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
         do_sample, stop, seed, cache_salt, content_reuse, return_logits, response_format, regex, grammar,
-        logprobs."""
+        logprobs, speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
     def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
@@ -240,29 +211,37 @@ class InferenceEngine:
             pre = self.prefill(request)
             plan, cache = pre.plan, pre.cache
             first_logits = pre.logits.clone() if request.return_logits else None
-            token = sampler(pre.logits)
+            burst = [sampler(pre.logits)]  # tokens sampled and not yet shown; the last one has no K/V yet
             ttft_ms = (time.perf_counter() - request.t_start) * 1e3
-            length = len(request.ids)  # tokens whose K/V the workspace holds
+            length = len(request.ids)  # tokens whose K/V the workspace holds: it grows only after a forward
+            spec = None
             try:
+                if request.speculative is not None:
+                    spec = make_speculator(self, request, sampler, cache, request.ids + burst)
                 while True:
-                    delta = tracker.feed(token)
+                    delta = "".join(_feed(tracker, burst))
                     if delta:
-                        yield delta
+                        yield delta  # a speculative step's kept tokens arrive as one burst
                     if tracker.finished:
                         break
-                    token = sampler(self._decode_step(token, cache, length))
-                    length += 1
+                    if spec is None:
+                        burst = [sampler(self._decode_step(burst[-1], cache, length))]
+                    else:
+                        burst = spec.step(burst[-1], length, tracker.max_new_tokens - len(tracker.tokens))
+                    length += len(burst)  # the fed token and the kept drafts; rejected drafts' K/V is past it
             finally:
-                if self.runner is not None:  # the runner wrote the decode K/V: the cache learns its length
-                    for layer in cache.layers:
-                        layer.set_length(length)
-                # K/V exists for every token fed to the model: the prompt and each output run to sample the
-                # next one. A decode forward that raised part-way leaves layers at different lengths; the prompt
-                # (never touched by decode) is still whole.
-                fed = (request.ids + tracker.tokens)[: _consistent_length(cache, len(request.ids))]
-                self._finish(request, plan, fed)
+                # The cache learns its length (the runner wrote decode K/V behind it; a verify wrote rejected
+                # drafts past it; a forward that raised part-way left layers longer): K/V exists for exactly
+                # the prompt and each output token run to produce the next one.
+                self.set_cache_length(cache, length)
+                fed = (request.ids + tracker.tokens)[:length]
+                self.finish(request, plan, fed)
+                if spec is not None:
+                    spec.close(request.ids + tracker.tokens)
         self.kv.record(request.mode, len(request.ids), plan)
-        stream.result = request.result(plan, tracker, ttft_ms, first_logits, sampler)
+        if spec is not None:
+            self.spec_counts.merge(spec.counts)
+        stream.result = request.result(plan, tracker, ttft_ms, first_logits, sampler, spec.counts if spec else None)
 
     def prefill(self, request: Request) -> Prefill:
         """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
@@ -300,6 +279,24 @@ class InferenceEngine:
             return self.runner.forward([token], length)
         return forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1]
 
+    def forward_at(self, tokens: list[int], cache: Cache, start: int, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens at positions [start, start + n) after the workspace K/V of [0, start): float32 logits of
+        the last token [vocab], or of every token [n, vocab] (all_logits: a speculative verify). Whatever the
+        workspace held past `start` (a rejected draft) is overwritten. The caller holds the lock; the cache's
+        length is right again only after set_cache_length (the runner writes behind it)."""
+        if self.runner is not None and self.runner.fits(len(tokens)):
+            return self.runner.verify(tokens, start) if all_logits else self.runner.forward(tokens, start)
+        self.set_cache_length(cache, start)
+        logits = forward_tokens(self.model, tokens, cache, logits_to_keep=len(tokens) if all_logits else 1,
+                                attention=self.attention)[0]
+        return logits if all_logits else logits[-1]
+
+    @staticmethod
+    def set_cache_length(cache: Cache, length: int) -> None:
+        """Every layer of a workspace cache holds `length` positions (rolls back what lies past it)."""
+        for layer in cache.layers:
+            layer.set_length(length)
+
     def _resident(self, salt: str | None) -> list[int]:
         ws = self.workspace
         return ws.resident_ids if ws.resident_tag == self.kv.tag(salt) else []
@@ -310,7 +307,8 @@ class InferenceEngine:
         exact = fed[: plan.reuse_len] if plan.needs_repair else fed
         self.workspace.resident_ids, self.workspace.resident_tag = list(exact), self.kv.tag(request.salt)
 
-    def _finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
+    def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
+        """The workspace holds the K/V of `fed` (prompt + output) for `request`: claim it, write back its chunks."""
         self._claim(request, plan, fed)
         if request.uses_cache and self.config.write_back:
             self.kv.write_back(self.workspace.resident_ids, request.salt, self.workspace)
@@ -361,7 +359,7 @@ class InferenceEngine:
         once, decode steps run batched. Options as request() (mode, temperature, top_p, top_k, do_sample, stop,
         seed, cache_salt, content_reuse), applied to every row. Results come back in input order; outputs and
         reuse counts equal generate()'s one at a time."""
-        return self.run_batch(self._requests(prompts, input_ids, max_new_tokens, options), max_batch_size)
+        return self.run_batch(self.requests.batch(prompts, input_ids, max_new_tokens, options), max_batch_size)
 
     def generate_many(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
                       input_ids: Sequence[Sequence[int]] | None = None, max_batch_size: int | None = None,
@@ -370,7 +368,7 @@ class InferenceEngine:
         batch, so unrelated prompts never pad each other out. Results come back in input order."""
         from .batch import group_by_prefix
 
-        requests = self._requests(prompts, input_ids, max_new_tokens, options)
+        requests = self.requests.batch(prompts, input_ids, max_new_tokens, options)
         groups = group_by_prefix([str(i) for i in range(len(requests))], [r.ids for r in requests],
                                  self.config.chunk_size, chunker=self.chunker)
         results: list[GenerationResult | None] = [None] * len(requests)
@@ -383,50 +381,27 @@ class InferenceEngine:
         return results  # type: ignore[return-value]
 
     def run_batch(self, requests: list[Request], max_batch_size: int | None = None) -> list[GenerationResult]:
-        """Run requests together through the continuous-batching runner until all are done."""
+        """Run requests together through the continuous-batching runner until all are done. Speculative requests
+        run apart, one at a time through the single-request path (a verify is per sequence); results keep order."""
         from .batch import BatchRunner
 
-        runner = BatchRunner(self, max_batch_size=max_batch_size or len(requests))
-        handles = [runner.add(r) for r in requests]
+        plain = [r for r in requests if r.speculative is None]
+        runner = BatchRunner(self, max_batch_size=max_batch_size or max(1, len(plain)))
+        handles = {id(r): runner.add(r) for r in plain}
         while runner.has_work():
             runner.step()
-        for h in handles:
+        for h in handles.values():
             if h.error is not None:
                 raise h.error
-        return [h.result for h in handles]
-
-    def _requests(self, prompts, input_ids, max_new_tokens: int, options: dict) -> list[Request]:
-        """One Request per prompt, from exactly one of `prompts` and `input_ids`; each prompt encoded once."""
-        t0 = time.perf_counter()
-        if (prompts is None) == (input_ids is None):
-            raise InvalidRequestError("pass one of prompts or input_ids", "prompts")
-        name, items = ("prompts", prompts) if prompts is not None else ("input_ids", input_ids)
-        if not isinstance(items, (list, tuple)) or not items:
-            raise InvalidRequestError(f"{name} must be a non-empty list", name)
-        unknown = set(options) - _ROW_OPTIONS
-        if unknown:
-            raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
-                                top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
-                                do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"),
-                                logprobs=options.get("logprobs"))
-        fmt = parse_output_format(options.get("response_format"), options.get("regex"), options.get("grammar"))
-        row = dict(mode=options.get("mode", GenerationMode.CHUNK_KV_REUSE), cache_salt=options.get("cache_salt"),
-                   content_reuse=options.get("content_reuse"), t_start=t0, output_format=fmt)
-        if input_ids is not None:
-            encoded = [self.encode(input_ids=ids) for ids in input_ids]
-            texts = [self.tokenizer.decode(ids) for ids in encoded]
-        else:
-            encoded = [self.encode(p) for p in prompts]
-            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
-        return [self.make_request(ids, params, text, **row) for ids, text in zip(encoded, texts)]
+        return [handles[id(r)].result if id(r) in handles else self.run(r) for r in requests]
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
                 "failure": self.runner.failure if self.runner else None,
                 **(self.runner.stats.as_dict() if self.runner else {})}
-        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast)
+        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
+                    speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict()))
 
     def clear_cache(self) -> None:
         """Forget every stored chunk and the workspace's resident prefix."""
@@ -458,16 +433,13 @@ class InferenceEngine:
         return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
 
 
-# Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
-_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse",
-                "response_format", "regex", "grammar", "logprobs"}
 
-
-def _consistent_length(cache: Cache, n_prompt: int) -> int:
-    """Positions whose K/V every layer holds: all of them, or only the prompt after a forward that failed
-    part-way (decode never writes below n_prompt)."""
-    lengths = {layer.get_seq_length() for layer in cache.layers}
-    return lengths.pop() if len(lengths) == 1 else n_prompt
+def _feed(tracker, tokens: list[int]) -> Iterator[str]:
+    """Text deltas of tokens fed in order, up to the one that finishes the output (the rest are dropped)."""
+    for token in tokens:
+        yield tracker.feed(token)
+        if tracker.finished:
+            return
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from .decoding.grammar import CompiledFormat
+    from .decoding.speculative import SpecCounts, SpeculativeParams
     from .kv.manager import Plan
 
 
@@ -35,6 +36,7 @@ class Request:
     return_logits: bool = False
     t_start: float = field(default_factory=time.perf_counter)
     format: CompiledFormat | None = None  # the output's grammar (response_format / regex / grammar / tool call)
+    speculative: SpeculativeParams | None = None  # resolved against the engine's defaults; None: no speculation
 
     def __post_init__(self) -> None:
         self.mode = GenerationMode.parse(self.mode)
@@ -77,7 +79,8 @@ class Request:
         return OutputTracker(tokenizer, eos_token_ids, self.params.stop, self.params.max_new_tokens)
 
     def result(self, plan: Plan, tracker: OutputTracker, ttft_ms: float,
-               first_token_logits: torch.Tensor | None = None, sampler: Sampler | None = None) -> GenerationResult:
+               first_token_logits: torch.Tensor | None = None, sampler: Sampler | None = None,
+               spec: SpecCounts | None = None) -> GenerationResult:
         """The one place a GenerationResult is built, for every path."""
         total_ms = (time.perf_counter() - self.t_start) * 1e3
         n = len(self.ids)
@@ -92,4 +95,6 @@ class Request:
             kv_reuse_ratio=plan.cached_tokens / n, prompt_tokens=n, cached_tokens=plan.cached_tokens,
             output_token_ids=generated, finish_reason=tracker.finish_reason, exact_tokens=plan.exact_tokens,
             approximate_tokens=plan.approximate_tokens, recomputed_tokens=plan.recomputed_tokens,
-            lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits, logprobs=logprobs)
+            lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits, logprobs=logprobs,
+            speculative=self.speculative.method if self.speculative else None,
+            draft_tokens=spec.draft_tokens if spec else 0, accepted_tokens=spec.accepted_tokens if spec else 0)

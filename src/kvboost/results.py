@@ -66,6 +66,13 @@ class GenerationResult:
     first_token_logits: object | None = field(default=None, repr=False)  # torch.Tensor when requested
     # sampling.TokenLogprob per output token when logprobs were requested, else None
     logprobs: list | None = field(default=None, repr=False)
+    speculative: str | None = None  # "prompt_lookup" | "draft" when the request speculated
+    draft_tokens: int = 0  # drafts proposed and verified by the target
+    accepted_tokens: int = 0  # drafts the target kept (each saved one decode forward)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def text(self) -> str:

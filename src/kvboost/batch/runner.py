@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..compat import has_sliding_layers
 from ..decoding import OutputTracker
+from ..errors import InvalidRequestError
 from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
 from ..model.forward import attention_context
@@ -200,6 +201,9 @@ class BatchRunner:
                                                content_reuse=content_reuse, t_start=t_start)
         else:
             request.check_context(self.engine.max_context)
+        if request.speculative is not None:
+            raise InvalidRequestError("speculative decoding is not supported in batches yet: run the request "
+                                      "with generate()/generate_stream(), or pass speculative='off'", "speculative")
         handle = SequenceHandle(request.prompt_text, len(request.ids))
         row = _Row(handle, request, request.sampler(self.engine.device),
                    request.tracker(self.engine.tokenizer, self.engine.eos_token_ids))

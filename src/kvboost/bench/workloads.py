@@ -23,7 +23,8 @@ SUPPORT_FILE = "support_conversations.jsonl"
 RAG_DOCS_FILE = "rag_docs.jsonl"
 RAG_QA_FILE = "rag_qa.jsonl"
 SYSTEM_PROMPT_FILE = "system_prompt.jsonl"
-ALL_FILES = (CONVERSATIONS_FILE, RAG_DOCS_FILE, RAG_QA_FILE, SYSTEM_PROMPT_FILE, SUPPORT_FILE)
+SPEC_FILE = "spec_tasks.jsonl"
+ALL_FILES = (CONVERSATIONS_FILE, RAG_DOCS_FILE, RAG_QA_FILE, SYSTEM_PROMPT_FILE, SUPPORT_FILE, SPEC_FILE)
 
 
 def package_data_dir() -> Path:
@@ -59,6 +60,11 @@ def load_rag(path: str | Path | None = None) -> tuple[dict[str, dict[str, Any]],
     qa_path = _resolve(path, RAG_QA_FILE)
     docs = {d["doc_id"]: d for d in _read_jsonl(qa_path.parent / RAG_DOCS_FILE)}
     return docs, _read_jsonl(qa_path)
+
+
+def load_spec_tasks(path: str | Path | None = None) -> list[dict[str, Any]]:
+    """`kvboost bench spec` tasks: {"id", "workload" (rag | code | extract | chat), "messages"}."""
+    return _read_jsonl(_resolve(path, SPEC_FILE))
 
 
 def load_system_prompt(path: str | Path | None = None) -> tuple[str, list[dict[str, Any]]]:

@@ -67,6 +67,16 @@ class TokenConstraint:
         self.matcher.rollback(1)
         return True
 
+    def accepted_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of tokens, in order, the grammar allows from here (the state is left as it was)."""
+        n = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
     def advance(self, token: int) -> None:
         if not self.matcher.accept_token(int(token)):
             raise GrammarViolationError(f"token {token} is not allowed by the output format here")

@@ -103,6 +103,7 @@ class _Step:
     cache: Cache
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # float32
+    all_logits: bool = False  # a verify step: logits [T, vocab] of every token, not only the last
 
 
 @dataclass
@@ -164,6 +165,22 @@ class ModelRunner:
         set_length(step.cache, start)
         return self._execute(step)
 
+    def verify(self, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Like forward(), but returns float32 logits [n, vocab] of every token: a speculative step verifies the
+        last sampled token and its drafts in one step (its own bucket kind, so the prefill steps keep computing
+        one row of logits)."""
+        n = len(tokens)
+        size = bucket_for(max(n, 2), self.buckets)  # never the 1-token decode bucket: that one keeps 1 row
+        if size is None:
+            raise ValueError(f"{n} tokens: more than the largest bucket ({self.max_tokens})")
+        self._ensure_capacity(start + size, keep=start)
+        step = self._step(("verify", size))
+        step.ids[0, :n].copy_(torch.tensor(list(tokens), dtype=torch.long), non_blocking=True)
+        torch.arange(start, start + size, out=step.positions)
+        step.ends.fill_(start + size)
+        set_length(step.cache, start)
+        return self._execute(step)[:n]
+
     def fits_batch(self, n_rows: int) -> bool:
         ws = self.workspace
         return ws.base == 0 and batch_bucket_for(n_rows, ws.batch_size) is not None
@@ -198,17 +215,20 @@ class ModelRunner:
 
     def _run(self, step: _Step) -> torch.Tensor:
         position_ids = step.positions if step.last is None else step.positions[None]  # [B, tokens]
-        keep = 1 if step.last is None else step.last
+        keep = 0 if step.all_logits else (1 if step.last is None else step.last)  # 0: every position
         forward = self._compiled if self.mode == "compiled" and step.key in COMPILED_STEPS else self._logits
         with static_attention(self.model):
-            logits = forward(step.ids, position_ids, step.cache, step.ends, keep)  # [B, vocab]
+            logits = forward(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
+        if step.all_logits:
+            return logits[0]  # [T, vocab]
+        logits = logits[:, -1]  # [B, vocab]
         return logits[0] if step.last is not None else logits
 
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor,
                 keep: int | torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=keep, kvboost_ends=ends, kvboost_backend=self.backend)
-        return out.logits[:, -1].float()
+        return out.logits.float()
 
     def _capture(self, step: _Step) -> None:
         """Run the step once for real on a side stream (compiles kernels, sets up cuBLAS), then capture it.
@@ -261,10 +281,10 @@ class ModelRunner:
             def zeros(*shape: int, dtype=torch.long) -> torch.Tensor:
                 return torch.zeros(*shape, dtype=dtype, device=device)
 
-            if kind == "seq":  # one row, `size` tokens
+            if kind in ("seq", "verify"):  # one row, `size` tokens
                 positions = zeros(size)
                 step = _Step(key, zeros(1, size), positions, zeros(1, dtype=torch.int32), zeros(1),
-                             static_cache(self.workspace, positions))
+                             static_cache(self.workspace, positions), all_logits=kind == "verify")
             else:  # `size` rows, one token each
                 positions = zeros(size, 1)
                 step = _Step(key, zeros(size, 1), positions, zeros(size, dtype=torch.int32), None,

@@ -41,6 +41,13 @@ def serve_command(
         "Store this system prompt's K/V before listening (repeatable): a text file is warmed as the system "
         "message of a chat, a .json file holding a list of chat messages as those messages. The first request "
         "that starts with it then costs what later ones do.")),
+    speculative: str | None = typer.Option(None, help="Speculative decoding for every request: prompt_lookup "
+                                                      "(n-gram drafts from prompt + output), draft (needs "
+                                                      "--draft-model) or off. Runs one request at a time "
+                                                      "(--max-batch-size 1)."),
+    num_speculative_tokens: int = typer.Option(8, help="Most drafts verified per forward (1-15)."),
+    draft_model: str | None = typer.Option(None, help="Draft model (path or hub id) sharing the tokenizer, for "
+                                                      "--speculative draft."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
@@ -65,11 +72,13 @@ def serve_command(
         options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
                        kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
-                       chunk_boundary_window=chunk_boundary_window)
-        EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
+                       chunk_boundary_window=chunk_boundary_window, speculative=speculative,
+                       num_speculative_tokens=num_speculative_tokens)
+        config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
+        check_speculative_flags(config.speculative, draft_model, max_batch_size)
         warm_messages = [read_warm_file(path) for path in warm or []]
         t0 = time.perf_counter()
-        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, **options)
+        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
         load_s = time.perf_counter() - t0
         sock = bind_socket(host, port)
     except (ValueError, OSError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
@@ -106,6 +115,17 @@ def serve_command(
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=10)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def check_speculative_flags(speculative: str | None, draft_model: str | None, max_batch_size: int) -> None:
+    """ValueError for flag combinations that cannot run (never a silently ignored flag)."""
+    if speculative is not None and max_batch_size > 1:
+        raise ValueError(f"--speculative {speculative} runs one request at a time (batched rows do not speculate "
+                         "yet): add --max-batch-size 1")
+    if speculative == "draft" and draft_model is None:
+        raise ValueError("--speculative draft needs --draft-model")
+    if draft_model is not None and speculative != "draft":
+        raise ValueError("--draft-model is used only with --speculative draft")
 
 
 def read_warm_file(path: str) -> list[dict]:

@@ -63,7 +63,8 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
     scheduler = scheduler or Scheduler(engine, settings.max_batch_size, settings.batch_window_ms, settings.max_queue,
                                        tokenizer_lock=lock)
     metrics = ServerMetrics(scheduler.queue_depth, scheduler.active_count,
-                            lambda: _cache_stats(engine).get("reuse_ratio", 0.0))
+                            lambda: _cache_stats(engine).get("reuse_ratio", 0.0),
+                            lambda: _cache_stats(engine).get("speculative", {}).get("acceptance_rate", 0.0))
     state = ServerState(engine, settings, scheduler, metrics, lock, int(time.time()))
 
     @asynccontextmanager

@@ -14,7 +14,7 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, queue_depth: Callable[[], float], active: Callable[[], float],
-                 reuse_ratio: Callable[[], float]):
+                 reuse_ratio: Callable[[], float], acceptance: Callable[[], float] = lambda: 0.0):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvboost_requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
@@ -33,11 +33,19 @@ class ServerMetrics:
         Gauge("kvboost_active_requests", "Requests being generated now", registry=r).set_function(_safe(active))
         Gauge("kvboost_cache_reuse_ratio", "Cached / prompt tokens since start (engine.cache_stats)",
               registry=r).set_function(_safe(reuse_ratio))
+        self.draft_tokens = Counter("kvboost_speculative_draft_tokens", "Draft tokens proposed and verified",
+                                    registry=r)
+        self.accepted_tokens = Counter("kvboost_speculative_accepted_tokens", "Draft tokens the model kept",
+                                       registry=r)
+        Gauge("kvboost_speculative_acceptance_rate", "Accepted / drafted tokens since start (engine.cache_stats)",
+              registry=r).set_function(_safe(acceptance))
 
     def observe_result(self, endpoint: str, result: GenerationResult) -> None:
         self.prompt_tokens.inc(result.prompt_tokens)
         self.completion_tokens.inc(result.generated_tokens)
         self.cached_tokens.inc(result.cached_tokens)
+        self.draft_tokens.inc(result.draft_tokens)
+        self.accepted_tokens.inc(result.accepted_tokens)
         self.outcomes.labels(endpoint, "ok").inc()
 
     def render(self) -> bytes:

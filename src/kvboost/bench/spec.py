@@ -1,0 +1,189 @@
+"""`kvboost bench spec`: speculative decoding, greedy, on grounded workloads and open chat, side by side in one run.
+
+Systems, on the same prompts (spec_tasks.jsonl: RAG answers quoting their document, code edits of a function in
+the prompt, extraction from a text, open chat):
+
+* kvboost: no speculation (the reference: "identical" compares each system's tokens with its tokens);
+* prompt_lookup: KVBoost with n-gram drafts;
+* draft: KVBoost with a draft model. No real draft/target pair ships, so by default the draft is a tiny random
+  model sharing the tokenizer: its drafts are almost never accepted, and only exactness and the cost of
+  verification (how much slower than no speculation) are meaningful. --draft-model takes a real one;
+* hf_prompt_lookup: Hugging Face `generate(prompt_lookup_num_tokens=k)` with a plain DynamicCache.
+
+Decode tok/s = (generated - 1) / (total - time to first token): prefill and reuse are left out, so only the
+decode loop is compared. HF's time to first token is measured by a 1-token generate of the same prompt.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..cli_common import DeviceOption, DtypeOption, ModelOption, ShapeOption, load_engine, model_choice
+from .console import bench_console
+
+SYSTEMS = ("kvboost", "prompt_lookup", "draft", "hf_prompt_lookup")
+
+
+@dataclass
+class Sample:
+    workload: str
+    system: str
+    generated: int
+    decode_s: float
+    identical: bool
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
+class Row:
+    workload: str
+    system: str
+    prompts: int
+    decode_tok_s: float
+    speedup: float  # decode tok/s over kvboost's (no speculation), same workload
+    acceptance: float | None
+    identical_rate: float
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+def tiny_random_draft(tokenizer, device, dtype):
+    """A 2-layer random Llama sharing the tokenizer: drafts for measuring exactness and verification cost only."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+
+
+def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple[list[int], float]:
+    import torch
+
+    x = torch.tensor([ids], device=model.device)
+    common = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, prompt_lookup_num_tokens=k, **common)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=k, **common)
+        total = time.perf_counter() - t0
+    tokens = out[0, len(ids):].tolist()
+    return tokens, max(total - ttft, 1e-9)
+
+
+def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: int = 8,
+                   draft_model: str | None = None, json_path: str | None = None, plot_path: str | None = None,
+                   console: Console | None = None) -> list[Row]:
+    import torch
+
+    from ..decoding.factory import make_draft_engine
+    from .workloads import load_spec_tasks
+
+    console = console or bench_console()
+    engine = load_engine(choice, num_speculative_tokens=k)
+    param = next(engine.model.parameters())
+    draft_note = draft_model or "tiny random 2-layer Llama sharing the tokenizer (exactness and cost only)"
+    draft = draft_model or tiny_random_draft(engine.tokenizer, param.device, param.dtype)
+    engine.draft = make_draft_engine(engine, draft)  # what draft_model= builds, after the target has loaded
+    tasks = load_spec_tasks()
+    by_workload: dict[str, list[dict]] = {}
+    for t in tasks:
+        by_workload.setdefault(t["workload"], []).append(t)
+    eos = sorted(engine.eos_token_ids)
+    samples: list[Sample] = []
+    for workload, items in by_workload.items():
+        for task in items[:per_workload]:
+            ids = engine.encode(messages=task["messages"])
+            engine.generate(input_ids=ids, max_new_tokens=2)  # prompt resident; warm caches
+            ref = None
+            for system in SYSTEMS:
+                if system == "hf_prompt_lookup":
+                    tokens, decode_s = _hf_decode(engine.model, ids, max_new_tokens, k, eos)
+                    kept = tokens[:-1] if tokens and tokens[-1] in eos else tokens  # KVBoost reports no EOS
+                    s = Sample(workload, system, len(tokens), decode_s, kept == ref)
+                else:
+                    spec = {"kvboost": "off", "prompt_lookup": "prompt_lookup", "draft": "draft"}[system]
+                    r = engine.generate(input_ids=ids, max_new_tokens=max_new_tokens, speculative=spec)
+                    tokens = r.output_token_ids
+                    if system == "kvboost":
+                        ref = tokens
+                    s = Sample(workload, system, r.generated_tokens, max((r.total_ms - r.ttft_ms) / 1e3, 1e-9),
+                               tokens == ref, r.draft_tokens, r.accepted_tokens)
+                samples.append(s)
+            console.print(f"{task['id']}: " + ", ".join(
+                f"{x.system} {(x.generated - 1) / x.decode_s:.1f} tok/s" for x in samples[-len(SYSTEMS):]))
+    rows = _rows(samples)
+    _print(console, rows, draft_note)
+    if json_path:
+        from .plots import write_json
+
+        write_json(json_path, {"benchmark": "spec", **choice.record(engine), "threads": torch.get_num_threads(),
+                               "max_new_tokens": max_new_tokens, "num_speculative_tokens": k,
+                               "draft_model": draft_note, "rows": [asdict(r) for r in rows]})
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        from .plots import plot_bars
+
+        bars = {w: {r.system: r.speedup for r in rows if r.workload == w} for w in dict.fromkeys(r.workload
+                                                                                               for r in rows)}
+        plot_bars(bars, "Decode speed vs KVBoost without speculation (greedy)", "workload", "x decode tok/s",
+                  plot_path)
+        console.print(f"wrote {plot_path}")
+    return rows
+
+
+def _rows(samples: list[Sample]) -> list[Row]:
+    rows: list[Row] = []
+    groups: dict[tuple[str, str], list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.workload, s.system), []).append(s)
+    for workload in dict.fromkeys(s.workload for s in samples):
+        # Decode tok/s over the workload: all decode tokens over all decode time (long answers weigh more).
+        rates = {}
+        for system in SYSTEMS:
+            g = groups[(workload, system)]
+            rates[system] = sum(s.generated - 1 for s in g) / sum(s.decode_s for s in g)
+        for system in SYSTEMS:
+            g = groups[(workload, system)]
+            drafted = sum(s.draft_tokens for s in g)
+            rows.append(Row(workload, system, len(g), rates[system], rates[system] / rates["kvboost"],
+                            sum(s.accepted_tokens for s in g) / drafted if drafted else None,
+                            statistics.mean(1.0 if s.identical else 0.0 for s in g), [asdict(s) for s in g]))
+    return rows
+
+
+def _print(console: Console, rows: list[Row], draft_note: str) -> None:
+    table = Table(title="Speculative decoding, greedy: decode tok/s per workload", caption=(
+        "speedup = decode tok/s / KVBoost without speculation on the same prompts; identical = output tokens "
+        f"equal to KVBoost without speculation; draft = {draft_note}; acceptance = kept / proposed drafts "
+        "(HF does not report it)"))
+    for col in ("workload", "system", "prompts", "decode tok/s", "speedup", "acceptance", "identical"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.workload, r.system, str(r.prompts), f"{r.decode_tok_s:.1f}", f"{r.speedup:.2f}x",
+                      "-" if r.acceptance is None else f"{r.acceptance:.0%}", f"{r.identical_rate:.0%}")
+    console.print(table)
+
+
+def bench_spec_command(
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
+    max_new_tokens: int = typer.Option(64, min=2, help="Tokens generated per prompt."),
+    per_workload: int = typer.Option(4, min=1, help="Prompts per workload (rag, code, extract, chat)."),
+    k: int = typer.Option(8, "--num-speculative-tokens", "-k", min=1, max=15, help="Most drafts per verify."),
+    draft_model: str | None = typer.Option(None, "--draft-model", help="A draft sharing the tokenizer (default: "
+                                           "a tiny random one: exactness and verification cost only)."),
+    json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+) -> None:
+    """Decode tok/s, acceptance and identical outputs: no speculation, prompt lookup, a draft model, HF's."""
+    run_spec_bench(model_choice(model, shape, device, dtype), max_new_tokens, per_workload, k, draft_model,
+                   json_path, plot_path)

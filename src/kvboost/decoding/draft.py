@@ -1,0 +1,109 @@
+"""Draft-model speculation: a small model sharing the target's tokenizer proposes the next k tokens greedily.
+
+The draft runs inside its own InferenceEngine (created by the target engine), so the draft's prompt K/V gets
+KVBoost's reuse too: a prompt whose prefix the draft has seen (resident in its workspace, or stored) is not
+prefilled again. Greedy draft proposals are point masses, so the acceptance rule of speculative.py keeps the
+target's distribution when sampling as well.
+
+The draft engine is private to its target engine and used only under the target's lock, one sequence at a
+time: its workspace holds exactly one sequence's K/V.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..request import Request
+
+
+def load_draft_model(draft_model, target_model, target_tokenizer):
+    """The draft as a loaded HF model on the target's device and dtype: a path / hub id is loaded (its
+    tokenizer must equal the target's), a model object is used as given. Raises InvalidRequestError when the
+    vocabularies differ: the draft's token ids must mean the target's."""
+    from ..loading import load_model_and_tokenizer
+
+    param = next(target_model.parameters())
+    if isinstance(draft_model, str):
+        model, tokenizer = load_model_and_tokenizer(draft_model, dtype=param.dtype, device=str(param.device))
+        if tokenizer.get_vocab() != target_tokenizer.get_vocab():
+            raise InvalidRequestError(f"draft model {draft_model!r} has a different tokenizer vocabulary than the "
+                                      "target; speculative decoding needs a draft sharing the tokenizer",
+                                      "draft_model")
+    elif isinstance(draft_model, torch.nn.Module) and hasattr(draft_model, "config"):
+        model = draft_model.to(param.device)
+    else:
+        raise InvalidRequestError(f"draft_model must be a path, a hub id or a loaded Hugging Face model, got "
+                                  f"{type(draft_model).__name__}", "draft_model")
+    ours, theirs = _vocab_size(model), _vocab_size(target_model)
+    if ours != theirs:
+        raise InvalidRequestError(f"the draft model's vocabulary has {ours} tokens, the target's {theirs}: "
+                                  "speculative decoding needs a draft sharing the target's tokenizer", "draft_model")
+    return model.eval()
+
+
+def _vocab_size(model) -> int:
+    return model.get_input_embeddings().num_embeddings
+
+
+class DraftProposer:
+    """One sequence's draft K/V in the draft engine's workspace; proposes greedily."""
+
+    def __init__(self, draft_engine, request: Request, context: Sequence[int]):
+        self.engine = draft_engine
+        self.context = list(context)  # prompt + emitted tokens
+        params = SamplingParams(max_new_tokens=request.params.max_new_tokens)
+        self.request = draft_engine.make_request(request.ids, params, mode=request.mode, cache_salt=request.salt,
+                                                 speculative=None)
+        with draft_engine.lock:
+            pre = draft_engine.prefill(self.request)
+        self.plan, self.cache = pre.plan, pre.cache
+        # The draft K/V sits at positions [0, base + len(tail)): context[:base] and then `tail` (drafts it ran
+        # that the target may have rejected). The context only grows, so context[:base] never needs checking.
+        self.base, self.tail = len(request.ids), []
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.context.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        n = self._synced(self.context)
+        drafts: list[int] = []
+        with self.engine.lock:
+            pos = len(self.context)
+            logits = self.engine.forward_at(self.context[n:], self.cache, n)
+            for i in range(k):
+                drafts.append(int(torch.argmax(logits)))
+                if i == k - 1:
+                    break
+                logits = self.engine.forward_at([drafts[-1]], self.cache, pos)
+                pos += 1
+        self.base, self.tail = len(self.context), drafts[:-1]
+        return drafts
+
+    def _synced(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` (an extension or prefix of the context) have draft K/V."""
+        if len(tokens) <= self.base:
+            return len(tokens)
+        return self.base + _common_prefix(self.tail, tokens[self.base:])
+
+    def close(self, emitted: Sequence[int]) -> None:
+        """Store the draft's exact K/V (the prompt and the kept output it ran) in the draft engine's cache."""
+        n = self._synced(emitted)
+        with self.engine.lock, torch.inference_mode():
+            self.engine.set_cache_length(self.cache, n)
+            self.engine.finish(self.request, self.plan, list(emitted[:n]))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,72 @@
+"""Wiring speculation into an engine: resolve a request's options, build its proposer and Speculator, build the
+draft engine. Kept out of engine.py so that the lifecycle there stays one screen long."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidRequestError
+from .speculative import SpeculativeParams, parse_method
+from .speculator import LookupProposer, Proposer, Speculator
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from ..config import EngineConfig
+    from ..request import Request
+    from ..sampling import Sampler
+
+
+def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str | None = "default",
+                        num_speculative_tokens: int | None = None, prompt_lookup_max_ngram: int | None = None,
+                        prompt_lookup_min_ngram: int | None = None) -> SpeculativeParams | None:
+    """A request's speculation: "default" follows config.speculative; unset numbers follow the config's. None
+    when off. InvalidRequestError for bad values, or "draft" on an engine without a draft model."""
+    is_default = isinstance(speculative, str) and speculative == "default"
+    method = config.speculative if is_default else parse_method(speculative)
+    if method is None:
+        return None
+    if method == "draft" and not has_draft:
+        raise InvalidRequestError("speculative='draft' needs an engine loaded with draft_model=", "speculative")
+
+    def pick(value: int | None, default: int) -> int:
+        return default if value is None else value
+
+    return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens),
+                             pick(prompt_lookup_max_ngram, config.prompt_lookup_max_ngram),
+                             pick(prompt_lookup_min_ngram, config.prompt_lookup_min_ngram))
+
+
+def make_proposer(engine, request: Request, context: Sequence[int]) -> Proposer:
+    """context: prompt + the tokens emitted so far."""
+    params = request.speculative
+    assert params is not None
+    if params.method == "draft":
+        from .draft import DraftProposer
+
+        if engine.draft is None:
+            raise InvalidRequestError("speculative='draft' needs an engine loaded with draft_model=", "speculative")
+        return DraftProposer(engine.draft, request, context)
+    return LookupProposer(context, params, capacity=request.params.max_new_tokens + params.num_tokens)
+
+
+def make_speculator(engine, request: Request, sampler: Sampler, cache: Cache, context: Sequence[int]) -> Speculator:
+    """A Speculator verifying over the engine's workspace (through `cache`)."""
+    assert request.speculative is not None
+
+    def forward(tokens: list[int], start: int):
+        return engine.forward_at(tokens, cache, start, all_logits=True)
+
+    return Speculator(make_proposer(engine, request, context), sampler, request.speculative, forward)
+
+
+def make_draft_engine(engine, draft_model):
+    """The draft's own engine (same class as the target's): memory tier only (the draft's chunks are cheap to
+    recompute), the target's chunking, tenant and attention settings."""
+    from .draft import load_draft_model
+
+    cfg = engine.config
+    model = load_draft_model(draft_model, engine.model, engine.tokenizer)
+    return type(engine)(model, engine.tokenizer, chunk_size=cfg.chunk_size, strict=False,
+                        memory_budget_bytes=cfg.memory_budget_bytes // 4, cache_salt=cfg.cache_salt,
+                        attention_backend=cfg.attention_backend, fast_path=cfg.fast_path)

@@ -1,0 +1,58 @@
+"""Prompt lookup (n-gram) drafts: the tokens that followed the last n tokens where they occurred before.
+
+Answers grounded in their prompt (RAG quoting a document, code edits of a function in the prompt, extraction,
+chats repeating their history) copy long runs of prompt tokens; when the last n generated tokens occur earlier
+in prompt + output, what followed them there is a cheap and often right guess of what comes next. Longer
+n-grams are tried first (fewer spurious matches); among occurrences of one n-gram the earliest wins, as in
+HF's prompt lookup (the prompt, i.e. the source being quoted, comes before the output that quotes it).
+
+The context lives in a preallocated numpy buffer that grows by appending, and each search is a few vectorized
+comparisons over it: no per-token index to build up front, so a long reused prompt costs nothing at TTFT.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PromptLookup:
+    def __init__(self, prompt: Sequence[int], max_ngram: int = 3, min_ngram: int = 1, capacity: int = 0):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._buf = np.empty(max(len(prompt) + capacity, 16), dtype=np.int64)
+        self._buf[: len(prompt)] = prompt
+        self.length = len(prompt)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self.length]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        n = len(tokens)
+        if self.length + n > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), self.length + n), dtype=np.int64)
+            grown[: self.length] = self._buf[: self.length]
+            self._buf = grown
+        self._buf[self.length:self.length + n] = tokens
+        self.length += n
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest (max_ngram down to min_ngram) earlier occurrence of the
+        context's last n tokens; [] when none occurs."""
+        ctx, L = self.tokens, self.length
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            # Windows starting at s < L - n, so a match is followed by at least one token and is never the
+            # suffix itself.
+            m = L - n
+            hit = ctx[:m] == ctx[L - n]
+            for j in range(1, n):
+                hit &= ctx[j:m + j] == ctx[L - n + j]
+            starts = np.flatnonzero(hit)
+            if starts.size:
+                begin = int(starts[0]) + n
+                return ctx[begin:begin + k].tolist()
+        return []

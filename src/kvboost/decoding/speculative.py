@@ -1,0 +1,204 @@
+"""Speculative decoding: which tokens of a verified draft to keep.
+
+A proposer (prompt lookup, a draft model) guesses the next k tokens d1..dk. The target model runs the last
+sampled token t0 and the drafts in ONE forward, which yields its logits after t0, d1, ..., dk: k + 1
+distributions p0..pk. This module decides how many drafts to keep and which token follows them:
+
+* greedy: keep d_{i+1} while it equals argmax(p_i); the first disagreement is replaced by the argmax (a
+  "correction"), and when every draft is kept argmax(p_k) is a free "bonus" token. The output is the greedy
+  output, token for token: every kept token is the argmax of the target's own distribution.
+* sampling: drafts are deterministic proposals (q is a point mass on d), so the standard rule (Leviathan et
+  al. 2023, Chen et al. 2023) reads: keep d_{i+1} with probability min(1, p_i(d)/q(d)) = p_i(d); on the first
+  rejection sample from the residual max(0, p_i - q), i.e. p_i with d removed, renormalized; after k kept
+  drafts sample the bonus from p_k. Each emitted token is then distributed exactly as p.
+
+AdaptiveK sizes the next proposal from measured acceptance, so text the proposer cannot predict does not pay
+for verifying long drafts that get rejected.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidRequestError
+
+METHODS = ("prompt_lookup", "draft", "off")
+MAX_SPECULATIVE_TOKENS = 15  # k + 1 verified tokens fit the runner's smallest suffix bucket (16)
+MAX_NGRAM = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """A request's speculation, resolved: method is "prompt_lookup" or "draft" (off is None, not a value)."""
+
+    method: str
+    num_tokens: int = 8  # k: the most drafts verified in one forward
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in ("prompt_lookup", "draft"):
+            raise InvalidRequestError(f"unknown speculative method {self.method!r}; expected prompt_lookup or "
+                                      "draft (or off/None for no speculation)", "speculative")
+        check_speculative_numbers(self.num_tokens, self.max_ngram, self.min_ngram)
+
+
+def parse_method(value: object) -> str | None:
+    """"prompt_lookup" / "draft", or None for "off"/None/False; InvalidRequestError for anything else."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.lower() in METHODS:
+        v = value.lower()
+        return None if v == "off" else v
+    raise InvalidRequestError(f"unknown speculative {value!r}; expected one of: prompt_lookup, draft, off "
+                              "(or None)", "speculative")
+
+
+def check_speculative_numbers(k: object, max_ngram: object, min_ngram: object) -> None:
+    def is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # type: ignore[operator]
+        raise InvalidRequestError(f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], "
+                                  f"got {k!r}", "num_speculative_tokens")
+    if not is_int(max_ngram) or not 1 <= max_ngram <= MAX_NGRAM:  # type: ignore[operator]
+        raise InvalidRequestError(f"prompt_lookup_max_ngram must be an int in [1, {MAX_NGRAM}], got {max_ngram!r}",
+                                  "prompt_lookup_max_ngram")
+    if not is_int(min_ngram) or not 1 <= min_ngram <= max_ngram:  # type: ignore[operator]
+        raise InvalidRequestError(f"prompt_lookup_min_ngram must be an int in [1, prompt_lookup_max_ngram="
+                                  f"{max_ngram}], got {min_ngram!r}", "prompt_lookup_min_ngram")
+
+
+# ---- acceptance ---------------------------------------------------------------------------------------
+def accept_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
+    """logits [k + 1, vocab] of the target after t0, d1..dk. Returns the kept drafts followed by the target's
+    own next token (the correction, or the bonus when all drafts are kept): 1 to k + 1 tokens."""
+    picks = logits.argmax(dim=-1).tolist()  # one device-to-host copy for the whole burst
+    out: list[int] = []
+    for d, p in zip(drafts, picks):
+        if d != p:
+            break
+        out.append(d)
+    out.append(picks[len(out)])
+    return out
+
+
+def accept_sampled(probs: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None) -> list[int]:
+    """probs [k + 1, vocab] (the target's sampling distributions after t0, d1..dk, on the CPU) and point-mass
+    drafts: the speculative-sampling rule. Returns the kept drafts and one sampled token after them."""
+    out: list[int] = []
+    uniforms = torch.rand(len(drafts), generator=generator).tolist()
+    for i, d in enumerate(drafts):
+        p_d = float(probs[i, d])
+        if uniforms[i] < p_d:  # accept with probability min(1, p(d) / q(d)), q(d) = 1
+            out.append(d)
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0  # max(0, p - q) for a point mass q on d
+        total = float(residual.sum())
+        if total <= 0.0:  # p was a point mass on d itself: rejection had probability 0; keep d
+            out.append(d)
+            continue
+        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
+    return out
+
+
+# ---- how many drafts to propose ---------------------------------------------------------------------
+class AdaptiveK:
+    """The number of drafts to propose next: the k that maximizes expected tokens per second, from measured
+    acceptance and measured step cost.
+
+    Acceptance: each proposal ends in a rejection or with every draft kept, so a per-draft acceptance
+    probability a is estimated as kept / (kept + rejections) over recent proposals (decaying counts). With k
+    drafts a verify emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the kept drafts and the target's
+    own token).
+    Cost: a step of n tokens costs t(n) = t1 + b (n - 1) seconds, t1 and b measured from the engine's own steps
+    (on a CPU a forward grows with its tokens, b ~ 0.4 t1; on a GPU decode is memory-bound, b ~ 0). k = 0 (a plain
+    decode step) is picked when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to
+    `max_pause` while it keeps losing, and retries with one draft: open-ended text pays for about one short
+    verify per pause.
+    """
+
+    def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7):
+        self.k_max, self.max_pause, self.decay = k_max, max_pause, decay
+        self.kept, self.rejected = 2.0, 0.5  # prior: drafts are worth trying (a ~ 0.8)
+        self.t1: float | None = None  # seconds of a plain step
+        self.extra: float | None = None  # seconds per extra verified token (b)
+        self.pause, self.wait = 4, 0
+        self.k = k_max
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def expected(self, k: int) -> float:
+        a = min(self.acceptance, 0.999)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def best_k(self) -> int:
+        if self.t1 is None:  # no plain step timed yet: when drafts fail, take plain steps (and time them)
+            return self.k_max if self.acceptance > 0.5 else 0
+        if self.extra is None:
+            return self.k_max if self.acceptance > 0.5 else 1
+        rates = {k: self.expected(k) / (self.t1 + self.extra * k) for k in range(0, self.k_max + 1)}
+        return max(rates, key=lambda k: (rates[k], -k))
+
+    def next_k(self, budget: int) -> int:
+        """Drafts to propose now (0: decode one token normally). budget: tokens that may still be emitted
+        after this step's own token."""
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        k = self.best_k()
+        if k == 0:  # speculation does not pay now: pause, then retry once with one draft to re-measure
+            self.wait, self.pause = self.pause, min(self.max_pause, self.pause * 2)
+            k = 1
+        self.k = k
+        return max(0, min(k, budget))
+
+    def timed(self, n_tokens: int, seconds: float) -> None:
+        """A step of n_tokens took `seconds` (the caller measured it around a host sync)."""
+        if n_tokens == 1:
+            self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
+        elif self.t1 is not None:
+            b = max(0.0, (seconds - self.t1) / (n_tokens - 1))
+            self.extra = b if self.extra is None else 0.8 * self.extra + 0.2 * b
+
+    def update(self, proposed: int, kept: int) -> None:
+        if proposed <= 0:
+            return
+        self.kept = self.decay * self.kept + kept
+        self.rejected = self.decay * self.rejected + (0 if kept == proposed else 1)
+        if kept > 0 and kept == proposed:
+            self.pause = 4
+
+
+@dataclass
+class SpecCounts:
+    """Draft accounting for one request (or summed over many)."""
+
+    proposals: int = 0  # verify forwards that carried drafts
+    draft_tokens: int = 0  # drafts proposed and verified
+    accepted_tokens: int = 0  # drafts kept
+
+    def add(self, proposed: int, kept: int) -> None:
+        self.proposals += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += kept
+
+    def merge(self, other: SpecCounts) -> None:
+        self.proposals += other.proposals
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"proposals": self.proposals, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate}

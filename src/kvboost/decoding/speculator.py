@@ -1,0 +1,102 @@
+"""One sequence's speculative decode step: propose drafts, verify them in one forward, keep what the target agrees
+with, and report how far the sequence's K/V advanced (the rest is rolled back by the caller's length).
+
+The caller (InferenceEngine, BatchRunner) owns the K/V: it hands a `forward(tokens, start)` that runs tokens at
+positions [start, start + n) after the K/V of [0, start) and returns float32 logits [n, vocab]. K/V past the
+kept tokens is simply never counted: the caller's length advances by exactly the number of tokens returned,
+so the next forward overwrites the rejected positions and write-back never sees them.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from ..sampling import Sampler
+from .prompt_lookup import PromptLookup
+from .speculative import AdaptiveK, SpecCounts, SpeculativeParams, accept_greedy, accept_sampled
+
+Forward = Callable[[list[int], int], torch.Tensor]
+
+
+class Proposer(Protocol):
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens emitted after the context the proposer holds."""
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k draft tokens following the context (may be fewer, or none)."""
+
+    def close(self, emitted: Sequence[int]) -> None:
+        """The request is over; `emitted` is prompt + output as finally kept."""
+
+
+class LookupProposer:
+    """Prompt lookup as a Proposer (no model, nothing to release)."""
+
+    def __init__(self, context: Sequence[int], params: SpeculativeParams, capacity: int):
+        self.lookup = PromptLookup(context, params.max_ngram, params.min_ngram, capacity=capacity)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        return self.lookup.propose(k)
+
+    def close(self, emitted: Sequence[int]) -> None:
+        pass
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, sampler: Sampler, params: SpeculativeParams, forward: Forward):
+        self.proposer, self.sampler, self.params, self.forward = proposer, sampler, params, forward
+        self.adaptive = AdaptiveK(params.num_tokens)
+        self.counts = SpecCounts()
+
+    def step(self, token: int, length: int, budget: int) -> list[int]:
+        """Feed `token` (the last emitted one; its K/V not yet computed) at position `length`, with drafts after
+        it. Returns the tokens emitted by this step: the kept drafts and the target's next token (1 to k + 1
+        of them, never more than `budget`). The K/V of `token` and the kept drafts is valid afterwards, i.e.
+        positions [0, length + len(returned))."""
+        t0 = time.perf_counter()  # the cost of a step includes proposing (a draft model's forwards)
+        k = self.adaptive.next_k(budget - 1)
+        drafts = self.proposer.propose(k) if k > 0 else []
+        constraint = self.sampler.constraint
+        if constraint is not None and drafts:  # drafts the grammar forbids can never be kept: do not verify them
+            drafts = drafts[:constraint.accepted_prefix(drafts)]
+        logits = self.forward([token, *drafts], length)
+        if not self.sampler.plain:
+            out = sample_through(self.sampler, logits, drafts)
+        elif self.sampler.params.greedy:
+            out = accept_greedy(logits, drafts)
+        elif drafts:
+            probs = torch.stack([self.sampler.probabilities(row) for row in logits]).cpu()
+            out = accept_sampled(probs, drafts, self.sampler.generator)
+        else:  # no drafts: exactly the plain sampler's step (same generator draws)
+            out = [self.sampler(logits[-1])]
+        # Each branch copied its pick to the host, which waits for the forward: the time is the step's real cost.
+        self.adaptive.timed(1 + len(drafts), time.perf_counter() - t0)
+        if drafts:
+            self.adaptive.update(len(drafts), len(out) - 1)
+            self.counts.add(len(drafts), len(out) - 1)
+        self.proposer.extend(out)
+        return out
+
+    def close(self, emitted: Sequence[int]) -> None:
+        self.proposer.close(emitted)
+
+
+def sample_through(sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
+    """Verification for a sampler that masks (a grammar) or reports log-probabilities: the sampler picks each
+    position's token in turn, exactly as it would without speculation (mask, log-probabilities and grammar state
+    advance for every emitted token and no other), and a draft is kept while it equals that pick. Greedy output
+    is identical to non-speculative greedy; sampled tokens keep the target's distribution (each is drawn from
+    it given the tokens before), at a lower acceptance than the speculative-sampling rule. logits [k + 1, vocab]."""
+    out: list[int] = []
+    for i, row in enumerate(logits):
+        pick = sampler(row)
+        out.append(pick)
+        if i >= len(drafts) or pick != drafts[i]:
+            break
+    return out

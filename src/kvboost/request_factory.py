@@ -1,0 +1,143 @@
+"""RequestFactory: the keyword API turned into validated Requests, in one place for every path (generate, batches,
+the server): prompt encoding, sampling parameters, output formats compiled once (cached), speculation resolved
+against the engine's config, the context-length check. The engine holds one and delegates to it."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from .config import EngineConfig
+from .decoding.factory import resolve_speculation
+from .decoding.grammar import OutputFormat, parse_output_format
+from .decoding.speculative import SpeculativeParams
+from .errors import ContextLengthError, InvalidRequestError
+from .prompting import Messages, encode_prompt
+from .request import Request
+from .results import GenerationMode
+from .sampling import SamplingParams
+
+# Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
+_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse",
+                "response_format", "regex", "grammar", "logprobs", "speculative", "num_speculative_tokens",
+                "prompt_lookup_max_ngram", "prompt_lookup_min_ngram"}
+
+
+class RequestFactory:
+    def __init__(self, config: EngineConfig, model, tokenizer, max_context: int | None, eos_token_ids: set[int]):
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.max_context, self.eos_token_ids = max_context, eos_token_ids
+        self.has_draft = False  # set by the engine once its draft model is loaded
+        self._grammars = None  # decoding.grammar.GrammarCompiler, built at the first output format
+        self._grammars_lock = threading.Lock()
+
+    def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
+               add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
+        """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template), or
+        input_ids the caller tokenized itself (checked against the model's vocabulary, used as-is)."""
+        return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
+                             add_generation_prompt, input_ids)
+
+    def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
+        if self.max_context is not None and n_prompt >= self.max_context:
+            raise ContextLengthError(
+                f"prompt is {n_prompt} tokens but the model's context is {self.max_context} tokens "
+                f"(at least one position must stay free for generation)", param)
+
+    def tenant(self, cache_salt: str | None) -> str | None:
+        """A request's tenant: its own cache_salt, else the engine's default (EngineConfig.cache_salt)."""
+        return cache_salt if cache_salt is not None else self.config.cache_salt
+
+    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
+                     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
+                     content_reuse: bool | None = None, return_logits: bool = False,
+                     t_start: float | None = None, output_format: OutputFormat | None = None,
+                     speculative: SpeculativeParams | str | None = "default") -> Request:
+        """A validated Request from token ids. content_reuse None follows EngineConfig.content_reuse; the prompt
+        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut).
+        output_format: compiled here (cached), so a bad schema fails before anything runs. speculative:
+        "default" (EngineConfig.speculative), a method name, None/"off", or resolved params."""
+        if content_reuse is not None and not isinstance(content_reuse, bool):
+            raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
+        request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
+                          self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
+                          time.perf_counter() if t_start is None else t_start,
+                          self.grammars.prepare(output_format) if output_format is not None else None,
+                          speculative if isinstance(speculative, SpeculativeParams) else
+                          self.speculation(speculative))
+        request.check_context(self.max_context)
+        return request
+
+    @property
+    def grammars(self):
+        """The engine's GrammarCompiler (compiled formats, LRU-cached); StructuredOutputUnavailableError without
+        the structured extra."""
+        if self._grammars is None:
+            from .decoding.grammar import GrammarCompiler
+
+            with self._grammars_lock:  # not self.lock: a server thread must not wait for a running generation
+                if self._grammars is None:
+                    head = self.model.get_output_embeddings()
+                    vocab = getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
+                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
+
+    def speculation(self, speculative: str | None = "default", num_speculative_tokens: int | None = None,
+                    prompt_lookup_max_ngram: int | None = None,
+                    prompt_lookup_min_ngram: int | None = None) -> SpeculativeParams | None:
+        """A request's speculation, resolved against EngineConfig (None: off); see decoding.factory."""
+        return resolve_speculation(self.config, self.has_draft, speculative, num_speculative_tokens,
+                                   prompt_lookup_max_ngram, prompt_lookup_min_ngram)
+
+    def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
+                messages: Messages | None = None, input_ids: Sequence[int] | None = None,
+                mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
+                content_reuse: bool | None = None, return_logits: bool = False, response_format=None,
+                regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
+                speculative: str | None = "default", num_speculative_tokens: int | None = None,
+                prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None) -> Request:
+        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
+        response_format ({"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}), regex or
+        grammar (EBNF) constrain the output (decoding/grammar.py); logprobs=k reports each token's log-probability
+        and its k best alternatives (GenerationResult.logprobs). speculative: "prompt_lookup", "draft",
+        None/"off", or "default" (the engine's); see speculation()."""
+        t0 = time.perf_counter()
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs)
+        fmt = parse_output_format(response_format, regex, grammar)
+        mode = GenerationMode.parse(mode)
+        spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
+        ids = self.encode(prompt, messages, input_ids=input_ids)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
+                                 return_logits=return_logits, t_start=t0, output_format=fmt, speculative=spec)
+
+    def batch(self, prompts, input_ids, max_new_tokens: int, options: dict) -> list[Request]:
+        """One Request per prompt, from exactly one of `prompts` and `input_ids`; each prompt encoded once."""
+        t0 = time.perf_counter()
+        if (prompts is None) == (input_ids is None):
+            raise InvalidRequestError("pass one of prompts or input_ids", "prompts")
+        name, items = ("prompts", prompts) if prompts is not None else ("input_ids", input_ids)
+        if not isinstance(items, (list, tuple)) or not items:
+            raise InvalidRequestError(f"{name} must be a non-empty list", name)
+        unknown = set(options) - _ROW_OPTIONS
+        if unknown:
+            raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
+                                top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
+                                do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"),
+                                logprobs=options.get("logprobs"))
+        fmt = parse_output_format(options.get("response_format"), options.get("regex"), options.get("grammar"))
+        spec = self.speculation(options.get("speculative", "default"), options.get("num_speculative_tokens"),
+                                options.get("prompt_lookup_max_ngram"), options.get("prompt_lookup_min_ngram"))
+        row = dict(mode=options.get("mode", GenerationMode.CHUNK_KV_REUSE), cache_salt=options.get("cache_salt"),
+                   content_reuse=options.get("content_reuse"), t_start=t0, output_format=fmt, speculative=spec)
+        if input_ids is not None:
+            encoded = [self.encode(input_ids=ids) for ids in input_ids]
+            texts = [self.tokenizer.decode(ids) for ids in encoded]
+        else:
+            encoded = [self.encode(p) for p in prompts]
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+        return [self.make_request(ids, params, text, **row) for ids, text in zip(encoded, texts)]

@@ -1,0 +1,26 @@
+"""`kvboost bench spec` aggregation: rates over all decode tokens / all decode time, ratios against KVBoost
+without speculation, acceptance only where drafts were proposed."""
+from __future__ import annotations
+
+from kvboost.bench.spec import Sample, _rows
+from kvboost.bench.workloads import load_spec_tasks
+
+
+def test_rows_aggregate_per_workload_against_no_speculation():
+    samples = [Sample("rag", "kvboost", 11, 2.0, True), Sample("rag", "kvboost", 21, 2.0, True),
+               Sample("rag", "prompt_lookup", 11, 1.0, True, 8, 6),
+               Sample("rag", "prompt_lookup", 21, 1.0, False, 8, 2),
+               Sample("rag", "draft", 11, 4.0, True, 4, 0), Sample("rag", "draft", 21, 4.0, True, 4, 0),
+               Sample("rag", "hf_prompt_lookup", 11, 2.0, True), Sample("rag", "hf_prompt_lookup", 21, 2.0, True)]
+    rows = {r.system: r for r in _rows(samples)}
+    assert rows["kvboost"].decode_tok_s == 30 / 4 and rows["kvboost"].speedup == 1.0
+    assert rows["prompt_lookup"].speedup == 2.0 and rows["prompt_lookup"].acceptance == 0.5
+    assert rows["prompt_lookup"].identical_rate == 0.5
+    assert rows["draft"].speedup == 0.5 and rows["draft"].acceptance == 0.0
+    assert rows["hf_prompt_lookup"].acceptance is None
+
+
+def test_shipped_tasks_cover_every_workload():
+    tasks = load_spec_tasks()
+    assert {t["workload"] for t in tasks} == {"rag", "code", "extract", "chat"}
+    assert all(t["messages"][-1]["role"] == "user" for t in tasks)

@@ -1,0 +1,228 @@
+"""Speculative decoding, greedy: output identical to plain greedy, token for token, with drafts accepted,
+rejected and partly accepted; stops, EOS and max_new_tokens inside bursts; rollback never stored; errors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvboost import KVBoost
+from kvboost.decoding import factory
+from kvboost.decoding.prompt_lookup import PromptLookup
+from kvboost.decoding.speculative import AdaptiveK, accept_greedy
+from kvboost.errors import InvalidRequestError
+
+from ..prompts import text_with_tokens, words
+from ..tiny_models import make_tiny_model
+
+
+class Scripted:
+    """A proposer that knows the plain greedy output and proposes it, corrupted at a random draft position with
+    probability `wrong` (so verification must reject and roll back there)."""
+
+    def __init__(self, n_prompt: int, truth: list[int], wrong: float, seed: int = 0):
+        self.n_prompt, self.truth, self.wrong = n_prompt, truth, wrong
+        self.rng = random.Random(seed)
+        self.emitted = 0
+        self.proposed = 0
+
+    def extend(self, tokens):
+        self.emitted += len(tokens)
+
+    def propose(self, k):
+        drafts = list(self.truth[self.emitted:self.emitted + k])
+        if drafts and self.rng.random() < self.wrong:
+            i = self.rng.randrange(len(drafts))
+            drafts[i] = (drafts[i] + 17) % 1000 + 3
+        self.proposed += len(drafts)
+        return drafts
+
+    def close(self, emitted):
+        pass
+
+
+def _script(monkeypatch, truth: list[int], wrong: float) -> list[Scripted]:
+    made: list[Scripted] = []
+
+    def make(engine, request, context):
+        made.append(Scripted(len(request.ids), truth, wrong))
+        made[-1].emitted = len(context) - len(request.ids)
+        return made[-1]
+
+    monkeypatch.setattr(factory, "make_proposer", make)
+    return made
+
+
+def test_prompt_lookup_finds_the_longest_earliest_ngram():
+    pl = PromptLookup([5, 6, 7, 8, 9, 1, 6, 7, 2, 5, 6, 7], max_ngram=3, min_ngram=1)
+    assert pl.propose(3) == [8, 9, 1]  # "5 6 7" first occurs at 0: what followed it there
+    pl.extend([4])
+    assert pl.propose(2) == []  # 4 never occurred before
+    pl2 = PromptLookup([1, 2, 3, 9, 2, 3], max_ngram=2, min_ngram=2)
+    assert pl2.propose(5) == [9, 2, 3]  # never the suffix itself
+    assert PromptLookup([1, 2, 3], 3, 2).propose(4) == []
+
+
+def test_accept_greedy_keeps_the_agreeing_prefix_and_adds_the_targets_token():
+    import torch
+
+    logits = torch.full((4, 10), -1.0)
+    for i, t in enumerate([3, 4, 5, 6]):
+        logits[i, t] = 1.0
+    assert accept_greedy(logits, [3, 4, 5]) == [3, 4, 5, 6]  # all kept + bonus
+    assert accept_greedy(logits, [3, 9, 5]) == [3, 4]  # correction at the first disagreement
+    assert accept_greedy(logits[:1], []) == [3]
+
+
+def test_adaptive_k_follows_acceptance_and_step_cost():
+    a = AdaptiveK(8)
+    assert a.next_k(100) == 8  # optimistic before anything is measured
+    a.timed(1, 1.0)
+    a.timed(9, 5.0)  # CPU-like: each extra verified token costs half a step
+    for _ in range(6):
+        a.update(8, 8)
+    assert a.next_k(100) == 8 and a.next_k(3) == 3  # high acceptance: long drafts, never past the budget
+    for _ in range(6):
+        a.update(a.k, 0)
+    assert a.next_k(100) == 1  # low acceptance: a plain step pays more; one probe, then a pause
+    skipped = 0
+    while a.next_k(100) == 0:
+        skipped += 1
+    assert skipped >= 4
+    free = AdaptiveK(8)  # GPU-like: extra verified tokens cost ~nothing, so even modest acceptance pays
+    free.timed(1, 1.0)
+    free.timed(9, 1.05)
+    for _ in range(6):
+        free.update(4, 1)
+    assert free.next_k(100) >= 4
+
+
+@pytest.mark.parametrize("arch,wrong", [("llama", 0.0), ("llama", 1.0), ("qwen2", 0.5), ("gemma2", 0.5)])
+def test_greedy_output_is_identical_with_accepted_and_rejected_drafts(arch, wrong, tokenizer, monkeypatch):
+    engine = KVBoost(make_tiny_model(arch, tokenizer), tokenizer, chunk_size=16)
+    prompt = text_with_tokens(tokenizer, 50, seed=1)
+    plain = engine.generate(prompt, 24)
+    made = _script(monkeypatch, plain.output_token_ids, wrong)
+    spec = engine.generate(prompt, 24, speculative="prompt_lookup", num_speculative_tokens=6)
+    assert spec.output_token_ids == plain.output_token_ids
+    assert spec.output_text == plain.output_text and spec.finish_reason == plain.finish_reason
+    assert spec.draft_tokens == made[0].proposed > 0
+    if wrong < 1.0:
+        assert spec.accepted_tokens > 0
+    if wrong > 0.0:
+        assert spec.accepted_tokens < spec.draft_tokens
+    # The workspace holds exactly prompt + output (minus the last token, never run): no rejected draft.
+    ids = engine.encode(prompt)
+    assert engine.workspace.resident_ids == ids + plain.output_token_ids[:-1]
+
+
+def test_real_prompt_lookup_accepts_drafts_on_repetitive_output(tokenizer):
+    """No scripting: a tiny random model falls into loops that prompt lookup predicts."""
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    accepted = 0
+    for seed in range(3):
+        prompt = text_with_tokens(tokenizer, 40, seed=seed)
+        plain = engine.generate(prompt, 48)
+        spec = engine.generate(prompt, 48, speculative="prompt_lookup")
+        assert spec.output_token_ids == plain.output_token_ids
+        accepted += spec.accepted_tokens
+    assert accepted > 0
+    stats = engine.cache_stats()["speculative"]
+    assert stats["accepted_tokens"] == accepted and 0 < stats["acceptance_rate"] <= 1
+
+
+def test_max_new_tokens_stop_strings_and_eos_inside_a_burst(tokenizer, monkeypatch):
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    prompt = text_with_tokens(tokenizer, 40, seed=3)
+    plain = engine.generate(prompt, 30)
+    _script(monkeypatch, plain.output_token_ids, 0.0)
+    for n in (1, 2, 5, 7):  # every draft would be accepted: the budget alone must end the output
+        r = engine.generate(prompt, n, speculative="prompt_lookup", num_speculative_tokens=8)
+        assert r.output_token_ids == plain.output_token_ids[:n] and r.finish_reason == "length"
+    stop = plain.output_text[len(plain.output_text) // 2:][:4]
+    cut = engine.generate(prompt, 30, stop=stop)
+    spec_cut = engine.generate(prompt, 30, stop=stop, speculative="prompt_lookup")
+    assert (spec_cut.output_text, spec_cut.finish_reason, spec_cut.output_token_ids) == \
+        (cut.output_text, "stop", cut.output_token_ids)
+    # EOS: make the 6th greedy token the model's EOS; a burst that contains it ends there.
+    eos_engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    eos_engine.eos_token_ids = {plain.output_token_ids[5]}
+    first = plain.output_token_ids.index(plain.output_token_ids[5])
+    r = eos_engine.generate(prompt, 30, speculative="prompt_lookup")
+    assert r.output_token_ids == plain.output_token_ids[:first] and r.finish_reason == "stop"
+
+
+def test_stream_arrives_in_bursts_and_joins_to_the_text(tokenizer, monkeypatch):
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    prompt = text_with_tokens(tokenizer, 40, seed=4)
+    plain = engine.generate(prompt, 32)
+    _script(monkeypatch, plain.output_token_ids, 0.0)
+    stream = engine.generate_stream(prompt, 32, speculative="prompt_lookup", num_speculative_tokens=8)
+    deltas = list(stream)
+    assert "".join(deltas) == plain.output_text
+    assert len(deltas) < plain.generated_tokens // 2  # bursts, not one delta per token
+
+
+def test_rejected_drafts_are_never_reused(tokenizer, monkeypatch):
+    """After a speculative request whose drafts were all wrong, a follow-up that reuses its K/V (workspace and
+    store) gives the same output as an engine that never speculated."""
+    model = make_tiny_model("qwen2", tokenizer)
+    spec_engine = KVBoost(model, tokenizer, chunk_size=16)
+    plain_engine = KVBoost(model, tokenizer, chunk_size=16)
+    prompt = text_with_tokens(tokenizer, 60, seed=6)
+    truth = plain_engine.generate(prompt, 40).output_token_ids
+    _script(monkeypatch, truth, 1.0)
+    r = spec_engine.generate(prompt, 40, speculative="prompt_lookup")
+    assert r.output_token_ids == truth and r.accepted_tokens < r.draft_tokens
+    follow = prompt + r.output_text + " " + words(12, seed=9)
+    plain_engine.clear_cache()
+    a = spec_engine.generate(follow, 20)
+    b = plain_engine.generate(follow, 20, mode="baseline")
+    assert a.cached_tokens > 0 and a.output_token_ids == b.output_token_ids
+    spec_engine.forget_workspace()  # now from the store
+    c = spec_engine.generate(follow, 20)
+    assert c.cached_tokens > 0 and c.output_token_ids == b.output_token_ids
+
+
+def test_static_runner_verify_path_is_identical(tokenizer, monkeypatch):
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, fast_path="eager")
+    prompt = text_with_tokens(tokenizer, 40, seed=7)
+    plain = engine.generate(prompt, 30)
+    _script(monkeypatch, plain.output_token_ids, 0.5)
+    r = engine.generate(prompt, 30, speculative="prompt_lookup")
+    assert r.output_token_ids == plain.output_token_ids and r.accepted_tokens > 0
+    assert any(key[0] == "verify" for key in engine.runner.steps)
+
+
+def test_bad_values_are_typed_errors(tokenizer):
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    cases = [dict(speculative="ngram"), dict(speculative="prompt_lookup", num_speculative_tokens=0),
+             dict(speculative="prompt_lookup", num_speculative_tokens=99),
+             dict(speculative="prompt_lookup", prompt_lookup_max_ngram=2, prompt_lookup_min_ngram=3),
+             dict(speculative="prompt_lookup", num_speculative_tokens=True), dict(speculative="draft")]
+    for options in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.generate("hello there", 4, **options)
+        assert info.value.param in ("speculative", "num_speculative_tokens", "prompt_lookup_min_ngram")
+    with pytest.raises(ValueError, match="speculative"):
+        KVBoost(make_tiny_model("llama", tokenizer), tokenizer, speculative="maybe")
+    with pytest.raises(ValueError, match="draft_model"):
+        KVBoost(make_tiny_model("llama", tokenizer), tokenizer, speculative="draft")
+    on = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, speculative="prompt_lookup")
+    assert on.generate("hello there", 4).speculative == "prompt_lookup"
+    assert on.generate("hello there", 4, speculative="off").speculative is None
+    assert on.generate("hello there", 4, speculative=None).speculative is None
+
+
+def test_batches_run_speculative_rows_apart_and_the_runner_refuses_them(tokenizer):
+    from kvboost.batch import BatchRunner
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    prompts = [text_with_tokens(tokenizer, 30, seed=s) for s in (11, 12)]
+    plain = engine.generate_batch(prompts, 20)
+    spec = engine.generate_batch(prompts, 20, speculative="prompt_lookup")
+    assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
+    assert all(r.speculative == "prompt_lookup" for r in spec) and all(r.speculative is None for r in plain)
+    request = engine.request(prompts[0], 4, speculative="prompt_lookup")
+    with pytest.raises(InvalidRequestError, match="not supported in batches"):
+        BatchRunner(engine).add(request)
