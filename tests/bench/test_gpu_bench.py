@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvboost.cli import app
 
-BENCH_COMMANDS = ("prefix", "quant", "multiturn", "serve", "batch", "rag", "gpu")
+BENCH_COMMANDS = ("prefix", "quant", "multiturn", "serve", "batch", "rag", "gpu", "decode")
 
 
 @pytest.fixture
