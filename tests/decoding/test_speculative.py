@@ -76,8 +76,9 @@ def test_accept_greedy_keeps_the_agreeing_prefix_and_adds_the_targets_token():
 
 def test_adaptive_k_follows_acceptance_and_step_cost():
     a = AdaptiveK(8)
-    assert a.next_k(100) == 8  # optimistic before anything is measured
+    assert a.next_k(100) == 0  # the first step is plain: it times t1
     a.timed(1, 1.0)
+    assert a.next_k(100) == 2 and a.next_k(100) == 2  # a short probe until an extra token's cost is measured
     a.timed(9, 5.0)  # CPU-like: each extra verified token costs half a step
     for _ in range(6):
         a.update(8, 8)

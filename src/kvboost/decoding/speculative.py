@@ -27,6 +27,9 @@ from ..errors import InvalidRequestError
 METHODS = ("prompt_lookup", "draft", "off")
 MAX_SPECULATIVE_TOKENS = 15  # k + 1 verified tokens fit the runner's smallest suffix bucket (16)
 MAX_NGRAM = 16
+# Drafts in the first verify, before its cost is known: on a CPU a verify of k + 1 tokens costs ~(1 + 0.4 k)
+# plain steps, so two failed 8-draft probes at the start of a short open-ended answer cost ~10% of it.
+PROBE_K = 2
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class AdaptiveK:
     drafts a verify emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the kept drafts and the target's
     own token).
     Cost: a step of n tokens costs t(n) = t1 + b (n - 1) seconds, t1 and b measured from the engine's own steps
-    (on a CPU a forward grows with its tokens, b ~ 0.4 t1; on a GPU decode is memory-bound, b ~ 0). k = 0 (a plain
+    (on a CPU a forward grows with its tokens, b ~ 0.4 t1; on a GPU decode is memory-bound, b ~ 0): the first
+    step is plain (t1), the first verify carries PROBE_K drafts (b); from then on the model decides. k = 0 (a plain
     decode step) is picked when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to
     `max_pause` while it keeps losing, and retries with one draft: open-ended text pays for about one short
     verify per pause.
@@ -140,16 +144,16 @@ class AdaptiveK:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def best_k(self) -> int:
-        if self.t1 is None:  # no plain step timed yet: when drafts fail, take plain steps (and time them)
-            return self.k_max if self.acceptance > 0.5 else 0
-        if self.extra is None:
-            return self.k_max if self.acceptance > 0.5 else 1
+        if self.extra is None:  # what an extra verified token costs is not measured yet: probe with a few
+            return min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
         rates = {k: self.expected(k) / (self.t1 + self.extra * k) for k in range(0, self.k_max + 1)}
         return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
         """Drafts to propose now (0: decode one token normally). budget: tokens that may still be emitted
         after this step's own token."""
+        if self.t1 is None:  # the first step is plain: its time is the yardstick every k is judged against
+            return 0
         if self.wait > 0:
             self.wait -= 1
             return 0
