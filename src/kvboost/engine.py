@@ -106,8 +106,7 @@ class InferenceEngine:
         self._warm_up()
         # Speculative decoding with a draft model: the draft runs in an engine of its own (its own workspace and
         # prefix reuse), used only under this engine's lock.
-        self.draft: InferenceEngine | None = make_draft_engine(self, draft_model) if draft_model is not None else None
-        self.requests.has_draft = self.draft is not None
+        self.draft = make_draft_engine(self, draft_model) if draft_model is not None else None
         if self.config.speculative == "draft" and self.draft is None:
             raise ValueError("speculative='draft' needs draft_model= (a path, hub id or loaded model sharing the "
                              "tokenizer)")
@@ -126,6 +125,16 @@ class InferenceEngine:
             if ahead:
                 self.runner.warm_up()
             self.workspace.resident_ids, self.workspace.resident_tag = [], None  # scratch K/V, nothing resident
+
+    @property
+    def draft(self) -> InferenceEngine | None:
+        """The draft model's engine (speculative="draft"), or None."""
+        return self._draft
+
+    @draft.setter
+    def draft(self, engine: InferenceEngine | None) -> None:
+        self._draft = engine
+        self.requests.has_draft = engine is not None  # requests for speculative="draft" are refused without one
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | None = None, strict: bool = True, *,

@@ -41,3 +41,18 @@ def test_draft_vocabulary_must_match(tokenizer):
         KVBoost(target, tokenizer, draft_model=small_vocab)
     with pytest.raises(InvalidRequestError, match="draft_model"):
         KVBoost(target, tokenizer, draft_model=42)
+
+
+def test_a_draft_attached_after_load_is_used_and_detaching_refuses_draft_requests(tokenizer):
+    from kvboost.decoding.factory import make_draft_engine
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer, seed=0), tokenizer, chunk_size=16)
+    prompt = text_with_tokens(tokenizer, 40, seed=3)
+    with pytest.raises(InvalidRequestError, match="draft_model"):
+        engine.generate(prompt, 8, speculative="draft")
+    engine.draft = make_draft_engine(engine, make_tiny_model("llama", tokenizer, seed=0))  # as kvboost bench spec does
+    spec = engine.generate(prompt, 12, speculative="draft", num_speculative_tokens=4)
+    assert spec.output_token_ids == engine.generate(prompt, 12).output_token_ids and spec.draft_tokens > 0
+    engine.draft = None
+    with pytest.raises(InvalidRequestError, match="draft_model"):
+        engine.generate(prompt, 8, speculative="draft")
