@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+# Imported for their registrations in transformers' attention interfaces, so that every KVBoost attention function
+# is registered before the runner compiles a step: torch.compile guards on the size of that registry, and a later
+# registration (the first batch, the first paged forward) would compile the decode step again.
+from .batch import cascade as _cascade  # noqa: F401
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
@@ -26,6 +30,7 @@ from .errors import InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.paged_kv import build_paged_kv
 from .kv.workspace import KVWorkspace
+from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
 from .prompting import Messages

@@ -191,6 +191,12 @@ def test_compiled_decode_matches_the_ordinary_path_without_recompiling(tokenizer
         a = plain.generate(text, max_new_tokens=12)
         b = fast.generate(text, max_new_tokens=12)
         assert b.output_token_ids == a.output_token_ids, text[:30]
+    # Batched rows and speculative verifies run their own (eager) steps beside the compiled decode step.
+    texts = ["Tell me a story about a fox", "Essay: " + "words and more words " * 30]
+    assert [r.output_token_ids for r in fast.generate_batch(texts, max_new_tokens=8)] == \
+        [r.output_token_ids for r in plain.generate_batch(texts, max_new_tokens=8)]
+    spec = fast.generate(texts[1], max_new_tokens=16, speculative="prompt_lookup")
+    assert spec.output_token_ids == plain.generate(texts[1], max_new_tokens=16).output_token_ids
     capacity = fast.workspace.capacity
     long_text = "Story: " + "a fox runs and a hen sits " * 200  # > one capacity step of tokens
     a, b = plain.generate(long_text, max_new_tokens=6), fast.generate(long_text, max_new_tokens=6)
