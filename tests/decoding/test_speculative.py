@@ -90,6 +90,15 @@ def test_adaptive_k_follows_acceptance_and_step_cost():
     while a.next_k(100) == 0:
         skipped += 1
     assert skipped >= 4
+    burst = AdaptiveK(8)
+    burst.timed(1, 1.0)
+    burst.timed(9, 5.0)
+    for _ in range(6):
+        burst.update(8, 0)
+    burst.update(3, 3)  # a span copied whole: long drafts next, whatever the average says
+    assert burst.next_k(100) == 8
+    burst.update(8, 2)
+    assert burst.next_k(100) < 8
     free = AdaptiveK(8)  # GPU-like: extra verified tokens cost ~nothing, so even modest acceptance pays
     free.timed(1, 1.0)
     free.timed(9, 1.05)

@@ -121,7 +121,8 @@ class AdaptiveK:
     own token).
     Cost: a step of n tokens costs t(n) = t1 + b (n - 1) seconds, t1 and b measured from the engine's own steps
     (on a CPU a forward grows with its tokens, b ~ 0.4 t1; on a GPU decode is memory-bound, b ~ 0): the first
-    step is plain (t1), the first verify carries PROBE_K drafts (b); from then on the model decides. k = 0 (a plain
+    step is plain (t1), the first verify carries PROBE_K drafts (b); from then on the model decides, except
+    right after a proposal kept whole: copying from the prompt comes in spans, so k_max follows. k = 0 (a plain
     decode step) is picked when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to
     `max_pause` while it keeps losing, and retries with one draft: open-ended text pays for about one short
     verify per pause.
@@ -134,6 +135,7 @@ class AdaptiveK:
         self.extra: float | None = None  # seconds per extra verified token (b)
         self.pause, self.wait = 4, 0
         self.k = k_max
+        self.streak = False  # every draft of the last proposal was kept
 
     @property
     def acceptance(self) -> float:
@@ -144,6 +146,8 @@ class AdaptiveK:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def best_k(self) -> int:
+        if self.streak:  # the last drafts were all kept: a copied span tends to go on (acceptance comes in bursts)
+            return self.k_max
         if self.extra is None:  # what an extra verified token costs is not measured yet: probe with a few
             return min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
         rates = {k: self.expected(k) / (self.t1 + self.extra * k) for k in range(0, self.k_max + 1)}
@@ -177,6 +181,7 @@ class AdaptiveK:
             return
         self.kept = self.decay * self.kept + kept
         self.rejected = self.decay * self.rejected + (0 if kept == proposed else 1)
+        self.streak = kept == proposed
         if kept > 0 and kept == proposed:
             self.pause = 4
 
