@@ -45,15 +45,15 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
             kvb, flo, full = [], [], []
             cached = prompt_tokens = 0
             for r in range(settings.prefix_repeats):
-                p = prompt_for(prefix)
-                res = engine.generate(p, 1)
-                ids = engine.encode(p)
+                ids = engine.encode(prompt_for(prefix))  # both sides start from ids (the floor is handed ids)
+                res = engine.generate(input_ids=ids, max_new_tokens=1)
                 floor_ms, _ = floor.ttft_ms(ids, res.cached_tokens)
                 kvb.append(res.ttft_ms)
                 flo.append(floor_ms)
                 cached, prompt_tokens = res.cached_tokens, len(ids)
                 if r < max(1, settings.prefix_repeats // 2):  # full prefill is the slow one; fewer samples do
-                    full.append(engine.generate(prompt_for(prefix), 1, mode="baseline").ttft_ms)
+                    full.append(engine.generate(input_ids=engine.encode(prompt_for(prefix)), max_new_tokens=1,
+                                                mode="baseline").ttft_ms)
                 if budget.expired() and r + 1 < settings.prefix_repeats:
                     section["status"], section["reason"] = "truncated", "time budget spent mid-length"
                     break
