@@ -38,7 +38,7 @@ from .support import (
     last_dim_contiguous,
     padded_head_dim,
 )
-from .tiles import attend_tiles
+from .tiles import attend_tiles, load_group_queries, split_frame, store_partial
 
 LOG2E = 1.4426950408889634
 INTERPRETER_SMS = 132  # the SM count assumed off CUDA (an H100's): plans stay the same on CPU as on the GPU
@@ -71,29 +71,14 @@ def _split_kernel(Q, K, V, MidO, MidL, Ends, Valid,
     end = kv_len
     if HAS_ENDS:
         end = tl.maximum(tl.minimum(tl.load(Ends + b).to(tl.int32), kv_len), 0)
-    diag = end - q_len  # query i sees keys j <= i + diag
-
-    n_rows = GROUP * q_len
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    qi = rows // GROUP
-    first_q = tile * BLOCK_M // GROUP
-    last_q = (tl.minimum(tile * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
-
-    lo = split * split_len
-    split_end = tl.minimum(lo + split_len, end)
-    hi = tl.maximum(tl.minimum(split_end, last_q + diag + 1), lo)  # keys past hi are hidden from every row here
+    rows, row_ok, qi, diag, lo, split_end, hi, full = split_frame(tile, split, split_len, end, q_len,
+                                                                   GROUP, BLOCK_M, BLOCK_N)
     lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # MidO/MidL are [B * Hkv, n_splits, GROUP * q, (HEAD_DIM)]: this program's block is contiguous.
     l_ptrs = MidL + pid_bh.to(tl.int64) * stride_lb + split * stride_ls + rows
     if hi > lo:  # else: past the row's end, or above the causal diagonal of every row: no load at all
-        head = (hk * GROUP + rows % GROUP).to(tl.int64)
-        offs_d = tl.arange(0, D_PAD)
-        d_ok = offs_d < HEAD_DIM
-        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-        if DOT_F32:
-            q = q.to(tl.float32)
+        q, offs_d, d_ok = load_group_queries(Q + b64 * stride_qb, hk, rows, row_ok, qi, stride_qh, stride_qm,
+                                             HEAD_DIM, D_PAD, GROUP, DOT_F32)  # [M, D]
         k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
         v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
         valid_base = Valid + b64 * stride_valid_b  # stride 0 (and never read) without a padding vector
@@ -106,20 +91,14 @@ def _split_kernel(Q, K, V, MidO, MidL, Ends, Valid,
                                          qi, offs_d, lo, hi, split_end, diag, qk_scale,
                                          HEAD_DIM, D_PAD, BLOCK_N, True, True, IEEE, DOT_F32)
         else:
-            # Tiles below `full` are visible to the tile's first query, hence to all of its rows: no mask.
-            full = lo + tl.maximum(tl.minimum(split_end, first_q + diag + 1) - lo, 0) // BLOCK_N * BLOCK_N
             acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
                                          qi, offs_d, lo, full, split_end, diag, qk_scale,
                                          HEAD_DIM, D_PAD, BLOCK_N, False, False, IEEE, DOT_F32)
             acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
                                          qi, offs_d, full, hi, split_end, diag, qk_scale,
                                          HEAD_DIM, D_PAD, BLOCK_N, True, False, IEEE, DOT_F32)
-        seen = l_i > 0.0
-        l_safe = tl.where(seen, l_i, 1.0)
-        lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
-        o_ptrs = MidO + pid_bh.to(tl.int64) * stride_ob + split * stride_os + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        # Rows that saw no key are not stored: the reduce skips them by their lse.
-        tl.store(o_ptrs, acc / l_safe[:, None], mask=(row_ok & seen)[:, None] & d_ok[None, :])
+        lse = store_partial(acc, l_i, m_i, MidO + pid_bh.to(tl.int64) * stride_ob + split * stride_os, rows, row_ok,
+                            offs_d, d_ok, HEAD_DIM)
     tl.store(l_ptrs, lse, mask=row_ok)
 
 

@@ -75,3 +75,51 @@ def attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
         acc = acc * alpha[:, None] + weighted_values(p, v, IEEE, DOT_F32)
     return acc, l_i, m_i
+
+
+# ---- the split-K programs' frame (decode.py, paged.py): which rows and keys a program owns, and its output ----
+@triton.jit
+def split_frame(tile, split, split_len, end, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A split-K program's rows and keys. Rows fold the GQA group into the query axis (GROUP * q_len rows: row r
+    is query r // GROUP of head r % GROUP). Returns rows [M], row_ok, qi (each row's query), diag (query i sees
+    keys j <= i + diag), the split's keys [lo, split_end), hi (keys past it are hidden from every row here) and
+    full (tiles below it are visible to the tile's first query, hence to all of its rows: no mask needed)."""
+    diag = end - q_len
+    n_rows = GROUP * q_len
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = rows // GROUP
+    first_q = tile * BLOCK_M // GROUP
+    last_q = (tl.minimum(tile * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
+    lo = split * split_len
+    split_end = tl.minimum(lo + split_len, end)
+    hi = tl.maximum(tl.minimum(split_end, last_q + diag + 1), lo)
+    full = lo + tl.maximum(tl.minimum(split_end, first_q + diag + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    return rows, row_ok, qi, diag, lo, split_end, hi, full
+
+
+@triton.jit
+def load_group_queries(q_base, hk, rows, row_ok, qi, stride_qh, stride_qm,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr):
+    """The program's queries [M, D_PAD] (q_base: this batch row's Q), with offs_d and d_ok for the head dim."""
+    head = (hk * GROUP + rows % GROUP).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_base + head[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    return q, offs_d, d_ok
+
+
+@triton.jit
+def store_partial(acc, l_i, m_i, o_base, rows, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr):
+    """Store the split's normalized output at o_base [rows, HEAD_DIM]; returns each row's log-sum-exp (base 2),
+    -inf for rows that saw no key (not stored: the reduce skips them by their lse)."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+    tl.store(o_base + rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+             mask=(row_ok & seen)[:, None] & d_ok[None, :])
+    return lse
