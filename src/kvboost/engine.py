@@ -171,7 +171,8 @@ class InferenceEngine:
     def tenant(self, cache_salt: str | None) -> str | None:
         return self.requests.tenant(cache_salt)
 
-    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", **options) -> Request:
+    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str | None = None,
+                     **options) -> Request:
         """A validated Request from token ids (RequestFactory.make_request)."""
         return self.requests.make_request(ids, params, prompt_text, **options)
 

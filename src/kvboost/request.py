@@ -29,7 +29,7 @@ class Request:
 
     ids: list[int]
     params: SamplingParams
-    prompt_text: str = ""
+    prompt_text: str | None = None  # None: decoded from ids when the result is built (after the first token)
     salt: str | None = None
     mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
     content_reuse: bool = False
@@ -89,7 +89,8 @@ class Request:
         logprobs = sampler.logprobs[: len(generated)] if sampler is not None and self.params.logprobs is not None \
             else None
         return GenerationResult(
-            mode=self.mode.value, prompt=self.prompt_text, output_text=tracker.text, generated_tokens=len(generated),
+            mode=self.mode.value, prompt=self.prompt_text if self.prompt_text is not None
+            else tracker.tokenizer.decode(self.ids), output_text=tracker.text, generated_tokens=len(generated),
             ttft_ms=ttft_ms, total_ms=total_ms,
             tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
             kv_reuse_ratio=plan.cached_tokens / n, prompt_tokens=n, cached_tokens=plan.cached_tokens,

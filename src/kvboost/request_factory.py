@@ -48,7 +48,7 @@ class RequestFactory:
         """A request's tenant: its own cache_salt, else the engine's default (EngineConfig.cache_salt)."""
         return cache_salt if cache_salt is not None else self.config.cache_salt
 
-    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str = "", *,
+    def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str | None = None, *,
                      mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None,
                      content_reuse: bool | None = None, return_logits: bool = False,
                      t_start: float | None = None, output_format: OutputFormat | None = None,
@@ -110,7 +110,7 @@ class RequestFactory:
         mode = GenerationMode.parse(mode)
         spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
         ids = self.encode(prompt, messages, input_ids=input_ids)
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        text = prompt if isinstance(prompt, str) else None  # decoded only when the result is built (not in TTFT)
         return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
                                  return_logits=return_logits, t_start=t0, output_format=fmt, speculative=spec)
 
@@ -136,8 +136,8 @@ class RequestFactory:
                    content_reuse=options.get("content_reuse"), t_start=t0, output_format=fmt, speculative=spec)
         if input_ids is not None:
             encoded = [self.encode(input_ids=ids) for ids in input_ids]
-            texts = [self.tokenizer.decode(ids) for ids in encoded]
+            texts = [None] * len(encoded)
         else:
             encoded = [self.encode(p) for p in prompts]
-            texts = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, encoded)]
+            texts = [p if isinstance(p, str) else None for p in prompts]
         return [self.make_request(ids, params, text, **row) for ids, text in zip(encoded, texts)]

@@ -103,7 +103,7 @@ class _SlotLayer(CacheLayerMixin):
 class SequenceHandle:
     """A request inside the runner. Deltas are taken by another thread; cancel() from any thread."""
 
-    prompt_text: str
+    prompt_text: str | None  # None: the result decodes it from the ids
     prompt_tokens: int
     finished: bool = False
     result: GenerationResult | None = None
@@ -191,7 +191,7 @@ class BatchRunner:
         self._lock = threading.Lock()
 
     # ---- public ---------------------------------------------------------------------------------
-    def add(self, request: Request | list[int], params: SamplingParams | None = None, prompt_text: str = "",
+    def add(self, request: Request | list[int], params: SamplingParams | None = None, prompt_text: str | None = None,
             cache_salt: str | None = None, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
             t_start: float | None = None, content_reuse: bool | None = None) -> SequenceHandle:
         """Queue a Request (built by engine.make_request); token ids plus options are accepted as a shorthand."""

@@ -36,7 +36,7 @@ MAX_N = 16  # choices per request
 class Prepared:
     ids: list[int]
     params: SamplingParams
-    prompt_text: str
+    prompt_text: str | None  # None: decoded from ids when the result is built (not before the first token)
     stream: bool
     include_usage: bool
     n: int = 1
@@ -71,11 +71,10 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
             ids = _encode_with_tools(engine, messages, native_tools(tools))
         else:
             ids = _encode(engine, None, messages, "messages")
-        prompt_text = engine.tokenizer.decode(ids)
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
-    return Prepared(ids, _sampling(req, max_tokens, logprobs), prompt_text, bool(req.stream), _usage_wanted(req), n,
+    return Prepared(ids, _sampling(req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
                     fmt, tools.parse)
 
 
@@ -104,7 +103,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
             prompt = prompt[0]
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
-        text = prompt if prompt is not None else engine.tokenizer.decode(ids)
+        text = prompt  # None for token ids: decoded in the result, after the first token
     try:  # a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
         fmt = parse_output_format(extra.get("response_format"))
     except InvalidRequestError as exc:

@@ -54,7 +54,7 @@ class Job:
 
     ids: list[int]
     params: SamplingParams
-    prompt_text: str
+    prompt_text: str | None  # None: decoded from ids in the result, after the first token
     loop: asyncio.AbstractEventLoop
     cache_salt: str | None = None
     mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
