@@ -73,7 +73,8 @@ class Request:
 
     def sampler(self, device) -> Sampler:
         """This sequence's sampler, with a fresh grammar state when the request has a format."""
-        return Sampler(self.params, device, self.format.constraint() if self.format is not None else None)
+        return Sampler(self.params, device, self.format.constraint() if self.format is not None else None,
+                       prompt_ids=self.ids)
 
     def tracker(self, tokenizer, eos_token_ids: set[int]) -> OutputTracker:
         return OutputTracker(tokenizer, eos_token_ids, self.params.stop, self.params.max_new_tokens)

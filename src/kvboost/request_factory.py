@@ -20,7 +20,8 @@ from .sampling import SamplingParams
 # Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
 _ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse",
                 "response_format", "regex", "grammar", "logprobs", "speculative", "num_speculative_tokens",
-                "prompt_lookup_max_ngram", "prompt_lookup_min_ngram"}
+                "prompt_lookup_max_ngram", "prompt_lookup_min_ngram", "frequency_penalty", "presence_penalty",
+                "repetition_penalty", "logit_bias"}
 
 
 class RequestFactory:
@@ -59,6 +60,7 @@ class RequestFactory:
         "default" (EngineConfig.speculative), a method name, None/"off", or resolved params."""
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
+        self.check_logit_bias(params)
         request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
                           self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
                           time.perf_counter() if t_start is None else t_start,
@@ -67,6 +69,19 @@ class RequestFactory:
                           self.speculation(speculative))
         request.check_context(self.max_context)
         return request
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """InvalidRequestError for a logit_bias token id the model has no logit for."""
+        outside = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
+        if outside:
+            raise InvalidRequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary "
+                                      f"(0..{self.vocab_size - 1})", "logit_bias")
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits (the tokenizer's vocabulary plus any padding rows)."""
+        head = self.model.get_output_embeddings()
+        return getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
 
     @property
     def grammars(self):
@@ -77,9 +92,7 @@ class RequestFactory:
 
             with self._grammars_lock:  # not self.lock: a server thread must not wait for a running generation
                 if self._grammars is None:
-                    head = self.model.get_output_embeddings()
-                    vocab = getattr(head, "out_features", None) or self.model.config.get_text_config().vocab_size
-                    self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+                    self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def speculation(self, speculative: str | None = "default", num_speculative_tokens: int | None = None,
@@ -97,15 +110,21 @@ class RequestFactory:
                 content_reuse: bool | None = None, return_logits: bool = False, response_format=None,
                 regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
                 speculative: str | None = "default", num_speculative_tokens: int | None = None,
-                prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None) -> Request:
+                prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None,
+                frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                logit_bias: dict[int, float] | None = None) -> Request:
         """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
-        response_format ({"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}), regex or
+        frequency_penalty / presence_penalty / logit_bias (OpenAI's) and repetition_penalty (transformers') adjust
+        the logits before the choice (penalties.py). response_format ({"type": "json_object"} |
+        {"type": "json_schema", "json_schema": {...}}), regex or
         grammar (EBNF) constrain the output (decoding/grammar.py); logprobs=k reports each token's log-probability
         and its k best alternatives (GenerationResult.logprobs). speculative: "prompt_lookup", "draft",
         None/"off", or "default" (the engine's); see speculation()."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs)
+                                do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,
+                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                repetition_penalty=repetition_penalty, logit_bias=logit_bias)
         fmt = parse_output_format(response_format, regex, grammar)
         mode = GenerationMode.parse(mode)
         spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
@@ -128,7 +147,11 @@ class RequestFactory:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
                                 top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
                                 do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"),
-                                logprobs=options.get("logprobs"))
+                                logprobs=options.get("logprobs"),
+                                frequency_penalty=options.get("frequency_penalty", 0.0),
+                                presence_penalty=options.get("presence_penalty", 0.0),
+                                repetition_penalty=options.get("repetition_penalty", 1.0),
+                                logit_bias=options.get("logit_bias"))
         fmt = parse_output_format(options.get("response_format"), options.get("regex"), options.get("grammar"))
         spec = self.speculation(options.get("speculative", "default"), options.get("num_speculative_tokens"),
                                 options.get("prompt_lookup_max_ngram"), options.get("prompt_lookup_min_ngram"))

@@ -1,14 +1,16 @@
-"""Next-token choice and stopping: greedy, temperature, top-k, top-p, seeds, EOS and stop strings; a grammar
-mask (decoding/constraint.py) and log-probabilities where a request asks for them."""
+"""Next-token choice and stopping: greedy, temperature, top-k, top-p, seeds, EOS and stop strings; penalties and
+logit bias (penalties.py), a grammar mask (decoding/constraint.py) and log-probabilities where a request asks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import InvalidRequestError
+from .penalties import Penalties, PenaltyParams, check_penalties
 
 if TYPE_CHECKING:
     from .decoding.constraint import TokenConstraint
@@ -26,6 +28,10 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and its k best alternatives
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: over the tokens generated so far
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    repetition_penalty: float = 1.0  # transformers' / vLLM's, > 0 (1 = off): over prompt + output
+    logit_bias: dict[int, float] | None = None  # OpenAI's: {token id: bias in [-100, 100]}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +58,12 @@ class SamplingParams:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}",
                                       "logprobs")
+        self.logit_bias = check_penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
+                                          self.logit_bias)
+
+    @property
+    def penalties(self) -> PenaltyParams:
+        return PenaltyParams(self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -78,13 +90,15 @@ class Sampler:
     """Picks tokens from float32 logits [vocab]. A seeded sampler is reproducible on its own generator.
 
     constraint: the sequence's grammar state; the sampler masks logits with it and advances it by each token it
-    picks, so every path that samples (single, batch rows, server) honours the format the same way.
+    picks, so every path that samples (single, batch rows, server) honours the format the same way. Penalties and
+    logit bias (penalties.py) are applied before the mask, from the tokens this sampler picked (and prompt_ids).
     """
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
-                 constraint: TokenConstraint | None = None):
+                 constraint: TokenConstraint | None = None, prompt_ids: Sequence[int] = ()):
         self.params = params
         self.constraint = constraint
+        self.penalties = Penalties(params.penalties, prompt_ids) if params.penalties.active else None
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None
         if not params.greedy:
@@ -96,13 +110,16 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """Nothing but the choice itself: no mask, no log-probabilities (batched greedy rows take a fast path)."""
-        return self.constraint is None and self.params.logprobs is None
+        """Nothing but the choice itself: no mask, no penalties, no log-probabilities (batched greedy rows and
+        speculative verification take fast paths that never call the sampler)."""
+        return self.constraint is None and self.penalties is None and self.params.logprobs is None
 
     def __call__(self, logits: torch.Tensor) -> int:
         """The next token. With a constraint, logits are masked in place (the caller's row is spent)."""
         # Log-probabilities are of the model's own distribution: taken before the mask changes the row.
         logp = torch.log_softmax(logits.float(), dim=-1) if self.params.logprobs is not None else None
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
         if self.params.greedy:
@@ -115,6 +132,8 @@ class Sampler:
             self.logprobs.append(token_logprob(logp, token, self.params.logprobs or 0))
         if self.constraint is not None:
             self.constraint.advance(token)
+        if self.penalties is not None:
+            self.penalties.record(token)
         return token
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:

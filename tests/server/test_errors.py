@@ -48,6 +48,19 @@ def test_unknown_model_is_404_model_not_found(client):
     ({"model": TINY_NAME, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"model": TINY_NAME, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"model": TINY_NAME, "messages": CHAT, "stop": [""]}, "stop"),
+    ({"model": TINY_NAME, "messages": CHAT, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"model": TINY_NAME, "messages": CHAT, "presence_penalty": -3}, "presence_penalty"),
+    ({"model": TINY_NAME, "messages": CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"12": 101}}, "logit_bias"),
+    ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"hello": 1}}, "logit_bias"),
+    ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"999999999": 1}}, "logit_bias"),  # not in the vocab
+    ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"12": "x"}}, "logit_bias.12"),
+    # OpenAI fields that would change the reply and are not implemented: refused, never silently ignored.
+    ({"model": TINY_NAME, "messages": CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"model": TINY_NAME, "messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ({"model": TINY_NAME, "messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"model": TINY_NAME, "messages": CHAT, "web_search_options": {}}, "web_search_options"),
+    ({"model": TINY_NAME, "messages": CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
 ])
 def test_invalid_chat_bodies_are_400(server, body, param):
     with server.http() as http:
@@ -80,6 +93,8 @@ def test_curl_style_form_content_type_is_still_parsed(server):
     ({"model": TINY_NAME, "prompt": [[]]}, "prompt"),
     ({"model": TINY_NAME, "prompt": "hi", "echo": True}, "echo"),
     ({"model": TINY_NAME, "prompt": "hi", "best_of": 3}, "best_of"),
+    ({"model": TINY_NAME, "prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"model": TINY_NAME, "prompt": "hi", "logit_bias": {"-1": 5}}, "logit_bias"),
 ])
 def test_invalid_completion_bodies_are_400(server, body, param):
     with server.http() as http:

@@ -139,6 +139,27 @@ def test_seeded_sampling_is_reproducible_and_default_temperature_samples(sdk):
     assert sampled != {greedy.choices[0].message.content}
 
 
+def test_penalties_and_logit_bias_are_honoured_as_in_the_library(sdk, tiny_engine):
+    """frequency/presence penalties and logit_bias (OpenAI's), repetition_penalty (extra_body): the server's reply
+    is the library's, on the batching and the single worker, streamed or not, for each of n choices."""
+    msgs = _messages(11)
+    options = {"frequency_penalty": 1.2, "presence_penalty": 0.4, "logit_bias": {"28": 3.5}}
+    expected = tiny_engine.generate(messages=msgs, max_new_tokens=12, repetition_penalty=1.3,
+                                    **{**options, "logit_bias": {28: 3.5}})
+    plain = tiny_engine.generate(messages=msgs, max_new_tokens=12)
+    assert expected.output_token_ids != plain.output_token_ids  # the options change this reply
+    r = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=12, temperature=0, n=2,
+                                    extra_body={"repetition_penalty": 1.3}, **options)
+    assert [c.message.content for c in r.choices] == [expected.output_text] * 2
+    stream = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"repetition_penalty": 1.3}, **options)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.output_text
+    text = sdk.completions.create(model=TINY_NAME, prompt=words(12, seed=4), max_tokens=8, temperature=0,
+                                  frequency_penalty=2.0, logit_bias={"17": -100})
+    assert text.choices[0].text == tiny_engine.generate(words(12, seed=4), 8, frequency_penalty=2.0,
+                                                        logit_bias={17: -100}).output_text
+
+
 def test_stop_strings_and_max_completion_tokens(sdk):
     msgs = _messages(8)
     full = sdk.chat.completions.create(model=TINY_NAME, messages=msgs, max_completion_tokens=16, temperature=0)

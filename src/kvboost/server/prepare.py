@@ -50,6 +50,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     if extra.get("functions") or extra.get("function_call"):
         raise _unsupported("the deprecated functions / function_call fields are not supported; use tools and "
                            "tool_choice", "functions")
+    _refuse_unsupported(extra)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -74,7 +75,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
-    return Prepared(ids, _sampling(req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
+    return Prepared(ids, _sampling(engine, req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
                     fmt, tools.parse)
 
 
@@ -89,6 +90,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     best_of = extra.get("best_of")
     if best_of not in (None, 1):
         raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
+    _refuse_unsupported(extra)
     prompt = req.prompt
     token_ids = None  # OpenAI also takes the prompt as token ids: [int, ...] or a one-element [[int, ...]]
     if isinstance(prompt, list):
@@ -110,11 +112,32 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
-    return Prepared(ids, _sampling(req, max_tokens, req.logprobs), text, bool(req.stream), _usage_wanted(req), n,
-                    fmt)
+    return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), text, bool(req.stream),
+                    _usage_wanted(req), n, fmt)
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
+# OpenAI fields that would change the reply and that this server does not implement: refused, never ignored.
+# (Fields that change nothing here - user, metadata, store, service_tier, prompt_cache_key... - are accepted.)
+_UNSUPPORTED_FIELDS = {
+    "audio": "audio output is not supported by this server (text models only)",
+    "prediction": "predicted outputs are not supported by this server; speculative decoding (prompt lookup) "
+                  "already drafts from the prompt: put the text to reuse in the messages",
+    "web_search_options": "web search is not supported by this server",
+    "reasoning_effort": "reasoning_effort is not supported with this model",
+    "verbosity": "verbosity is not supported with this model",
+}
+
+
+def _refuse_unsupported(extra: dict) -> None:
+    for name, message in _UNSUPPORTED_FIELDS.items():
+        if extra.get(name) is not None:
+            raise _unsupported(message, name)
+    modalities = extra.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _unsupported(f"modalities {modalities!r}: this server answers in text only (['text'])", "modalities")
+
+
 def _choices(req: SamplingRequest) -> int:
     n = req.n or 1
     if n > MAX_N:
@@ -204,13 +227,18 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
     return requested
 
 
-def _sampling(req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        return SamplingParams(max_new_tokens=max_tokens,
-                              temperature=1.0 if req.temperature is None else req.temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
-                              stop=stop, logprobs=logprobs)
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+            logprobs=logprobs, frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias)
+        engine.requests.check_logit_bias(params)
+        return params
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=_PARAM_NAMES.get(exc.param or "", exc.param),
                        code="invalid_value") from None

@@ -75,8 +75,12 @@ class SamplingRequest(_Request):
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}; checked in penalties.py
     # KVBoost extensions (OpenAI clients pass them through extra_body)
     top_k: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # transformers' / vLLM's (1 = off)
     cache_salt: str | None = None  # tenant isolation: K/V is shared only between equal salts
 
 
