@@ -197,6 +197,14 @@ def test_auto_grammar_allows_text_or_calls_with_valid_arguments(tiny_engine):
     assert walk('Checking. <tool_call>{"name": "get_weather", "arguments": {"unit": "C", "days": 3}}</tool_call>')
     assert not walk('<tool_call>{"name": "get_weather", "arguments": {"unit": "K", "days": 3}}</tool_call>')
     assert not walk('<tool_call>{"name": "get_weather", "arguments": {"unit": "C", "days": 3}}')  # unclosed
+    two_calls = ('<tool_call>{"name": "get_weather", "arguments": {"unit": "C", "days": 3}}</tool_call>'
+                 '<tool_call>{"name": "get_weather", "arguments": {"unit": "F", "days": 1}}</tool_call>')
+    assert walk(two_calls)
+    # parallel_tool_calls false: the reply ends with its first call (then only EOS is allowed).
+    setup = setup_tools([Tool.model_validate(t) for t in TOOLS], "auto", parallel_tool_calls=False)
+    assert walk('Checking. <tool_call>{"name": "get_weather", "arguments": {"unit": "C", "days": 3}}</tool_call>')
+    assert walk("It is sunny.")
+    assert not walk(two_calls)
 
 
 def test_n_choices_run_as_rows_of_one_batch(server, client, tiny_engine):

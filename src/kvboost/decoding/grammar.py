@@ -119,8 +119,18 @@ def json_schema_format(schema: Any, param: str = "response_format") -> OutputFor
 
 def structural_tag_format(spec: dict[str, Any], param: str = "tools") -> OutputFormat:
     """Free text in which each `begin` trigger opens a constrained section (tool calls for tool_choice=auto):
-    spec = {"triggers": [...], "tags": [{"begin": ..., "schema": {...}, "end": ...}, ...]}."""
+    spec = {"triggers": [...], "tags": [{"begin": ..., "schema": {...}, "end": ...}, ...]}, and optionally
+    "stop_after_first": true (the output ends with the first section: parallel_tool_calls false)."""
     return OutputFormat("structural_tag", json.dumps(spec, separators=(",", ":")), param)
+
+
+def _triggered_tags(spec: dict[str, Any]) -> str:
+    """structural_tag_format's spec as xgrammar's structural tag (its "triggered_tags" format, JSON)."""
+    tags = [{"type": "tag", "begin": t["begin"], "content": {"type": "json_schema", "json_schema": t["schema"]},
+             "end": t["end"]} for t in spec["tags"]]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags,
+        "stop_after_first": bool(spec.get("stop_after_first", False))}})
 
 
 @dataclass(frozen=True)
@@ -195,7 +205,6 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, fmt: OutputFormat):
-        import xgrammar as xgr
 
         c = self._compiler
         try:
@@ -211,10 +220,7 @@ class GrammarCompiler:
             if fmt.kind == "grammar":
                 return c.compile_grammar(fmt.source)
             if fmt.kind == "structural_tag":
-                spec = json.loads(fmt.source)
-                tags = [xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]), end=t["end"])
-                        for t in spec["tags"]]
-                return c.compile_structural_tag(tags, spec["triggers"])
+                return c.compile_structural_tag(_triggered_tags(json.loads(fmt.source)))
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types with the reason
             what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(fmt.kind, fmt.kind)
             reason = str(exc).strip().splitlines()

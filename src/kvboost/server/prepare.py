@@ -58,7 +58,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
         fmt = parse_output_format(req.response_format)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-    tools = setup_tools(req.tools, req.tool_choice)
+    tools = setup_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if fmt is not None and tools.output_format is not None:
         raise APIError(400, f"response_format cannot be combined with tool_choice {tools.choice!r}: the reply "
                        "follows one format (send tool_choice 'none' to answer in the response_format)",

@@ -17,8 +17,8 @@ Output, by tool_choice:
 * auto (the default with tools): free text in which the trigger "<tool_call>" opens a call whose object is
   constrained as above up to "</tool_call>" (an xgrammar structural tag); the text outside calls is the
   reply's content, each call one tool_call.
-One call per constrained reply for required/named (parallel_tool_calls is honoured as "at most one" there);
-auto may produce several.
+One call per constrained reply for required/named; auto may produce several, unless parallel_tool_calls is
+false: then the grammar ends the reply with the first call (xgrammar's stop_after_first).
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ class ToolSetup:
         return [f["name"] for f in self.functions]
 
 
-def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None) -> ToolSetup:
+def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None,
+                parallel_tool_calls: bool | None = None) -> ToolSetup:
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice needs tools: the request has none", param="tool_choice",
@@ -80,7 +81,8 @@ def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | N
         return ToolSetup(functions, "required", json_schema_format(_call_schema(functions), "tools"), "call")
     tags = [{"begin": f'{TOOL_OPEN}{{"name": "{f["name"]}", "arguments": ', "schema": f["parameters"],
              "end": "}" + TOOL_CLOSE} for f in functions]
-    return ToolSetup(functions, "auto", structural_tag_format({"triggers": [TOOL_OPEN], "tags": tags}), "tagged")
+    spec = {"triggers": [TOOL_OPEN], "tags": tags, "stop_after_first": parallel_tool_calls is False}
+    return ToolSetup(functions, "auto", structural_tag_format(spec), "tagged")
 
 
 def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
