@@ -205,7 +205,6 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, fmt: OutputFormat):
-
         c = self._compiler
         try:
             if fmt.kind == "json_object":
