@@ -1,33 +1,110 @@
-"""Weight layout for decode on CPU: linear weights stored input-major, so a one-token step streams them fast.
+"""Weight layout for decode on CPU: each Linear weight shape is stored in whichever memory order this machine's
+matrix-vector product streams fastest, chosen by measurement at load.
 
-A decode step is a chain of matrix-vector products whose cost is reading every weight once from memory. On
-CPU, torch's GEMV over nn.Linear's own layout ([out, in], row-major) streams ~8.5-11 GB/s per core here, while
-the same product over an input-major copy ([in, out] contiguous, i.e. `x @ W_t`) streams ~13-21 GB/s (measured
-on this project's 2-core machine: the whole SmolLM2-135M set of 211 matrices 63 -> 41 ms, its 49152x576
-lm_head 10.5 -> 5.5 ms). The values are unchanged: each parameter keeps its shape [out, in] and becomes a
-transposed view of input-major storage, so `F.linear` hands BLAS the contiguous [in, out] matrix. Tied weights
-stay tied (the shared Parameter is re-laid once). Embedding lookups read strided rows then, a negligible cost.
+A decode step is a chain of matrix-vector products whose cost is reading every weight once from memory. How fast
+torch's CPU GEMV streams a matrix depends on its memory order, and the better order differs by shape. Measured on
+this project's 2-core CPU (GB/s, input-major = [in, out] contiguous, output-major = nn.Linear's own [out, in]):
+
+    shape (in x out)           input-major   output-major
+    576 x 1536 (gate/up)       10-12.5       7.6-8.3
+    1536 x 576 (down)          7.3-7.8       11.6-12.6
+    576 x 192  (k/v, GQA)      4.8-5.5       7.8-9.2
+
+so no single order wins: SmolLM2-135M's compiled decode ran 13.5 tok/s with every weight input-major and 16.5 with
+k/v/down left output-major (same run conditions). `measured_layouts` times both orders per distinct weight
+shape on the model's own weights and `relay_linears` applies the winners. Values never change: a parameter keeps
+its shape [out, in] and becomes a transposed view of input-major storage where that order won, so F.linear hands
+BLAS the contiguous [in, out] matrix. Tied weights stay tied (the shared Parameter is re-laid once). Embedding
+lookups read strided rows then, a negligible cost.
 """
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
 import torch
+
+Shape = tuple[int, int, torch.dtype]  # (out, in, dtype) of a Linear weight
+SAMPLE_WEIGHTS = 8  # weights of one shape timed in turn, so the measurement reads memory, not cache
+TRIALS = 3  # best of: timing noise on a shared machine is one-sided (slower)
 
 
 def is_input_major(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
 
 
-def input_major_linears(model: torch.nn.Module) -> int:
-    """Re-lay every nn.Linear weight of `model` input-major, in place (values and shapes unchanged).
-    Returns how many parameters were re-laid. Only worth it on CPU; a no-op for weights already so laid."""
-    done: set[int] = set()
+def _linear_weights(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    found: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.nn.Parameter):
-            continue
-        if id(weight) in done or is_input_major(weight) or weight.device.type == "meta":
+        if isinstance(module, torch.nn.Linear) and isinstance(weight, torch.nn.Parameter) \
+                and weight.device.type != "meta" and weight.dim() == 2:
+            found.setdefault(id(weight), weight)
+    return found
+
+
+def _seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # first touch
+    best = float("inf")
+    for _ in range(TRIALS):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _products(x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(x, w)
+    return run
+
+
+def measured_layouts(model: torch.nn.Module, budget_bytes: int = 64 << 20) -> dict[Shape, bool]:
+    """For each distinct Linear weight shape of `model`: True when x @ W in input-major order is faster than in
+    nn.Linear's order on this machine (one-row x, as a decode step). Times up to SAMPLE_WEIGHTS of the model's own
+    weights of that shape, about `budget_bytes` read per order and trial (well under a second in all)."""
+    by_shape: dict[Shape, list[torch.Tensor]] = defaultdict(list)
+    for weight in _linear_weights(model).values():
+        by_shape[(weight.shape[0], weight.shape[1], weight.dtype)].append(weight.detach())
+    choice: dict[Shape, bool] = {}
+    with torch.inference_mode():
+        for (out_f, in_f, dtype), weights in by_shape.items():
+            sample = weights[:SAMPLE_WEIGHTS]
+            x = torch.randn(1, in_f, dtype=dtype, device=sample[0].device)
+            # The same values in each order: [out, in] row-major, and [in, out] row-major viewed as [out, in].
+            output_major = [w.contiguous() for w in sample]
+            input_major = [w.t().contiguous().t() for w in sample]
+            repeats = max(1, budget_bytes // sum(w.numel() * w.element_size() for w in sample))
+
+            choice[(out_f, in_f, dtype)] = \
+                _seconds(_products(x, input_major), repeats) < _seconds(_products(x, output_major), repeats)
+    return choice
+
+
+def relay_linears(model: torch.nn.Module, input_major: Callable[[Shape], bool]) -> int:
+    """Re-lay every Linear weight of `model` in place into the order `input_major(shape)` picks (values and
+    shapes unchanged). Returns how many parameters changed order."""
+    changed = 0
+    for weight in _linear_weights(model).values():
+        want = input_major((weight.shape[0], weight.shape[1], weight.dtype))
+        if want == is_input_major(weight):
             continue
         with torch.no_grad():
-            weight.data = weight.data.t().contiguous().t()
-        done.add(id(weight))
-    return len(done)
+            weight.data = weight.data.t().contiguous().t() if want else weight.data.contiguous()
+        changed += 1
+    return changed
+
+
+def input_major_linears(model: torch.nn.Module) -> int:
+    """Every Linear weight input-major (the order most GEMV shapes stream fastest in on CPU)."""
+    return relay_linears(model, lambda shape: True)
+
+
+def fastest_linear_layouts(model: torch.nn.Module) -> dict[Shape, bool]:
+    """Measure (measured_layouts) and apply (relay_linears); returns the choice per shape."""
+    choice = measured_layouts(model)
+    relay_linears(model, lambda shape: choice[shape])
+    return choice

@@ -15,8 +15,8 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
 * mode "graphs" (CUDA): each bucket is captured as a CUDA graph the first time it runs over the current
   workspace buffers (or at warm-up) and replayed afterwards: one launch per step;
 * mode "compiled": the decode step (batch 1) runs under torch.compile, the others as in eager: CPU, where
-  the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; the weights are
-  laid out input-major for those products (layout.py);
+  the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; each weight shape
+  is laid out in the memory order those products stream fastest in on this machine (layout.py);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
@@ -36,7 +36,7 @@ from ..kv.static import set_length, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
-from .layout import input_major_linears
+from .layout import fastest_linear_layouts
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +130,8 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.failure: str | None = None  # why graphs were given up (auto mode): the steps then run eagerly
         # Compiled mode: the decode step's forward under torch.compile (inductor), its capacity axis dynamic so
-        # a growing workspace does not recompile. On CPU the weights are also laid out for fast GEMV (layout.py).
-        self._compiled = None
-        if mode == "compiled":
-            self._compiled = torch.compile(self._logits, dynamic=None)
-            if workspace.device.type == "cpu":
-                input_major_linears(model)
+        # a growing workspace does not recompile. (make_runner lays the weights out for it, once per model.)
+        self._compiled = torch.compile(self._logits, dynamic=None) if mode == "compiled" else None
 
     @property
     def max_tokens(self) -> int:
@@ -345,6 +341,11 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
     if choice == "compiled":
         if device.type != "cpu":
             raise ValueError(f"fast_path='compiled' is the CPU path; on {device.type} use 'graphs' (or 'auto')")
+        # Each weight shape in the memory order this machine's GEMV streams fastest (layout.py), measured once
+        # here: before anything is compiled, since a weight's strides are part of the compiled step's guards.
+        layouts = fastest_linear_layouts(model)
+        kept = sum(not v for v in layouts.values())
         return ModelRunner(model, workspace, mode="compiled", backend=backend), \
-            "static cache, decode steps under torch.compile"
+            f"static cache, decode steps under torch.compile; weights laid out by measurement " \
+            f"({len(layouts) - kept} of {len(layouts)} shapes input-major)"
     return ModelRunner(model, workspace, mode="eager", backend=backend), "static cache, eager"
