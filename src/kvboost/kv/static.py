@@ -78,3 +78,14 @@ def set_length(cache: Cache, length: int) -> None:
     """Tell every layer of a static cache how many tokens precede the next step (host bookkeeping only)."""
     for layer in cache.layers:
         layer.length = length
+
+
+def set_views(cache: Cache, workspace: KVWorkspace, end: int | None) -> None:
+    """Point every layer of a one-row static cache at its workspace buffers' first `end` columns, [1, kv_heads,
+    end, d] (None: all of them): attention then reads exactly the valid keys, with no mask (the compiled CPU
+    decode step, whose length axis is dynamic: a new `end` each step compiles nothing)."""
+    for i, layer in enumerate(cache.layers):
+        k, v = workspace.buffers(i)
+        layer.keys, layer.values = k[:1, :, :end], v[:1, :, :end]
+        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+        torch._dynamo.maybe_mark_dynamic(layer.values, 2)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from ..kv.static import set_length, static_cache
+from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
@@ -104,6 +104,7 @@ class _Step:
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # float32
     all_logits: bool = False  # a verify step: logits [T, vocab] of every token, not only the last
+    end: int = 0  # valid keys after the step (host copy of ends[0]; the compiled decode step's view length)
 
 
 @dataclass
@@ -159,6 +160,7 @@ class ModelRunner:
         step.ends.fill_(start + size)
         step.last.fill_(n - 1)
         set_length(step.cache, start)
+        step.end = start + size
         return self._execute(step)
 
     def verify(self, tokens: Sequence[int], start: int) -> torch.Tensor:
@@ -212,9 +214,17 @@ class ModelRunner:
     def _run(self, step: _Step) -> torch.Tensor:
         position_ids = step.positions if step.last is None else step.positions[None]  # [B, tokens]
         keep = 0 if step.all_logits else (1 if step.last is None else step.last)  # 0: every position
-        forward = self._compiled if self.mode == "compiled" and step.key in COMPILED_STEPS else self._logits
+        compiled = self.mode == "compiled" and step.key in COMPILED_STEPS
+        if compiled:
+            # The compiled decode step attends over views of exactly the valid keys (no mask, no reading past the
+            # end); its length axis is dynamic, but a length of 1 would compile another graph (torch specializes
+            # sizes 0 and 1), so that one step - a 1-token prompt with nothing cached - runs eagerly instead.
+            compiled = step.end >= 2
+            set_views(step.cache, self.workspace, step.end if compiled else None)
+        forward = self._compiled if compiled else self._logits
         with static_attention(self.model):
-            logits = forward(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
+            logits = forward(step.ids, position_ids, step.cache, None if compiled else step.ends,
+                             keep)  # [B, kept, vocab]
         if step.all_logits:
             return logits[0]  # [T, vocab]
         logits = logits[:, -1]  # [B, vocab]
@@ -223,7 +233,8 @@ class ModelRunner:
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor,
                 keep: int | torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=keep, kvboost_ends=ends, kvboost_backend=self.backend)
+                         logits_to_keep=keep, kvboost_ends=ends, kvboost_exact_views=ends is None,
+                         kvboost_backend=self.backend)
         return out.logits.float()
 
     def _capture(self, step: _Step) -> None:
@@ -302,7 +313,7 @@ class ModelRunner:
         cap = capacity if ws.max_positions is None else min(capacity, ws.max_positions)
         self._ensure_capacity(max(cap, self.max_tokens), keep=0)
         for size in (1, *self.buckets):
-            self.forward([0] * size, 0)
+            self.forward([0] * size, 1 if size == 1 else 0)  # decode after one position, as every real one is
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
         return 1 + len(self.buckets)

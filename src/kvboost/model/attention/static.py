@@ -37,13 +37,16 @@ def static_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """AttentionInterface entry: query [B, Hq, q, d] over the whole buffers key/value [B, Hkv, capacity, d];
     kwargs["kvboost_ends"] [B] int32. Returns ([B, q, Hq, d], None)."""
     ends = kwargs.get("kvboost_ends")
-    if ends is None:
+    exact = kwargs.get("kvboost_exact_views", False)  # the buffers are views of exactly the valid keys
+    if ends is None and not exact:
         raise ValueError(f"{KVBOOST_STATIC} attention needs the kvboost_ends keyword argument (a static step)")
     unsupported = [name for name in _NEEDS_MASK if kwargs.get(name) is not None]
     if attention_mask is not None or unsupported or is_causal is False or (module.training and dropout):
         raise NotImplementedError(f"a static step runs plain causal attention only, not {unsupported or 'a mask'}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if torch.compiler.is_compiling():  # compiled steps run on CPU (runner.py): the SDPA path, traced directly
+    if exact:  # every key is valid and bottom-right causal needs no mask (the compiled CPU decode step)
+        out = sdpa_attention(query, key, value, scale=scale)
+    elif torch.compiler.is_compiling():  # compiled steps run on CPU (runner.py): the SDPA path, traced directly
         out = sdpa_attention(query, key, value, scale=scale, ends=ends)
     else:
         out, _, _ = dispatch(query, key, value, lengths=ends, scale=scale, backend=kwargs.get("kvboost_backend"))
