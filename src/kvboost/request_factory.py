@@ -12,7 +12,7 @@ from .decoding.factory import resolve_speculation
 from .decoding.grammar import OutputFormat, parse_output_format
 from .decoding.speculative import SpeculativeParams
 from .errors import ContextLengthError, InvalidRequestError
-from .prompting import Messages, encode_prompt
+from .prompting import Messages, check_token_ids, encode_prompt
 from .request import Request
 from .results import GenerationMode
 from .sampling import SamplingParams
@@ -96,11 +96,20 @@ class RequestFactory:
         return self._grammars
 
     def speculation(self, speculative: str | None = "default", num_speculative_tokens: int | None = None,
-                    prompt_lookup_max_ngram: int | None = None,
-                    prompt_lookup_min_ngram: int | None = None) -> SpeculativeParams | None:
-        """A request's speculation, resolved against EngineConfig (None: off); see decoding.factory."""
+                    prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None,
+                    prediction: str | Sequence[int] | None = None) -> SpeculativeParams | None:
+        """A request's speculation, resolved against EngineConfig (None: off); see decoding.factory.
+        prediction: the expected output, as text or token ids (drafts come from it first)."""
         return resolve_speculation(self.config, self.has_draft, speculative, num_speculative_tokens,
-                                   prompt_lookup_max_ngram, prompt_lookup_min_ngram)
+                                   prompt_lookup_max_ngram, prompt_lookup_min_ngram, self.prediction_ids(prediction))
+
+    def prediction_ids(self, prediction: str | Sequence[int] | None) -> list[int]:
+        """Token ids of a predicted output (text without special tokens, or ids checked like input_ids)."""
+        if prediction is None:
+            return []
+        if isinstance(prediction, str):
+            return list(self.tokenizer(prediction, add_special_tokens=False)["input_ids"]) if prediction else []
+        return check_token_ids(prediction, self.model.get_input_embeddings().num_embeddings, "prediction")
 
     def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
                 messages: Messages | None = None, input_ids: Sequence[int] | None = None,
@@ -112,14 +121,16 @@ class RequestFactory:
                 speculative: str | None = "default", num_speculative_tokens: int | None = None,
                 prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None,
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logit_bias: dict[int, float] | None = None) -> Request:
+                logit_bias: dict[int, float] | None = None, prediction: str | Sequence[int] | None = None) -> Request:
         """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
         frequency_penalty / presence_penalty / logit_bias (OpenAI's) and repetition_penalty (transformers') adjust
         the logits before the choice (penalties.py). response_format ({"type": "json_object"} |
         {"type": "json_schema", "json_schema": {...}}), regex or
         grammar (EBNF) constrain the output (decoding/grammar.py); logprobs=k reports each token's log-probability
         and its k best alternatives (GenerationResult.logprobs). speculative: "prompt_lookup", "draft",
-        None/"off", or "default" (the engine's); see speculation()."""
+        None/"off", or "default" (the engine's); see speculation(). prediction: the expected output (text or ids,
+        OpenAI's Predicted Outputs): drafts are taken from it first, the output is exactly what it would be
+        without it."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,
@@ -127,7 +138,8 @@ class RequestFactory:
                                 repetition_penalty=repetition_penalty, logit_bias=logit_bias)
         fmt = parse_output_format(response_format, regex, grammar)
         mode = GenerationMode.parse(mode)
-        spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram)
+        spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram,
+                                prediction)
         ids = self.encode(prompt, messages, input_ids=input_ids)
         text = prompt if isinstance(prompt, str) else None  # decoded only when the result is built (not in TTFT)
         return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,

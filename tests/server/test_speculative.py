@@ -49,3 +49,43 @@ def test_flag_combinations_that_cannot_run_are_refused():
     out = CliRunner().invoke(app, ["--speculative", "prompt_lookup", "--num-speculative-tokens", "99",
                                    "--max-batch-size", "1"])
     assert out.exit_code == 2 and "num_speculative_tokens" in out.output
+
+
+def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenizer, tiny_model_dir):
+    """OpenAI's `prediction` on a one-at-a-time server: the reply is the reply without it, streamed or not, and
+    usage reports accepted / rejected prediction tokens; a batching server refuses it with a 400."""
+    import httpx
+    import openai
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)  # no speculation by default
+    messages = [{"role": "user", "content": "river stone lantern quiet orbit " * 6}]
+    want = engine.generate(messages=messages, max_new_tokens=24)
+    with live_server(engine, model=str(tiny_model_dir), max_batch_size=1) as live:
+        client = live.client()
+        for prediction in (want.output_text, [{"type": "text", "text": want.output_text[:20]}, {"type": "text",
+                                                                                              "text": "zebra"}]):
+            r = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=24, temperature=0,
+                                               prediction={"type": "content", "content": prediction})
+            assert r.choices[0].message.content == want.output_text
+            details = r.usage.completion_tokens_details
+            assert details is not None and details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+        assert r.usage.completion_tokens_details.rejected_prediction_tokens > 0  # "zebra" was drafted and dropped
+        stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=24,
+                                                temperature=0, stream=True,
+                                                prediction={"type": "content", "content": want.output_text})
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.output_text
+        plain = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=24, temperature=0)
+        assert plain.usage.completion_tokens_details is None  # reported only for requests with a prediction
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4,
+                                           prediction={"type": "content", "content": 5})
+        assert info.value.param == "prediction"
+        with httpx.Client(base_url=live.url) as http:
+            r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2,
+                                                   "prediction": {"type": "content", "content": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
+    with live_server(engine, model=str(tiny_model_dir), max_batch_size=4) as live:
+        with pytest.raises(openai.BadRequestError, match="max-batch-size 1") as info:
+            live.client().chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4,
+                                                  prediction={"type": "content", "content": "x"})
+        assert info.value.param == "prediction"

@@ -19,11 +19,21 @@ if TYPE_CHECKING:
 
 def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str | None = "default",
                         num_speculative_tokens: int | None = None, prompt_lookup_max_ngram: int | None = None,
-                        prompt_lookup_min_ngram: int | None = None) -> SpeculativeParams | None:
+                        prompt_lookup_min_ngram: int | None = None,
+                        prediction: Sequence[int] = ()) -> SpeculativeParams | None:
     """A request's speculation: "default" follows config.speculative; unset numbers follow the config's. None
-    when off. InvalidRequestError for bad values, or "draft" on an engine without a draft model."""
+    when off. InvalidRequestError for bad values, or "draft" on an engine without a draft model.
+
+    prediction (token ids of the expected output, OpenAI's Predicted Outputs): drafts are looked up in it before
+    the prompt, so a request with one speculates by prompt lookup whatever the engine's default; asking for
+    another method (or none) beside it is a contradiction, refused."""
     is_default = isinstance(speculative, str) and speculative == "default"
     method = config.speculative if is_default else parse_method(speculative)
+    if prediction:
+        if not is_default and method != "prompt_lookup":
+            raise InvalidRequestError(f"prediction drafts by prompt lookup over the predicted text; it cannot be "
+                                      f"combined with speculative={speculative!r}", "prediction")
+        method = "prompt_lookup"
     if method is None:
         return None
     if method == "draft" and not has_draft:
@@ -34,7 +44,7 @@ def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str 
 
     return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens),
                              pick(prompt_lookup_max_ngram, config.prompt_lookup_max_ngram),
-                             pick(prompt_lookup_min_ngram, config.prompt_lookup_min_ngram))
+                             pick(prompt_lookup_min_ngram, config.prompt_lookup_min_ngram), tuple(prediction))
 
 
 def make_proposer(engine, request: Request, context: Sequence[int]) -> Proposer:

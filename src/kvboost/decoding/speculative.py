@@ -40,6 +40,7 @@ class SpeculativeParams:
     num_tokens: int = 8  # k: the most drafts verified in one forward
     max_ngram: int = 3
     min_ngram: int = 1
+    prediction: tuple[int, ...] = ()  # predicted output (OpenAI's Predicted Outputs): drafts come from it first
 
     def __post_init__(self) -> None:
         if self.method not in ("prompt_lookup", "draft"):

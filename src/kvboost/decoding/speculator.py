@@ -33,10 +33,12 @@ class Proposer(Protocol):
 
 
 class LookupProposer:
-    """Prompt lookup as a Proposer (no model, nothing to release)."""
+    """Prompt lookup as a Proposer (no model, nothing to release). A request's predicted output comes first in
+    the searched text: the earliest occurrence wins, so drafts follow the prediction where it matches."""
 
     def __init__(self, context: Sequence[int], params: SpeculativeParams, capacity: int):
-        self.lookup = PromptLookup(context, params.max_ngram, params.min_ngram, capacity=capacity)
+        self.lookup = PromptLookup([*params.prediction, *context], params.max_ngram, params.min_ngram,
+                                   capacity=capacity)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.lookup.extend(tokens)

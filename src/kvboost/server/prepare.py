@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ..decoding.grammar import OutputFormat, StructuredOutputUnavailableError, parse_output_format
 from ..errors import ContextLengthError, InvalidRequestError
@@ -42,6 +43,7 @@ class Prepared:
     n: int = 1
     output_format: OutputFormat | None = None
     tool_parse: str = "none"  # how replies are read for tool calls: server/toolcalls.py
+    speculative: Any = "default"  # SpeculativeParams of a request with a prediction; else the engine's default
 
 
 def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
@@ -65,6 +67,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
                        param="response_format", code="invalid_value")
     fmt = fmt or tools.output_format
     texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
+    prediction = _prediction_text(req.prediction, settings)
     with lock:
         native = bool(tools.functions) and template_supports_tools(engine.tokenizer)
         messages = render_messages(req.messages, texts, tools, native)
@@ -72,11 +75,12 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
             ids = _encode_with_tools(engine, messages, native_tools(tools))
         else:
             ids = _encode(engine, None, messages, "messages")
+        speculative = _speculation(engine, prediction)
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
     return Prepared(ids, _sampling(engine, req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
-                    fmt, tools.parse)
+                    fmt, tools.parse, speculative)
 
 
 def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
@@ -90,6 +94,8 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     best_of = extra.get("best_of")
     if best_of not in (None, 1):
         raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
+    if extra.get("prediction") is not None:
+        raise _unsupported("prediction (Predicted Outputs) is a chat completions parameter", "prediction")
     _refuse_unsupported(extra)
     prompt = req.prompt
     token_ids = None  # OpenAI also takes the prompt as token ids: [int, ...] or a one-element [[int, ...]]
@@ -121,12 +127,41 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
 # (Fields that change nothing here - user, metadata, store, service_tier, prompt_cache_key... - are accepted.)
 _UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported by this server (text models only)",
-    "prediction": "predicted outputs are not supported by this server; speculative decoding (prompt lookup) "
-                  "already drafts from the prompt: put the text to reuse in the messages",
     "web_search_options": "web search is not supported by this server",
     "reasoning_effort": "reasoning_effort is not supported with this model",
     "verbosity": "verbosity is not supported with this model",
 }
+
+
+def _prediction_text(prediction: dict | None, settings: ServerSettings) -> str | None:
+    """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | [text parts]}), or None.
+    It drafts tokens for speculative decoding (the reply is exactly what it would be without it), which runs one
+    request at a time: a batching server refuses it rather than ignore it."""
+    if prediction is None:
+        return None
+    content = prediction.get("content")
+    if prediction.get("type") != "content" or not isinstance(content, (str, list)):
+        raise APIError(400, "prediction must be {\"type\": \"content\", \"content\": text or text parts}",
+                       param="prediction", code="invalid_value")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise APIError(400, "prediction.content parts must be {\"type\": \"text\", \"text\": ...}",
+                           param="prediction.content", code="invalid_value")
+        content = "".join(p["text"] for p in content)
+    if settings.max_batch_size > 1:
+        raise _unsupported("prediction drafts tokens for speculative decoding, which this server runs only one "
+                           "request at a time: start it with --max-batch-size 1", "prediction")
+    return content
+
+
+def _speculation(engine, prediction: str | None):
+    if not prediction:
+        return "default"
+    try:
+        return engine.speculation("default", prediction=prediction)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
 def _refuse_unsupported(extra: dict) -> None:

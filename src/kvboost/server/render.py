@@ -24,6 +24,7 @@ from .schema import (
     ChunkDelta,
     Completion,
     CompletionChoice,
+    CompletionTokensDetails,
     PromptTokensDetails,
     ResponseFunctionCall,
     ResponseToolCall,
@@ -40,13 +41,21 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage_of(results: list[GenerationResult]) -> Usage:
-    """The prompt counts once for n choices (they share it), the completions add up."""
+def usage_of(results: list[GenerationResult], predicted: bool = False) -> Usage:
+    """The prompt counts once for n choices (they share it), the completions add up. predicted: the request had a
+    prediction, whose drafts are reported as OpenAI reports them (accepted: kept in the reply; rejected: drafted
+    from the prediction and the prompt, verified and discarded)."""
     first = results[0]
     completion = sum(r.generated_tokens for r in results)
+    details = None
+    if predicted:
+        accepted = sum(r.accepted_tokens for r in results)
+        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                          rejected_prediction_tokens=sum(r.draft_tokens for r in results) - accepted)
     return Usage(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
                  total_tokens=first.prompt_tokens + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens),
+                 completion_tokens_details=details)
 
 
 def _entry(decode: Decode, token: int, logprob: float) -> dict[str, Any]:
@@ -80,8 +89,9 @@ class ChatRenderer:
     endpoint = "chat"
 
     def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None,
-                 tool_parse: str = "none", n: int = 1):
+                 tool_parse: str = "none", n: int = 1, predicted: bool = False):
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.predicted = predicted
         self.model = model
         self.created = int(time.time())
         self.fingerprint = fingerprint
@@ -135,7 +145,7 @@ class ChatRenderer:
             else result.finish_reason
 
     def usage(self, results: list[GenerationResult]) -> dict[str, Any]:
-        return self._chunk([], usage_of(results))
+        return self._chunk([], usage_of(results, self.predicted))
 
     def full(self, results: list[GenerationResult]) -> dict[str, Any]:
         choices = []
@@ -153,7 +163,7 @@ class ChatRenderer:
             choices.append(ChatChoice(index=i, message=message, finish_reason=self._finish_reason(result, parser),
                                       logprobs=chat_logprobs(result, self.decode)))
         return dump(ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices,
-                                   usage=usage_of(results), system_fingerprint=self.fingerprint))
+                                   usage=usage_of(results, self.predicted), system_fingerprint=self.fingerprint))
 
 
 class CompletionRenderer:

@@ -60,6 +60,7 @@ class Job:
     mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
     content_reuse: bool | None = None  # None: the engine's setting (kvboost serve --content-reuse)
     output_format: Any = None  # decoding.grammar.OutputFormat: the grammar the output must follow
+    speculative: Any = "default"  # SpeculativeParams (a request with a prediction) or the engine's default
     t_start: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: GenerationResult | None = None
@@ -311,7 +312,8 @@ class Scheduler:
         """The job as the engine's Request: the same lifecycle (and the same options) on either worker."""
         return self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
                                         cache_salt=job.cache_salt, content_reuse=job.content_reuse,
-                                        t_start=job.t_start, output_format=job.output_format)
+                                        t_start=job.t_start, output_format=job.output_format,
+                                        speculative=job.speculative)
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):

@@ -93,6 +93,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    prediction: dict[str, Any] | None = None  # Predicted Outputs: checked in prepare.py
 
 
 class CompletionRequest(SamplingRequest):
@@ -105,11 +106,26 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a prediction only
+
+    @model_serializer(mode="wrap")
+    def _only_set_details(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class ResponseFunctionCall(BaseModel):
