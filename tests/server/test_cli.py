@@ -123,7 +123,9 @@ def test_warm_files_are_stored_before_listening(tiny_model_dir, tmp_path):
                                           (["--chunk-size", "32", "--chunk-boundary-window", "16"],
                                            "chunk_boundary_window"),
                                           (["--warm", "/nonexistent/system.txt"], "/nonexistent/system.txt"),
-                                          (["--warm", "BADJSON"], "messages")])
+                                          (["--warm", "BADJSON"], "messages"),
+                                          (["--fast-path", "fast"], "fast_path"),
+                                          (["--fast-path", "compiled"], "--max-batch-size 1")])
 def test_bad_flags_exit_with_a_message(tiny_model_dir, tmp_path, flags, named):
     if "BADJSON" in flags:
         bad = tmp_path / "bad.json"
@@ -138,7 +140,7 @@ def test_bad_flags_exit_with_a_message(tiny_model_dir, tmp_path, flags, named):
 @pytest.mark.parametrize("flag", ["--model", "--host", "--port", "--recompute-strategy", "--kv-cache-bits",
                                   "--batch-window-ms", "--disk-cache-dir", "--redis-url", "--api-key",
                                   "--served-model-name", "--max-queue", "--chunk-size", "--chunk-boundary-window",
-                                  "--content-reuse"])
+                                  "--content-reuse", "--fast-path"])
 def test_help_lists_the_documented_flags(flag):
     import typer
     from typer.testing import CliRunner

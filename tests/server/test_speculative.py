@@ -89,3 +89,18 @@ def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenize
             live.client().chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4,
                                                   prediction={"type": "content", "content": "x"})
         assert info.value.param == "prediction"
+
+
+def test_a_compiled_fast_path_server_answers_as_the_default_one(tokenizer, tiny_model_dir, device):
+    """kvboost serve --fast-path compiled --max-batch-size 1: the decode step runs compiled, replies unchanged."""
+    if device.type != "cpu":
+        pytest.skip("fast_path='compiled' is the CPU path")
+    plain = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    fast = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, fast_path="compiled")
+    messages = [{"role": "user", "content": "river stone lantern quiet orbit " * 4}]
+    want = plain.generate(messages=messages, max_new_tokens=12).output_text
+    with live_server(fast, model=str(tiny_model_dir), max_batch_size=1) as live:
+        r = live.client().chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12,
+                                                  temperature=0)
+    assert r.choices[0].message.content == want
+    assert fast.runner.stats.counts["steps"] > 0  # the decode steps went through the compiled runner

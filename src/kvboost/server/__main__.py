@@ -48,6 +48,10 @@ def serve_command(
     num_speculative_tokens: int = typer.Option(8, help="Most drafts verified per forward (1-15)."),
     draft_model: str | None = typer.Option(None, help="Draft model (path or hub id) sharing the tokenizer, for "
                                                       "--speculative draft."),
+    fast_path: str = typer.Option("auto", help="Short forwards over a static cache: auto (CUDA graphs on a GPU "
+                                               "with the Triton kernels, off elsewhere), graphs, compiled (CPU: "
+                                               "the decode step under torch.compile; needs --max-batch-size 1), "
+                                               "eager or off."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
@@ -73,9 +77,10 @@ def serve_command(
                        kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
-                       num_speculative_tokens=num_speculative_tokens)
+                       num_speculative_tokens=num_speculative_tokens, fast_path=fast_path)
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)
+        check_fast_path_flag(config.fast_path, max_batch_size)
         warm_messages = [read_warm_file(path) for path in warm or []]
         t0 = time.perf_counter()
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
@@ -128,6 +133,14 @@ def check_speculative_flags(speculative: str | None, draft_model: str | None, ma
         raise ValueError("--draft-model is used only with --speculative draft")
 
 
+def check_fast_path_flag(fast_path: str, max_batch_size: int) -> None:
+    """--fast-path compiled compiles the batch-1 decode step only; batched rows would run the same static path
+    uncompiled, slower than the default on a CPU. So it needs a server that runs one request at a time."""
+    if fast_path == "compiled" and max_batch_size > 1:
+        raise ValueError("--fast-path compiled speeds up one request at a time (batched rows are not compiled): "
+                         "add --max-batch-size 1")
+
+
 def read_warm_file(path: str) -> list[dict]:
     """Chat messages to warm from a --warm file: a JSON list of messages, or text used as the system message."""
     import json
@@ -159,7 +172,8 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
         f"loaded in {load_s:.1f} s, warmed up in {warm_s:.1f} s",
         f"  K/V cache: {tiers}; chunks of {config.chunk_size} tokens stored at {config.kv_cache_bits} bits; "
         f"reuse {reuse}",
-        f"  batching: {scheduler.mode_name}{window}; queue {settings.max_queue}",
+        f"  batching: {scheduler.mode_name}{window}; queue {settings.max_queue}; fast path: "
+        f"{engine.fast_path_reason}",
     ]
 
 
