@@ -194,7 +194,7 @@ class InferenceEngine:
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
         """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
-        do_sample, stop, seed, frequency_penalty, presence_penalty, repetition_penalty, logit_bias, cache_salt,
+        min_p, do_sample, stop, seed, frequency_penalty, presence_penalty, repetition_penalty, logit_bias, cache_salt,
         content_reuse, return_logits, response_format, regex, grammar, logprobs, speculative,
         num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram, prediction."""
         return self.run(self.request(prompt, max_new_tokens, **options))

@@ -18,10 +18,10 @@ from .results import GenerationMode
 from .sampling import SamplingParams
 
 # Per-row options generate_batch / generate_many accept (the sampling ones are shared by every row).
-_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "do_sample", "stop", "seed", "cache_salt", "content_reuse",
-                "response_format", "regex", "grammar", "logprobs", "speculative", "num_speculative_tokens",
-                "prompt_lookup_max_ngram", "prompt_lookup_min_ngram", "frequency_penalty", "presence_penalty",
-                "repetition_penalty", "logit_bias"}
+_ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "min_p", "do_sample", "stop", "seed", "cache_salt",
+                "content_reuse", "response_format", "regex", "grammar", "logprobs", "speculative",
+                "num_speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram", "frequency_penalty",
+                "presence_penalty", "repetition_penalty", "logit_bias"}
 
 
 class RequestFactory:
@@ -114,7 +114,7 @@ class RequestFactory:
     def request(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, *,
                 messages: Messages | None = None, input_ids: Sequence[int] | None = None,
                 mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, temperature: float = 0.0,
-                top_p: float = 1.0, top_k: int = 0, do_sample: bool | None = None,
+                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, do_sample: bool | None = None,
                 stop: str | Sequence[str] | None = None, seed: int | None = None, cache_salt: str | None = None,
                 content_reuse: bool | None = None, return_logits: bool = False, response_format=None,
                 regex: str | None = None, grammar: str | None = None, logprobs: int | None = None,
@@ -133,7 +133,7 @@ class RequestFactory:
         without it."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,
+                                min_p=min_p, do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                 repetition_penalty=repetition_penalty, logit_bias=logit_bias)
         fmt = parse_output_format(response_format, regex, grammar)
@@ -158,6 +158,7 @@ class RequestFactory:
             raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
                                 top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
+                                min_p=options.get("min_p", 0.0),
                                 do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"),
                                 logprobs=options.get("logprobs"),
                                 frequency_penalty=options.get("frequency_penalty", 0.0),

@@ -24,6 +24,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; else drop tokens below min_p x the most likely one's probability
     do_sample: bool | None = None  # None: sample exactly when temperature > 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -46,6 +47,8 @@ class SamplingParams:
                                       "temperature")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an int >= 0, got {self.top_k!r}", "top_k")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -149,6 +152,9 @@ class Sampler:
             drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+        if p.min_p > 0.0:  # after top-k / top-p, as vLLM applies it
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         return torch.softmax(scores, dim=-1)
 
 

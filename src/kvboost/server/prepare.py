@@ -24,6 +24,7 @@ from ..decoding.grammar import OutputFormat, StructuredOutputUnavailableError, p
 from ..errors import ContextLengthError, InvalidRequestError
 from ..sampling import SamplingParams
 from .errors import APIError
+from .extensions import guided_format, refuse_unsupported
 from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from .settings import ServerSettings
 from .tools import native_tools, render_messages, setup_tools, template_supports_tools
@@ -56,10 +57,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    try:
-        fmt = parse_output_format(req.response_format)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    fmt = _output_format(req.response_format, extra)
     tools = setup_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if fmt is not None and tools.output_format is not None:
         raise APIError(400, f"response_format cannot be combined with tool_choice {tools.choice!r}: the reply "
@@ -112,10 +110,8 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
         text = prompt  # None for token ids: decoded in the result, after the first token
-    try:  # a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
-        fmt = parse_output_format(extra.get("response_format"))
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    # response_format is a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
+    fmt = _output_format(extra.get("response_format"), extra)
     _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
     return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), text, bool(req.stream),
@@ -164,7 +160,23 @@ def _speculation(engine, prediction: str | None):
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
+def _output_format(response_format, extra: dict) -> OutputFormat | None:
+    """response_format, or one of the guided-decoding fields other servers define (server/extensions.py)."""
+    try:
+        fmt, guided = parse_output_format(response_format), guided_format(extra)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if fmt is not None and guided is not None:
+        raise APIError(400, f"response_format cannot be combined with {guided.param.split('.')[0]}: the reply "
+                       "follows one format", param=guided.param.split(".")[0], code="invalid_value")
+    return fmt or guided
+
+
 def _refuse_unsupported(extra: dict) -> None:
+    try:
+        refuse_unsupported(extra)
+    except InvalidRequestError as exc:
+        raise _unsupported(str(exc), exc.param or "") from None
     for name, message in _UNSUPPORTED_FIELDS.items():
         if extra.get(name) is not None:
             raise _unsupported(message, name)
@@ -267,7 +279,8 @@ def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | Non
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+            seed=req.seed, stop=stop,
             logprobs=logprobs, frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

@@ -80,6 +80,7 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}; checked in penalties.py
     # KVBoost extensions (OpenAI clients pass them through extra_body)
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's / llama.cpp's
     repetition_penalty: float | None = Field(None, gt=0.0)  # transformers' / vLLM's (1 = off)
     cache_salt: str | None = None  # tenant isolation: K/V is shared only between equal salts
 
