@@ -161,9 +161,10 @@ class InferenceEngine:
 
     # ---- requests (request_factory.py) ---------------------------------------------------------------
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
-               add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
+               add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None,
+               chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids for a raw prompt (used as-is), chat messages (chat template) or the caller's own ids."""
-        return self.requests.encode(prompt, messages, add_generation_prompt, input_ids)
+        return self.requests.encode(prompt, messages, add_generation_prompt, input_ids, chat_template_kwargs)
 
     def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
         self.requests.check_prompt_length(n_prompt, param)
@@ -196,7 +197,8 @@ class InferenceEngine:
         """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
         min_p, do_sample, stop, seed, frequency_penalty, presence_penalty, repetition_penalty, logit_bias, cache_salt,
         content_reuse, return_logits, response_format, regex, grammar, logprobs, speculative,
-        num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram, prediction."""
+        num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram, prediction,
+        chat_template_kwargs."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
     def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,

@@ -15,9 +15,16 @@ from .errors import InvalidRequestError
 Messages = list[dict]
 
 
+# apply_chat_template arguments the caller's template variables may not override
+_TEMPLATE_RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "tools",
+                      "documents", "chat_template", "continue_final_message", "return_tensors"}
+
+
 def encode_prompt(tokenizer, n_vocab: int, prompt: str | Messages | None = None, messages: Messages | None = None,
-                  add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
-    """Exactly one of prompt (a string, or a list of messages), messages or input_ids."""
+                  add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+    """Exactly one of prompt (a string, or a list of messages), messages or input_ids. template_kwargs: extra
+    variables for the chat template (e.g. Qwen3's enable_thinking), messages only."""
     if input_ids is not None:
         if prompt is not None or messages is not None:
             raise InvalidRequestError("pass one of prompt, messages or input_ids", "input_ids")
@@ -30,9 +37,12 @@ def encode_prompt(tokenizer, n_vocab: int, prompt: str | Messages | None = None,
         validate_messages(messages)
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this tokenizer has no chat template; pass a plain prompt string", "messages")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **check_template_kwargs(template_kwargs))
         ids = ids["input_ids"] if not isinstance(ids, list) else ids
     else:
+        if template_kwargs:
+            raise InvalidRequestError("chat_template_kwargs apply to messages only", "chat_template_kwargs")
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string or a list of messages, got {type(prompt).__name__}",
                                       "prompt")
@@ -43,6 +53,19 @@ def encode_prompt(tokenizer, n_vocab: int, prompt: str | Messages | None = None,
     if not ids:
         raise InvalidRequestError("prompt tokenizes to zero tokens", "prompt")
     return ids
+
+
+def check_template_kwargs(template_kwargs: dict | None) -> dict:
+    """Chat-template variables: a dict of str keys that are not apply_chat_template's own arguments."""
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+        raise InvalidRequestError("chat_template_kwargs must be an object of template variables",
+                                  "chat_template_kwargs")
+    reserved = sorted(_TEMPLATE_RESERVED & set(template_kwargs))
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return template_kwargs
 
 
 def check_token_ids(input_ids, n_vocab: int, param: str = "input_ids") -> list[int]:

@@ -33,11 +33,13 @@ class RequestFactory:
         self._grammars_lock = threading.Lock()
 
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
-               add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None) -> list[int]:
-        """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template), or
-        input_ids the caller tokenized itself (checked against the model's vocabulary, used as-is)."""
+               add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None,
+               chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template, with
+        chat_template_kwargs as extra template variables), or input_ids the caller tokenized itself (checked
+        against the model's vocabulary, used as-is)."""
         return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
-                             add_generation_prompt, input_ids)
+                             add_generation_prompt, input_ids, chat_template_kwargs)
 
     def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
         if self.max_context is not None and n_prompt >= self.max_context:
@@ -121,7 +123,8 @@ class RequestFactory:
                 speculative: str | None = "default", num_speculative_tokens: int | None = None,
                 prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None,
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logit_bias: dict[int, float] | None = None, prediction: str | Sequence[int] | None = None) -> Request:
+                logit_bias: dict[int, float] | None = None, prediction: str | Sequence[int] | None = None,
+                chat_template_kwargs: dict | None = None) -> Request:
         """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
         frequency_penalty / presence_penalty / logit_bias (OpenAI's) and repetition_penalty (transformers') adjust
         the logits before the choice (penalties.py). response_format ({"type": "json_object"} |
@@ -140,7 +143,7 @@ class RequestFactory:
         mode = GenerationMode.parse(mode)
         spec = self.speculation(speculative, num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram,
                                 prediction)
-        ids = self.encode(prompt, messages, input_ids=input_ids)
+        ids = self.encode(prompt, messages, input_ids=input_ids, chat_template_kwargs=chat_template_kwargs)
         text = prompt if isinstance(prompt, str) else None  # decoded only when the result is built (not in TTFT)
         return self.make_request(ids, params, text, mode=mode, cache_salt=cache_salt, content_reuse=content_reuse,
                                  return_logits=return_logits, t_start=t0, output_format=fmt, speculative=spec)

@@ -41,10 +41,10 @@ def test_each_guided_field_maps_to_one_format():
 
 def test_fields_that_would_change_the_reply_are_refused_and_defaults_pass():
     refuse_unsupported({"skip_special_tokens": True, "min_tokens": 0, "priority": 0, "ignore_eos": False,
-                        "guided_decoding_backend": "xgrammar", "stop_token_ids": [], "chat_template_kwargs": {},
+                        "guided_decoding_backend": "xgrammar", "stop_token_ids": [],
                         "cache_prompt": True, "length_penalty": 1.0})
     for field, value in [("use_beam_search", True), ("min_tokens", 5), ("ignore_eos", True),
-                         ("stop_token_ids", [7]), ("chat_template_kwargs", {"enable_thinking": False}),
+                         ("stop_token_ids", [7]), ("chat_template", "{{ messages }}"),
                          ("skip_special_tokens", False), ("guided_decoding_backend", "outlines"),
                          ("typical_p", 0.5), ("logits_processors", ["x"]), ("priority", 3)]:
         with pytest.raises(InvalidRequestError) as info:
@@ -92,3 +92,43 @@ def test_conflicting_or_unsupported_fields_are_400(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=4, extra_body=body, **kwargs)
     assert info.value.param == param
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer, tiny_model_dir):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, for one) are the template's variables, in the library
+    and the server; the template's own arguments cannot be overridden; completions refuse them."""
+    import copy
+
+    from kvboost import KVBoost
+
+    from ..tiny_models import make_tiny_model
+    from .conftest import live_server
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% if greeting %}{{ greeting }} {% endif %}" + tokenizer.chat_template
+    engine = KVBoost(make_tiny_model("llama", tok), tok, chunk_size=16)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = engine.encode(messages=messages)
+    greeted = engine.encode(messages=messages, chat_template_kwargs={"greeting": "Hello there"})
+    assert greeted[len(greeted) - len(plain):] == plain and len(greeted) > len(plain)
+    r = engine.generate(messages=messages, max_new_tokens=2, chat_template_kwargs={"greeting": "Hello there"})
+    assert r.prompt_tokens == len(greeted)
+    for bad in ({"tokenize": False}, {"tools": []}, ["greeting"]):
+        with pytest.raises(InvalidRequestError) as info:
+            engine.encode(messages=messages, chat_template_kwargs=bad)
+        assert info.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidRequestError):
+        engine.encode("plain prompt", chat_template_kwargs={"greeting": "x"})
+    with live_server(engine, model=str(tiny_model_dir)) as live:
+        client = live.client()
+        r = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"greeting": "Hello there"}})
+        assert r.usage.prompt_tokens == len(greeted)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+        assert info.value.param == "chat_template_kwargs"
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2,
+                                      extra_body={"chat_template_kwargs": {"greeting": "x"}})
+        assert info.value.param == "chat_template_kwargs"

@@ -8,7 +8,8 @@ vLLM's docs and many tutorials - would return free text as if it were constraine
 Honoured: vLLM's guided decoding (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and the newer
 `structured_outputs` object) and llama.cpp's `json_schema` and `grammar`, as the same grammars `response_format`,
 `regex` and `grammar` compile to;
-`min_p`, `top_k` and `repetition_penalty` are request fields (schema.py). Refused when set to anything but their
+`min_p`, `top_k` and `repetition_penalty` are request fields (schema.py); `chat_template_kwargs` reaches the
+chat template (prepare.py). Refused when set to anything but their
 default: the sampling and rendering options below.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ _NO_EFFECT: dict[str, tuple] = {
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "prompt_logprobs": (), "allowed_token_ids": (), "bad_words": ([],), "add_generation_prompt": (True,),
     "continue_final_message": (False,), "add_special_tokens": (False,), "documents": (), "chat_template": (),
-    "chat_template_kwargs": ({},), "mm_processor_kwargs": (), "guided_whitespace_pattern": (),
+    "mm_processor_kwargs": (), "guided_whitespace_pattern": (),
     "logits_processors": (), "priority": (0,), "return_tokens_as_token_ids": (False,), "vllm_xargs": (),
     "typical_p": (1, 1.0), "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "mirostat_tau": (),
     "mirostat_eta": (), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0),

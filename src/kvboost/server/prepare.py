@@ -22,6 +22,7 @@ from typing import Any
 
 from ..decoding.grammar import OutputFormat, StructuredOutputUnavailableError, parse_output_format
 from ..errors import ContextLengthError, InvalidRequestError
+from ..prompting import check_template_kwargs
 from ..sampling import SamplingParams
 from .errors import APIError
 from .extensions import guided_format, refuse_unsupported
@@ -66,13 +67,14 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     fmt = fmt or tools.output_format
     texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
     prediction = _prediction_text(req.prediction, settings)
+    template_kwargs = _template_kwargs(extra.get("chat_template_kwargs"))
     with lock:
         native = bool(tools.functions) and template_supports_tools(engine.tokenizer)
         messages = render_messages(req.messages, texts, tools, native)
         if native:
-            ids = _encode_with_tools(engine, messages, native_tools(tools))
+            ids = _encode_with_tools(engine, messages, native_tools(tools), template_kwargs)
         else:
-            ids = _encode(engine, None, messages, "messages")
+            ids = _encode(engine, None, messages, "messages", template_kwargs=template_kwargs)
         speculative = _speculation(engine, prediction)
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
@@ -92,8 +94,9 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     best_of = extra.get("best_of")
     if best_of not in (None, 1):
         raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
-    if extra.get("prediction") is not None:
-        raise _unsupported("prediction (Predicted Outputs) is a chat completions parameter", "prediction")
+    for name in ("prediction", "chat_template_kwargs"):
+        if extra.get(name) is not None:
+            raise _unsupported(f"{name} is a chat completions parameter", name)
     _refuse_unsupported(extra)
     prompt = req.prompt
     token_ids = None  # OpenAI also takes the prompt as token ids: [int, ...] or a one-element [[int, ...]]
@@ -205,10 +208,18 @@ def _compile(engine, fmt: OutputFormat | None) -> None:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
-def _encode_with_tools(engine, messages: list[dict], tools: list[dict]) -> list[int]:
+def _template_kwargs(value) -> dict:
+    try:
+        return check_template_kwargs(value)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+
+def _encode_with_tools(engine, messages: list[dict], tools: list[dict], template_kwargs: dict) -> list[int]:
     """Through the chat template with its own tool rendering (templates that use `tools`)."""
     try:
-        ids = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                   **template_kwargs)
     except Exception as exc:
         raise APIError(400, f"could not render the messages with tools: {type(exc).__name__}: {exc}",
                        param="messages", code="invalid_value") from None
@@ -238,9 +249,9 @@ def _message_text(i: int, m: ChatMessage) -> str:
 
 
 def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
-            token_ids: list[int] | None = None) -> list[int]:
+            token_ids: list[int] | None = None, template_kwargs: dict | None = None) -> list[int]:
     try:
-        return engine.encode(prompt, messages, input_ids=token_ids)
+        return engine.encode(prompt, messages, input_ids=token_ids, chat_template_kwargs=template_kwargs or None)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc).replace("input_ids", param),
                        param=param if exc.param in ("prompt", "messages", "input_ids", None) else exc.param,
