@@ -55,8 +55,9 @@ class EngineConfig:
     # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
     fast_path: str = "auto"
     # Exact chunks live in a block pool (kv/paged_kv.py, docs/paged-kv.md): a hit maps stored blocks without
-    # copying them, write-back keeps blocks. Off by default while the block path is being wired; for now it
-    # needs fixed cuts, full precision, no content reuse and no disk/Redis tier (refused otherwise).
+    # copying them, write-back keeps blocks; disk / Redis tiers sit behind the blocks. Off by default while the
+    # block path is being wired; for now it needs fixed cuts, full precision and no content reuse (refused
+    # otherwise).
     paged_kv: bool = False
     kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
     # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
@@ -107,8 +108,7 @@ class EngineConfig:
         if self.paged_kv:
             unsupported = [name for name, on in (
                 ("chunk_boundary_window", self.chunk_boundary_window != 0), ("content_reuse", self.content_reuse),
-                ("kv_cache_bits", self.kv_cache_bits != 16), ("disk_cache_dir", self.disk_cache_dir is not None),
-                ("redis_url", self.redis_url is not None)) if on]
+                ("kv_cache_bits", self.kv_cache_bits != 16)) if on]
             _require(not unsupported, f"paged_kv does not support {', '.join(unsupported)} yet")
 
     @classmethod

@@ -96,10 +96,12 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
+        paged = self.config.paged_kv
+        store = build_store(self.config, self.namespace, memory_budget_bytes=0 if paged else None)
         blocks = build_paged_kv(self.chunker, shapes, kv_dtype, self.device, self.config.memory_budget_bytes,
-                                self.config.kv_block_size, self.max_context) if self.config.paged_kv else None
-        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, build_store(self.config, self.namespace),
-                                 model, blocks=blocks)
+                                self.config.kv_block_size, self.max_context,
+                                slow=store if store.slow_tiers else None) if paged else None
+        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model, blocks=blocks)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)

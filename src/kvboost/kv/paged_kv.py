@@ -11,6 +11,12 @@ write-back keeps the sequence's blocks as stored chunks (no clone).
 Cuts must be fixed (no boundary window) and the chunk size a multiple of the block size, so that every chunk
 starts on a block boundary and a stored chunk is whole blocks (its last one partly filled for a remainder).
 
+Slower tiers (disk, Redis: `slow`, a TieredStore whose memory tier holds nothing - the blocks are the memory
+tier): a chunk written back as blocks is also written behind to them (a copy of its K/V, since the blocks may be
+evicted and reused before the writer gets to it); a whole chunk the block cache misses is looked up there and
+loaded into fresh blocks (per layer, one slice copy per block), then cached like any other. Records keep the
+store's per-layer format. Token-granular siblings are found in the block cache only.
+
 The "mirror" is today's contiguous workspace, kept while the model's own attention (CPU) needs contiguous K/V:
 placing still copies (one gather per layer) and absorbing copies the new positions once. The paged kernel
 (model/attention/paged.py) reads the table directly and needs neither.
@@ -26,7 +32,7 @@ import torch
 
 from ..chunking import Chunk, Chunker
 from ..reuse.match import Segment, common_prefix_length
-from ..store.base import ChunkRecord
+from ..store.base import ChunkRecord, ChunkStore
 from .block_cache import BlockCache, CachedChunk
 from .block_table import BlockTable
 from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
@@ -52,7 +58,7 @@ class PagedPlan:
 
 
 class PagedKV:
-    def __init__(self, chunker: Chunker, pool: BlockPool, cache: BlockCache):
+    def __init__(self, chunker: Chunker, pool: BlockPool, cache: BlockCache, slow: ChunkStore | None = None):
         if chunker.boundary_window:
             raise BlockLayoutError("paged KV needs fixed chunk cuts (chunk_boundary_window=0): a chunk must start "
                                    "on a block boundary")
@@ -61,7 +67,9 @@ class PagedKV:
                                    f"{chunker.chunk_size}")
         if cache.pool is not pool:
             raise BlockLayoutError("the block cache must keep blocks of this pool")
-        self.chunker, self.pool, self.cache = chunker, pool, cache
+        self.chunker, self.pool, self.cache, self.slow = chunker, pool, cache, slow
+        self.loaded = 0  # chunks loaded from the slow tiers into blocks
+        self.load_failures: dict[str, int] = {}  # reason -> count (a failed load is a miss, never an error)
 
     # ---- lookup ---------------------------------------------------------------------------------------
     def lookup(self, ids: Sequence[int], salt: str | None, token_granular: bool = True,
@@ -87,6 +95,8 @@ class PagedKV:
 
     def _map_whole(self, plan: PagedPlan, chunk: Chunk) -> bool:
         hit = self.cache.acquire(chunk.prefix_key)
+        if hit is None and self.slow is not None:
+            hit = self._load(chunk)
         if hit is None:
             return False
         if hit.token_ids != chunk.token_ids or hit.start != chunk.start:  # a key collision is not a hit
@@ -96,6 +106,35 @@ class PagedKV:
         plan.chunks += 1
         plan.mapped.append((hit, hit.n_tokens))
         return True
+
+    def _load(self, chunk: Chunk) -> CachedChunk | None:
+        """The chunk from the slow tiers into fresh blocks, cached and acquired (None: not there, or no room)."""
+        assert self.slow is not None
+        record = self.slow.get(chunk.prefix_key)
+        if record is None or record.token_ids != chunk.token_ids or record.start != chunk.start:
+            return None
+        table = BlockTable(self.pool)
+        try:
+            table.reserve(record.n_tokens)
+            for layer, (k, v) in enumerate(zip(record.keys, record.values)):
+                table.write(layer, 0, k, v)
+            self.cache.put(chunk.prefix_key, table.blocks, chunk.token_ids, chunk.start, chunk.parent_key)
+        except (BlockError, RuntimeError, ValueError, IndexError) as exc:  # out of blocks, a record of another shape
+            reason = type(exc).__name__
+            self.load_failures[reason] = self.load_failures.get(reason, 0) + 1
+            return None
+        finally:
+            table.release()  # the cache holds the blocks now (or they are free again)
+        self.loaded += 1
+        return self.cache.acquire(chunk.prefix_key)
+
+    def _snapshot(self, chunk: Chunk, blocks: Sequence[int]) -> ChunkRecord:
+        """The chunk's K/V copied out of its blocks, for the write-behind queue (the blocks may be reused before
+        the writer runs)."""
+        cached = CachedChunk(chunk.prefix_key, tuple(blocks), tuple(chunk.token_ids), chunk.start, chunk.parent_key)
+        views = self.record(cached)
+        return ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, tuple(chunk.token_ids), chunk.start,
+                           [k.clone() for k in views.keys], [v.clone() for v in views.values])
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
         """The stored sibling of `chunk` (same parent, same start) agreeing longest with the prompt from there."""
@@ -157,7 +196,8 @@ class PagedKV:
 
     def stats(self) -> dict:
         s = self.cache.stats()
-        return {"block_size": self.pool.layout.block_size, "blocks": self.pool.num_blocks,
+        return {"loaded_from_slow_tiers": self.loaded, "load_failures": dict(self.load_failures),
+                "block_size": self.pool.layout.block_size, "blocks": self.pool.num_blocks,
                 "blocks_used": self.pool.num_used, "block_bytes": self.pool.layout.block_nbytes,
                 "pool_bytes": self.pool.nbytes, "stored_chunks": s.entries, "stored_blocks": s.blocks,
                 "stored_bytes": s.bytes, "budget_bytes": s.budget_bytes, "hits": s.hits, "misses": s.misses,
@@ -226,6 +266,8 @@ class PagedKV:
             blocks = table.blocks[chunk.start // bs:self.pool.layout.blocks_for(chunk.end)]
             if self.cache.put(chunk.prefix_key, blocks, chunk.token_ids, chunk.start, chunk.parent_key):
                 new += 1
+            if self.slow is not None and not self.slow.contains(chunk.prefix_key):
+                self.slow.put(self._snapshot(chunk, blocks))  # written behind; a failing tier is counted there
             if chunk.complete:
                 for sibling in self.cache.children(chunk.parent_key):
                     m = sibling.n_tokens
@@ -258,10 +300,12 @@ class _LayerViews(Sequence[torch.Tensor]):
 
 
 def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,
-                   budget_bytes: int, block_size: int | None = None, max_context: int | None = None) -> PagedKV:
+                   budget_bytes: int, block_size: int | None = None, max_context: int | None = None,
+                   slow: ChunkStore | None = None) -> PagedKV:
     """A pool for `budget_bytes` of stored blocks (the block cache's budget) plus room for two sequences of
-    max_context tokens (a request's table and a write-back's temporary one), and its cache."""
+    max_context tokens (a request's table and a write-back's temporary one), and its cache. slow: the disk /
+    Redis tiers behind the blocks (a store whose memory tier holds nothing), or None."""
     layout = BlockLayout.for_layers(shapes, block_size or chunker.chunk_size, dtype)
     running = 2 * (layout.blocks_for(max_context or 32768) + 1)
     pool = BlockPool(layout, budget_bytes // layout.block_nbytes + running, device)
-    return PagedKV(chunker, pool, BlockCache(pool, budget_bytes=budget_bytes))
+    return PagedKV(chunker, pool, BlockCache(pool, budget_bytes=budget_bytes), slow)

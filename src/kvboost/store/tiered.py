@@ -212,8 +212,10 @@ def _merge(lists) -> list[ChunkMeta]:
     return list(seen.values())
 
 
-def build_store(config, namespace: str, write_through_disk: bool = True) -> TieredStore:
+def build_store(config, namespace: str, write_through_disk: bool = True,
+                memory_budget_bytes: int | None = None) -> TieredStore:
     """The tiers an EngineConfig asks for. `namespace` must identify the model (and salt) whose K/V these are.
+    memory_budget_bytes: the memory tier's budget instead of the config's (0 with paged KV: blocks hold chunks).
 
     A configured disk directory is written through by default: a cache directory that only ever held
     memory's overflow would come back empty after a restart and share nothing between processes.
@@ -226,7 +228,8 @@ def build_store(config, namespace: str, write_through_disk: bool = True) -> Tier
     # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per
     # token instead of several keeps int8 at <= 0.52x of fp16 bytes on small-head models like SmolLM2.
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
-    memory = MemoryStore(config.memory_budget_bytes, max_entries=config.max_chunks, codec=codec)
+    budget = config.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
+    memory = MemoryStore(budget, max_entries=config.max_chunks, codec=codec)
     disk = None
     if config.disk_cache_dir:
         budget = config.disk_budget_bytes

@@ -1,0 +1,70 @@
+"""Disk and Redis behind the block pool (paged_kv=True): chunks written back as blocks reach the slow tiers, a miss
+in the block cache loads them into fresh blocks, records are shared with engines that do not page, and a record
+that cannot be loaded is a counted miss, never a wrong output."""
+from __future__ import annotations
+
+import pytest
+
+from .test_engine_tiers import CHUNK, NEW, baseline_tokens, engine_on, prompt_pair, saved_model  # noqa: F401
+
+
+def _stored(path, prefix, **options):
+    engine = engine_on(path, **options)
+    assert engine.warm(prefix).chunks_stored >= 6
+    assert engine.flush()
+    return engine
+
+
+@pytest.mark.parametrize("writer_paged, reader_paged", [(True, True), (False, True), (True, False)])
+def test_chunks_go_through_disk_between_engines(saved_model, tmp_path, tokenizer, writer_paged,  # noqa: F811
+                                                reader_paged):
+    cache = str(tmp_path / "cache")
+    prefix, prompt = prompt_pair(tokenizer, seed=3)
+    writer = _stored(saved_model, prefix, disk_cache_dir=cache, paged_kv=writer_paged)
+    if writer_paged:
+        stats = writer.cache_stats()
+        assert stats["paged_kv"]["stored_chunks"] >= 6 and stats["tiers"]["memory"]["entries"] == 0
+        assert stats["tiers"]["disk"]["entries"] >= 6
+    reader = engine_on(saved_model, disk_cache_dir=cache, paged_kv=reader_paged)  # empty pool / memory
+    result = reader.generate(prompt, NEW)
+    assert result.cached_tokens >= 6 * CHUNK
+    assert result.output_token_ids == baseline_tokens(reader, prompt)
+    stats = reader.cache_stats()
+    assert stats["tiers"]["disk"]["hits"] >= 6
+    if reader_paged:
+        assert stats["paged_kv"]["loaded_from_slow_tiers"] >= 6 and stats["paged_kv"]["stored_chunks"] >= 6
+        again = reader.generate(prompt, NEW)  # now from the blocks: no further disk reads
+        assert again.output_token_ids == result.output_token_ids
+        assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] == stats["paged_kv"]["loaded_from_slow_tiers"]
+
+
+def test_a_record_that_cannot_be_loaded_is_a_counted_miss(saved_model, tmp_path, tokenizer,  # noqa: F811
+                                                          monkeypatch):
+    cache = str(tmp_path / "cache")
+    prefix, prompt = prompt_pair(tokenizer, seed=4)
+    _stored(saved_model, prefix, disk_cache_dir=cache, paged_kv=True)
+    reader = engine_on(saved_model, disk_cache_dir=cache, paged_kv=True)
+    slow = reader.store
+    real_get = slow.get
+
+    def damaged(key):  # a record whose tensors do not fit the blocks (another layout)
+        record = real_get(key)
+        if record is not None:
+            record.keys = [k[:, :, :-1] for k in record.keys]
+        return record
+
+    monkeypatch.setattr(slow, "get", damaged)
+    result = reader.generate(prompt, NEW)
+    assert result.output_token_ids == baseline_tokens(reader, prompt)
+    failures = reader.cache_stats()["paged_kv"]["load_failures"]
+    assert sum(failures.values()) >= 1
+
+
+@pytest.mark.redis
+def test_redis_behind_the_blocks(saved_model, redis_server, tokenizer):  # noqa: F811
+    prefix, prompt = prompt_pair(tokenizer, seed=5)
+    _stored(saved_model, prefix, redis_url=redis_server.url, paged_kv=True)
+    reader = engine_on(saved_model, redis_url=redis_server.url, paged_kv=True)  # another host: empty pool
+    result = reader.generate(prompt, NEW)
+    assert result.cached_tokens >= 6 * CHUNK and result.output_token_ids == baseline_tokens(reader, prompt)
+    assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] >= 6
