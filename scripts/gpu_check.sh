@@ -17,6 +17,8 @@
 #
 # Environment:
 #   KVBOOST_GPU_CHECK_DEVICE  device to run on instead of cuda (e.g. cpu: rehearse the same flow without a GPU)
+#   KVBOOST_GPU_CHECK_TESTS   0: skip the test suite (run the benchmark alone: a machine lent with a per-command
+#                             time limit can run the two parts as two commands)
 #   KVBOOST_GPU_CHECK_BENCH   0: skip the benchmark; otherwise extra arguments for `kvboost bench gpu`
 #                             (default: none, the Qwen2.5-3B shape in bf16 on CUDA, --quick --shape tiny on CPU)
 #   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png (default: benchmarks/results)
@@ -58,6 +60,8 @@ if device.startswith("cuda"):
     line += f"; {torch.cuda.get_device_name(dev)} (capability {'.'.join(map(str, torch.cuda.get_device_capability(dev)))})"
 print(line)
 PY
+status=0
+if [[ "${KVBOOST_GPU_CHECK_TESTS:-1}" != "0" ]]; then
 echo "running: $PYTHON -m pytest -q --device $DEVICE -m \"not slow\" -p no:cacheprovider $* (log: $log)"
 
 start=$(date +%s.%N)
@@ -134,6 +138,11 @@ if [[ $status -eq 0 ]]; then
 else
     echo "== tests FAILED: junit xml $junit, full log $log"
     tail -n 3 "$log" | sed 's/^/   | /'
+fi
+
+else
+    echo "== tests skipped (KVBOOST_GPU_CHECK_TESTS=0)"
+    rm -rf "$workdir"
 fi
 
 bench_status=0
