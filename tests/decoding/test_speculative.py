@@ -79,7 +79,7 @@ def test_adaptive_k_follows_acceptance_and_step_cost():
     assert a.next_k(100) == 0  # the first step is plain: it times t1
     a.timed(1, 1.0)
     assert a.next_k(100) == 2 and a.next_k(100) == 2  # a short probe until an extra token's cost is measured
-    a.timed(9, 5.0)  # CPU-like: each extra verified token costs half a step
+    a.timed(9, 5.0)  # a verify costs 5 steps (one length timed: taken as the cost of every length)
     for _ in range(6):
         a.update(8, 8)
     assert a.next_k(100) == 8 and a.next_k(3) == 3  # high acceptance: long drafts, never past the budget
@@ -105,6 +105,30 @@ def test_adaptive_k_follows_acceptance_and_step_cost():
     for _ in range(6):
         free.update(4, 1)
     assert free.next_k(100) >= 4
+
+
+def test_verify_cost_is_fitted_over_the_lengths_timed():
+    """t(n) = base + slope (n - 2) from the engine's verify steps: a CPU, where 2..9 tokens cost about the same
+    (a matrix product either way), earns long drafts at a moderate acceptance; a cost growing a step per token
+    does not."""
+    cpu = AdaptiveK(8)
+    cpu.timed(1, 1.0)
+    cpu.timed(3, 2.0)
+    assert cpu.extra is None and cpu.verify_cost(9) == 2.0  # one length timed: no slope yet
+    cpu.timed(9, 2.2)
+    assert 0.0 < cpu.extra < 0.05 and abs(cpu.verify_cost(3) - 2.0) < 0.05
+    for _ in range(6):
+        cpu.update(8, 4)  # a ~ 0.8: half of each proposal kept
+    assert cpu.next_k(100) == 8
+    linear = AdaptiveK(8)
+    linear.timed(1, 1.0)
+    linear.timed(3, 3.0)
+    linear.timed(9, 9.0)
+    assert abs(linear.extra - 1.0) < 1e-6 and abs(linear.base - 2.0) < 1e-6
+    for _ in range(6):
+        linear.update(8, 4)
+    assert linear.next_k(100) == 1  # nothing beats a plain step: one probe, then a pause
+    assert linear.wait > 0
 
 
 @pytest.mark.parametrize("arch,wrong", [("llama", 0.0), ("llama", 1.0), ("qwen2", 0.5), ("gemma2", 0.5)])
