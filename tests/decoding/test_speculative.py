@@ -76,11 +76,10 @@ def test_accept_greedy_keeps_the_agreeing_prefix_and_adds_the_targets_token():
 
 def test_adaptive_k_follows_acceptance_and_step_cost():
     a = AdaptiveK(8)
-    assert a.next_k(100) == 8 and a.next_k(100) == 8  # the longest drafts until a verify's cost is measured
-    a.timed(9, 5.0)  # a verify costs 5 steps (one length timed: taken as the cost of every length)
-    a.update(8, 3)  # not kept whole: now the model decides, and it needs a plain step's time first
-    assert a.next_k(100) == 0
+    assert a.next_k(100) == 0  # the first step is plain: it times t1
     a.timed(1, 1.0)
+    assert a.next_k(100) == 2 and a.next_k(100) == 2  # a short probe until an extra token's cost is measured
+    a.timed(9, 5.0)  # a verify costs 5 steps (one length timed: taken as the cost of every length)
     for _ in range(6):
         a.update(8, 8)
     assert a.next_k(100) == 8 and a.next_k(3) == 3  # high acceptance: long drafts, never past the budget

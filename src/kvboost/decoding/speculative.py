@@ -27,6 +27,9 @@ from ..errors import InvalidRequestError
 METHODS = ("prompt_lookup", "draft", "off")
 MAX_SPECULATIVE_TOKENS = 15  # k + 1 verified tokens fit the runner's smallest suffix bucket (16)
 MAX_NGRAM = 16
+# Drafts in the first verify, before its cost is known: on a CPU a verify of k + 1 tokens costs ~(1 + 0.4 k)
+# plain steps, so two failed 8-draft probes at the start of a short open-ended answer cost ~10% of it.
+PROBE_K = 2
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,8 @@ class AdaptiveK:
     increment: on a CPU one token is a matrix-vector product and two are already a matrix product (SmolLM2-135M,
     1 thread, 1,100 cached tokens: 1 token 107 ms, 2-9 tokens 195-223 ms, 16 tokens 244 ms); on a GPU n barely
     matters. Until two different lengths were timed the slope is taken as 0 (one verify length measured says
-    nothing about longer ones; the next length measured corrects it). The first verify carries k_max drafts (it
-    costs about what a short one does, and a copied span is kept whole at once); t1 is timed on the first plain
-    step, which the model asks for when it first needs it (a proposal not kept whole); from then on the model
-    decides, except right after a proposal kept
+    nothing about longer ones; the next length measured corrects it). The first step is plain (t1), the first
+    verify carries PROBE_K drafts (base); from then on the model decides, except right after a proposal kept
     whole: copying from the prompt comes in spans, so k_max follows. k = 0 (a plain decode step) is picked
     when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to `max_pause` while it keeps
     losing, and retries with one draft: open-ended text pays for about one short verify per pause.
@@ -155,26 +156,23 @@ class AdaptiveK:
         return self.base + (self.extra or 0.0) * (n_tokens - 2)
 
     def best_k(self) -> int:
-        """The k of the highest expected rate (0: a plain step), once t1 and the verify cost are measured."""
-        assert self.t1 is not None and self.base is not None
-        rates = {0: 1.0 / max(self.t1, 1e-12)}
+        if self.streak:  # the last drafts were all kept: a copied span tends to go on (acceptance comes in bursts)
+            return self.k_max
+        if self.base is None:  # what a verify costs is not measured yet: probe with a few
+            return min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
+        rates = {0: 1.0 / self.t1} if self.t1 else {0: 0.0}
         rates.update({k: self.expected(k) / max(self.verify_cost(k + 1), 1e-12) for k in range(1, self.k_max + 1)})
         return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
         """Drafts to propose now (0: decode one token normally). budget: tokens that may still be emitted
         after this step's own token."""
+        if self.t1 is None:  # the first step is plain: its time is the yardstick every k is judged against
+            return 0
         if self.wait > 0:
             self.wait -= 1
             return 0
-        if self.streak:  # the last drafts were all kept: a copied span tends to go on (acceptance comes in bursts)
-            k = self.k_max
-        elif self.base is None:  # what a verify costs is not measured yet: try the longest drafts
-            k = self.k_max if self.acceptance > 0.5 else 1
-        elif self.t1 is None:  # one plain step: the yardstick every k is judged against
-            return 0
-        else:
-            k = self.best_k()
+        k = self.best_k()
         if k == 0:  # speculation does not pay now: pause, then retry once with one draft to re-measure
             self.wait, self.pause = self.pause, min(self.max_pause, self.pause * 2)
             k = 1
