@@ -74,10 +74,13 @@ class RequestFactory:
 
     def check_logit_bias(self, params: SamplingParams) -> None:
         """InvalidRequestError for a logit_bias token id the model has no logit for."""
-        outside = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
+        if not params.logit_bias:
+            return
+        vocab = self.vocab_size
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
         if outside:
             raise InvalidRequestError(f"logit_bias token id(s) {outside[:5]} outside the vocabulary "
-                                      f"(0..{self.vocab_size - 1})", "logit_bias")
+                                      f"(0..{vocab - 1})", "logit_bias")
 
     @property
     def vocab_size(self) -> int:

@@ -355,8 +355,8 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
         # Each weight shape in the memory order this machine's GEMV streams fastest (layout.py), measured once
         # here: before anything is compiled, since a weight's strides are part of the compiled step's guards.
         layouts = fastest_linear_layouts(model)
-        kept = sum(not v for v in layouts.values())
+        input_major = sum(layouts.values())
         return ModelRunner(model, workspace, mode="compiled", backend=backend), \
             f"static cache, decode steps under torch.compile; weights laid out by measurement " \
-            f"({len(layouts) - kept} of {len(layouts)} shapes input-major)"
+            f"({input_major} of {len(layouts)} shapes input-major)"
     return ModelRunner(model, workspace, mode="eager", backend=backend), "static cache, eager"
