@@ -296,3 +296,23 @@ def test_cache_refuses_free_blocks_and_delete_keeps_readers_safe():
     assert [c.key for c in cache.children("root")] == ["live"]
     assert cache.delete("live") and not cache.delete("live") and not cache.children("root")
     assert pool.refcount(table.blocks[0]) == 1  # the sequence's own hold remains
+
+
+def test_packed_records_move_in_one_copy_per_block():
+    pool = _pool()
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randn(LAYERS, 2, HEADS, BS + 2, DIM, generator=g)  # 1.5 blocks of every layer's K and V
+    a, b = pool.allocate(2)
+    pool.write_packed(a, 0, packed[:, :, :, :BS])
+    pool.write_packed(b, 0, packed[:, :, :, BS:])
+    assert torch.equal(pool.read_packed([a, b], BS + 2), packed)
+    assert torch.equal(pool.keys(1)[b, :, :2], packed[1, 0, :, BS:]) and not pool.values(2)[b, :, 2:].any()
+    with pytest.raises(BlockLayoutError):  # another head count
+        pool.write_packed(a, 0, packed[:, :, :1])
+    with pytest.raises(BlockLayoutError):  # past the block's end
+        pool.write_packed(a, 2, packed[:, :, :, :BS])
+    with pytest.raises(BlockLayoutError):
+        pool.read_packed([a], BS + 1)
+    pool.decref([a, b])
+    with pytest.raises(FreeBlockError):
+        pool.read_packed([a], 1)

@@ -37,6 +37,27 @@ def same(a: ChunkRecord, b: ChunkRecord) -> bool:
             and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.keys + a.values, b.keys + b.values)))
 
 
+def layered_blob(record: ChunkRecord, namespace: str, version: int = 1) -> bytes:
+    """The bytes a format-1 writer (kvboost before 0.2.0) made of a full-precision record: per-layer tensors
+    "k.{i}" / "v.{i}" and a header without "layout", framed and checksummed; `version` relabels the format
+    (an intact record of a version this code does not know)."""
+    import json
+    import struct
+
+    import xxhash
+    from safetensors.torch import save
+
+    tensors = {"token_ids": torch.tensor(record.token_ids, dtype=torch.int64)}
+    for i, (k, v) in enumerate(zip(record.keys, record.values)):
+        tensors[f"k.{i}"], tensors[f"v.{i}"] = k.contiguous().clone(), v.contiguous().clone()
+    header = {"format": version, "key": record.key, "parent_key": record.parent_key,
+              "content_key": record.content_key, "start": record.start, "bits": 16,
+              "dtype": str(record.keys[0].dtype).removeprefix("torch."), "namespace": namespace,
+              "n_layers": len(record.keys), "quantized": {}}
+    body = save(tensors, metadata={"kvboost": json.dumps(header)})
+    return struct.pack("<8sQQ", b"KVBOOST\x01", len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

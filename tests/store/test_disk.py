@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _synth import make_record, same
+from _synth import layered_blob, make_record, same
 
 from kvboost.store.disk import DiskStore
 
@@ -258,3 +258,21 @@ def test_get_never_raises_when_directory_vanishes(tmp_path):
     assert store.put(make_record(1)) is False
     assert store.children(None) == [] or True  # may still list rows from the unlinked (open) index
     assert store.stats().errors >= 1
+
+
+def test_format_1_files_are_read_and_newer_formats_left_alone(tmp_path):
+    old, newer = make_record(20), make_record(21)
+    with DiskStore(tmp_path, namespace="m") as store:
+        assert store.put(old) and store.put(newer)
+        store._path(old.key).write_bytes(layered_blob(old, "m"))  # as kvboost before 0.2.0 wrote it
+        store._path(newer.key).write_bytes(layered_blob(newer, "m", version=3))  # as a later one might
+        assert same(store.get(old.key), old)
+        assert store.get(newer.key) is None and not store.contains(newer.key)
+        s = store.stats()
+        assert s.extra["events"]["unsupported_format"] == 1 and s.extra["corrupt_dropped"] == 0
+        assert store._path(newer.key).exists()  # not ours to delete
+    for suffix in ("", "-wal", "-shm"):  # an index rebuild skips the newer file and keeps it
+        (tmp_path / f"index.sqlite3{suffix}").unlink(missing_ok=True)
+    with DiskStore(tmp_path, namespace="m") as store:
+        assert same(store.get(old.key), old) and not store.contains(newer.key)
+        assert store._path(newer.key).exists()

@@ -26,6 +26,12 @@ def test_chunks_go_through_disk_between_engines(saved_model, tmp_path, tokenizer
         assert stats["paged_kv"]["stored_chunks"] >= 6 and stats["tiers"]["memory"]["entries"] == 0
         assert stats["tiers"]["disk"]["entries"] >= 6
     reader = engine_on(saved_model, disk_cache_dir=cache, paged_kv=reader_paged)  # empty pool / memory
+    written: list[int] = []
+    if reader_paged:  # records are packed (format 2) whoever wrote them: one copy per block loaded
+        pool = reader.kv.blocks.pool
+        real_write_packed = pool.write_packed
+        pool.write_packed = lambda block, offset, packed: (written.append(block),
+                                                           real_write_packed(block, offset, packed))[1]
     result = reader.generate(prompt, NEW)
     assert result.cached_tokens >= 6 * CHUNK
     assert result.output_token_ids == baseline_tokens(reader, prompt)
@@ -33,9 +39,32 @@ def test_chunks_go_through_disk_between_engines(saved_model, tmp_path, tokenizer
     assert stats["tiers"]["disk"]["hits"] >= 6
     if reader_paged:
         assert stats["paged_kv"]["loaded_from_slow_tiers"] >= 6 and stats["paged_kv"]["stored_chunks"] >= 6
+        assert len(written) == stats["paged_kv"]["loaded_from_slow_tiers"]  # every chunk here is one block
         again = reader.generate(prompt, NEW)  # now from the blocks: no further disk reads
         assert again.output_token_ids == result.output_token_ids
         assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] == stats["paged_kv"]["loaded_from_slow_tiers"]
+
+
+def test_format_1_files_load_into_blocks_layer_by_layer(saved_model, tmp_path, tokenizer):  # noqa: F811
+    from pathlib import Path
+
+    from _synth import layered_blob
+
+    from kvboost.store.serialize import loads
+
+    cache = tmp_path / "cache"
+    prefix, prompt = prompt_pair(tokenizer, seed=6)
+    writer = _stored(saved_model, prefix, disk_cache_dir=str(cache), paged_kv=True)
+    files = sorted(Path(cache).glob("chunks/*/*.kvb"))
+    assert len(files) >= 6
+    for path in files:  # as kvboost before 0.2.0 wrote them: per-layer tensors, format 1
+        path.write_bytes(layered_blob(loads(path.read_bytes()), writer.namespace))
+    reader = engine_on(saved_model, disk_cache_dir=str(cache), paged_kv=True)
+    pool = reader.kv.blocks.pool
+    pool.write_packed = None  # the per-layer path must not need it
+    result = reader.generate(prompt, NEW)
+    assert result.cached_tokens >= 6 * CHUNK and result.output_token_ids == baseline_tokens(reader, prompt)
+    assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] >= 6
 
 
 def test_a_record_that_cannot_be_loaded_is_a_counted_miss(saved_model, tmp_path, tokenizer,  # noqa: F811

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from _synth import free_port, make_record, same
+from _synth import free_port, layered_blob, make_record, same
 
 from kvboost.store.redis import CircuitBreaker, RedisStore
 
@@ -61,6 +61,20 @@ def test_namespace_isolation(redis_server):
     assert same(a.get(rec.key), rec)
     b.clear()
     assert a.contains(rec.key)
+
+
+def test_format_1_blobs_are_read_and_newer_formats_left_alone(redis_server):
+    store = _store(redis_server)
+    old, newer = make_record(30), make_record(31)
+    assert store.put(old) and store.put(newer)
+    client = redis_server.client()
+    client.set(f"kvboost:m:chunk:{old.key}", layered_blob(old, "m"))  # as kvboost before 0.2.0 wrote it
+    client.set(f"kvboost:m:chunk:{newer.key}", layered_blob(newer, "m", version=3))
+    assert same(store.get(old.key), old)
+    assert store.get(newer.key) is None
+    s = store.stats()
+    assert s.extra["events"]["unsupported_format"] == 1 and s.extra["corrupt_dropped"] == 0
+    assert client.exists(f"kvboost:m:chunk:{newer.key}")  # not ours to delete
 
 
 def test_corrupt_blob_is_dropped(redis_server):

@@ -223,6 +223,31 @@ class BlockPool:
         self.keys(layer)[blk, :, off] = keys.transpose(0, 1).to(self.storage.dtype)
         self.values(layer)[blk, :, off] = values.transpose(0, 1).to(self.storage.dtype)
 
+    def write_packed(self, block: int, offset: int, packed: torch.Tensor) -> None:
+        """Positions [offset, offset + n) of block `block`, every layer's K and V, <- packed
+        [layers, 2, kv_heads, n, head_dim] (a stored record's layout): one copy."""
+        self._check_held(block)
+        n = packed.shape[3] if packed.dim() == 5 else -1
+        if packed.dim() != 5 or tuple(packed.shape[:3]) != self.layout.block_shape[:3] \
+                or packed.shape[4] != self.layout.head_dim or not 0 <= offset <= offset + n <= self.layout.block_size:
+            raise BlockLayoutError(f"packed K/V {tuple(packed.shape)} at offset {offset} does not fit a block "
+                                   f"{self.layout.block_shape}")
+        self.storage[block, :, :, :, offset:offset + n].copy_(packed)
+
+    def read_packed(self, blocks: Sequence[int], n_tokens: int) -> torch.Tensor:
+        """The first n_tokens positions of `blocks` (in order) as a new tensor [layers, 2, kv_heads, n_tokens,
+        head_dim]: one copy per block."""
+        self._check_held(*blocks)
+        bs = self.layout.block_size
+        if not 0 <= n_tokens <= len(blocks) * bs:
+            raise BlockLayoutError(f"{n_tokens} tokens do not fit {len(blocks)} blocks of {bs}")
+        out = torch.empty(*self.layout.block_shape[:3], n_tokens, self.layout.head_dim, dtype=self.layout.dtype,
+                          device=self.device)
+        for j, b in enumerate(blocks[:self.layout.blocks_for(n_tokens)]):
+            m = min(bs, n_tokens - j * bs)
+            out[:, :, :, j * bs:j * bs + m].copy_(self.storage[b, :, :, :, :m])
+        return out
+
     def write_runs(self, layer: int, runs: Sequence[tuple[int, int, int, int]], keys: torch.Tensor,
                    values: torch.Tensor) -> None:
         """Like write(), with the slots given as runs (block, offset in block, offset in keys, n): one slice copy

@@ -14,8 +14,8 @@ starts on a block boundary and a stored chunk is whole blocks (its last one part
 Slower tiers (disk, Redis: `slow`, a TieredStore whose memory tier holds nothing - the blocks are the memory
 tier): a chunk written back as blocks is also written behind to them (a copy of its K/V, since the blocks may be
 evicted and reused before the writer gets to it); a whole chunk the block cache misses is looked up there and
-loaded into fresh blocks (per layer, one slice copy per block), then cached like any other. Records keep the
-store's per-layer format. Token-granular siblings are found in the block cache only.
+loaded into fresh blocks (one copy per block for a packed record, format 2; per layer one slice copy per block
+for a per-layer one), then cached like any other. Token-granular siblings are found in the block cache only.
 
 The "mirror" is today's contiguous workspace, kept while the model's own attention (CPU) needs contiguous K/V:
 placing still copies (one gather per layer) and absorbing copies the new positions once. The paged kernel
@@ -116,8 +116,14 @@ class PagedKV:
         table = BlockTable(self.pool)
         try:
             table.reserve(record.n_tokens)
-            for layer, (k, v) in enumerate(zip(record.keys, record.values)):
-                table.write(layer, 0, k, v)
+            packed = record.packed_view()
+            if packed is not None:  # format 2: one copy per block
+                bs = self.pool.layout.block_size
+                for j, block in enumerate(table.blocks):
+                    self.pool.write_packed(block, 0, packed[:, :, :, j * bs:(j + 1) * bs])
+            else:  # a per-layer record (format 1, or built in memory): per layer, one slice copy per block
+                for layer, (k, v) in enumerate(zip(record.keys, record.values)):
+                    table.write(layer, 0, k, v)
             self.cache.put(chunk.prefix_key, table.blocks, chunk.token_ids, chunk.start, chunk.parent_key)
         except (BlockError, RuntimeError, ValueError, IndexError) as exc:  # out of blocks, a record of another shape
             reason = type(exc).__name__
@@ -131,10 +137,9 @@ class PagedKV:
     def _snapshot(self, chunk: Chunk, blocks: Sequence[int]) -> ChunkRecord:
         """The chunk's K/V copied out of its blocks, for the write-behind queue (the blocks may be reused before
         the writer runs)."""
-        cached = CachedChunk(chunk.prefix_key, tuple(blocks), tuple(chunk.token_ids), chunk.start, chunk.parent_key)
-        views = self.record(cached)
-        return ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, tuple(chunk.token_ids), chunk.start,
-                           [k.clone() for k in views.keys], [v.clone() for v in views.values])
+        packed = self.pool.read_packed(blocks, chunk.end - chunk.start)
+        return ChunkRecord.from_packed(chunk.prefix_key, chunk.parent_key, chunk.content_key, tuple(chunk.token_ids),
+                                       chunk.start, packed)
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
         """The stored sibling of `chunk` (same parent, same start) agreeing longest with the prompt from there."""

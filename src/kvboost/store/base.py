@@ -18,6 +18,11 @@ class ChunkRecord:
     keys[i] / values[i] are layer i's tensors shaped [kv_heads, n_tokens, head_dim] (batch dim dropped).
     parent_key is the prefix-chain key of the chunk before it (None for the first chunk), which is
     what lets a lookup find partial chunks at token granularity among a parent's children.
+
+    packed, when set, is every layer's K and V in one tensor [layers, 2, kv_heads, n_tokens, head_dim] (the
+    block pool's layout, kv/blocks.py), and keys[i] / values[i] are its views packed[i, 0] / packed[i, 1]: a
+    record read from disk or Redis, or copied out of blocks, moves into a block in one copy. Build one with
+    ChunkRecord.from_packed.
     """
 
     key: str
@@ -27,6 +32,30 @@ class ChunkRecord:
     start: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    packed: torch.Tensor | None = None
+
+    @classmethod
+    def from_packed(cls, key: str, parent_key: str | None, content_key: str, token_ids: tuple[int, ...],
+                    start: int, packed: torch.Tensor) -> ChunkRecord:
+        """A record over packed [layers, 2, kv_heads, n_tokens, head_dim]; its keys / values are views of it."""
+        if packed.dim() != 5 or packed.shape[1] != 2 or packed.shape[3] != len(token_ids):
+            raise ValueError(f"packed K/V {tuple(packed.shape)} is not [layers, 2, heads, {len(token_ids)}, dim]")
+        return cls(key, parent_key, content_key, tuple(token_ids), start, list(packed[:, 0].unbind(0)),
+                   list(packed[:, 1].unbind(0)), packed)
+
+    def packed_view(self) -> torch.Tensor | None:
+        """`packed` while keys / values are still its views (None otherwise: a record whose layers were
+        replaced after it was built must not be read through a stale pack)."""
+        p = self.packed
+        if p is None or len(self.keys) != p.shape[0] or len(self.values) != p.shape[0]:
+            return None
+        base, size, shape, strides = p.data_ptr(), p.element_size(), p.shape[2:], p.stride()[2:]
+        step, half = p.stride(0) * size, p.stride(1) * size
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if (k.data_ptr() != base + i * step or v.data_ptr() != base + i * step + half or k.shape != shape
+                    or v.shape != shape or k.stride() != strides or v.stride() != strides):
+                return None
+        return p
 
     @property
     def n_tokens(self) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 from . import disk_index as idx
 from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
-from .serialize import RecordError, dumps, loads
+from .serialize import RecordError, UnsupportedFormatError, dumps, loads
 
 MANIFEST = idx.MANIFEST
 _SUFFIX, _TMP_SUFFIX = idx.SUFFIX, idx.TMP_SUFFIX
@@ -71,7 +71,7 @@ class DiskStore(CountedTier):
         self.health = TierHealth(self.name)
         self.disabled: str | None = None  # why this store serves nothing, if it cannot be used safely
         self.read_only: str | None = None  # why this store serves hits but writes nothing
-        self._unservable: set[str] = set()  # read-only: damaged files we may not delete, never served
+        self._unservable: set[str] = set()  # never served: damaged files we may not delete (read-only), newer formats
         self._conn: sqlite3.Connection | None = None
         self._wconn: sqlite3.Connection | None = None
         self._pid = os.getpid()
@@ -222,6 +222,10 @@ class DiskStore(CountedTier):
             return None
         try:
             record = loads(blob, self.namespace, key)
+        except UnsupportedFormatError as exc:  # a newer kvboost's record: not ours to delete, never served
+            self._unservable.add(key)
+            self.health.event("unsupported_format", f"{path.name}: {exc}")
+            return None
         except RecordError:
             self._drop(key, path, st, "corrupt_dropped")
             return None

@@ -20,7 +20,7 @@ from pathlib import Path
 import xxhash
 
 from .base import ChunkMeta
-from .serialize import FRAME_SIZE, CorruptRecordError, RecordError, frame_checksum, loads_meta
+from .serialize import FRAME_SIZE, CorruptRecordError, RecordError, UnsupportedFormatError, frame_checksum, loads_meta
 
 INDEX = "index.sqlite3"
 MANIFEST = "manifest.json"
@@ -156,11 +156,14 @@ def read_chunk_file(path: Path) -> tuple[str, ChunkMeta, bytes]:
 
 
 def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) -> tuple[int, list[str]]:
-    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not verify)."""
+    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not verify). Files of a
+    newer format are neither: left alone, unindexed."""
     kept, bad = 0, []
     for rel in sorted(relpaths):
         try:
             namespace, meta, blob = read_chunk_file(directory / rel)
+        except UnsupportedFormatError:
+            continue
         except (OSError, RecordError):
             bad.append(rel)
             continue

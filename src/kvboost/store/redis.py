@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
-from .serialize import RecordError, dumps, loads
+from .serialize import RecordError, UnsupportedFormatError, dumps, loads
 
 try:  # optional dependency: kvboost[redis]
     import redis as _redis
@@ -179,6 +179,8 @@ class RedisStore(CountedTier):
             else:
                 try:
                     record = loads(blob, self.namespace, key)
+                except UnsupportedFormatError as exc:  # a newer kvboost's record: a miss, left in place
+                    self.health.event("unsupported_format", str(exc))
                 except RecordError:
                     self._forget([(key, raw_meta)], "corrupt_dropped")
         return record

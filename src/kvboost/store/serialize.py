@@ -1,11 +1,18 @@
 """ChunkRecord <-> bytes, shared by the disk and Redis tiers.
 
 Layout: a 24-byte frame (magic, body length, xxh3_64 of the body) followed by a safetensors body whose
-tensors are the token ids and each layer's K/V (raw, or the codes/scales/minimums of a QuantTensor) and
-whose metadata holds one JSON header (key, parent_key, content_key, start, bits, dtype, namespace,
-per-tensor quantization layout). The checksum covers the whole body, header included, so a flipped
-byte anywhere - a shape, a dtype, a key - is caught before any tensor is trusted. Nothing here uses
-pickle: a cache file is untrusted input.
+tensors are the token ids and the K/V, and whose metadata holds one JSON header (format version, key,
+parent_key, content_key, start, bits, dtype, namespace, layout, per-tensor quantization layout).
+
+K/V layouts: "packed" (format 2, full precision, every layer the same shape): one tensor "kv"
+[layers, 2, kv_heads, n_tokens, head_dim], the block pool's own layout, so a record moves into a block in one
+copy; "layers" (format 1, and quantized or mixed-shape records): "k.{i}" / "v.{i}" per layer, raw or the
+codes/scales/minimums of a QuantTensor. Format 1 files (every record before 0.2.0) are still read; a record of a
+format this code does not know is refused with UnsupportedFormatError (counted by the tiers, never deleted:
+a newer kvboost sharing the directory may have written it).
+
+The checksum covers the whole body, header included, so a flipped byte anywhere - a shape, a dtype, a key - is
+caught before any tensor is trusted. Nothing here uses pickle: a cache file is untrusted input.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ from .quant import Encoded, QuantCodec, QuantRecord, QuantTensor, decode_key, de
 MAGIC = b"KVBOOST\x01"
 _FRAME = struct.Struct("<8sQQ")  # magic, body length, xxh3_64(body)
 FRAME_SIZE = _FRAME.size
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8)}
 
@@ -36,6 +44,10 @@ class RecordError(KVBoostError):
 
 class CorruptRecordError(RecordError):
     """Truncated, bit-flipped, unparsable or internally inconsistent bytes."""
+
+
+class UnsupportedFormatError(RecordError):
+    """An intact record of a format version this code cannot read (written by a newer kvboost)."""
 
 
 class NamespaceMismatchError(RecordError):
@@ -57,7 +69,11 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
     tensors: dict[str, torch.Tensor] = {"token_ids": torch.tensor(meta.token_ids, dtype=torch.int64)}
     layout: dict[str, Any] = {}
     dtype = None
-    for kind, layer_list in (("k", keys), ("v", values)):
+    packed = _packed(record) if isinstance(record, ChunkRecord) else None
+    if packed is not None:
+        tensors["kv"] = _cpu(packed)
+        dtype = packed.dtype
+    for kind, layer_list in (("k", keys), ("v", values)) if packed is None else ():
         for i, t in enumerate(layer_list):
             name = f"{kind}.{i}"
             if isinstance(t, QuantTensor):
@@ -73,7 +89,8 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
     header = {
         "format": FORMAT_VERSION, "key": meta.key, "parent_key": meta.parent_key, "content_key": meta.content_key,
         "start": meta.start, "bits": bits, "dtype": _dtype_name(dtype) if dtype is not None else None,
-        "namespace": namespace, "n_layers": len(keys), "quantized": layout,
+        "namespace": namespace, "n_layers": len(keys), "layout": "layers" if packed is None else "packed",
+        "quantized": layout,
     }
     body = st_save(tensors, metadata={"kvboost": json.dumps(header, separators=(",", ":"))})
     return _FRAME.pack(MAGIC, len(body), checksum(body)) + body
@@ -132,8 +149,13 @@ def _verify(blob: bytes | memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
         header = json.loads(raw_header) if raw_header else None
     except Exception as exc:
         raise CorruptRecordError(f"unparsable body: {exc}") from exc
-    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
-        raise CorruptRecordError("missing header or unknown format version")
+    if not isinstance(header, dict) or not isinstance(header.get("format"), int):
+        raise CorruptRecordError("missing header or format version")
+    if header["format"] not in READABLE_FORMATS:  # intact (the checksum held), just not ours to read
+        raise UnsupportedFormatError(f"record format {header['format']}; this kvboost reads {READABLE_FORMATS}")
+    if header.get("layout", "layers") not in ("layers", "packed") or (
+            header["format"] == 1 and "layout" in header):
+        raise CorruptRecordError(f"unknown K/V layout {header.get('layout')!r}")
     for field, kind in (("key", str), ("content_key", str), ("namespace", str), ("start", int), ("n_layers", int),
                         ("bits", int), ("quantized", dict)):
         if not isinstance(header.get(field), kind):
@@ -159,6 +181,13 @@ def _meta(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkMeta:
 def _decode(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkRecord:
     meta = _meta(header, tensors)
     n_tokens = len(meta.token_ids)
+    if header.get("layout") == "packed":
+        kv = tensors.get("kv")
+        if kv is None or kv.dim() != 5 or kv.shape[0] != header["n_layers"] or kv.shape[1] != 2 \
+                or kv.shape[3] != n_tokens or _dtype_name(kv.dtype) != header["dtype"]:
+            raise CorruptRecordError(f"packed K/V {None if kv is None else tuple(kv.shape)} does not fit "
+                                     f"{header['n_layers']} layers x {n_tokens} tokens")
+        return ChunkRecord.from_packed(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, kv)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(header["n_layers"]):
@@ -202,6 +231,19 @@ def _check_quant(q: QuantTensor, name: str) -> None:
     other.pop(q.axis)
     if q.data.numel() != expected or list(q.scale.shape) != other + [groups] or q.zero.shape != q.scale.shape:
         raise CorruptRecordError(f"quantized tensor {name}: parts do not match shape {q.shape}")
+
+
+def _packed(record: ChunkRecord) -> torch.Tensor | None:
+    """[layers, 2, kv_heads, n_tokens, head_dim] of a full-precision record: its own pack, else its layers
+    stacked; None when the layers differ in shape or dtype (those records keep the per-layer layout)."""
+    packed = record.packed_view()
+    if packed is not None:
+        return packed
+    tensors = record.keys + record.values
+    if not tensors or any(t.shape != tensors[0].shape or t.dtype != tensors[0].dtype or t.dim() != 3
+                          or t.device != tensors[0].device for t in tensors):
+        return None
+    return torch.stack([torch.stack(record.keys), torch.stack(record.values)], dim=1)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
