@@ -60,6 +60,11 @@ class EngineConfig:
     # otherwise).
     paged_kv: bool = False
     kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
+    # paged_kv's stored chunks on the model's device: over this budget the coldest move to a host pool of
+    # memory_budget_bytes (pinned on CUDA) and come back on a hit, instead of being dropped (host offload).
+    # None: on CUDA 30% of the device memory free at load; elsewhere no offload (the device is host memory: one
+    # pool of memory_budget_bytes). Needs paged_kv.
+    device_kv_budget_bytes: int | None = None
     # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
     # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.
     speculative: str | None = None
@@ -105,6 +110,11 @@ class EngineConfig:
         _require(self.kv_block_size is None or (isinstance(self.kv_block_size, int) and self.kv_block_size > 0
                                                 and self.chunk_size % self.kv_block_size == 0),
                  f"kv_block_size must be None or a positive divisor of chunk_size, got {self.kv_block_size!r}")
+        _require(self.device_kv_budget_bytes is None or (
+            isinstance(self.device_kv_budget_bytes, int) and self.device_kv_budget_bytes >= 0),
+                 f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
+        _require(self.device_kv_budget_bytes is None or self.paged_kv,
+                 "device_kv_budget_bytes (host offload) needs paged_kv=True")
         if self.paged_kv:
             unsupported = [name for name, on in (
                 ("chunk_boundary_window", self.chunk_boundary_window != 0), ("content_reuse", self.content_reuse),

@@ -28,7 +28,7 @@ from .decoding.factory import make_draft_engine, make_speculator
 from .decoding.speculative import SpecCounts
 from .errors import InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
-from .kv.paged_kv import build_paged_kv
+from .kv.paged_kv import build_paged_kv, device_kv_budget
 from .kv.workspace import KVWorkspace
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
@@ -100,7 +100,9 @@ class InferenceEngine:
         store = build_store(self.config, self.namespace, memory_budget_bytes=0 if paged else None)
         blocks = build_paged_kv(self.chunker, shapes, kv_dtype, self.device, self.config.memory_budget_bytes,
                                 self.config.kv_block_size, self.max_context,
-                                slow=store if store.slow_tiers else None) if paged else None
+                                slow=store if store.slow_tiers else None,
+                                device_budget_bytes=device_kv_budget(self.config.device_kv_budget_bytes,
+                                                                     self.device)) if paged else None
         self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model, blocks=blocks)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..store.policy import LfuAging
@@ -48,8 +48,12 @@ class BlockCacheStats:
 class BlockCache:
     """chunk key -> blocks, under a byte budget (None: the pool's size is the only bound). Thread-safe."""
 
-    def __init__(self, pool: BlockPool, budget_bytes: int | None = None, evict_on_demand: bool = True):
+    def __init__(self, pool: BlockPool, budget_bytes: int | None = None, evict_on_demand: bool = True,
+                 spill: Callable[[CachedChunk], object] | None = None):
+        """spill(chunk): called with each evicted chunk while its blocks are still held (host offload copies them
+        out); a delete is not an eviction and is not spilled."""
         self.pool = pool
+        self.spill = spill
         self.budget_bytes = budget_bytes
         self._chunks: dict[str, CachedChunk] = {}
         self._held: Counter[int] = Counter()  # holds the cache itself has on each block
@@ -192,6 +196,8 @@ class BlockCache:
         """Evict: the cache's holds go; returns how many blocks became free."""
         chunk = self._chunks.pop(key)
         self._stats.evictions += 1
+        if self.spill is not None:
+            self.spill(chunk)
         return self._release(chunk)
 
     def _release(self, chunk: CachedChunk) -> int:

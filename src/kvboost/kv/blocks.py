@@ -95,7 +95,8 @@ class BlockPool:
     below 0), FreeBlockError (sharing or addressing a free block).
     """
 
-    def __init__(self, layout: BlockLayout, num_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(self, layout: BlockLayout, num_blocks: int, device: torch.device | str = "cpu",
+                 pin_memory: bool = False):
         if num_blocks <= 0:
             raise BlockLayoutError(f"num_blocks must be positive, not {num_blocks}")
         self.layout = layout
@@ -103,7 +104,8 @@ class BlockPool:
         # Empty (a large pool commits memory only as blocks are first written); allocate() zeroes what it hands
         # out: attention over a block's unwritten tail is masked, but masked NaN garbage would still poison a
         # softmax (0 * NaN = NaN) in a gather-then-mask path.
-        self.storage = torch.empty(num_blocks, *layout.block_shape, dtype=layout.dtype, device=self.device)
+        self.storage = torch.empty(num_blocks, *layout.block_shape, dtype=layout.dtype, device=self.device,
+                                   pin_memory=pin_memory)
         self._refs = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._lock = threading.Lock()
@@ -140,8 +142,11 @@ class BlockPool:
         self._evictor = evictor
 
     # ---- holding ---------------------------------------------------------------------------------
-    def allocate(self, n: int = 1) -> list[int]:
-        """n free blocks, each held once. All or nothing: on OutOfBlocksError nothing is held."""
+    def allocate(self, n: int = 1, zero: bool = True) -> list[int]:
+        """n free blocks, each held once. All or nothing: on OutOfBlocksError nothing is held. zero=False: the
+        caller overwrites every position at once (a whole-block copy), so the fill is skipped - on a host pool
+        that matters beyond speed: the fill would run on the host at once, ahead of copies still queued on the
+        device's stream that read the block's previous contents."""
         if n < 0:
             raise BlockError(f"cannot allocate {n} blocks")
         got = self._take(n)
@@ -154,7 +159,7 @@ class BlockPool:
         if got is None:
             raise OutOfBlocksError(f"{n} blocks wanted, {self.num_free} free of {self.num_blocks} "
                                    "(the rest are held by running sequences or pinned stored chunks)")
-        for b in got:  # a plain fill per block: an indexed assignment is several times slower on CPU
+        for b in got if zero else ():  # a plain fill per block: an indexed assignment is several times slower on CPU
             self.storage[b].zero_()
         return got
 
@@ -222,6 +227,15 @@ class BlockPool:
         # Advanced indices split by a slice put their dim first: the target is [n, kv_heads, d].
         self.keys(layer)[blk, :, off] = keys.transpose(0, 1).to(self.storage.dtype)
         self.values(layer)[blk, :, off] = values.transpose(0, 1).to(self.storage.dtype)
+
+    def copy_from(self, other: BlockPool, src: int, dst: int) -> None:
+        """Block dst of this pool <- block src of `other` (same layout; host <-> device): one copy, enqueued on the
+        current stream (asynchronous between pinned host memory and a GPU)."""
+        if other.layout != self.layout:
+            raise BlockLayoutError(f"cannot copy a block of layout {other.layout} into {self.layout}")
+        other._check_held(src)
+        self._check_held(dst)
+        self.storage[dst].copy_(other.storage[src], non_blocking=True)
 
     def write_packed(self, block: int, offset: int, packed: torch.Tensor) -> None:
         """Positions [offset, offset + n) of block `block`, every layer's K and V, <- packed

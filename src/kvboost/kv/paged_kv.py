@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
@@ -36,6 +36,7 @@ from ..store.base import ChunkRecord, ChunkStore
 from .block_cache import BlockCache, CachedChunk
 from .block_table import BlockTable
 from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
+from .host_offload import HostOffload, host_pool_for
 from .workspace import KVWorkspace, LayerShape
 
 
@@ -58,16 +59,17 @@ class PagedPlan:
 
 
 class PagedKV:
-    def __init__(self, chunker: Chunker, pool: BlockPool, cache: BlockCache, slow: ChunkStore | None = None):
+    def __init__(self, chunker: Chunker, pool: BlockPool, cache: BlockCache, slow: ChunkStore | None = None,
+                 host: HostOffload | None = None):
         if chunker.boundary_window:
             raise BlockLayoutError("paged KV needs fixed chunk cuts (chunk_boundary_window=0): a chunk must start "
                                    "on a block boundary")
         if chunker.chunk_size % pool.layout.block_size:
             raise BlockLayoutError(f"block size {pool.layout.block_size} does not divide the chunk size "
                                    f"{chunker.chunk_size}")
-        if cache.pool is not pool:
-            raise BlockLayoutError("the block cache must keep blocks of this pool")
-        self.chunker, self.pool, self.cache, self.slow = chunker, pool, cache, slow
+        if cache.pool is not pool or (host is not None and host.device is not pool):
+            raise BlockLayoutError("the block cache and host offload must keep blocks of this pool")
+        self.chunker, self.pool, self.cache, self.slow, self.host = chunker, pool, cache, slow, host
         self.loaded = 0  # chunks loaded from the slow tiers into blocks
         self.load_failures: dict[str, int] = {}  # reason -> count (a failed load is a miss, never an error)
 
@@ -95,6 +97,8 @@ class PagedKV:
 
     def _map_whole(self, plan: PagedPlan, chunk: Chunk) -> bool:
         hit = self.cache.acquire(chunk.prefix_key)
+        if hit is None and self.host is not None:
+            hit = self._restore(chunk)
         if hit is None and self.slow is not None:
             hit = self._load(chunk)
         if hit is None:
@@ -106,6 +110,20 @@ class PagedKV:
         plan.chunks += 1
         plan.mapped.append((hit, hit.n_tokens))
         return True
+
+    def _restore(self, chunk: Chunk) -> CachedChunk | None:
+        """The chunk from host memory back into device blocks, cached and acquired (None: not offloaded, or the
+        move failed - counted by the offload)."""
+        assert self.host is not None
+        moved = self.host.restore(chunk.prefix_key)
+        if moved is None:
+            return None
+        stored, blocks = moved
+        try:
+            self.cache.put(stored.key, blocks, stored.token_ids, stored.start, stored.parent_key)
+        finally:
+            self.pool.decref(blocks)  # the cache holds them now
+        return self.cache.acquire(chunk.prefix_key)
 
     def _load(self, chunk: Chunk) -> CachedChunk | None:
         """The chunk from the slow tiers into fresh blocks, cached and acquired (None: not there, or no room)."""
@@ -198,6 +216,8 @@ class PagedKV:
     def clear(self) -> None:
         """Forget every stored chunk (blocks running sequences hold stay theirs)."""
         self.cache.clear()
+        if self.host is not None:
+            self.host.clear()
 
     def stats(self) -> dict:
         s = self.cache.stats()
@@ -206,7 +226,8 @@ class PagedKV:
                 "blocks_used": self.pool.num_used, "block_bytes": self.pool.layout.block_nbytes,
                 "pool_bytes": self.pool.nbytes, "stored_chunks": s.entries, "stored_blocks": s.blocks,
                 "stored_bytes": s.bytes, "budget_bytes": s.budget_bytes, "hits": s.hits, "misses": s.misses,
-                "evictions": s.evictions, "pinned_skips": s.pinned_skips}
+                "evictions": s.evictions, "pinned_skips": s.pinned_skips,
+                "host": None if self.host is None else asdict(self.host.stats())}
 
     def absorb(self, table: BlockTable, workspace: KVWorkspace, end: int, row: int = 0) -> None:
         """Positions [table.length, end) of workspace row `row` into the table's own blocks (reserved here)."""
@@ -271,6 +292,8 @@ class PagedKV:
             blocks = table.blocks[chunk.start // bs:self.pool.layout.blocks_for(chunk.end)]
             if self.cache.put(chunk.prefix_key, blocks, chunk.token_ids, chunk.start, chunk.parent_key):
                 new += 1
+                if self.host is not None:
+                    self.host.discard(chunk.prefix_key)  # recomputed while offloaded: one copy is enough
             if self.slow is not None and not self.slow.contains(chunk.prefix_key):
                 self.slow.put(self._snapshot(chunk, blocks))  # written behind; a failing tier is counted there
             if chunk.complete:
@@ -306,11 +329,27 @@ class _LayerViews(Sequence[torch.Tensor]):
 
 def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,
                    budget_bytes: int, block_size: int | None = None, max_context: int | None = None,
-                   slow: ChunkStore | None = None) -> PagedKV:
-    """A pool for `budget_bytes` of stored blocks (the block cache's budget) plus room for two sequences of
-    max_context tokens (a request's table and a write-back's temporary one), and its cache. slow: the disk /
-    Redis tiers behind the blocks (a store whose memory tier holds nothing), or None."""
+                   slow: ChunkStore | None = None, device_budget_bytes: int | None = None) -> PagedKV:
+    """A pool for the stored blocks' budget plus room for two sequences of max_context tokens (a request's table
+    and a write-back's temporary one), and its cache. slow: the disk / Redis tiers behind the blocks (a store whose
+    memory tier holds nothing), or None.
+
+    device_budget_bytes None: one pool of `budget_bytes` of stored blocks. Otherwise the device pool keeps that
+    much, and the chunks it evicts move to a host pool of `budget_bytes` (host offload) instead of being dropped."""
     layout = BlockLayout.for_layers(shapes, block_size or chunker.chunk_size, dtype)
     running = 2 * (layout.blocks_for(max_context or 32768) + 1)
-    pool = BlockPool(layout, budget_bytes // layout.block_nbytes + running, device)
-    return PagedKV(chunker, pool, BlockCache(pool, budget_bytes=budget_bytes), slow)
+    stored = budget_bytes if device_budget_bytes is None else device_budget_bytes
+    pool = BlockPool(layout, stored // layout.block_nbytes + running, device)
+    host_pool = None if device_budget_bytes is None else host_pool_for(pool, budget_bytes)
+    host = None if host_pool is None else HostOffload(pool, host_pool)
+    cache = BlockCache(pool, budget_bytes=stored, spill=None if host is None else host.stash)
+    return PagedKV(chunker, pool, cache, slow, host)
+
+
+def device_kv_budget(configured: int | None, device: torch.device) -> int | None:
+    """The device pool's budget for stored chunks (None: no host offload): as configured, else on CUDA 30% of the
+    device memory free now; elsewhere None (the device is host memory)."""
+    if configured is not None or device.type != "cuda":
+        return configured
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * 0.3)
