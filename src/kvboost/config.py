@@ -60,6 +60,11 @@ class EngineConfig:
     # otherwise).
     paged_kv: bool = False
     kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
+    # What a single request's forwards run over with paged_kv: "workspace" (stored blocks are placed into the
+    # contiguous workspace, where the fast path's graphs run), "table" (no workspace: attention reads the block
+    # table - the paged Triton kernel on CUDA, a gather elsewhere - so a stored prefix is never copied; forwards are
+    # eager), or "auto" (= "workspace" until the fast path captures over tables). Batches use the workspace.
+    paged_attention: str = "auto"
     # paged_kv's stored chunks on the model's device: over this budget the coldest move to a host pool of
     # memory_budget_bytes (pinned on CUDA) and come back on a hit, instead of being dropped (host offload).
     # None: on CUDA 30% of the device memory free at load; elsewhere no offload (the device is host memory: one
@@ -113,6 +118,9 @@ class EngineConfig:
         _require(self.device_kv_budget_bytes is None or (
             isinstance(self.device_kv_budget_bytes, int) and self.device_kv_budget_bytes >= 0),
                  f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
+        _require(self.paged_attention in ("auto", "workspace", "table"),
+                 f"paged_attention must be auto, workspace or table, got {self.paged_attention!r}")
+        _require(self.paged_attention != "table" or self.paged_kv, "paged_attention='table' needs paged_kv=True")
         _require(self.device_kv_budget_bytes is None or self.paged_kv,
                  "device_kv_budget_bytes (host offload) needs paged_kv=True")
         if self.paged_kv:

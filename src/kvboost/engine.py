@@ -33,6 +33,7 @@ from .kv.workspace import KVWorkspace
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
+from .model.table_sequence import TableSequence, use_table_forward
 from .prompting import Messages
 from .request import Request
 from .request_factory import RequestFactory
@@ -104,6 +105,8 @@ class InferenceEngine:
                                 device_budget_bytes=device_kv_budget(self.config.device_kv_budget_bytes,
                                                                      self.device)) if paged else None
         self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model, blocks=blocks)
+        # paged_attention="table": single requests run over their block table, not the workspace (table_sequence).
+        self.table_forward = use_table_forward(self.config.paged_attention, model)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
@@ -134,6 +137,11 @@ class InferenceEngine:
             if ahead:
                 self.runner.warm_up()
             self.workspace.resident_ids, self.workspace.resident_tag = [], None  # scratch K/V, nothing resident
+
+    @property
+    def paged_backend(self) -> str | None:
+        """The attention preference of forwards over a block table: the engine's Triton choice, else automatic."""
+        return "triton" if self.attention == "triton" else ("sdpa" if self.attention == "sdpa" else None)
 
     @property
     def draft(self) -> InferenceEngine | None:
@@ -269,6 +277,10 @@ class InferenceEngine:
         """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
         rest. The caller holds self.lock under torch.inference_mode()."""
         ids, ws = request.ids, self.workspace
+        if self.table_forward:  # the stored prefix stays in its blocks; the workspace is not touched
+            plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate)
+            seq = TableSequence(self.model, self.kv.sequence_table(plan), self.paged_backend)
+            return Prefill(plan, seq, seq.forward(ids[plan.reuse_len:], plan.reuse_len))
         plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate, self._resident(request.salt))
         # From here until the forward succeeds the workspace holds no trustworthy prefix: writes past the plan's
         # resident part may overwrite what the previous request left.
@@ -297,6 +309,8 @@ class InferenceEngine:
     def _decode_step(self, token: int, cache: Cache, length: int) -> torch.Tensor:
         """Logits [vocab] after feeding `token` at position `length` (the runner's captured step when there is
         one; the cache's layer lengths then catch up once, when decoding ends)."""
+        if isinstance(cache, TableSequence):
+            return cache.forward([token], length)
         if self.runner is not None:
             return self.runner.forward([token], length)
         return forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1]
@@ -306,6 +320,8 @@ class InferenceEngine:
         the last token [vocab], or of every token [n, vocab] (all_logits: a speculative verify). Whatever the
         workspace held past `start` (a rejected draft) is overwritten. The caller holds the lock; the cache's
         length is right again only after set_cache_length (the runner writes behind it)."""
+        if isinstance(cache, TableSequence):
+            return cache.forward(tokens, start, all_logits)
         if self.runner is not None and self.runner.fits(len(tokens)):
             return self.runner.verify(tokens, start) if all_logits else self.runner.forward(tokens, start)
         self.set_cache_length(cache, start)
@@ -314,8 +330,10 @@ class InferenceEngine:
         return logits if all_logits else logits[-1]
 
     @staticmethod
-    def set_cache_length(cache: Cache, length: int) -> None:
+    def set_cache_length(cache: Cache | TableSequence, length: int) -> None:
         """Every layer of a workspace cache holds `length` positions (rolls back what lies past it)."""
+        if isinstance(cache, TableSequence):
+            return cache.set_length(length)
         for layer in cache.layers:
             layer.set_length(length)
 
@@ -330,7 +348,12 @@ class InferenceEngine:
         self.workspace.resident_ids, self.workspace.resident_tag = list(exact), self.kv.tag(request.salt)
 
     def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
-        """The workspace holds the K/V of `fed` (prompt + output) for `request`: claim it, write back its chunks."""
+        """The workspace holds the K/V of `fed` (prompt + output) for `request`: claim it, write back its chunks.
+        (paged_attention="table": the plan's table holds it; its blocks become stored chunks, nothing is copied.)"""
+        if self.table_forward:
+            if request.uses_cache and self.config.write_back:
+                self.kv.write_back_table(self.kv.sequence_table(plan), fed, request.salt)
+            return
         self._claim(request, plan, fed)
         if request.uses_cache and self.config.write_back:
             self.kv.write_back(self.workspace.resident_ids, request.salt, self.workspace)
@@ -423,6 +446,7 @@ class InferenceEngine:
                 "failure": self.runner.failure if self.runner else None,
                 **(self.runner.stats.as_dict() if self.runner else {})}
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
+                    paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,
                     speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict()))
 
     def clear_cache(self) -> None:

@@ -51,6 +51,18 @@ def test_prefix_runs_on_a_shape_and_records_it(tmp_path, one_thread):
     assert all(r["cached_tokens"] >= 128 for r in data["rows"])
 
 
+def test_prefix_paged_rows(tmp_path, one_thread):
+    js = tmp_path / "prefix.json"
+    out = _invoke(["bench", "prefix", "--shape", "tiny", "--device", "cpu", "--lengths", "300", "--repeats", "1",
+                   "--paged", "--json", str(js)])
+    assert out.exit_code == 0, out.output
+    assert "table/floor" in out.output and "host/floor" in out.output
+    (row,) = json.loads(js.read_text())["rows"]
+    paged = row["paged"]
+    assert paged["table_over_floor"] > 0 and paged["host_over_floor"] > 0, paged
+    assert paged["host_restored_from_host"] >= 2 and paged["table_restored_from_host"] == 0
+
+
 @pytest.mark.parametrize("command", ["prefix", "gpu", "batch"])
 def test_unknown_shape_is_a_usage_error_listing_the_known_ones(command):
     out = _invoke(["bench", command, "--shape", "qwen9"])
@@ -97,6 +109,10 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
     assert all(r["kvboost_cached"] > 800 for r in chat["per_turn"][1:])  # the ~900-token system prompt and more
     assert set(chat["spike"]) == {"plain", "manual", "kvboost"}
     assert [r["prefix_tokens"] for r in sections["prefix"]["rows"]] == [1000]  # --max-prefix caps the sweep
+    row = sections["prefix"]["rows"][0]
+    assert sections["prefix"]["paged_errors"] == {} and not any(k.endswith("_error") for k in row), row
+    assert row["store_over_floor"] > 0 and row["table_over_floor"] > 0 and row["host_over_floor"] > 0
+    assert row["host_restored_from_host"] >= 7 and row["table_restored_from_host"] == 0  # the host row's blocks came
     decode = {(r["system"], r["batch"]): r for r in sections["decode"]["rows"]}
     for batch in data["settings"]["batch_sizes"]:
         assert decode[("kvboost", batch)]["status"] == decode[("hf eager", batch)]["status"] == "ok"

@@ -161,3 +161,15 @@ def test_device_budget_needs_paged_kv(tokenizer):
         KVBoost(model, tokenizer, paged_kv=True, device_kv_budget_bytes=-1)
     engine = KVBoost(model, tokenizer, paged_kv=True)
     assert engine.cache_stats()["paged_kv"]["host"] is None  # CPU default: the device is host memory
+
+
+def test_chunks_stored_over_budget_while_pinned_go_once_released():
+    device, host, offload, cache = _tiers(device_blocks=4, host_blocks=4)
+    cache.budget_bytes = LAYOUT.block_nbytes  # one block's worth
+    table = BlockTable(device)
+    table.reserve(12)  # a sequence of three blocks, each stored as a chunk while the sequence holds them
+    for i, block in enumerate(table.blocks):
+        cache.put(f"k{i}", [block], tuple(range(4 * i, 4 * i + 4)), start=4 * i)
+    assert cache.stats().entries == 3 and offload.stats().offloaded == 0  # pinned: put() could not evict
+    table.release()
+    assert cache.trim() == 2 and cache.stats().entries == 1 and offload.stats().offloaded == 2

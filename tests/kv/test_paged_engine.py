@@ -102,3 +102,52 @@ def test_paged_engine_identical_on_smollm2(smol):
     today, paged = _pair(model, tokenizer)
     for a, b in zip(_session(today, forget=True), _session(paged, forget=True)):
         _same(a, b)
+
+
+# ---- paged_attention="table": single requests over their block table, no workspace ----------------------------
+@pytest.mark.parametrize("arch,block", [("llama", None), ("qwen2", CHUNK // 4)])
+@pytest.mark.parametrize("forget", [False, True])
+def test_forwards_over_the_table_give_the_same_outputs(tokenizer, device, arch, block, forget):
+    model = make_tiny_model(arch, tokenizer, device=device)
+    extra = {} if block is None else {"kv_block_size": block}
+    today = KVBoost(model, tokenizer, chunk_size=CHUNK, **extra)
+    table = KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True, paged_attention="table", **extra)
+    for a, b in zip(_session(today, forget), _session(table, forget)):
+        assert a.output_token_ids == b.output_token_ids
+        # The workspace keeps a prompt resident across requests; a table maps stored chunks (whole, or a stored
+        # sibling's first tokens), so the table reuses at most what the workspace does.
+        assert b.cached_tokens <= a.cached_tokens
+        if a.first_token_logits is not None:
+            torch.testing.assert_close(a.first_token_logits, b.first_token_logits, rtol=1e-4, atol=1e-4)
+    stats = table.cache_stats()
+    assert stats["paged_attention"] == "table" and stats["paged_kv"]["hits"] > 0
+    assert table.workspace.resident_ids == []  # nothing ran over the workspace
+    assert stats["paged_kv"]["blocks_used"] == stats["paged_kv"]["stored_blocks"]  # every request's holds went
+
+
+def test_forwards_over_the_table_with_speculation_and_streams(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    today = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    table = KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True, paged_attention="table")
+    prompt = words(30, seed=21) + " " + words(30, seed=21)  # repetitive: prompt lookup drafts get accepted
+    want = today.generate(prompt, max_new_tokens=24)
+    got = table.generate(prompt, max_new_tokens=24, speculative="prompt_lookup")
+    assert got.output_token_ids == want.output_token_ids
+    streamed = "".join(table.generate_stream(prompt, max_new_tokens=24))
+    assert streamed == want.output_text
+    again = table.generate(prompt, max_new_tokens=24)  # prompt + output were stored as the table's blocks
+    assert again.output_token_ids == want.output_token_ids and again.cached_tokens >= 2 * CHUNK
+    base = table.generate(prompt, max_new_tokens=8, mode="baseline")
+    assert base.cached_tokens == 0 and base.output_token_ids == want.output_token_ids[:8]
+    stats = table.cache_stats()["paged_kv"]
+    assert stats["blocks_used"] == stats["stored_blocks"]
+
+
+def test_table_forwards_are_refused_where_they_cannot_be_exact(tokenizer):
+    with pytest.raises(ValueError, match="paged_kv"):
+        KVBoost(make_tiny_model("llama", tokenizer), tokenizer, paged_attention="table")
+    with pytest.raises(ValueError, match="paged_attention"):
+        KVBoost(make_tiny_model("llama", tokenizer), tokenizer, paged_kv=True, paged_attention="tables")
+    with pytest.raises(ValueError, match="sliding"):
+        KVBoost(make_tiny_model("gemma3", tokenizer), tokenizer, chunk_size=CHUNK, paged_kv=True,
+                paged_attention="table")

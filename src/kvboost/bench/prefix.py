@@ -4,13 +4,14 @@ The floor is what no cache can beat: prefill of exactly the tokens KVBoost did n
 Hugging Face DynamicCache that already holds the rest (built before the clock starts). Each
 measurement uses a different question, so no run is helped by the previous run's suffix.
 KVBoost is measured twice: with the prefix resident in its workspace (a repeated system prompt,
-the common case) and loaded from the chunk store (the workspace forgotten first).
+the common case) and loaded from the chunk store (the workspace forgotten first). --paged adds paged KV's
+"table" and "host" rows (bench/paged_rows.py).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import typer
@@ -38,6 +39,7 @@ class PrefixRow:
     keys_and_match_ms: float  # hashing every chunk + exact-chain lookup
     cached_tokens: int
     identical_first_token: bool
+    paged: dict = field(default_factory=dict)  # --paged: table/host ms, over floor, errors (bench/paged_rows.py)
 
     @property
     def ratio(self) -> float:
@@ -132,7 +134,7 @@ def fitting_lengths(lengths: list[int], max_context: int | None, room: int = 64)
 
 
 def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeats: int, json_path: str | None,
-                     plot_path: str | None) -> list[PrefixRow]:
+                     plot_path: str | None, paged: bool = False) -> list[PrefixRow]:
     import torch
 
     from ..cli_common import load_engine
@@ -149,6 +151,13 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
         console.print(f"skipping prefix lengths {sorted(set(lengths) - set(fitting))}: the model's context is "
                       f"{engine.max_context} tokens")
     lengths = fitting
+    from .paged_rows import measure_paged, paged_engines
+
+    paged_built, paged_errors = {}, {}
+    if paged:
+        paged_built, paged_errors = paged_engines(engine, max(lengths, default=0) + 256)
+        for name, why in paged_errors.items():
+            console.print(f"[red]paged row {name!r} not measured: {why}")
     questions = bench_questions()
     rows: list[PrefixRow] = []
     with Progress(console=console, transient=True) as progress, torch.inference_mode():
@@ -194,12 +203,16 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                                                            mode="baseline").ttft_ms)
                 progress.advance(task)
             med = {k: statistics.median(v) for k, v in samples.items()}
-            rows.append(PrefixRow(n, len(ids), med["base"], med["ws"], med["store"], med["floor"],
-                                  med["floor_store"], med["keys"], cached, agree))
+            row = PrefixRow(n, len(ids), med["base"], med["ws"], med["store"], med["floor"], med["floor_store"],
+                            med["keys"], cached, agree)
+            for name, other in paged_built.items():
+                prompts = [engine.encode(prompt_for()) for _ in range(repeats + 1)]
+                measure_paged(row.paged, name, other, prefix, prompts, floor)
+            rows.append(row)
     _print(console, rows)
     if json_path:
         write_json(json_path, {"benchmark": "prefix", **choice.record(engine),
-                               "threads": torch.get_num_threads(), "repeats": repeats,
+                               "threads": torch.get_num_threads(), "repeats": repeats, "paged_errors": paged_errors,
                                "rows": [asdict(r) | {"ratio": r.ratio, "ratio_store": r.ratio_store} for r in rows]})
         console.print(f"wrote {json_path}")
     if plot_path:
@@ -209,6 +222,10 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
             "KVBoost (from store)": [(r.prefix_tokens, r.kvboost_store_ms) for r in rows],
             "floor (suffix over HF cache)": [(r.prefix_tokens, r.floor_ms) for r in rows],
         }
+        for name in ("table", "host"):
+            if any(f"{name}_ms" in r.paged for r in rows):
+                series[f"KVBoost paged ({name})"] = [(r.prefix_tokens, r.paged[f"{name}_ms"]) for r in rows
+                                                     if f"{name}_ms" in r.paged]
         plot_lines(series, "TTFT vs cached prefix length", "cached prefix tokens", "TTFT (ms)", plot_path)
         console.print(f"wrote {plot_path}")
     return rows
@@ -218,14 +235,19 @@ def _print(console: Console, rows: list[PrefixRow]) -> None:
     table = Table(title="Prefix reuse: TTFT, median ms", caption=(
         "full = no cache; kvb = KVBoost, prefix resident in its workspace; store = KVBoost, prefix copied from "
         "the chunk store; floor = prefill of the same uncached tokens over a DynamicCache already holding the "
-        "rest; lookup = hashing + chain match; same = first token equals the floor's"))
-    for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor", "speedup",
-                "lookup", "same"):
+        "rest; table = paged_kv, attention over the stored blocks; host = the same, every block copied back from "
+        "the host pool; lookup = hashing + chain match; same = first token equals the floor's"))
+    paged = [name for name in ("table", "host") if any(name + "_ms" in r.paged or name + "_error" in r.paged
+                                                          for r in rows)]
+    for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor",
+                *(f"{name}/floor" for name in paged), "speedup", "lookup", "same"):
         table.add_column(col, justify="right")
     for r in rows:
+        extra = [f"{r.paged[name + '_over_floor']:.2f}" if name + "_over_floor" in r.paged else "error"
+                 for name in paged]
         table.add_row(str(r.prefix_tokens), f"{r.baseline_ms:.0f}", f"{r.kvboost_ms:.1f}", f"{r.floor_ms:.1f}",
                       f"{r.ratio:.2f}", f"{r.kvboost_store_ms:.1f}", f"{r.floor_store_ms:.1f}", f"{r.ratio_store:.2f}",
-                      f"{r.baseline_ms / r.kvboost_ms:.1f}x", f"{r.keys_and_match_ms:.2f}",
+                      *extra, f"{r.baseline_ms / r.kvboost_ms:.1f}x", f"{r.keys_and_match_ms:.2f}",
                       "yes" if r.identical_first_token else "NO")
     console.print(table)
 
@@ -236,6 +258,8 @@ def bench_prefix_command(
     repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
     json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+    paged: bool = typer.Option(False, "--paged", help="Also paged KV: attention over the stored blocks (table) "
+                               "and over blocks copied back from host memory (host)."),
 ) -> None:
     """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
     choice = model_choice(model, shape, device, dtype)
@@ -244,4 +268,4 @@ def bench_prefix_command(
     except ValueError:
         raise typer.BadParameter(f"{lengths!r}: expected comma-separated token counts",
                                  param_hint="--lengths") from None
-    run_prefix_bench(choice, sizes, repeats, json_path, plot_path)
+    run_prefix_bench(choice, sizes, repeats, json_path, plot_path, paged)

@@ -144,6 +144,12 @@ class BlockCache:
                 self.delete(key)
             self._policy.reset()
 
+    def trim(self) -> int:
+        """Evict unpinned chunks, coldest first, while over budget: chunks stored while a sequence still held them
+        (pinned, so put() had to keep them) go once it has let go. Returns how many chunks were evicted."""
+        with self._lock:
+            return len(self._policy.evict_while(self._over_budget, self._drop_if_unpinned))
+
     def evict_blocks(self, n: int) -> int:
         """The pool's evictor: evict unpinned chunks, coldest first, until n blocks are free again (or nothing
         unpinned is left). Returns the number of blocks freed."""

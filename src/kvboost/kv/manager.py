@@ -172,6 +172,23 @@ class KVCacheManager:
         if approximate and token_granular:
             plan.content_fallback = "paged_kv: content reuse is not on the block path yet"
 
+    def sequence_table(self, plan: Plan) -> BlockTable:
+        """The block table a request's forwards extend (paged_attention="table"): the plan's own, or - for a plan
+        that mapped nothing (baseline mode) - a new one the plan holds the same way."""
+        assert self.blocks is not None
+        if plan.table is None:
+            plan.table = BlockTable(self.blocks.pool)
+            weakref.finalize(plan, plan.table.release)
+        return plan.table
+
+    def write_back_table(self, table: BlockTable, seq: Sequence[int], salt: str | None) -> tuple[int, int]:
+        """Store every chunk of seq the table holds as its blocks (no copy); returns (new, existing)."""
+        assert self.blocks is not None
+        new, existing = self.blocks.write_back(table, seq, salt)
+        with self._count_lock:
+            self._counters.chunks_written += new
+        return new, existing
+
     # ---- place ------------------------------------------------------------------------------------
     def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
         """Copy the plan's stored K/V into `workspace` (every row, or one `row`); positions the workspace

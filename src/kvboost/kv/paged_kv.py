@@ -80,6 +80,7 @@ class PagedKV:
         sibling at token granularity) into a new table; at most `limit` positions (default len(ids) - 1: the
         last prompt token always runs)."""
         t0 = time.perf_counter()
+        self.cache.trim()  # what earlier requests stored over budget while they held it
         ids = list(ids)
         plan = PagedPlan(BlockTable(self.pool), len(ids))
         for chunk in self.chunker.split(ids, salt):
@@ -260,6 +261,7 @@ class PagedKV:
         finally:
             if temporary:
                 table.release()
+                self.cache.trim()
 
     def _absorb_from(self, source: KVReadable | KVWorkspace, table: BlockTable, end: int, row: int) -> None:
         if isinstance(source, KVWorkspace):

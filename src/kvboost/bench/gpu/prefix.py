@@ -4,6 +4,10 @@ The same measurement as `kvboost bench prefix` (its SuffixFloor and workload tex
 needs: per prefix length, KVBoost with the prefix resident in its workspace, the floor (prefill of exactly
 the tokens KVBoost did not reuse, over a DynamicCache already holding the rest) and full prefill. Each
 measurement asks a different question, so no run is helped by the previous run's suffix.
+
+Also "store": the same engine with its workspace forgotten first (another prompt took it), so the stored chunks
+are copied into the workspace; and paged KV's "table" and "host" rows (bench/paged_rows.py), each over the floor
+of its own cached tokens.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..paged_rows import measure_paged, paged_engines
 from ..prefix import SuffixFloor, bench_questions, fitting_lengths, prefix_text
 from .settings import GpuBenchSettings
 from .timing import Budget, median
@@ -31,6 +36,8 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
         asked += 1
         return f"{prefix}\n\nQuestion: {questions[asked % len(questions)]} (case {asked})\nAnswer:"
 
+    paged, paged_errors = paged_engines(engine, max(lengths, default=0) + 256)
+    section["paged_errors"] = paged_errors
     with torch.inference_mode():
         # Longest first: the 30k row is the one with a target, so a spent budget should cost the 1k row instead.
         for n in sorted(lengths, reverse=True):
@@ -42,7 +49,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
             engine.warm(prefix)
             floor = SuffixFloor(engine.model)
             engine.generate(prompt_for(prefix), 1)  # untimed: first-call allocations at this length
-            kvb, flo, full = [], [], []
+            kvb, flo, full, store = [], [], [], []
             cached = prompt_tokens = 0
             for r in range(settings.prefix_repeats):
                 ids = engine.encode(prompt_for(prefix))  # both sides start from ids (the floor is handed ids)
@@ -51,6 +58,10 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
                 kvb.append(res.ttft_ms)
                 flo.append(floor_ms)
                 cached, prompt_tokens = res.cached_tokens, len(ids)
+                engine.forget_workspace()  # from the store: another prompt took the workspace
+                ids = engine.encode(prompt_for(prefix))
+                res = engine.generate(input_ids=ids, max_new_tokens=1)
+                store.append(res.ttft_ms / floor.ttft_ms(ids, res.cached_tokens)[0])
                 if r < max(1, settings.prefix_repeats // 2):  # full prefill is the slow one; fewer samples do
                     full.append(engine.generate(input_ids=engine.encode(prompt_for(prefix)), max_new_tokens=1,
                                                 mode="baseline").ttft_ms)
@@ -61,6 +72,11 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
                    "suffix_tokens": prompt_tokens - cached, "full_ms": median(full), "floor_ms": median(flo),
                    "kvboost_ms": median(kvb), "samples": len(kvb)}
             row["kvboost_over_floor"] = row["kvboost_ms"] / row["floor_ms"] if row["floor_ms"] > 0 else float("nan")
+            row["store_over_floor"] = median(store)
+            for name, other in paged.items():
+                if not budget.expired():
+                    measure_paged(row, name, other, prefix,
+                               [engine.encode(prompt_for(prefix)) for _ in range(settings.prefix_repeats + 1)], floor)
             section["rows"] = sorted([*section["rows"], row], key=lambda r: r["prefix_tokens"])
             del floor  # its cache copy of the prefix: up to ~1 GB at 30k tokens on a 3B model
             if engine.device.type == "cuda":
