@@ -30,6 +30,7 @@ from .errors import InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.paged_kv import build_paged_kv, device_kv_budget
 from .kv.workspace import KVWorkspace
+from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
@@ -44,10 +45,11 @@ from .store.tiered import build_store
 
 @dataclass
 class Prefill:
-    """The prompt's K/V is in the engine's workspace: `cache` holds it, `logits` pick the first new token."""
+    """The prompt's K/V is in the engine's workspace (or, paged_attention="table", the plan's block table): `cache`
+    holds it, `logits` pick the first new token."""
 
     plan: Plan
-    cache: Cache
+    cache: Cache | TableSequence
     logits: torch.Tensor  # [vocab] float32, last prompt position
 
 
@@ -108,7 +110,7 @@ class InferenceEngine:
         # paged_attention="table": single requests run over their block table, not the workspace (table_sequence).
         self.table_forward = use_table_forward(self.config.paged_attention, model)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
         self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.workspace,
@@ -486,14 +488,3 @@ def _feed(tracker, tokens: list[int]) -> Iterator[str]:
         yield tracker.feed(token)
         if tracker.finished:
             return
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return ids

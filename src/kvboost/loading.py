@@ -117,3 +117,15 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
     model.to(dev)
     model.eval()
     return model, tokenizer
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends generation: the generation config's, the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

@@ -173,3 +173,19 @@ def test_chunks_stored_over_budget_while_pinned_go_once_released():
     assert cache.stats().entries == 3 and offload.stats().offloaded == 0  # pinned: put() could not evict
     table.release()
     assert cache.trim() == 2 and cache.stats().entries == 1 and offload.stats().offloaded == 2
+
+
+def test_token_granular_matches_come_back_from_the_host_too(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _engine(model, tokenizer, chunks_on_device=0)
+    prefix = text_with_tokens(tokenizer, 3 * CHUNK + CHUNK // 2, seed=5)  # ends in a partial chunk
+    ids = engine.encode(prefix)
+    engine.warm_ids(ids)
+    assert engine.cache_stats()["paged_kv"]["stored_chunks"] == 0  # everything went to the host
+    prompt = ids + engine.encode(" " + words(5, seed=6))
+    got = engine.generate(input_ids=prompt, max_new_tokens=6)
+    assert got.cached_tokens == len(ids)  # the partial last chunk too, at token granularity
+    assert got.output_token_ids == plain.generate(input_ids=prompt, max_new_tokens=6, mode="baseline").output_token_ids
+    stats = engine.cache_stats()["paged_kv"]
+    assert stats["host"]["restored"] == 4 and stats["blocks_used"] == stats["stored_blocks"]

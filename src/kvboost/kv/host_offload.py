@@ -46,6 +46,7 @@ class HostOffload:
             raise BlockLayoutError(f"host pool layout {host.layout} differs from the device pool's {device.layout}")
         self.device, self.host = device, host
         self._chunks: dict[str, CachedChunk] = {}  # key -> the chunk, its blocks being host-pool ids
+        self._children: dict[str | None, set[str]] = {}  # parent key -> host chunk keys (token-granular matches)
         self._policy: LfuAging[str] = LfuAging()
         self._lock = threading.RLock()
         self._stats = OffloadStats(budget_bytes=host.nbytes, pinned=host.storage.is_pinned())
@@ -53,6 +54,11 @@ class HostOffload:
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._chunks
+
+    def children(self, parent_key: str | None) -> list[CachedChunk]:
+        """Host chunks whose parent is `parent_key` (their blocks are host ids: restore() before use)."""
+        with self._lock:
+            return [self._chunks[k] for k in self._children.get(parent_key, ())]
 
     # ---- device -> host -------------------------------------------------------------------------------
     def stash(self, chunk: CachedChunk) -> bool:
@@ -72,9 +78,7 @@ class HostOffload:
             except RuntimeError:  # out of (pinned) memory, a device error: this chunk is recomputed later
                 self.host.decref(blocks)
                 return self._failed("copy_to_host")
-            self._chunks[chunk.key] = CachedChunk(chunk.key, tuple(blocks), chunk.token_ids, chunk.start,
-                                                  chunk.parent_key)
-            self._policy.add(chunk.key, depth=chunk.start)
+            self._add(CachedChunk(chunk.key, tuple(blocks), chunk.token_ids, chunk.start, chunk.parent_key))
             self._stats.offloaded += 1
             return True
 
@@ -100,9 +104,10 @@ class HostOffload:
         """The host chunk `key` copied into fresh device blocks: (its metadata, the device blocks, held once by
         the caller), and gone from the host. None when the host does not hold it or the move failed (counted)."""
         with self._lock:
-            chunk = self._chunks.pop(key, None)
+            chunk = self._chunks.get(key)
             if chunk is None:
                 return None
+            self._forget(key)
             self._policy.remove(key)
         try:
             # Outside the host lock: making room may evict device chunks, which stash() here.
@@ -129,8 +134,7 @@ class HostOffload:
             if chunk.key in self._chunks:  # stashed again meanwhile: keep one copy
                 self.host.decref(chunk.blocks)
                 return
-            self._chunks[chunk.key] = chunk
-            self._policy.add(chunk.key, depth=chunk.start)
+            self._add(chunk)
 
     # ---- housekeeping --------------------------------------------------------------------------------
     def discard(self, key: str) -> None:
@@ -154,8 +158,23 @@ class HostOffload:
             s.bytes = s.blocks * self.host.layout.block_nbytes
             return OffloadStats(**{**vars(s), "failures": dict(s.failures)})
 
+    def _add(self, chunk: CachedChunk) -> None:
+        self._chunks[chunk.key] = chunk
+        self._children.setdefault(chunk.parent_key, set()).add(chunk.key)
+        self._policy.add(chunk.key, depth=chunk.start)
+
+    def _forget(self, key: str) -> CachedChunk:
+        """Take the chunk out of the maps (its blocks are the caller's to release); the policy is the caller's."""
+        chunk = self._chunks.pop(key)
+        siblings = self._children.get(chunk.parent_key)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[chunk.parent_key]
+        return chunk
+
     def _drop(self, key: str) -> None:
-        self.host.decref(self._chunks.pop(key).blocks)
+        self.host.decref(self._forget(key).blocks)
 
     def _failed(self, reason: str) -> bool:
         with self._lock:

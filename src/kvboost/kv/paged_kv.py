@@ -99,7 +99,7 @@ class PagedKV:
     def _map_whole(self, plan: PagedPlan, chunk: Chunk) -> bool:
         hit = self.cache.acquire(chunk.prefix_key)
         if hit is None and self.host is not None:
-            hit = self._restore(chunk)
+            hit = self._restore(chunk.prefix_key)
         if hit is None and self.slow is not None:
             hit = self._load(chunk)
         if hit is None:
@@ -112,11 +112,12 @@ class PagedKV:
         plan.mapped.append((hit, hit.n_tokens))
         return True
 
-    def _restore(self, chunk: Chunk) -> CachedChunk | None:
-        """The chunk from host memory back into device blocks, cached and acquired (None: not offloaded, or the
-        move failed - counted by the offload)."""
-        assert self.host is not None
-        moved = self.host.restore(chunk.prefix_key)
+    def _restore(self, key: str) -> CachedChunk | None:
+        """A chunk from host memory back into device blocks, cached and acquired - one hold per block, the
+        caller's (None: not offloaded, or the move failed - counted by the offload)."""
+        if self.host is None:
+            return None
+        moved = self.host.restore(key)
         if moved is None:
             return None
         stored, blocks = moved
@@ -124,7 +125,7 @@ class PagedKV:
             self.cache.put(stored.key, blocks, stored.token_ids, stored.start, stored.parent_key)
         finally:
             self.pool.decref(blocks)  # the cache holds them now
-        return self.cache.acquire(chunk.prefix_key)
+        return self.cache.acquire(key)
 
     def _load(self, chunk: Chunk) -> CachedChunk | None:
         """The chunk from the slow tiers into fresh blocks, cached and acquired (None: not there, or no room)."""
@@ -161,9 +162,13 @@ class PagedKV:
                                        chunk.start, packed)
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
-        """The stored sibling of `chunk` (same parent, same start) agreeing longest with the prompt from there."""
+        """The stored sibling of `chunk` (same parent, same start) agreeing longest with the prompt from there, on
+        the device or (host offload) in host memory."""
         best, agree = None, 0
-        for sibling in self.cache.children(chunk.parent_key):
+        siblings = self.cache.children(chunk.parent_key)
+        if self.host is not None:
+            siblings += self.host.children(chunk.parent_key)
+        for sibling in siblings:
             if sibling.start != chunk.start:
                 continue
             n = common_prefix_length(sibling.token_ids, ids[chunk.start:])
@@ -171,6 +176,11 @@ class PagedKV:
                 best, agree = sibling, n
         if best is None:
             return
+        if not self.cache.contains(best.key):  # in host memory: back to the device first
+            restored = self._restore(best.key)
+            if restored is None:
+                return
+            self.pool.decref(restored.blocks)  # cached again; the holds this plan keeps are taken below
         hit = self.cache.acquire(best.key, agree)  # None if evicted since children() looked
         if hit is None:
             return
