@@ -25,7 +25,7 @@ from .chunking import Chunker, boundary_classes, make_namespace, model_fingerpri
 from .compat import check_model_compatibility
 from .config import EngineConfig
 from .decoding.factory import make_draft_engine, make_speculator
-from .decoding.speculative import SpecCounts
+from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.paged_kv import build_paged_kv, device_kv_budget
@@ -125,6 +125,7 @@ class InferenceEngine:
             raise ValueError("speculative='draft' needs draft_model= (a path, hub id or loaded model sharing the "
                              "tokenizer)")
         self.spec_counts = SpecCounts()  # summed over finished requests: cache_stats()["speculative"]
+        self.spec_costs: dict[str, StepCosts] = {}  # measured step costs per method, shared by requests
 
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so that no request, the first

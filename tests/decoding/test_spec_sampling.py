@@ -52,7 +52,8 @@ def _histograms(both, d1, d2, params, accept_all=False):
                       lambda tokens, start: torch.cat([both, both[-1:]]))
     first, second = Counter(), Counter()
     for _ in range(N):
-        spec.adaptive.wait, spec.adaptive.t1, spec.adaptive.base, spec.adaptive.extra = 0, 1.0, 1.0, 0.0  # k = 2
+        costs = spec.adaptive.costs
+        spec.adaptive.wait, costs.t1, costs.base, costs.extra = 0, 1.0, 1.0, 0.0  # k = 2
         out = [d1, d2, int(torch.multinomial(sampler.probabilities(both[-1]), 1, generator=sampler.generator))] \
             if accept_all else spec.step(0, 0, 10)
         first[out[0]] += 1

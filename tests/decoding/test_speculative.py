@@ -9,7 +9,7 @@ import pytest
 from kvboost import KVBoost
 from kvboost.decoding import factory
 from kvboost.decoding.prompt_lookup import PromptLookup
-from kvboost.decoding.speculative import AdaptiveK, accept_greedy
+from kvboost.decoding.speculative import AdaptiveK, StepCosts, accept_greedy
 from kvboost.errors import InvalidRequestError
 
 from ..prompts import text_with_tokens, words
@@ -107,6 +107,32 @@ def test_adaptive_k_follows_acceptance_and_step_cost():
     assert free.next_k(100) >= 4
 
 
+def test_step_costs_carry_over_to_the_next_request():
+    costs = StepCosts()
+    first = AdaptiveK(8, costs=costs)
+    assert first.next_k(100) == 0  # an engine's first request times a plain step and probes
+    first.timed(1, 1.0)
+    assert first.next_k(100) == 2
+    first.timed(3, 1.8)
+    first.timed(9, 2.0)
+    second = AdaptiveK(8, costs=costs)  # the next request of the same engine and method
+    assert second.t1 == 1.0 and second.base is not None and second.extra is not None
+    assert second.next_k(100) == 8  # no plain first step, no probe: the prior acceptance decides at once
+    second.timed(1, 3.0)  # and what it measures updates the shared costs for the one after
+    assert costs.t1 == 0.8 * 1.0 + 0.2 * 3.0
+    assert AdaptiveK(8).next_k(100) == 0  # costs of its own: starts cold
+
+
+def test_prompt_lookup_needs_two_tokens_matching_by_default():
+    from kvboost.config import EngineConfig
+
+    assert EngineConfig().prompt_lookup_min_ngram == 2
+    assert EngineConfig(prompt_lookup_max_ngram=1).prompt_lookup_min_ngram == 1
+    assert EngineConfig(prompt_lookup_min_ngram=1).prompt_lookup_min_ngram == 1
+    with pytest.raises(ValueError):
+        EngineConfig(prompt_lookup_max_ngram=2, prompt_lookup_min_ngram=3)
+
+
 def test_verify_cost_is_fitted_over_the_lengths_timed():
     """t(n) = base + slope (n - 2) from the engine's verify steps: a CPU, where 2..9 tokens cost about the same
     (a matrix product either way), earns long drafts at a moderate acceptance; a cost growing a step per token
@@ -163,6 +189,8 @@ def test_real_prompt_lookup_accepts_drafts_on_repetitive_output(tokenizer):
     assert accepted > 0
     stats = engine.cache_stats()["speculative"]
     assert stats["accepted_tokens"] == accepted and 0 < stats["acceptance_rate"] <= 1
+    costs = engine.spec_costs["prompt_lookup"]  # measured by these requests, kept for the engine's next ones
+    assert costs.t1 is not None and costs.base is not None and set(engine.spec_costs) == {"prompt_lookup"}
 
 
 def test_max_new_tokens_stop_strings_and_eos_inside_a_burst(tokenizer, monkeypatch):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequestError
-from .speculative import SpeculativeParams, parse_method
+from .speculative import SpeculativeParams, StepCosts, parse_method
 from .speculator import LookupProposer, Proposer, Speculator
 
 if TYPE_CHECKING:
@@ -42,9 +42,12 @@ def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str 
     def pick(value: int | None, default: int) -> int:
         return default if value is None else value
 
-    return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens),
-                             pick(prompt_lookup_max_ngram, config.prompt_lookup_max_ngram),
-                             pick(prompt_lookup_min_ngram, config.prompt_lookup_min_ngram), tuple(prediction))
+    max_ngram = pick(prompt_lookup_max_ngram, config.prompt_lookup_max_ngram)
+    # An unset minimum follows the config's, lowered to a requested maximum below it.
+    min_ngram = min(config.prompt_lookup_min_ngram, max_ngram) if prompt_lookup_min_ngram is None \
+        else prompt_lookup_min_ngram
+    return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens), max_ngram,
+                             min_ngram, tuple(prediction))
 
 
 def make_proposer(engine, request: Request, context: Sequence[int]) -> Proposer:
@@ -67,7 +70,8 @@ def make_speculator(engine, request: Request, sampler: Sampler, cache: Cache, co
     def forward(tokens: list[int], start: int):
         return engine.forward_at(tokens, cache, start, all_logits=True)
 
-    return Speculator(make_proposer(engine, request, context), sampler, request.speculative, forward)
+    costs = engine.spec_costs.setdefault(request.speculative.method, StepCosts())  # one per engine and method
+    return Speculator(make_proposer(engine, request, context), sampler, request.speculative, forward, costs)
 
 
 def make_draft_engine(engine, draft_model):

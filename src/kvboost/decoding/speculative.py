@@ -18,7 +18,7 @@ for verifying long drafts that get rejected.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,7 +39,7 @@ class SpeculativeParams:
     method: str
     num_tokens: int = 8  # k: the most drafts verified in one forward
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
     prediction: tuple[int, ...] = ()  # predicted output (OpenAI's Predicted Outputs): drafts come from it first
 
     def __post_init__(self) -> None:
@@ -112,6 +112,19 @@ def accept_sampled(probs: torch.Tensor, drafts: Sequence[int], generator: torch.
 
 
 # ---- how many drafts to propose ---------------------------------------------------------------------
+@dataclass
+class StepCosts:
+    """What a step costs on this engine, for one speculative method: a plain step (t1) and a verify of n >= 2
+    tokens (base + extra (n - 2), from decaying least-squares sums `fit`). A property of the model, the device
+    and the method rather than of a request, so an engine keeps one per method and every request starts from it
+    (the first request measures it; later ones skip the plain first step and the probe)."""
+
+    t1: float | None = None  # seconds of a plain step
+    base: float | None = None  # seconds of a 2-token verify
+    extra: float | None = None  # seconds per verified token beyond 2 (the slope)
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decaying sums over verifies: w, n, t, n^2, n t
+
+
 class AdaptiveK:
     """The number of drafts to propose next: the k that maximizes expected tokens per second, from measured
     acceptance and measured step cost.
@@ -129,16 +142,15 @@ class AdaptiveK:
     verify carries PROBE_K drafts (base); from then on the model decides, except right after a proposal kept
     whole: copying from the prompt comes in spans, so k_max follows. k = 0 (a plain decode step) is picked
     when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to `max_pause` while it keeps
-    losing, and retries with one draft: open-ended text pays for about one short verify per pause.
+    losing, and retries with one draft: open-ended text pays for about one short verify per pause. The costs
+    (StepCosts) may be shared: an engine hands its requests one object per method, so only the first request
+    pays for the plain first step and the probe.
     """
 
-    def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7):
+    def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7, costs: StepCosts | None = None):
         self.k_max, self.max_pause, self.decay = k_max, max_pause, decay
         self.kept, self.rejected = 2.0, 0.5  # prior: drafts are worth trying (a ~ 0.8)
-        self.t1: float | None = None  # seconds of a plain step
-        self.base: float | None = None  # seconds of a 2-token verify
-        self.extra: float | None = None  # seconds per verified token beyond 2 (the slope)
-        self._fit = [0.0] * 5  # decaying sums over verifies: weight, n, t, n^2, n t
+        self.costs = costs if costs is not None else StepCosts()
         self.pause, self.wait = 4, 0
         self.k = k_max
         self.streak = False  # every draft of the last proposal was kept
@@ -150,6 +162,18 @@ class AdaptiveK:
     def expected(self, k: int) -> float:
         a = min(self.acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
+
+    @property
+    def t1(self) -> float | None:
+        return self.costs.t1
+
+    @property
+    def base(self) -> float | None:
+        return self.costs.base
+
+    @property
+    def extra(self) -> float | None:
+        return self.costs.extra
 
     def verify_cost(self, n_tokens: int) -> float:
         assert self.base is not None
@@ -181,17 +205,18 @@ class AdaptiveK:
 
     def timed(self, n_tokens: int, seconds: float) -> None:
         """A step of n_tokens took `seconds` (the caller measured it around a host sync)."""
+        c = self.costs
         if n_tokens == 1:
-            self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
+            c.t1 = seconds if c.t1 is None else 0.8 * c.t1 + 0.2 * seconds
             return
-        w, sn, st, snn, snt = (0.8 * x for x in self._fit)
-        self._fit = [w + 1, sn + n_tokens, st + seconds, snn + n_tokens * n_tokens, snt + n_tokens * seconds]
-        w, sn, st, snn, snt = self._fit
+        w, sn, st, snn, snt = (0.8 * x for x in c.fit)
+        c.fit = [w + 1, sn + n_tokens, st + seconds, snn + n_tokens * n_tokens, snt + n_tokens * seconds]
+        w, sn, st, snn, snt = c.fit
         spread = w * snn - sn * sn  # w^2 x the variance of the lengths timed
         if spread > 0.25 * w * w:  # lengths that differ: the slope is measured (never negative)
-            self.extra = max(0.0, (w * snt - sn * st) / spread)
-        slope = self.extra or 0.0
-        self.base = max(0.0, st / w - slope * (sn / w - 2))
+            c.extra = max(0.0, (w * snt - sn * st) / spread)
+        slope = c.extra or 0.0
+        c.base = max(0.0, st / w - slope * (sn / w - 2))
 
     def update(self, proposed: int, kept: int) -> None:
         if proposed <= 0:

@@ -16,7 +16,7 @@ import torch
 
 from ..sampling import Sampler
 from .prompt_lookup import PromptLookup
-from .speculative import AdaptiveK, SpecCounts, SpeculativeParams, accept_greedy, accept_sampled
+from .speculative import AdaptiveK, SpecCounts, SpeculativeParams, StepCosts, accept_greedy, accept_sampled
 
 Forward = Callable[[list[int], int], torch.Tensor]
 
@@ -51,9 +51,11 @@ class LookupProposer:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, sampler: Sampler, params: SpeculativeParams, forward: Forward):
+    def __init__(self, proposer: Proposer, sampler: Sampler, params: SpeculativeParams, forward: Forward,
+                 costs: StepCosts | None = None):
+        """costs: the engine's measured step costs for this method (shared across its requests), or None."""
         self.proposer, self.sampler, self.params, self.forward = proposer, sampler, params, forward
-        self.adaptive = AdaptiveK(params.num_tokens)
+        self.adaptive = AdaptiveK(params.num_tokens, costs=costs)
         self.counts = SpecCounts()
 
     def step(self, token: int, length: int, budget: int) -> list[int]:
