@@ -1,0 +1,93 @@
+"""Replay prompt-lookup speculation over the shipped spec workloads without timing anything.
+
+Greedy output does not depend on speculation, so each workload prompt's 64-token greedy output is generated once
+(embedded SmolLM2, cached in a JSON file); then the real PromptLookup and AdaptiveK (kvboost.decoding) are driven
+step by step over it, with each forward of n tokens charged a fixed cost: the CPU step costs measured in session 7
+(SmolLM2-135M, 1 thread: 1 token 107 ms, 2-9 tokens 195-223 ms, more 244 ms). The estimated speed-up is
+(tokens x a plain step's cost) / the charged total, per workload. Deterministic, so policies can be compared in
+seconds; the real figures come from `kvboost bench spec`.
+
+    python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram 1 2 3] [--cold]
+
+--cold starts every request's step costs from nothing (as before they were kept per engine); by default the
+costs measured by one request carry to the next, as the engine now does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvboost.decoding.prompt_lookup import PromptLookup
+from kvboost.decoding.speculative import AdaptiveK, StepCosts
+
+
+def step_cost(n_tokens: int) -> float:
+    if n_tokens == 1:
+        return 0.107
+    if n_tokens <= 9:
+        return 0.195 + (0.223 - 0.195) * (n_tokens - 2) / 7
+    return 0.244
+
+
+def references(path: Path, new_tokens: int) -> list[dict]:
+    if path.exists():
+        return json.loads(path.read_text())
+    from kvboost import KVBoost
+    from kvboost.bench.workloads import load_spec_tasks
+
+    engine = KVBoost.from_pretrained()
+    refs = []
+    for task in load_spec_tasks():
+        ids = engine.encode(messages=task["messages"])
+        out = engine.generate(input_ids=ids, max_new_tokens=new_tokens).output_token_ids
+        refs.append({"workload": task["workload"], "prompt": ids, "output": out})
+    path.write_text(json.dumps(refs))
+    return refs
+
+
+def replay(refs: list[dict], min_ngram: int, carry: bool, k_max: int = 8) -> dict[str, float]:
+    totals: dict[str, list[float]] = {}
+    costs = StepCosts()
+    for ref in refs:
+        prompt, out = ref["prompt"], ref["output"]
+        lookup = PromptLookup(prompt, 3, min_ngram, capacity=len(out) + k_max)
+        policy = AdaptiveK(k_max, costs=costs if carry else StepCosts())
+        lookup.extend(out[:1])  # the first token comes from the prefill
+        i, charged = 1, 0.0
+        while i < len(out):
+            budget = len(out) - i
+            k = policy.next_k(budget - 1)
+            drafts = lookup.propose(k) if k > 0 else []
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == out[i + kept]:
+                kept += 1
+            charged += step_cost(1 + len(drafts))
+            policy.timed(1 + len(drafts), step_cost(1 + len(drafts)))
+            if drafts:
+                policy.update(len(drafts), kept)
+            advance = min(kept + 1, budget)
+            lookup.extend(out[i:i + advance])
+            i += advance
+        t = totals.setdefault(ref["workload"], [0.0, 0.0])
+        t[0] += (len(out) - 1) * step_cost(1)
+        t[1] += charged
+    return {w: plain / charged for w, (plain, charged) in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--refs", type=Path, default=Path("/tmp/kvboost_spec_refs.json"))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--min-ngram", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--cold", action="store_true")
+    args = parser.parse_args()
+    refs = references(args.refs, args.new_tokens)
+    for n in args.min_ngram:
+        est = replay(refs, n, carry=not args.cold)
+        print(f"min_ngram {n}, {'cold' if args.cold else 'carried'} costs: "
+              + "  ".join(f"{w} {v:.2f}x" for w, v in est.items()))
+
+
+if __name__ == "__main__":
+    main()
