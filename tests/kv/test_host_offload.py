@@ -189,3 +189,14 @@ def test_token_granular_matches_come_back_from_the_host_too(tokenizer):
     assert got.output_token_ids == plain.generate(input_ids=prompt, max_new_tokens=6, mode="baseline").output_token_ids
     stats = engine.cache_stats()["paged_kv"]
     assert stats["host"]["restored"] == 4 and stats["blocks_used"] == stats["stored_blocks"]
+
+
+def test_a_finished_request_moves_its_chunks_out_at_once(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    # Over a table the request's own blocks become the stored chunks, held by it until it ends.
+    engine = _engine(model, tokenizer, chunks_on_device=2, paged_attention="table")
+    prefix = text_with_tokens(tokenizer, 6 * CHUNK, seed=11)
+    engine.generate(prefix + " " + words(4, seed=12), max_new_tokens=4)  # stores ~6 chunks while holding them
+    stats = engine.cache_stats()["paged_kv"]
+    assert stats["stored_bytes"] <= stats["budget_bytes"]  # no later lookup needed: the release trimmed
+    assert stats["host"]["entries"] >= 4

@@ -52,8 +52,8 @@ def measure_paged(row: dict, name: str, paged, prefix: str, prompts: list[list[i
         restored = _restored(paged)
         ms, over = [], []
         for ids in prompts[1:]:
-            # Chunks over the device budget move to the host when a lookup next runs (BlockCache.trim): done here,
-            # untimed, so that the row times the copy back alone.
+            # Chunks over the device budget move to the host when the previous request let go of them; trimming
+            # here again (a no-op then) makes sure the row times the copy back alone.
             paged.kv.blocks.cache.trim()
             res = paged.generate(input_ids=ids, max_new_tokens=1)
             floor_ms, _ = floor.ttft_ms(ids, res.cached_tokens)

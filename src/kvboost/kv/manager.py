@@ -160,7 +160,7 @@ class KVCacheManager:
         assert self.blocks is not None
         found = self.blocks.lookup(ids, salt, token_granular)
         plan.table = found.table
-        weakref.finalize(plan, found.table.release)  # the holds go with the plan (no caller must remember)
+        weakref.finalize(plan, self.blocks.release, found.table)  # the holds go with the plan (no caller must remember)
         have = common_prefix_length(resident, ids) if resident else 0
         if have and not token_granular:
             have = max((c.end for c in self.chunker.split(ids[:have], salt) if c.complete), default=0)
@@ -178,7 +178,7 @@ class KVCacheManager:
         assert self.blocks is not None
         if plan.table is None:
             plan.table = BlockTable(self.blocks.pool)
-            weakref.finalize(plan, plan.table.release)
+            weakref.finalize(plan, self.blocks.release, plan.table)
         return plan.table
 
     def write_back_table(self, table: BlockTable, seq: Sequence[int], salt: str | None) -> tuple[int, int]:

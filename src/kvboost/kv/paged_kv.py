@@ -224,6 +224,12 @@ class PagedKV:
             k, v = self.pool.gather(layer, ids)  # [1, H, blocks * bs, d]
             workspace.write_layer(layer, [k[0, :, cut:cut + hi - lo]], [v[0, :, cut:cut + hi - lo]], lo)
 
+    def release(self, table: BlockTable) -> None:
+        """A sequence is done with its table: its holds go, and chunks it kept pinned over the budget are evicted
+        (to the host, with host offload) now rather than inside the next request's lookup."""
+        table.release()
+        self.cache.trim()
+
     def clear(self) -> None:
         """Forget every stored chunk (blocks running sequences hold stay theirs)."""
         self.cache.clear()
