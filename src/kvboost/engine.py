@@ -447,6 +447,7 @@ class InferenceEngine:
     def cache_stats(self) -> dict:
         fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
                 "failure": self.runner.failure if self.runner else None,
+                "decode_kernels": self.runner.decode_kernels if self.runner else None,
                 **(self.runner.stats.as_dict() if self.runner else {})}
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,

@@ -204,3 +204,5 @@ def test_compiled_decode_matches_the_ordinary_path_without_recompiling(tokenizer
     assert fast.workspace.capacity > capacity
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_at_load
     assert fast.cache_stats()["fast_path"]["mode"] == "compiled"
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # the C++ GEMM template's vector ISAs
+        assert fast.cache_stats()["fast_path"]["decode_kernels"].startswith("packed GEMV")

@@ -15,8 +15,9 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
 * mode "graphs" (CUDA): each bucket is captured as a CUDA graph the first time it runs over the current
   workspace buffers (or at warm-up) and replayed afterwards: one launch per step;
 * mode "compiled": the decode step (batch 1) runs under torch.compile, the others as in eager: CPU, where
-  the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; each weight shape
-  is laid out in the memory order those products stream fastest in on this machine (layout.py);
+  the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; the compiled step
+  reads its weights through inductor's packed GEMV kernels (compiled_step.py), the eager steps through ATen's,
+  each weight shape laid out in the memory order those stream fastest in on this machine (layout.py);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
@@ -36,6 +37,7 @@ from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
+from .compiled_step import CompiledStep, packing_refusal
 from .layout import fastest_linear_layouts
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,8 @@ class RunnerStats:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
-                 fallback_on_failure: bool = False):
+                 fallback_on_failure: bool = False, packed_gemv: bool = True,
+                 unpacked_reason: str | None = None):
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
         if mode == "graphs" and workspace.device.type != "cuda":
@@ -131,8 +134,14 @@ class ModelRunner:
         self.stats = RunnerStats()
         self.failure: str | None = None  # why graphs were given up (auto mode): the steps then run eagerly
         # Compiled mode: the decode step's forward under torch.compile (inductor), its capacity axis dynamic so
-        # a growing workspace does not recompile. (make_runner lays the weights out for it, once per model.)
-        self._compiled = torch.compile(self._logits, dynamic=None) if mode == "compiled" else None
+        # a growing workspace does not recompile, its weights frozen into packed GEMV kernels (compiled_step.py).
+        self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason) \
+            if mode == "compiled" else None
+
+    @property
+    def decode_kernels(self) -> str | None:
+        """Compiled mode: which GEMV kernels the compiled decode step runs (packed, or ATen's and why)."""
+        return self._compiled.description if self._compiled is not None else None
 
     @property
     def max_tokens(self) -> int:
@@ -356,7 +365,10 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
         # here: before anything is compiled, since a weight's strides are part of the compiled step's guards.
         layouts = fastest_linear_layouts(model)
         input_major = sum(layouts.values())
-        return ModelRunner(model, workspace, mode="compiled", backend=backend), \
-            f"static cache, decode steps under torch.compile; weights laid out by measurement " \
+        refusal = packing_refusal(model)
+        kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
+        return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
+                           unpacked_reason=refusal), \
+            f"static cache, decode steps under torch.compile over {kernels}; weights laid out by measurement " \
             f"({input_major} of {len(layouts)} shapes input-major)"
     return ModelRunner(model, workspace, mode="eager", backend=backend), "static cache, eager"
