@@ -56,8 +56,8 @@ class EngineConfig:
     fast_path: str = "auto"
     # Exact chunks live in a block pool (kv/paged_kv.py, docs/paged-kv.md): a hit maps stored blocks without
     # copying them, write-back keeps blocks; disk / Redis tiers sit behind the blocks. Off by default while the
-    # block path is being wired; for now it needs fixed cuts, full precision and no content reuse (refused
-    # otherwise).
+    # block path is being wired; for now it needs fixed cuts and full precision (refused otherwise). Content reuse
+    # finds chunks in blocks (device or host) and re-rotates them into the workspace.
     paged_kv: bool = False
     kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
     # What a single request's forwards run over with paged_kv: "workspace" (stored blocks are placed into the
@@ -131,9 +131,12 @@ class EngineConfig:
                  "device_kv_budget_bytes (host offload) needs paged_kv=True")
         if self.paged_kv:
             unsupported = [name for name, on in (
-                ("chunk_boundary_window", self.chunk_boundary_window != 0), ("content_reuse", self.content_reuse),
+                ("chunk_boundary_window", self.chunk_boundary_window != 0),
                 ("kv_cache_bits", self.kv_cache_bits != 16)) if on]
             _require(not unsupported, f"paged_kv does not support {', '.join(unsupported)} yet")
+            _require(not (self.content_reuse and self.paged_attention == "table"),
+                     "content_reuse needs paged_attention 'auto' or 'workspace' (a chunk moved to another position "
+                     "is re-rotated into the workspace), not 'table'")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from ..chunking import Chunker
+from ..chunking import Chunk, Chunker
 from ..config import EngineConfig
 from ..results import GenerationMode
 from ..reuse.assemble import Assembly, ContentState
@@ -169,8 +169,10 @@ class KVCacheManager:
         # Chunks below skip_before are the caller's (a batch's shared prefix, cut on chunk boundaries).
         plan.segments = [s for s in self.blocks.segments(found)
                          if s.start >= skip_before and s.end > plan.resident and s.start < plan.reuse_len]
-        if approximate and token_granular:
-            plan.content_fallback = "paged_kv: content reuse is not on the block path yet"
+        if approximate and token_granular:  # found in blocks (device or host); place() holds them while it reads
+            start = max(plan.reuse_len, self.config.sink_tokens)
+            plan.content, plan.rotary, plan.content_fallback = self.content.find(
+                self.blocks.held_records(), ids, start, len(ids) - 1, salt)
 
     def sequence_table(self, plan: Plan) -> BlockTable:
         """The block table a request's forwards extend (paged_attention="table"): the plan's own, or - for a plan
@@ -185,9 +187,19 @@ class KVCacheManager:
         """Store every chunk of seq the table holds as its blocks (no copy); returns (new, existing)."""
         assert self.blocks is not None
         new, existing = self.blocks.write_back(table, seq, salt)
+        self._index_blocks(self.chunker.split(list(seq)[:table.length], salt), salt)
         with self._count_lock:
             self._counters.chunks_written += new
         return new, existing
+
+    def _index_blocks(self, chunks: Sequence[Chunk], salt: str | None) -> None:
+        """Block path: chunks stored in blocks become findable at other positions (content reuse), as the store
+        path's write_back indexes its records."""
+        assert self.blocks is not None
+        for chunk in chunks:
+            if chunk.prefix_key not in self.content.index and self.blocks.contains(chunk.prefix_key):
+                self.content.index.add(ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key,
+                                                 chunk.token_ids, chunk.start), salt)
 
     # ---- place ------------------------------------------------------------------------------------
     def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
@@ -199,8 +211,13 @@ class KVCacheManager:
             _place_run(run, workspace, row)
         if plan.has_content:
             assert plan.rotary is not None
-            plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
-                                                         plan.rotary, row=row)
+            if self.blocks is not None:
+                with self.blocks.held_records() as records:
+                    plan.assembly, fallback = self.content.place(workspace, records, list(ids), plan.content,
+                                                                 plan.rotary, row=row)
+            else:
+                plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
+                                                             plan.rotary, row=row)
             plan.content_fallback = plan.content_fallback or fallback
         plan.lookup_ms += (time.perf_counter() - t0) * 1e3
 
@@ -217,6 +234,7 @@ class KVCacheManager:
         if self.blocks is not None:
             # The stored chain is mapped (no copy), the rest absorbed from the source into new blocks, once.
             new, existing = self.blocks.write_back_from(source, seq, salt, row=row, chunks=chunks)
+            self._index_blocks(chunks, salt)
             with self._count_lock:
                 self._counters.chunks_written += new
             return new, existing

@@ -209,6 +209,20 @@ class PagedKV:
         values = _LayerViews(self.pool, chunk, 1)
         return ChunkRecord(chunk.key, chunk.parent_key, "", chunk.token_ids, chunk.start, keys, values)  # type: ignore[arg-type]
 
+    # ---- reads by key (content reuse) -------------------------------------------------------------------
+    def contains(self, key: str) -> bool:
+        """Whether a chunk is stored in blocks, on the device or offloaded to the host."""
+        return self.cache.contains(key) or (self.host is not None and self.host.contains(key))
+
+    def acquire(self, key: str) -> CachedChunk | None:
+        """A stored chunk by key with one hold per block, the caller's to drop (pool.decref(chunk.blocks));
+        restored from the host if offloaded. None: not in blocks."""
+        hit = self.cache.acquire(key)
+        return hit if hit is not None else self._restore(key)
+
+    def held_records(self) -> HeldRecords:
+        return HeldRecords(self)
+
     # ---- the contiguous mirror (CPU) --------------------------------------------------------------------
     def place(self, plan: PagedPlan, workspace: KVWorkspace, resident: int = 0) -> None:
         """Copy positions [resident, reuse_len) of the plan's table into batch row 0.. of `workspace` (every row):
@@ -320,6 +334,37 @@ class PagedKV:
                     if m < chunk.end - chunk.start and sibling.token_ids == chunk.token_ids[:m]:
                         self.cache.delete(sibling.key)
         return new, existing
+
+
+class HeldRecords:
+    """Stored chunks read by key, as content placement reads a store (reuse/assemble.py: contains, get): each
+    get() holds the chunk's blocks until close(), so placing one piece cannot evict another piece's blocks
+    (a restore from the host allocates). Use as a context manager."""
+
+    def __init__(self, paged: PagedKV):
+        self.paged = paged
+        self.held: list[CachedChunk] = []
+
+    def contains(self, key: str) -> bool:
+        return self.paged.contains(key)
+
+    def get(self, key: str) -> ChunkRecord | None:
+        chunk = self.paged.acquire(key)
+        if chunk is None:
+            return None
+        self.held.append(chunk)
+        return self.paged.record(chunk)
+
+    def close(self) -> None:
+        for chunk in self.held:
+            self.paged.pool.decref(chunk.blocks)
+        self.held.clear()
+
+    def __enter__(self) -> HeldRecords:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _LayerViews(Sequence[torch.Tensor]):
