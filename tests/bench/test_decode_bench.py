@@ -26,3 +26,5 @@ def test_decode_bench_measures_every_mode_beside_hf(tmp_path):
         assert row["identical_to_hf_generate"], row
         assert row["decode_tokens"] == 3 and row["decode_tok_s"] > 0
     assert next(r for r in data["rows"] if r["system"] == "kvboost off")["over_kvboost_off"] == 1.0
+    kernels = {r["system"]: r.get("decode_kernels") for r in data["rows"]}
+    assert kernels["kvboost eager"] is None and kernels["kvboost compiled"]  # which GEMV kernels decoded

@@ -96,6 +96,7 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
             engine = load_engine(choice, fast_path=mode)
         name = f"kvboost {mode}"
         add(name, _kvboost_call(engine, ids, outputs, name), time.perf_counter() - t0)
+        rows[-1]["decode_kernels"] = engine.cache_stats()["fast_path"].get("decode_kernels")
         del engine
         gc.collect()
     reference = outputs.get("hf generate")

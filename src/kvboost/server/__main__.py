@@ -83,6 +83,9 @@ def serve_command(
         check_fast_path_flag(config.fast_path, max_batch_size)
         warm_messages = [read_warm_file(path) for path in warm or []]
         t0 = time.perf_counter()
+        if config.fast_path == "compiled":  # minutes without output otherwise
+            typer.echo("kvboost serve: loading the model and compiling its decode step (--fast-path compiled: "
+                       "1-2 minutes on a small CPU)")
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
         load_s = time.perf_counter() - t0
         sock = bind_socket(host, port)
