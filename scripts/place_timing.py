@@ -1,0 +1,67 @@
+"""Time placing stored blocks into the contiguous workspace (PagedKV.place, the "store" row of `kvboost bench prefix
+--paged`): a gather per layer (index the blocks, permute into token order, copy into the workspace) against the
+blocks' slices concatenated straight into the workspace (what place() does), side by side in one process on
+SmolLM2-135M's K/V shape (30 layers, 3 kv heads, head dim 64, fp32, 128-token blocks), blocks in shuffled order.
+
+    python scripts/place_timing.py [--threads 1] [--tokens 1024,4096,7168]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvboost.kv.blocks import BlockLayout, BlockPool
+from kvboost.kv.workspace import KVWorkspace, LayerShape
+
+LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128
+
+
+def best_ms(fn, trials: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", default="1024,4096,7168")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for n_tokens in (int(t) for t in args.tokens.split(",")):
+        n_blocks = -(-n_tokens // BLOCK)
+        pool = BlockPool(BlockLayout(LAYERS, HEADS, DIM, BLOCK, torch.float32), n_blocks)
+        pool.storage.normal_()
+        order = torch.randperm(n_blocks)
+        workspace = KVWorkspace([LayerShape(HEADS, DIM, DIM)] * LAYERS, torch.float32, torch.device("cpu"))
+        workspace.ensure_capacity(n_tokens, keep=0)
+        runs = [(b, 0, 0, min(BLOCK, n_tokens - j * BLOCK)) for j, b in enumerate(order.tolist())]
+
+        def gather() -> None:
+            for layer in range(LAYERS):
+                k, v = pool.gather(layer, order[None])  # [1, H, blocks * bs, d]
+                workspace.write_layer(layer, [k[0, :, :n_tokens]], [v[0, :, :n_tokens]], 0)
+
+        def concatenate() -> None:
+            for layer in range(LAYERS):
+                keys, values = pool.keys(layer), pool.values(layer)
+                workspace.write_layer(layer, [keys[b, :, o:o + n] for b, o, _, n in runs],
+                                      [values[b, :, o:o + n] for b, o, _, n in runs], 0)
+
+        with torch.inference_mode():
+            gather()
+            expected = [t.clone() for t in workspace.read(0, n_tokens)[0]]
+            concatenate()
+            assert all(torch.equal(a, b) for a, b in zip(expected, workspace.read(0, n_tokens)[0]))
+            g, c = best_ms(gather), best_ms(concatenate)
+        print(f"{n_tokens:>6} tokens: gather {g:7.1f} ms   concatenate {c:7.1f} ms   {g / c:4.2f}x")
+
+
+if __name__ == "__main__":
+    main()
