@@ -35,32 +35,37 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for n_tokens in (int(t) for t in args.tokens.split(",")):
-        n_blocks = -(-n_tokens // BLOCK)
-        pool = BlockPool(BlockLayout(LAYERS, HEADS, DIM, BLOCK, torch.float32), n_blocks)
-        pool.storage.normal_()
-        order = torch.randperm(n_blocks)
-        workspace = KVWorkspace([LayerShape(HEADS, DIM, DIM)] * LAYERS, torch.float32, torch.device("cpu"))
-        workspace.ensure_capacity(n_tokens, keep=0)
-        runs = [(b, 0, 0, min(BLOCK, n_tokens - j * BLOCK)) for j, b in enumerate(order.tolist())]
-
-        def gather() -> None:
-            for layer in range(LAYERS):
-                k, v = pool.gather(layer, order[None])  # [1, H, blocks * bs, d]
-                workspace.write_layer(layer, [k[0, :, :n_tokens]], [v[0, :, :n_tokens]], 0)
-
-        def concatenate() -> None:
-            for layer in range(LAYERS):
-                keys, values = pool.keys(layer), pool.values(layer)
-                workspace.write_layer(layer, [keys[b, :, o:o + n] for b, o, _, n in runs],
-                                      [values[b, :, o:o + n] for b, o, _, n in runs], 0)
-
-        with torch.inference_mode():
-            gather()
-            expected = [t.clone() for t in workspace.read(0, n_tokens)[0]]
-            concatenate()
-            assert all(torch.equal(a, b) for a, b in zip(expected, workspace.read(0, n_tokens)[0]))
-            g, c = best_ms(gather), best_ms(concatenate)
+        g, c = time_length(n_tokens)
         print(f"{n_tokens:>6} tokens: gather {g:7.1f} ms   concatenate {c:7.1f} ms   {g / c:4.2f}x")
+
+
+def time_length(n_tokens: int) -> tuple[float, float]:
+    """(gather ms, concatenate ms) placing n_tokens stored in shuffled blocks; checks both place the same K/V."""
+    n_blocks = -(-n_tokens // BLOCK)
+    pool = BlockPool(BlockLayout(LAYERS, HEADS, DIM, BLOCK, torch.float32), n_blocks)
+    pool.storage.normal_()
+    order = torch.randperm(n_blocks)
+    workspace = KVWorkspace([LayerShape(HEADS, DIM, DIM)] * LAYERS, torch.float32, torch.device("cpu"))
+    workspace.ensure_capacity(n_tokens, keep=0)
+    runs = [(b, 0, 0, min(BLOCK, n_tokens - j * BLOCK)) for j, b in enumerate(order.tolist())]
+
+    def gather() -> None:
+        for layer in range(LAYERS):
+            k, v = pool.gather(layer, order[None])  # [1, H, blocks * bs, d]
+            workspace.write_layer(layer, [k[0, :, :n_tokens]], [v[0, :, :n_tokens]], 0)
+
+    def concatenate() -> None:
+        for layer in range(LAYERS):
+            keys, values = pool.keys(layer), pool.values(layer)
+            workspace.write_layer(layer, [keys[b, :, o:o + n] for b, o, _, n in runs],
+                                  [values[b, :, o:o + n] for b, o, _, n in runs], 0)
+
+    with torch.inference_mode():
+        gather()
+        expected = [t.clone() for t in workspace.read(0, n_tokens)[0]]
+        concatenate()
+        assert all(torch.equal(a, b) for a, b in zip(expected, workspace.read(0, n_tokens)[0]))
+        return best_ms(gather), best_ms(concatenate)
 
 
 if __name__ == "__main__":
