@@ -1,6 +1,7 @@
 """Time placing stored blocks into the contiguous workspace (PagedKV.place, the "store" row of `kvboost bench prefix
---paged`): a gather per layer (index the blocks, permute into token order, copy into the workspace) against the
-blocks' slices concatenated straight into the workspace (what place() does), side by side in one process on
+--paged`): a gather per layer (index the blocks, permute into token order, copy into the workspace: what place()
+did before) against the blocks' slices concatenated straight into the workspace (what place() does; BlockPool.gather
+and the table path's gather_blocks do the same on CPU), side by side in one process on
 SmolLM2-135M's K/V shape (30 layers, 3 kv heads, head dim 64, fp32, 128-token blocks), blocks in shuffled order.
 
     python scripts/place_timing.py [--threads 1] [--tokens 1024,4096,7168]
@@ -49,10 +50,11 @@ def time_length(n_tokens: int) -> tuple[float, float]:
     workspace.ensure_capacity(n_tokens, keep=0)
     runs = [(b, 0, 0, min(BLOCK, n_tokens - j * BLOCK)) for j, b in enumerate(order.tolist())]
 
-    def gather() -> None:
+    def gather() -> None:  # index the blocks, permute into token order, copy into the workspace
         for layer in range(LAYERS):
-            k, v = pool.gather(layer, order[None])  # [1, H, blocks * bs, d]
-            workspace.write_layer(layer, [k[0, :, :n_tokens]], [v[0, :, :n_tokens]], 0)
+            k, v = (cache[order].permute(1, 0, 2, 3).reshape(HEADS, n_blocks * BLOCK, DIM)
+                    for cache in (pool.keys(layer), pool.values(layer)))
+            workspace.write_layer(layer, [k[:, :n_tokens]], [v[:, :n_tokens]], 0)
 
     def concatenate() -> None:
         for layer in range(LAYERS):

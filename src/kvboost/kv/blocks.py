@@ -277,6 +277,15 @@ class BlockPool:
         b, nb = tables.shape
         shape = (b, self.layout.kv_heads, nb * self.layout.block_size, self.layout.head_dim)
         idx = tables.to(device=self.device, dtype=torch.long)
+        if self.device.type == "cpu" and nb > 0:  # each block's view concatenated into place: one copy, not two
+            out = []
+            for cache in (self.keys(layer), self.values(layer)):
+                dst = cache.new_empty(shape)
+                with torch.no_grad():
+                    for row, blocks in enumerate(idx.tolist()):
+                        torch.cat([cache[i] for i in blocks], dim=1, out=dst[row])
+                out.append(dst)
+            return out[0], out[1]
         k = self.keys(layer)[idx].permute(0, 2, 1, 3, 4).reshape(shape)  # [B, nb, H, bs, d] -> [B, H, nb*bs, d]
         v = self.values(layer)[idx].permute(0, 2, 1, 3, 4).reshape(shape)
         return k, v

@@ -18,7 +18,8 @@ loaded into fresh blocks (one copy per block for a packed record, format 2; per 
 for a per-layer one), then cached like any other. Token-granular siblings are found in the block cache only.
 
 The "mirror" is today's contiguous workspace, kept while the model's own attention (CPU) needs contiguous K/V:
-placing still copies (one gather per layer) and absorbing copies the new positions once. The paged kernel
+placing still copies (per layer, the blocks' slices concatenated into the workspace) and absorbing copies the new
+positions once. The paged kernel
 (model/attention/paged.py) reads the table directly and needs neither.
 """
 from __future__ import annotations

@@ -25,8 +25,16 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int |
         raise ValueError(f"kv_len {kv_len} needs {width} blocks; the tables have {block_tables.shape[1]}")
     idx = block_tables[:, :width].to(device=cache.device, dtype=torch.long)
     b = idx.shape[0]
-    out = cache[idx]  # [B, W, Hkv, bs, d]
-    out = out.permute(0, 2, 1, 3, 4).reshape(b, cache.shape[1], width * bs, cache.shape[3])
+    if cache.device.type == "cpu" and width > 0:
+        # The blocks' views concatenated straight into the output: one copy. (Indexing, then permuting into token
+        # order, copies twice; on a GPU it is two kernels where a per-block list would be a host sync.)
+        out = cache.new_empty(b, cache.shape[1], width * bs, cache.shape[3])
+        with torch.no_grad():
+            for row, blocks in enumerate(idx.tolist()):
+                torch.cat([cache[i] for i in blocks], dim=1, out=out[row])
+    else:
+        out = cache[idx]  # [B, W, Hkv, bs, d]
+        out = out.permute(0, 2, 1, 3, 4).reshape(b, cache.shape[1], width * bs, cache.shape[3])
     return out if kv_len is None else out[:, :, :kv_len]
 
 
