@@ -186,8 +186,7 @@ class KVCacheManager:
     def write_back_table(self, table: BlockTable, seq: Sequence[int], salt: str | None) -> tuple[int, int]:
         """Store every chunk of seq the table holds as its blocks (no copy); returns (new, existing)."""
         assert self.blocks is not None
-        new, existing = self.blocks.write_back(table, seq, salt)
-        self._index_blocks(self.chunker.split(list(seq)[:table.length], salt), salt)
+        new, existing = self.blocks.write_back(table, seq, salt)  # not indexed: table engines refuse content reuse
         with self._count_lock:
             self._counters.chunks_written += new
         return new, existing

@@ -228,8 +228,8 @@ class PagedKV:
     def place(self, plan: PagedPlan, workspace: KVWorkspace, resident: int = 0) -> None:
         """Copy positions [resident, reuse_len) of the plan's table into batch row 0.. of `workspace` (every row):
         per layer, the blocks' slices concatenated straight into the workspace (one cat per layer, no temporary).
-        A gather (index, then permute into token order, then copy) moved the bytes three times: measured on CPU
-        (SmolLM2's K/V shape, 1 thread), 2.1-2.3x slower at 1k-7k tokens."""
+        A gather (index, then permute into token order, then copy) moved the bytes three times: 2.4-2.8x slower at
+        1k-7k tokens on CPU (SmolLM2's K/V shape, 1 thread: scripts/place_timing.py)."""
         lo, hi = resident, plan.reuse_len
         if hi <= lo:
             return
