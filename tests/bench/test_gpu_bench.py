@@ -59,7 +59,9 @@ def test_prefix_paged_rows(tmp_path, one_thread):
     assert "table/floor" in out.output and "host/floor" in out.output
     (row,) = json.loads(js.read_text())["rows"]
     paged = row["paged"]
-    assert paged["table_over_floor"] > 0 and paged["host_over_floor"] > 0, paged
+    assert paged["placed_over_floor"] > 0 and paged["table_over_floor"] > 0 and paged["host_over_floor"] > 0, paged
+    assert paged["placed_restored_from_host"] == 0
+    assert paged["placed_cached_tokens"] == paged["table_cached_tokens"] == paged["host_cached_tokens"] > 0
     assert paged["host_restored_from_host"] >= 2 and paged["table_restored_from_host"] == 0
 
 
@@ -111,7 +113,8 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
     assert [r["prefix_tokens"] for r in sections["prefix"]["rows"]] == [1000]  # --max-prefix caps the sweep
     row = sections["prefix"]["rows"][0]
     assert sections["prefix"]["paged_errors"] == {} and not any(k.endswith("_error") for k in row), row
-    assert row["store_over_floor"] > 0 and row["table_over_floor"] > 0 and row["host_over_floor"] > 0
+    assert row["store_over_floor"] > 0 and row["placed_over_floor"] > 0 and row["table_over_floor"] > 0 \
+        and row["host_over_floor"] > 0
     assert row["host_restored_from_host"] >= 7 and row["table_restored_from_host"] == 0  # the host row's blocks came
     decode = {(r["system"], r["batch"]): r for r in sections["decode"]["rows"]}
     for batch in data["settings"]["batch_sizes"]:

@@ -1,6 +1,8 @@
 """Paged KV's rows of the prefix benchmarks (`kvboost bench prefix --paged`, `kvboost bench gpu`), each TTFT over
 the floor of its own cached tokens:
 
+  placed an engine with paged_kv=True and the default paged_attention ("workspace"), its workspace forgotten before
+         each request: the stored blocks are placed (copied) into the workspace, then the suffix runs there
   table  an engine with paged_kv=True, paged_attention="table": the stored blocks are attended where they are
   host   the same over a device budget of one byte: every stored chunk waits in host memory (the host pool) and is
          copied back, one copy per block, on the hit (moving them out happens before the clock starts)
@@ -18,6 +20,8 @@ import torch
 if TYPE_CHECKING:
     from .prefix import SuffixFloor
 
+PAGED_ROWS = ("placed", "table", "host")
+
 
 def _kv_bytes_per_token(engine) -> int:
     size = torch.empty((), dtype=engine.kv_dtype).element_size()
@@ -25,18 +29,19 @@ def _kv_bytes_per_token(engine) -> int:
 
 
 def paged_engines(engine, max_tokens: int) -> tuple[dict, dict[str, str]]:
-    """The "table" and "host" engines around `engine`'s model, with room for max_tokens of stored prefix:
+    """The PAGED_ROWS engines around `engine`'s model, with room for max_tokens of stored prefix:
     ({name: engine}, {name: why it could not be built}). No fast path: a single request over a table runs eager
     (the runner's graphs would only cost capture time and memory)."""
     stored = int(_kv_bytes_per_token(engine) * max_tokens * 1.25) + (64 << 20)
-    options = {"table": dict(memory_budget_bytes=0, device_kv_budget_bytes=stored),
-               "host": dict(memory_budget_bytes=stored, device_kv_budget_bytes=1)}
+    options = {"placed": dict(memory_budget_bytes=0, device_kv_budget_bytes=stored, paged_attention="workspace"),
+               "table": dict(memory_budget_bytes=0, device_kv_budget_bytes=stored, paged_attention="table"),
+               "host": dict(memory_budget_bytes=stored, device_kv_budget_bytes=1, paged_attention="table")}
     built, errors = {}, {}
     for name, extra in options.items():
         try:
             built[name] = type(engine)(engine.model, engine.tokenizer, chunk_size=engine.config.chunk_size,
                                        attention_backend=engine.config.attention_backend, paged_kv=True,
-                                       paged_attention="table", fast_path="off", **extra)
+                                       fast_path="off", **extra)
         except Exception as exc:  # recorded: a GPU run must come back with every other row
             errors[name] = f"{type(exc).__name__}: {exc}"
     return built, errors
@@ -55,12 +60,14 @@ def measure_paged(row: dict, name: str, paged, prefix: str, prompts: list[list[i
             # Chunks over the device budget move to the host when the previous request let go of them; trimming
             # here again (a no-op then) makes sure the row times the copy back alone.
             paged.kv.blocks.cache.trim()
+            paged.forget_workspace()  # "placed": from the blocks, not a prefix left resident (a no-op over tables)
             res = paged.generate(input_ids=ids, max_new_tokens=1)
             floor_ms, _ = floor.ttft_ms(ids, res.cached_tokens)
             ms.append(res.ttft_ms)
             over.append(res.ttft_ms / floor_ms)
         row[f"{name}_ms"], row[f"{name}_over_floor"] = _median(ms), _median(over)
         row[f"{name}_restored_from_host"] = _restored(paged) - restored  # chunks copied back during the timed runs
+        row[f"{name}_cached_tokens"] = res.cached_tokens  # of the last timed request
     except Exception as exc:
         row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
 

@@ -5,7 +5,7 @@ Hugging Face DynamicCache that already holds the rest (built before the clock st
 measurement uses a different question, so no run is helped by the previous run's suffix.
 KVBoost is measured twice: with the prefix resident in its workspace (a repeated system prompt,
 the common case) and loaded from the chunk store (the workspace forgotten first). --paged adds paged KV's
-"table" and "host" rows (bench/paged_rows.py).
+"placed", "table" and "host" rows (bench/paged_rows.py).
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
         console.print(f"skipping prefix lengths {sorted(set(lengths) - set(fitting))}: the model's context is "
                       f"{engine.max_context} tokens")
     lengths = fitting
-    from .paged_rows import measure_paged, paged_engines
+    from .paged_rows import PAGED_ROWS, measure_paged, paged_engines
 
     paged_built, paged_errors = {}, {}
     if paged:
@@ -222,7 +222,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
             "KVBoost (from store)": [(r.prefix_tokens, r.kvboost_store_ms) for r in rows],
             "floor (suffix over HF cache)": [(r.prefix_tokens, r.floor_ms) for r in rows],
         }
-        for name in ("table", "host"):
+        for name in PAGED_ROWS:
             if any(f"{name}_ms" in r.paged for r in rows):
                 series[f"KVBoost paged ({name})"] = [(r.prefix_tokens, r.paged[f"{name}_ms"]) for r in rows
                                                      if f"{name}_ms" in r.paged]
@@ -232,13 +232,16 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
 
 
 def _print(console: Console, rows: list[PrefixRow]) -> None:
+    from .paged_rows import PAGED_ROWS
+
     table = Table(title="Prefix reuse: TTFT, median ms", caption=(
         "full = no cache; kvb = KVBoost, prefix resident in its workspace; store = KVBoost, prefix copied from "
         "the chunk store; floor = prefill of the same uncached tokens over a DynamicCache already holding the "
-        "rest; table = paged_kv, attention over the stored blocks; host = the same, every block copied back from "
+        "rest; placed = paged_kv, stored blocks copied into the workspace; table = paged_kv, attention over the "
+        "stored blocks; host = the same, every block copied back from "
         "the host pool; lookup = hashing + chain match; same = first token equals the floor's"))
-    paged = [name for name in ("table", "host") if any(name + "_ms" in r.paged or name + "_error" in r.paged
-                                                          for r in rows)]
+    paged = [name for name in PAGED_ROWS if any(name + "_ms" in r.paged or name + "_error" in r.paged
+                                                 for r in rows)]
     for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor",
                 *(f"{name}/floor" for name in paged), "speedup", "lookup", "same"):
         table.add_column(col, justify="right")
@@ -258,8 +261,9 @@ def bench_prefix_command(
     repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
     json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
-    paged: bool = typer.Option(False, "--paged", help="Also paged KV: attention over the stored blocks (table) "
-                               "and over blocks copied back from host memory (host)."),
+    paged: bool = typer.Option(False, "--paged", help="Also paged KV: stored blocks copied into the workspace "
+                               "(placed), attention over the stored blocks (table) and over blocks copied back "
+                               "from host memory (host)."),
 ) -> None:
     """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
     choice = model_choice(model, shape, device, dtype)
