@@ -70,6 +70,12 @@ class EngineConfig:
     # None: on CUDA 30% of the device memory free at load; elsewhere no offload (the device is host memory: one
     # pool of memory_budget_bytes). Needs paged_kv.
     device_kv_budget_bytes: int | None = None
+    # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host blocks (host offload's
+    # pool, which then has room for one such sequence) and each forward brings it to the device one layer at a
+    # time (prefetched a layer ahead on CUDA): it runs, identically, instead of running out of device memory.
+    # None: on CUDA what device_kv_budget_bytes holds; elsewhere no limit. Single requests only (batches refuse a
+    # longer row). Needs paged_kv and host offload (on CPU: device_kv_budget_bytes set).
+    device_kv_max_tokens: int | None = None
     # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
     # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.
     speculative: str | None = None
@@ -124,6 +130,12 @@ class EngineConfig:
         _require(self.device_kv_budget_bytes is None or (
             isinstance(self.device_kv_budget_bytes, int) and self.device_kv_budget_bytes >= 0),
                  f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
+        _require(self.device_kv_max_tokens is None or (
+            isinstance(self.device_kv_max_tokens, int) and not isinstance(self.device_kv_max_tokens, bool)
+            and self.device_kv_max_tokens > 0),
+                 f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
+        _require(self.device_kv_max_tokens is None or self.paged_kv,
+                 "device_kv_max_tokens (streaming long contexts from host memory) needs paged_kv=True")
         _require(self.paged_attention in ("auto", "workspace", "table"),
                  f"paged_attention must be auto, workspace or table, got {self.paged_attention!r}")
         _require(self.paged_attention != "table" or self.paged_kv, "paged_attention='table' needs paged_kv=True")

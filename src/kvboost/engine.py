@@ -29,11 +29,13 @@ from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.manager import KVCacheManager, Plan
 from .kv.paged_kv import build_paged_kv, device_kv_budget
+from .kv.streamed_kv import StreamedKV, device_max_tokens
 from .kv.workspace import KVWorkspace
 from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
+from .model.streamed_sequence import StreamedSequence
 from .model.table_sequence import TableSequence, use_table_forward
 from .prompting import Messages
 from .request import Request
@@ -101,12 +103,23 @@ class InferenceEngine:
                                boundary_classes(tokenizer) if window else None)
         paged = self.config.paged_kv
         store = build_store(self.config, self.namespace, memory_budget_bytes=0 if paged else None)
-        blocks = build_paged_kv(self.chunker, shapes, kv_dtype, self.device, self.config.memory_budget_bytes,
-                                self.config.kv_block_size, self.max_context,
-                                slow=store if store.slow_tiers else None,
-                                device_budget_bytes=device_kv_budget(self.config.device_kv_budget_bytes,
-                                                                     self.device)) if paged else None
-        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model, blocks=blocks)
+        blocks = streamed = None
+        if paged:
+            device_budget = device_kv_budget(self.config.device_kv_budget_bytes, self.device)
+            max_tokens = device_max_tokens(self.config.device_kv_max_tokens, self.device, device_budget, shapes,
+                                           kv_dtype)
+            blocks = build_paged_kv(self.chunker, shapes, kv_dtype, self.device, self.config.memory_budget_bytes,
+                                    self.config.kv_block_size, self.max_context,
+                                    slow=store if store.slow_tiers else None, device_budget_bytes=device_budget,
+                                    device_max_tokens=max_tokens)
+            if max_tokens is not None:
+                if blocks.host is None:
+                    raise ValueError("device_kv_max_tokens streams long contexts from host memory: it needs host "
+                                     "offload (device_kv_budget_bytes, and a memory_budget_bytes of at least one "
+                                     "block)")
+                streamed = StreamedKV(blocks, max_tokens)
+        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model, blocks=blocks,
+                                 streamed=streamed)
         # paged_attention="table": single requests run over their block table, not the workspace (table_sequence).
         self.table_forward = use_table_forward(self.config.paged_attention, model)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
@@ -269,6 +282,8 @@ class InferenceEngine:
                 self.set_cache_length(cache, length)
                 fed = (request.ids + tracker.tokens)[:length]
                 self.finish(request, plan, fed)
+                if isinstance(cache, StreamedSequence) and self.kv.streamed is not None:
+                    self.kv.streamed.count(cache.forwards, cache.bytes_to_device, cache.bytes_to_host)
                 if spec is not None:
                     spec.close(request.ids + tracker.tokens)
         self.kv.record(request.mode, len(request.ids), plan)
@@ -280,6 +295,11 @@ class InferenceEngine:
         """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
         rest. The caller holds self.lock under torch.inference_mode()."""
         ids, ws = request.ids, self.workspace
+        if self.kv.streams(len(ids) + request.params.max_new_tokens):  # longer than the device holds
+            plan = self.kv.lookup_streamed(ids, request.salt, request.mode, request.approximate)
+            assert plan.table is not None
+            seq = StreamedSequence(self.model, plan.table, self.attention)
+            return Prefill(plan, seq, seq.forward(ids[plan.reuse_len:], plan.reuse_len))
         if self.table_forward:  # the stored prefix stays in its blocks; the workspace is not touched
             plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate)
             seq = TableSequence(self.model, self.kv.sequence_table(plan), self.paged_backend)
@@ -353,6 +373,11 @@ class InferenceEngine:
     def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
         """The workspace holds the K/V of `fed` (prompt + output) for `request`: claim it, write back its chunks.
         (paged_attention="table": the plan's table holds it; its blocks become stored chunks, nothing is copied.)"""
+        if plan.streamed:  # its host blocks become host chunks
+            if request.uses_cache and self.config.write_back:
+                assert plan.table is not None
+                self.kv.write_back_streamed(plan.table, fed, request.salt)
+            return
         if self.table_forward:
             if request.uses_cache and self.config.write_back:
                 self.kv.write_back_table(self.kv.sequence_table(plan), fed, request.salt)
@@ -430,10 +455,12 @@ class InferenceEngine:
 
     def run_batch(self, requests: list[Request], max_batch_size: int | None = None) -> list[GenerationResult]:
         """Run requests together through the continuous-batching runner until all are done. Speculative requests
-        run apart, one at a time through the single-request path (a verify is per sequence); results keep order."""
+        (a verify is per sequence) and contexts longer than device_kv_max_tokens (streamed from host memory) run
+        apart, one at a time through the single-request path; results keep order."""
         from .batch import BatchRunner
 
-        plain = [r for r in requests if r.speculative is None]
+        plain = [r for r in requests
+                 if r.speculative is None and not self.kv.streams(len(r.ids) + r.params.max_new_tokens)]
         runner = BatchRunner(self, max_batch_size=max_batch_size or max(1, len(plain)))
         handles = {id(r): runner.add(r) for r in plain}
         while runner.has_work():

@@ -204,6 +204,13 @@ class BatchRunner:
         if request.speculative is not None:
             raise InvalidRequestError("speculative decoding is not supported in batches yet: run the request "
                                       "with generate()/generate_stream(), or pass speculative='off'", "speculative")
+        positions = len(request.ids) + request.params.max_new_tokens
+        if self.engine.kv.streams(positions):
+            raise InvalidRequestError(
+                f"prompt + max_new_tokens = {positions} positions is more than device_kv_max_tokens="
+                f"{self.engine.kv.streamed.max_device_tokens}: such a context is streamed from "
+                "host memory one request at a time, not batched; run it with generate()/generate_stream() (or a "
+                "server with max_batch_size=1)", "max_tokens")
         handle = SequenceHandle(request.prompt_text, len(request.ids))
         row = _Row(handle, request, request.sampler(self.engine.device),
                    request.tracker(self.engine.tokenizer, self.engine.eos_token_ids))

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,6 +34,7 @@ from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
 from ..store.quant import LazyQuantRecord, QuantRun
 from .block_table import BlockTable
 from .paged_kv import PagedKV
+from .streamed_kv import StreamedKV
 from .workspace import KVWorkspace
 
 
@@ -62,6 +63,7 @@ class Plan:
     # Block path (paged_kv): the stored blocks this plan maps, held until the plan is dropped, so that no
     # eviction frees them while its segments (views of those blocks) are read.
     table: BlockTable | None = None
+    streamed: bool = False  # the table is over host blocks, streamed to the device per layer (kv/streamed_kv.py)
 
     @property
     def exact_tokens(self) -> int:
@@ -97,10 +99,12 @@ class _Counters:
 
 class KVCacheManager:
     def __init__(self, config: EngineConfig, namespace: str, chunker: Chunker, store: ChunkStore,
-                 model: torch.nn.Module, blocks: PagedKV | None = None):
+                 model: torch.nn.Module, blocks: PagedKV | None = None, streamed: StreamedKV | None = None):
         self.config = config
         # paged_kv: exact chunks live in pool blocks (kv/paged_kv.py) instead of the store's memory tier.
         self.blocks = blocks
+        # device_kv_max_tokens: longer sequences keep their K/V in host blocks (kv/streamed_kv.py).
+        self.streamed = streamed
         self.namespace = namespace
         self.chunker = chunker
         self.store = store
@@ -173,6 +177,40 @@ class KVCacheManager:
             start = max(plan.reuse_len, self.config.sink_tokens)
             plan.content, plan.rotary, plan.content_fallback = self.content.find(
                 self.blocks.held_records(), ids, start, len(ids) - 1, salt)
+
+    # ---- streamed sequences (longer than the device holds) --------------------------------------------
+    def streams(self, n_positions: int) -> bool:
+        """Whether a sequence of n positions keeps its K/V in host memory (device_kv_max_tokens)."""
+        return self.streamed is not None and self.streamed.streams(n_positions)
+
+    def lookup_streamed(self, ids: Sequence[int], salt: str | None, mode: GenerationMode,
+                        approximate: bool = False) -> Plan:
+        """lookup() for a streamed sequence: the stored prefix mapped into a table over host blocks, which the
+        plan holds. Exact reuse only (content reuse places chunks into the device workspace a streamed sequence
+        does not have: recorded as the plan's content_fallback)."""
+        assert self.streamed is not None
+        t0 = time.perf_counter()
+        ids = list(ids)
+        plan = Plan(len(ids), streamed=True)
+        if mode is GenerationMode.BASELINE:
+            plan.table = BlockTable(self.streamed.pool)
+        else:
+            found = self.streamed.lookup(ids, salt, token_granular=mode is GenerationMode.CHUNK_KV_REUSE)
+            plan.table, plan.reuse_len = found.table, found.reuse_len
+        weakref.finalize(plan, plan.table.release)  # the holds go with the plan
+        if approximate:
+            plan.content_fallback = (f"the context exceeds device_kv_max_tokens={self.streamed.max_device_tokens}: "
+                                     "streamed from host memory with exact reuse only")
+        plan.lookup_ms = (time.perf_counter() - t0) * 1e3
+        return plan
+
+    def write_back_streamed(self, table: BlockTable, seq: Sequence[int], salt: str | None) -> tuple[int, int]:
+        """A streamed sequence's new chunks kept in its host blocks (no copy); returns (new, existing)."""
+        assert self.streamed is not None
+        new, existing = self.streamed.write_back(table, seq, salt)
+        with self._count_lock:
+            self._counters.chunks_written += new
+        return new, existing
 
     def sequence_table(self, plan: Plan) -> BlockTable:
         """The block table a request's forwards extend (paged_attention="table"): the plan's own, or - for a plan
@@ -288,8 +326,14 @@ class KVCacheManager:
             "chunks_written": c.chunks_written, "requests_by_mode": dict(c.by_mode),
             "tiers": {name: t.as_dict() for name, t in per_tier.items()},
             "content_index_chunks": len(self.content.index), "chunk_size": self.config.chunk_size,
-            "namespace": self.namespace, **({"paged_kv": self.blocks.stats()} if self.blocks is not None else {}),
+            "namespace": self.namespace, **({"paged_kv": self._paged_stats()} if self.blocks is not None else {}),
         }
+
+    def _paged_stats(self) -> dict:
+        assert self.blocks is not None
+        stats = self.blocks.stats()
+        stats["streamed"] = None if self.streamed is None else asdict(self.streamed.stats)
+        return stats
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait (at most timeout_s, default config.flush_timeout_s) until chunks queued for the disk and Redis

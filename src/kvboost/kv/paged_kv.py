@@ -155,10 +155,10 @@ class PagedKV:
         self.loaded += 1
         return self.cache.acquire(chunk.prefix_key)
 
-    def _snapshot(self, chunk: Chunk, blocks: Sequence[int]) -> ChunkRecord:
-        """The chunk's K/V copied out of its blocks, for the write-behind queue (the blocks may be reused before
-        the writer runs)."""
-        packed = self.pool.read_packed(blocks, chunk.end - chunk.start)
+    def snapshot(self, chunk: Chunk, blocks: Sequence[int], pool: BlockPool | None = None) -> ChunkRecord:
+        """The chunk's K/V copied out of its blocks (of `pool`, default the device pool), for the write-behind
+        queue (the blocks may be reused before the writer runs)."""
+        packed = (pool or self.pool).read_packed(blocks, chunk.end - chunk.start)
         return ChunkRecord.from_packed(chunk.prefix_key, chunk.parent_key, chunk.content_key, tuple(chunk.token_ids),
                                        chunk.start, packed)
 
@@ -329,7 +329,7 @@ class PagedKV:
                 if self.host is not None:
                     self.host.discard(chunk.prefix_key)  # recomputed while offloaded: one copy is enough
             if self.slow is not None and not self.slow.contains(chunk.prefix_key):
-                self.slow.put(self._snapshot(chunk, blocks))  # written behind; a failing tier is counted there
+                self.slow.put(self.snapshot(chunk, blocks))  # written behind; a failing tier is counted there
             if chunk.complete:
                 for sibling in self.cache.children(chunk.parent_key):
                     m = sibling.n_tokens
@@ -394,19 +394,28 @@ class _LayerViews(Sequence[torch.Tensor]):
 
 def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,
                    budget_bytes: int, block_size: int | None = None, max_context: int | None = None,
-                   slow: ChunkStore | None = None, device_budget_bytes: int | None = None) -> PagedKV:
+                   slow: ChunkStore | None = None, device_budget_bytes: int | None = None,
+                   device_max_tokens: int | None = None) -> PagedKV:
     """A pool for the stored blocks' budget plus room for two sequences of max_context tokens (a request's table
     and a write-back's temporary one), and its cache. slow: the disk / Redis tiers behind the blocks (a store whose
     memory tier holds nothing), or None.
 
     device_budget_bytes None: one pool of `budget_bytes` of stored blocks. Otherwise the device pool keeps that
-    much, and the chunks it evicts move to a host pool of `budget_bytes` (host offload) instead of being dropped."""
+    much, and the chunks it evicts move to a host pool of `budget_bytes` (host offload) instead of being dropped.
+    device_max_tokens: the longest sequence the device holds (longer ones are streamed from the host pool, which
+    then has room for one such sequence beyond `budget_bytes`); the device's room for sequences is sized by it."""
     layout = BlockLayout.for_layers(shapes, block_size or chunker.chunk_size, dtype)
-    running = 2 * (layout.blocks_for(max_context or 32768) + 1)
+    longest = max_context or 32768
+    on_device = longest if device_max_tokens is None else min(longest, device_max_tokens)
+    running = 2 * (layout.blocks_for(on_device) + 1)
     stored = budget_bytes if device_budget_bytes is None else device_budget_bytes
     pool = BlockPool(layout, stored // layout.block_nbytes + running, device)
-    host_pool = None if device_budget_bytes is None else host_pool_for(pool, budget_bytes)
-    host = None if host_pool is None else HostOffload(pool, host_pool)
+    host = None
+    if device_budget_bytes is not None:
+        streamed_room = layout.blocks_for(longest) + 1 if on_device < longest else 0
+        host_pool = host_pool_for(pool, budget_bytes, streamed_room)
+        if host_pool is not None:
+            host = HostOffload(pool, host_pool, budget_blocks=budget_bytes // layout.block_nbytes)
     cache = BlockCache(pool, budget_bytes=stored, spill=None if host is None else host.stash)
     return PagedKV(chunker, pool, cache, slow, host)
 

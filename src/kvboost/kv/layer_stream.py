@@ -1,0 +1,96 @@
+"""One layer at a time, the K/V a host block table holds, brought to the compute device for that layer's attention.
+
+A streamed sequence (kv/streamed_kv.py: longer than the device may hold) keeps its K/V in host blocks. Each forward
+needs, per layer, positions [0, n) of that layer on the device next to the step's own K/V:
+
+    take(layer, q) -> (keys, values) [1, kv_heads, n + q, d]   positions [0, n) filled; [n, n + q) for the caller
+
+On CUDA the copies of layer l + 1 are enqueued on a side stream while layer l computes (one copy per block from
+pinned host memory into a device buffer in block layout, then one device-side permute into token order); the
+compute stream waits on an event before reading them. Elsewhere the device is host memory and a take is one
+concatenation of the blocks' slices. Either way the values are the table's, bit for bit: attention over them is
+the model's own, as over a contiguous workspace.
+"""
+from __future__ import annotations
+
+import torch
+
+from .block_table import BlockTable
+
+
+class LayerStream:
+    def __init__(self, table: BlockTable, n: int, device: torch.device):
+        if n > table.length:
+            raise ValueError(f"cannot stream {n} positions of a {table.length}-position table")
+        self.table, self.n, self.device = table, n, torch.device(device)
+        self.pool = table.pool
+        self.runs = table.runs(0, n)  # (block, offset in block, offset from 0, tokens)
+        self.blocks = table.blocks[:self.pool.layout.blocks_for(n)]
+        self.cuda = self.device.type == "cuda" and self.pool.device.type == "cpu"
+        self.side = torch.cuda.Stream(self.device) if self.cuda and n else None
+        self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self.bytes_to_device = 0
+
+    def take(self, layer: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V [1, kv_heads, n + q, d] on the device, positions [0, n) from the table; the
+        next layer's copies start now (CUDA)."""
+        if not self.cuda:
+            return self._concatenated(layer, q)
+        staged = self._staged(layer)
+        if layer + 1 < self.pool.layout.layers:
+            self._prefetch(layer + 1)
+        return self._token_order(staged, q)
+
+    # ---- host memory is the device ---------------------------------------------------------------------
+    def _concatenated(self, layer: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        h, d = self.pool.layout.kv_heads, self.pool.layout.head_dim
+        for cache in (self.pool.keys(layer), self.pool.values(layer)):  # [blocks, H, bs, d]
+            buf = torch.empty(1, h, self.n + q, d, dtype=cache.dtype, device=cache.device)
+            if self.runs:
+                with torch.no_grad():  # cat(out=) refuses inputs that require grad
+                    torch.cat([cache[b, :, off:off + m] for b, off, _, m in self.runs], dim=1, out=buf[0, :, :self.n])
+            out.append(buf.to(self.device))
+        self.bytes_to_device += 2 * self.n * h * d * self.pool.storage.element_size()
+        return out[0], out[1]
+
+    # ---- CUDA: pinned host blocks -> device, a layer ahead -------------------------------------------------
+    def _prefetch(self, layer: int) -> None:
+        if layer in self.pending or not self.n:
+            return
+        assert self.side is not None
+        self.side.wait_stream(torch.cuda.current_stream(self.device))  # nothing queued before reads it early
+        with torch.cuda.stream(self.side):
+            staged = torch.empty((len(self.blocks), *self.pool.storage.shape[2:]), dtype=self.pool.storage.dtype,
+                                 device=self.device)  # [blocks, 2, H, bs, d]
+            for j, block in enumerate(self.blocks):  # one contiguous region per block: one async copy
+                staged[j].copy_(self.pool.storage[block, layer], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        self.pending[layer] = (staged, done)
+        self.bytes_to_device += staged.numel() * staged.element_size()
+
+    def _staged(self, layer: int) -> torch.Tensor | None:
+        if not self.n:
+            return None
+        self._prefetch(layer)  # the first layer (or a layer asked out of order)
+        staged, done = self.pending.pop(layer)
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(done)
+        staged.record_stream(main)  # made on the side stream, read on this one: its memory waits for both
+        return staged
+
+    def _token_order(self, staged: torch.Tensor | None, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h, d = self.pool.layout.kv_heads, self.pool.layout.head_dim
+        out = []
+        for kind in (0, 1):
+            buf = torch.empty(1, h, self.n + q, d, dtype=self.pool.storage.dtype, device=self.device)
+            if staged is not None:  # [blocks, H, bs, d] -> [H, blocks * bs, d], cut to n
+                tokens = staged[:, kind].permute(1, 0, 2, 3).reshape(h, -1, d)
+                buf[0, :, :self.n].copy_(tokens[:, :self.n])
+            out.append(buf)
+        return out[0], out[1]
+
+    def close(self) -> None:
+        """Drop copies prefetched but not taken (a forward that raised part-way)."""
+        self.pending.clear()

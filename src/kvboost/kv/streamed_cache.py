@@ -1,0 +1,96 @@
+"""A transformers Cache over a host block table whose layers bring their K/V to the device one at a time.
+
+StreamedLayer.update() hands attention the layer's K/V of every earlier position (LayerStream: from host blocks)
+followed by the step's own, as a contiguous [1, kv_heads, n + q, d] tensor - what a workspace layer hands it, so
+the model's own attention (masks included) runs unchanged - and writes the step's K/V into the table's reserved
+host positions. On CUDA those writes go first to pinned buffers (asynchronous copies; a blocking one per layer
+would stall the pipeline) and reach the blocks in flush(), after the forward.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .block_table import BlockTable
+from .layer_stream import LayerStream
+
+
+class StreamedLayer(CacheLayerMixin):
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: StreamedCache, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = cache, layer_idx
+        self.length = cache.start
+        pool = cache.table.pool
+        self.dtype, self.device = pool.storage.dtype, cache.stream.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states [1, kv_heads, q, d] -> positions [length, length + q), reserved by the caller
+        if key_states.shape[0] != 1:
+            raise ValueError(f"a streamed cache layer holds one sequence; got a batch of {key_states.shape[0]}")
+        if self.length != self.owner.start:
+            raise RuntimeError("a streamed cache layer runs one forward; build a new cache for the next")
+        q = key_states.shape[-2]
+        keys, values = self.owner.stream.take(self.layer_idx, q)
+        keys[:, :, self.length:].copy_(key_states)
+        values[:, :, self.length:].copy_(value_states)
+        self.owner.keep(self.layer_idx, key_states[0], value_states[0])
+        self.length += q
+        return keys, values
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+        return self.length + q, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class StreamedCache(Cache):
+    """One forward's cache over `table` (positions [start, start + q) already reserved)."""
+
+    def __init__(self, table: BlockTable, start: int, device: torch.device):
+        self.table, self.start = table, start
+        self.stream = LayerStream(table, start, device)
+        self.async_writes = self.stream.cuda
+        self.outbox: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # CUDA: (layer, K, V) in pinned memory
+        self.bytes_to_host = 0
+        super().__init__(layers=[StreamedLayer(self, i) for i in range(table.pool.layout.layers)])
+
+    def keep(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The step's K/V [kv_heads, q, d] of `layer` into the table (CUDA: queued, see flush)."""
+        self.bytes_to_host += (keys.numel() + values.numel()) * self.table.pool.storage.element_size()
+        if not self.async_writes:
+            self.table.write(layer, self.start, keys, values)
+            return
+        pinned = []
+        for t in (keys, values):
+            host = torch.empty(t.shape, dtype=self.table.pool.storage.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            pinned.append(host)
+        self.outbox.append((layer, pinned[0], pinned[1]))
+
+    def flush(self) -> None:
+        """The queued writes into the table's blocks (after the device finished them)."""
+        if self.outbox:
+            torch.cuda.current_stream(self.stream.device).synchronize()
+            for layer, keys, values in self.outbox:
+                self.table.write(layer, self.start, keys, values)
+            self.outbox.clear()
+
+    def close(self) -> None:
+        self.outbox.clear()
+        self.stream.close()

@@ -1,0 +1,219 @@
+"""Contexts longer than device_kv_max_tokens: their K/V lives in host blocks and reaches the device one layer at a
+time, with outputs identical to the all-resident run; their chunks are kept (host), found again (mapped without a
+copy, restored to the device, or loaded from disk) and never freed from under a sequence reading them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost import KVBoost
+from kvboost.batch import BatchRunner
+from kvboost.errors import InvalidRequestError
+from kvboost.kv.block_cache import BlockCache
+from kvboost.kv.block_table import BlockTable
+from kvboost.kv.blocks import BlockLayout, BlockPool
+from kvboost.kv.host_offload import HostOffload
+from kvboost.kv.layer_stream import LayerStream
+from kvboost.results import GenerationMode
+from kvboost.sampling import SamplingParams
+
+from ..prompts import text_with_tokens, words
+from ..tiny_models import TINY_ARCHS, make_tiny_model
+
+CHUNK = 16
+ON_DEVICE = 40  # positions a sequence may hold on the device: every prompt below is longer
+
+
+def _streaming(model, tokenizer, **kw) -> KVBoost:
+    return KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True, device_kv_budget_bytes=1 << 20,
+                   device_kv_max_tokens=ON_DEVICE, **kw)
+
+
+def _streamed(engine: KVBoost) -> dict:
+    return engine.cache_stats()["paged_kv"]["streamed"]
+
+
+def _same(got, want) -> None:
+    """Bit for bit: `want` comes from a resident engine that ran the same requests (so reused the same K/V; a
+    full prefill of the whole prompt rounds differently from a suffix over reused K/V, in any engine)."""
+    assert got.output_token_ids == want.output_token_ids
+    assert got.cached_tokens == want.cached_tokens
+    if want.first_token_logits is not None:
+        assert torch.equal(got.first_token_logits, want.first_token_logits)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_streamed_outputs_equal_the_resident_run(tokenizer, device, arch):
+    model = make_tiny_model(arch, tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    prompt = text_with_tokens(tokenizer, 5 * CHUNK + 3, seed=1)
+    for mode in ("baseline", "chunk_kv_reuse"):
+        resident.forget_workspace()  # a streamed sequence has no workspace to find the last prompt in
+        _same(streaming.generate(prompt, max_new_tokens=8, mode=mode, return_logits=True),
+              resident.generate(prompt, max_new_tokens=8, mode=mode, return_logits=True))
+    stats = _streamed(streaming)
+    assert stats["requests"] == 2 and stats["forwards"] == 2 * 8  # a prefill and 7 decode steps each
+    assert stats["bytes_to_device"] > 0 and stats["bytes_to_host"] > 0
+
+
+def test_a_streamed_prefix_is_mapped_again_without_a_copy(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    document = text_with_tokens(tokenizer, 6 * CHUNK, seed=2)
+    for engine in (streaming, resident):
+        engine.generate(document + " " + words(6, seed=3), max_new_tokens=4)
+        engine.forget_workspace()
+    host = streaming.cache_stats()["paged_kv"]["host"]
+    assert host["adopted"] >= 6 and host["offloaded"] == 0  # kept in the sequence's own blocks: nothing moved
+    follow_up = document + " " + words(9, seed=4)
+    got = streaming.generate(follow_up, max_new_tokens=8, return_logits=True)
+    _same(got, resident.generate(follow_up, max_new_tokens=8, return_logits=True))
+    assert got.cached_tokens >= 6 * CHUNK
+    stats = _streamed(streaming)
+    assert stats["mapped_chunks"] >= 6 and stats["copied_chunks"] == 0
+
+
+def test_streamed_and_resident_requests_share_chunks_both_ways(tokenizer, device):
+    model = make_tiny_model("qwen2", tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    short = text_with_tokens(tokenizer, CHUNK + 4, seed=5)
+    long = short + " " + text_with_tokens(tokenizer, 4 * CHUNK, seed=6)
+    ids = streaming.encode(long)[:2 * CHUNK + 2]  # its second chunk whole: only the streamed request stored that
+    for engine in (resident, streaming):
+        engine.warm(short)  # ~20 positions: held on the device
+    got = streaming.generate(long, max_new_tokens=6, return_logits=True)  # the device chunks are copied to host
+    _same(got, resident.generate(long, max_new_tokens=6, return_logits=True))
+    assert _streamed(streaming)["copied_chunks"] >= 1 and got.cached_tokens > CHUNK
+    # A request short enough for the device reads the streamed request's chunks: restored from the host.
+    for engine in (resident, streaming):
+        engine.forget_workspace()
+    got = streaming.generate(input_ids=ids, max_new_tokens=4, return_logits=True)
+    _same(got, resident.generate(input_ids=ids, max_new_tokens=4, return_logits=True))
+    assert got.cached_tokens > 2 * CHUNK and streaming.cache_stats()["paged_kv"]["host"]["restored"] >= 1
+
+
+def test_streamed_speculation_rolls_back_in_host_blocks(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    prompt = " ".join([words(12, seed=7)] * 5)  # repetitive: prompt lookup drafts, some rejected
+    want = resident.generate(prompt, max_new_tokens=24, mode="baseline")
+    got = streaming.generate(prompt, max_new_tokens=24, speculative="prompt_lookup")
+    assert got.output_token_ids == want.output_token_ids
+    assert got.speculative == "prompt_lookup" and got.draft_tokens > 0
+
+
+def test_a_forward_that_fails_midway_leaves_no_blocks_behind(tokenizer, device, monkeypatch):
+    model = make_tiny_model("llama", tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    host_pool = streaming.kv.streamed.pool
+    prompt = text_with_tokens(tokenizer, 4 * CHUNK, seed=8)
+    take = LayerStream.take
+
+    def failing(self, layer, q):
+        if layer == 1:
+            raise RuntimeError("copy failed")
+        return take(self, layer, q)
+
+    monkeypatch.setattr(LayerStream, "take", failing)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        streaming.generate(prompt, max_new_tokens=4)
+    monkeypatch.setattr(LayerStream, "take", take)
+    import gc
+
+    gc.collect()  # the failed request's plan (and its table's holds) go with it
+    assert host_pool.num_used == 0
+    got = streaming.generate(prompt, max_new_tokens=4)
+    assert got.output_token_ids == resident.generate(prompt, max_new_tokens=4, mode="baseline").output_token_ids
+
+
+def test_batches_run_streamed_rows_apart_and_the_runner_refuses_them(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    prompts = [words(5, seed=9), text_with_tokens(tokenizer, 4 * CHUNK, seed=10)]  # one short, one streamed
+    got = streaming.generate_batch(prompts, max_new_tokens=5)
+    want = [resident.generate(p, max_new_tokens=5, mode="baseline") for p in prompts]
+    assert [g.output_token_ids for g in got] == [w.output_token_ids for w in want]
+    assert _streamed(streaming)["requests"] == 1
+    runner = BatchRunner(streaming, max_batch_size=2)
+    with pytest.raises(InvalidRequestError, match="device_kv_max_tokens"):
+        runner.add(streaming.encode(prompts[1]), SamplingParams(max_new_tokens=5))
+
+
+def test_streamed_chunks_are_written_behind_and_loaded_from_disk(tokenizer, device, tmp_path):
+    model = make_tiny_model("llama", tokenizer)
+    resident = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    prompt = text_with_tokens(tokenizer, 5 * CHUNK, seed=11)
+    first = _streaming(model, tokenizer, disk_cache_dir=str(tmp_path))
+    for engine in (first, resident):
+        engine.generate(prompt, max_new_tokens=3)
+        engine.forget_workspace()
+    assert first.flush()
+    second = _streaming(model, tokenizer, disk_cache_dir=str(tmp_path))  # a restart: nothing in memory
+    got = second.generate(prompt + " " + words(4, seed=12), max_new_tokens=6, return_logits=True)
+    want = resident.generate(prompt + " " + words(4, seed=12), max_new_tokens=6, return_logits=True)
+    # Whole chunks come from disk (the remainder's partial chunk from memory only): fewer cached tokens, the same
+    # outputs, logits equal up to rounding (a longer suffix forward).
+    assert got.output_token_ids == want.output_token_ids
+    assert torch.allclose(got.first_token_logits, want.first_token_logits, atol=1e-5)
+    assert _streamed(second)["loaded_chunks"] >= 4 and got.cached_tokens >= 4 * CHUNK
+
+
+def test_content_reuse_on_a_streamed_context_says_why_it_was_not_used(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    streaming = _streaming(model, tokenizer)
+    ids = streaming.encode(text_with_tokens(tokenizer, 4 * CHUNK, seed=13))
+    assert streaming.generate(input_ids=ids, max_new_tokens=2, content_reuse=True).output_token_ids
+    plan = streaming.kv.lookup_streamed(ids, None, GenerationMode.CHUNK_KV_REUSE, approximate=True)
+    assert "device_kv_max_tokens" in (plan.content_fallback or "")
+
+
+def test_device_kv_max_tokens_is_validated(tokenizer):
+    model = make_tiny_model("llama", tokenizer)
+    with pytest.raises(ValueError, match="paged_kv"):
+        KVBoost(model, tokenizer, device_kv_max_tokens=64)
+    with pytest.raises(ValueError, match="host offload"):
+        KVBoost(model, tokenizer, paged_kv=True, device_kv_max_tokens=64)  # CPU: no host tier unless asked
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="device_kv_max_tokens"):
+            KVBoost(model, tokenizer, paged_kv=True, device_kv_budget_bytes=1 << 20, device_kv_max_tokens=bad)
+
+
+# ---- the pieces ------------------------------------------------------------------------------------------
+LAYOUT = BlockLayout(2, 2, 4, 4, torch.float32)
+
+
+def test_layer_stream_hands_each_layer_the_tables_positions():
+    pool = BlockPool(LAYOUT, 6)
+    table = BlockTable(pool)
+    table.reserve(10)
+    k = torch.randn(2, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
+    v = torch.randn_like(k)
+    for layer in range(2):
+        table.write(layer, 0, k[layer], v[layer])
+    stream = LayerStream(table, 7, torch.device("cpu"))
+    for layer in range(2):
+        keys, values = stream.take(layer, 3)
+        assert keys.shape == (1, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
+        assert torch.equal(keys[0, :, :7], k[layer, :, :7]) and torch.equal(values[0, :, :7], v[layer, :, :7])
+    assert stream.bytes_to_device == 2 * 2 * 7 * LAYOUT.kv_heads * LAYOUT.head_dim * 4
+
+
+def test_a_host_chunk_a_streamed_table_reads_is_never_evicted():
+    device, host = BlockPool(LAYOUT, 4), BlockPool(LAYOUT, 3)
+    offload = HostOffload(device, host, budget_blocks=2)
+    BlockCache(device, spill=offload.stash)
+    table = BlockTable(host)
+    table.reserve(8)  # two blocks a streamed sequence wrote
+    assert offload.adopt("a", table.blocks[:1], (1, 2, 3, 4), 0) and offload.adopt("b", table.blocks[1:], (5,) * 4, 4)
+    table.release()
+    reader = BlockTable(host)
+    hit = offload.acquire("a")
+    reader.map_shared(hit.blocks, 4, held=True)
+    table = BlockTable(host)
+    table.reserve(8)  # the pool is short: only "b" (unpinned) may go
+    assert offload.contains("a") and not offload.contains("b")
+    assert not offload.adopt("c", table.blocks, (7,) * 8, 0)  # over budget with "a" pinned: refused, counted
+    assert offload.stats().failures == {"host_full": 1}
+    reader.release()
+    table.release()
+    assert host.num_used == 1  # "a", held by the host tier alone
