@@ -21,7 +21,11 @@
 #                             time limit can run the two parts as two commands)
 #   KVBOOST_GPU_CHECK_BENCH   0: skip the benchmark; otherwise extra arguments for `kvboost bench gpu`
 #                             (default: none, the Qwen2.5-3B shape in bf16 on CUDA, --quick --shape tiny on CPU)
-#   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png (default: benchmarks/results)
+#   KVBOOST_GPU_CHECK_LONGCTX 0: skip the long-context decode bench (`kvboost bench longctx`: a context streamed
+#                             from host memory with 25% of its K/V on the device, against the PCIe bound);
+#                             otherwise extra arguments for it (default: --shape qwen2.5-3b --context 32000 on
+#                             CUDA, --shape tiny --context 300 on CPU)
+#   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png / longctx.json (default: benchmarks/results)
 #   KVBOOST_TOKENIZER         a tokenizer folder for the benchmark's random-weight shapes, where the embedded
 #                             model's package is not installed (a GPU machine that cannot carry its 94 MB GGUF)
 #   PYTHON                    interpreter to use (default: python)
@@ -160,5 +164,21 @@ if [[ "${KVBOOST_GPU_CHECK_BENCH:-}" != "0" ]]; then
     bench_status=$?
     set -e
 fi
-[[ $status -eq 0 && $bench_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
-exit $(( status != 0 || bench_status != 0 ))
+long_status=0
+if [[ "${KVBOOST_GPU_CHECK_LONGCTX:-}" != "0" ]]; then
+    out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
+    mkdir -p "$out"
+    # shellcheck disable=SC2206
+    long=(${KVBOOST_GPU_CHECK_LONGCTX:-})
+    if [[ ${#long[@]} -eq 0 ]]; then
+        if [[ "$DEVICE" == cuda* ]]; then long=(--shape qwen2.5-3b --context 32000); else long=(--shape tiny --context 300); fi
+    fi
+    echo "== kvboost bench longctx --device $DEVICE ${long[*]} --json $out/longctx.json --plot $out/longctx.png"
+    set +e
+    "$PYTHON" -m kvboost.cli bench longctx --device "$DEVICE" "${long[@]}" --json "$out/longctx.json" \
+        --plot "$out/longctx.png"
+    long_status=$?
+    set -e
+fi
+[[ $status -eq 0 && $bench_status -eq 0 && $long_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
+exit $(( status != 0 || bench_status != 0 || long_status != 0 ))

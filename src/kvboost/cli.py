@@ -140,6 +140,7 @@ def _register_modules() -> None:
     # Each takes --model/--shape/--device/--dtype (cli_common).
     from .bench.decode import bench_decode_command
     from .bench.gpu import bench_gpu_command
+    from .bench.longctx import bench_longctx_command
     from .bench.multiturn import bench_multiturn_command
     from .bench.prefix import bench_prefix_command
     from .bench.quant import bench_quant_command
@@ -153,7 +154,8 @@ def _register_modules() -> None:
 
     for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
                           ("multiturn", bench_multiturn_command), ("decode", bench_decode_command),
-                          ("gpu", bench_gpu_command), ("spec", bench_spec_command)):
+                          ("gpu", bench_gpu_command), ("spec", bench_spec_command),
+                          ("longctx", bench_longctx_command)):
         bench_app.command(name)(_plot_needs_bench_extra(f"kvboost bench {name}", command))
 
 

@@ -18,12 +18,28 @@ import torch
 from .block_table import BlockTable
 
 
+class Scratch:
+    """Host-side K and V buffers [1, kv_heads, capacity, d] reused by every layer and forward of a sequence (a layer's
+    attention is done with them before the next layer's take): a fresh multi-hundred-MB buffer per layer and step
+    would be paid again in page faults each time."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def get(self, like: torch.Tensor, h: int, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.buffers or self.buffers[0].shape[2] < n or self.buffers[0].dtype != like.dtype:
+            capacity = n + 256  # decode grows one position per step: reallocate now and then, not every step
+            self.buffers = [torch.empty(1, h, capacity, d, dtype=like.dtype, device=like.device) for _ in range(2)]
+        return self.buffers[0][:, :, :n], self.buffers[1][:, :, :n]
+
+
 class LayerStream:
-    def __init__(self, table: BlockTable, n: int, device: torch.device):
+    def __init__(self, table: BlockTable, n: int, device: torch.device, scratch: Scratch | None = None):
         if n > table.length:
             raise ValueError(f"cannot stream {n} positions of a {table.length}-position table")
         self.table, self.n, self.device = table, n, torch.device(device)
         self.pool = table.pool
+        self.scratch = scratch or Scratch()
         self.runs = table.runs(0, n)  # (block, offset in block, offset from 0, tokens)
         self.blocks = table.blocks[:self.pool.layout.blocks_for(n)]
         self.cuda = self.device.type == "cuda" and self.pool.device.type == "cpu"
@@ -43,16 +59,17 @@ class LayerStream:
 
     # ---- host memory is the device ---------------------------------------------------------------------
     def _concatenated(self, layer: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out = []
         h, d = self.pool.layout.kv_heads, self.pool.layout.head_dim
-        for cache in (self.pool.keys(layer), self.pool.values(layer)):  # [blocks, H, bs, d]
-            buf = torch.empty(1, h, self.n + q, d, dtype=cache.dtype, device=cache.device)
-            if self.runs:
-                with torch.no_grad():  # cat(out=) refuses inputs that require grad
+        caches = (self.pool.keys(layer), self.pool.values(layer))  # [blocks, H, bs, d]
+        out = self.scratch.get(caches[0], h, self.n + q, d)
+        if self.runs:
+            with torch.no_grad():  # cat(out=) refuses inputs that require grad
+                for cache, buf in zip(caches, out):
                     torch.cat([cache[b, :, off:off + m] for b, off, _, m in self.runs], dim=1, out=buf[0, :, :self.n])
-            out.append(buf.to(self.device))
         self.bytes_to_device += 2 * self.n * h * d * self.pool.storage.element_size()
-        return out[0], out[1]
+        if self.device != caches[0].device:  # another accelerator without the CUDA path: one copy each
+            return out[0].to(self.device), out[1].to(self.device)
+        return out
 
     # ---- CUDA: pinned host blocks -> device, a layer ahead -------------------------------------------------
     def _prefetch(self, layer: int) -> None:

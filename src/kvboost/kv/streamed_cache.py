@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_table import BlockTable
-from .layer_stream import LayerStream
+from .layer_stream import LayerStream, Scratch
 
 
 class StreamedLayer(CacheLayerMixin):
@@ -62,9 +62,9 @@ class StreamedLayer(CacheLayerMixin):
 class StreamedCache(Cache):
     """One forward's cache over `table` (positions [start, start + q) already reserved)."""
 
-    def __init__(self, table: BlockTable, start: int, device: torch.device):
+    def __init__(self, table: BlockTable, start: int, device: torch.device, scratch: Scratch | None = None):
         self.table, self.start = table, start
-        self.stream = LayerStream(table, start, device)
+        self.stream = LayerStream(table, start, device, scratch)
         self.async_writes = self.stream.cuda
         self.outbox: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # CUDA: (layer, K, V) in pinned memory
         self.bytes_to_host = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kv.block_table import BlockTable
+from ..kv.layer_stream import Scratch
 from ..kv.streamed_cache import StreamedCache
 from .forward import forward_tokens
 from .table_sequence import TableSequence
@@ -20,6 +21,7 @@ class StreamedSequence(TableSequence):
         super().__init__(model, table)
         self.attention = attention
         self.device = next(model.parameters()).device
+        self.scratch = Scratch()  # host-side K/V buffers every layer and forward reuses (CPU)
         self.forwards = 0
         self.bytes_to_device = 0
         self.bytes_to_host = 0
@@ -29,7 +31,7 @@ class StreamedSequence(TableSequence):
             raise ValueError(f"position {start} is past the table's {self.table.length} positions")
         self.set_length(start)
         self.table.reserve(len(tokens))
-        cache = StreamedCache(self.table, start, self.device)
+        cache = StreamedCache(self.table, start, self.device, self.scratch)
         try:
             logits = forward_tokens(self.model, tokens, cache, logits_to_keep=len(tokens) if all_logits else 1,
                                     attention=self.attention)[0]
