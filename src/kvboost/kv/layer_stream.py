@@ -76,7 +76,8 @@ class LayerStream:
         if layer in self.pending or not self.n:
             return
         assert self.side is not None
-        self.side.wait_stream(torch.cuda.current_stream(self.device))  # nothing queued before reads it early
+        if not self.pending and not self.bytes_to_device:  # the first copy: after the work queued so far (e.g.
+            self.side.wait_stream(torch.cuda.current_stream(self.device))  # device blocks copied into the table)
         with torch.cuda.stream(self.side):
             staged = torch.empty((len(self.blocks), *self.pool.storage.shape[2:]), dtype=self.pool.storage.dtype,
                                  device=self.device)  # [blocks, 2, H, bs, d]
