@@ -27,9 +27,8 @@ from .config import EngineConfig
 from .decoding.factory import make_draft_engine, make_speculator
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
-from .kv.manager import KVCacheManager, Plan
-from .kv.paged_kv import build_paged_kv, device_kv_budget
-from .kv.streamed_kv import StreamedKV, device_max_tokens
+from .kv.build import build_kv_manager
+from .kv.manager import Plan
 from .kv.workspace import KVWorkspace
 from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
@@ -42,7 +41,6 @@ from .request import Request
 from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
-from .store.tiered import build_store
 
 
 @dataclass
@@ -101,25 +99,8 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
-        paged = self.config.paged_kv
-        store = build_store(self.config, self.namespace, memory_budget_bytes=0 if paged else None)
-        blocks = streamed = None
-        if paged:
-            device_budget = device_kv_budget(self.config.device_kv_budget_bytes, self.device)
-            max_tokens = device_max_tokens(self.config.device_kv_max_tokens, self.device, device_budget, shapes,
-                                           kv_dtype)
-            blocks = build_paged_kv(self.chunker, shapes, kv_dtype, self.device, self.config.memory_budget_bytes,
-                                    self.config.kv_block_size, self.max_context,
-                                    slow=store if store.slow_tiers else None, device_budget_bytes=device_budget,
-                                    device_max_tokens=max_tokens)
-            if max_tokens is not None:
-                if blocks.host is None:
-                    raise ValueError("device_kv_max_tokens streams long contexts from host memory: it needs host "
-                                     "offload (device_kv_budget_bytes, and a memory_budget_bytes of at least one "
-                                     "block)")
-                streamed = StreamedKV(blocks, max_tokens)
-        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model, blocks=blocks,
-                                 streamed=streamed)
+        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model, shapes, kv_dtype, self.device,
+                                   self.max_context)
         # paged_attention="table": single requests run over their block table, not the workspace (table_sequence).
         self.table_forward = use_table_forward(self.config.paged_attention, model)
         self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
