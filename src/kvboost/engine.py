@@ -41,6 +41,7 @@ from .request import Request
 from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
+from .streaming import count_transfers, streamed_prefill, streamed_warm
 
 
 @dataclass
@@ -263,8 +264,8 @@ class InferenceEngine:
                 self.set_cache_length(cache, length)
                 fed = (request.ids + tracker.tokens)[:length]
                 self.finish(request, plan, fed)
-                if isinstance(cache, StreamedSequence) and self.kv.streamed is not None:
-                    self.kv.streamed.count(cache.forwards, cache.bytes_to_device, cache.bytes_to_host)
+                if isinstance(cache, StreamedSequence):
+                    count_transfers(self.kv, cache)
                 if spec is not None:
                     spec.close(request.ids + tracker.tokens)
         self.kv.record(request.mode, len(request.ids), plan)
@@ -277,10 +278,9 @@ class InferenceEngine:
         rest. The caller holds self.lock under torch.inference_mode()."""
         ids, ws = request.ids, self.workspace
         if self.kv.streams(len(ids) + request.params.max_new_tokens):  # longer than the device holds
-            plan = self.kv.lookup_streamed(ids, request.salt, request.mode, request.approximate)
-            assert plan.table is not None
-            seq = StreamedSequence(self.model, plan.table, self.attention)
-            return Prefill(plan, seq, seq.forward(ids[plan.reuse_len:], plan.reuse_len))
+            plan, seq, logits = streamed_prefill(self.kv, self.model, self.attention, ids, request.salt,
+                                                 request.mode, request.approximate)
+            return Prefill(plan, seq, logits)
         if self.table_forward:  # the stored prefix stays in its blocks; the workspace is not touched
             plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate)
             seq = TableSequence(self.model, self.kv.sequence_table(plan), self.paged_backend)
@@ -393,6 +393,8 @@ class InferenceEngine:
         longer sequence that starts with ids, whose chunks these are (see KVCacheManager.write_back)."""
         ids = list(ids)
         with self.lock, torch.inference_mode():
+            if self.kv.streams(len(ids) + 1):  # longer than the device holds: kept in host blocks
+                return streamed_warm(self.kv, self.model, self.attention, ids, salt)
             ws = self.workspace
             # One more position than ids, so that every id may be reused (the last one needs no logits here).
             plan = self.kv.lookup(ids + [0], salt, GenerationMode.CHUNK_KV_REUSE, resident=self._resident(salt))

@@ -96,6 +96,22 @@ def test_streamed_and_resident_requests_share_chunks_both_ways(tokenizer, device
     assert got.cached_tokens > 2 * CHUNK and streaming.cache_stats()["paged_kv"]["host"]["restored"] >= 1
 
 
+def test_warming_a_long_text_keeps_it_in_host_blocks(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
+    document = text_with_tokens(tokenizer, 5 * CHUNK, seed=14)
+    for engine in (resident, streaming):
+        assert engine.warm(document).chunks_stored >= 5
+        engine.forget_workspace()
+    assert streaming.cache_stats()["paged_kv"]["stored_chunks"] == 0  # nothing of it went to the device pool
+    assert streaming.cache_stats()["paged_kv"]["host"]["adopted"] >= 5
+    assert streaming.warm(document).chunks_stored == 0  # all there already
+    prompt = document + " " + words(7, seed=15)
+    got = streaming.generate(prompt, max_new_tokens=6, return_logits=True)
+    _same(got, resident.generate(prompt, max_new_tokens=6, return_logits=True))
+    assert got.cached_tokens >= 5 * CHUNK and _streamed(streaming)["mapped_chunks"] >= 5
+
+
 def test_streamed_speculation_rolls_back_in_host_blocks(tokenizer, device):
     model = make_tiny_model("llama", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
