@@ -193,7 +193,7 @@ class KVCacheManager:
         ids = list(ids)
         plan = Plan(len(ids), streamed=True)
         if mode is GenerationMode.BASELINE:
-            plan.table = BlockTable(self.streamed.pool)
+            plan.table = self.streamed.new_table()
         else:
             found = self.streamed.lookup(ids, salt, token_granular=mode is GenerationMode.CHUNK_KV_REUSE)
             plan.table, plan.reuse_len = found.table, found.reuse_len

@@ -66,12 +66,21 @@ class StreamedKV:
         self.stats.bytes_to_device += bytes_to_device
         self.stats.bytes_to_host += bytes_to_host
 
+    def new_table(self) -> BlockTable:
+        """An empty table over host blocks for a new streamed sequence."""
+        if self.paged.pool.device.type == "cuda":
+            # Until now host blocks were only read and written by copies queued on the device's stream (offload's
+            # stash / restore); a streamed sequence's host-side writes (copy on write, zero fills, records loaded,
+            # its K/V) must not overtake those still queued: settle them once per request.
+            torch.cuda.current_stream(self.paged.pool.device).synchronize()
+        return BlockTable(self.pool)
+
     # ---- lookup ---------------------------------------------------------------------------------------
     def lookup(self, ids: Sequence[int], salt: str | None, token_granular: bool = True) -> PagedPlan:
         """Map the longest stored prefix of ids (at most len(ids) - 1 positions) into a new host table."""
         t0 = time.perf_counter()
         ids = list(ids)
-        plan = PagedPlan(BlockTable(self.pool), len(ids))
+        plan = PagedPlan(self.new_table(), len(ids))
         for chunk in self.paged.chunker.split(ids, salt):
             if chunk.complete and self._map_whole(plan, chunk):
                 continue
