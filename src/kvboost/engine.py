@@ -41,7 +41,7 @@ from .request import Request
 from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
-from .streaming import count_transfers, streamed_prefill, streamed_warm
+from .streaming import finish_streamed, streamed_prefill, streamed_warm
 
 
 @dataclass
@@ -265,7 +265,7 @@ class InferenceEngine:
                 fed = (request.ids + tracker.tokens)[:length]
                 self.finish(request, plan, fed)
                 if isinstance(cache, StreamedSequence):
-                    count_transfers(self.kv, cache)
+                    finish_streamed(self.kv, cache)
                 if spec is not None:
                     spec.close(request.ids + tracker.tokens)
         self.kv.record(request.mode, len(request.ids), plan)
@@ -279,7 +279,7 @@ class InferenceEngine:
         ids, ws = request.ids, self.workspace
         if self.kv.streams(len(ids) + request.params.max_new_tokens):  # longer than the device holds
             plan, seq, logits = streamed_prefill(self.kv, self.model, self.attention, ids, request.salt,
-                                                 request.mode, request.approximate)
+                                                 request.mode, request.approximate, request.params.max_new_tokens)
             return Prefill(plan, seq, logits)
         if self.table_forward:  # the stored prefix stays in its blocks; the workspace is not touched
             plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate)

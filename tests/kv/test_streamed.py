@@ -13,7 +13,7 @@ from kvboost.kv.block_cache import BlockCache
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.blocks import BlockLayout, BlockPool
 from kvboost.kv.host_offload import HostOffload
-from kvboost.kv.layer_stream import LayerStream
+from kvboost.kv.layer_stream import LayerStream, Resident
 from kvboost.results import GenerationMode
 from kvboost.sampling import SamplingParams
 
@@ -134,6 +134,8 @@ def test_a_forward_that_fails_midway_leaves_no_blocks_behind(tokenizer, device, 
             raise RuntimeError("copy failed")
         return take(self, layer, q)
 
+    device_pool = streaming.kv.blocks.pool
+    device_used = device_pool.num_used
     monkeypatch.setattr(LayerStream, "take", failing)
     with pytest.raises(RuntimeError, match="copy failed"):
         streaming.generate(prompt, max_new_tokens=4)
@@ -141,7 +143,7 @@ def test_a_forward_that_fails_midway_leaves_no_blocks_behind(tokenizer, device, 
     import gc
 
     gc.collect()  # the failed request's plan (and its table's holds) go with it
-    assert host_pool.num_used == 0
+    assert host_pool.num_used == 0 and device_pool.num_used == device_used  # its device blocks too
     got = streaming.generate(prompt, max_new_tokens=4)
     assert got.output_token_ids == resident.generate(prompt, max_new_tokens=4, mode="baseline").output_token_ids
 
@@ -216,6 +218,52 @@ def test_layer_stream_hands_each_layer_the_tables_positions():
         assert keys.shape == (1, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
         assert torch.equal(keys[0, :, :7], k[layer, :, :7]) and torch.equal(values[0, :, :7], v[layer, :, :7])
     assert stream.bytes_to_device == 2 * 2 * 7 * LAYOUT.kv_heads * LAYOUT.head_dim * 4
+
+
+def test_positions_the_device_keeps_are_read_there_and_filled_from_the_stream():
+    host, device_pool = BlockPool(LAYOUT, 6), BlockPool(LAYOUT, 4)
+    table = BlockTable(host)
+    table.reserve(10)
+    k = torch.randn(2, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
+    v = torch.randn_like(k)
+    for layer in range(2):
+        table.write(layer, 0, k[layer], v[layer])
+    resident_table = BlockTable(device_pool)
+    resident_table.reserve(6)
+    resident = Resident(resident_table)
+    per_position = 2 * LAYOUT.kv_heads * LAYOUT.head_dim * 4  # K and V of one layer, fp32
+    first = LayerStream(table, 8, torch.device("cpu"), resident=resident)  # nothing on the device yet
+    for layer in range(2):
+        keys, values = first.take(layer, 2)
+        assert torch.equal(keys[0, :, :8], k[layer, :, :8]) and torch.equal(values[0, :, :8], v[layer, :, :8])
+    assert first.bytes_to_device == 2 * 8 * per_position
+    resident.filled = 6  # what the forward's end records: the first 6 positions are kept
+    for layer in range(2):  # ... and really are in the device blocks
+        kept_k, kept_v = device_pool.gather(layer, resident_table.ids()[None])
+        assert torch.equal(kept_k[0, :, :6], k[layer, :, :6]) and torch.equal(kept_v[0, :, :6], v[layer, :, :6])
+    second = LayerStream(table, 9, torch.device("cpu"), resident=resident)
+    for layer in range(2):
+        keys, values = second.take(layer, 1)
+        assert torch.equal(keys[0, :, :9], k[layer, :, :9]) and torch.equal(values[0, :, :9], v[layer, :, :9])
+    assert second.bytes_to_device == 2 * 3 * per_position  # only positions 6, 7, 8 crossed
+
+
+def test_a_streamed_decode_step_moves_only_what_the_device_does_not_keep(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    streaming = _streaming(model, tokenizer)
+    ids = streaming.encode(text_with_tokens(tokenizer, 6 * CHUNK, seed=16))
+    moved = []
+    for n in (1, 5):
+        before = _streamed(streaming)["bytes_to_device"]
+        streaming.generate(input_ids=ids, max_new_tokens=n, mode="baseline")
+        moved.append(_streamed(streaming)["bytes_to_device"] - before)
+    block = streaming.cache_stats()["paged_kv"]
+    per_position = block["block_bytes"] // block["block_size"]
+    # The prefill moves nothing (baseline: no stored prefix); decode step i (of 4) runs position len(ids) + i over
+    # the positions before it, of which all but the first 40 (kept on the device) cross from the host.
+    assert moved[0] == 0
+    assert moved[1] == sum(len(ids) + i - ON_DEVICE for i in range(4)) * per_position
+    assert streaming.kv.blocks.pool.num_used == 0  # the device blocks went back with each request
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream prefetch path needs a CUDA device")

@@ -3,7 +3,8 @@
 One long prompt (workload text, --context tokens), greedy, batch 1, the same weights:
   resident  paged_kv with the whole context on the device (fast_path="off": the eager forward, as streamed runs)
   streamed  device_kv_budget_bytes and device_kv_max_tokens at --device-fraction (default 25%) of the context's K/V:
-            the context lives in host blocks and every forward brings it to the device one layer at a time
+            the context lives in host blocks, its first positions also in device blocks, and every forward brings
+            the rest to the device one layer at a time
   bound     the host-to-device bound: measured copy bandwidth / bytes the streamed run moved per decode step
             (its own count, cache_stats()["paged_kv"]["streamed"], over one extra untimed pair of runs); on a
             CPU "device" and host are the same memory, the bandwidth is a plain copy's and nothing overlaps the

@@ -1,17 +1,21 @@
 """One layer at a time, the K/V a host block table holds, brought to the compute device for that layer's attention.
 
-A streamed sequence (kv/streamed_kv.py: longer than the device may hold) keeps its K/V in host blocks. Each forward
-needs, per layer, positions [0, n) of that layer on the device next to the step's own K/V:
+A streamed sequence (kv/streamed_kv.py: longer than the device may hold) keeps its K/V in host blocks, and its
+first positions also in device blocks (`Resident`: as many as the device budget allows). Each forward needs, per
+layer, positions [0, n) of that layer on the device next to the step's own K/V:
 
     take(layer, q) -> (keys, values) [1, kv_heads, n + q, d]   positions [0, n) filled; [n, n + q) for the caller
 
-On CUDA the copies of layer l + 1 are enqueued on a side stream while layer l computes (one copy per block from
-pinned host memory into a device buffer in block layout, then one device-side permute into token order); the
-compute stream waits on an event before reading them. Elsewhere the device is host memory and a take is one
-concatenation of the blocks' slices. Either way the values are the table's, bit for bit: attention over them is
-the model's own, as over a contiguous workspace.
+Positions the device blocks hold are read there; the rest cross from the host. On CUDA the copies of layer l + 1
+are enqueued on a side stream while layer l computes (one copy per block from pinned host memory into a device
+buffer in block layout, then one device-side permute into token order); the compute stream waits on an event
+before reading them. Elsewhere the device is host memory and a take is one concatenation of the blocks' slices.
+Either way the values are the table's, bit for bit: attention over them is the model's own, as over a contiguous
+workspace. Positions a forward brings from the host that the device blocks have room for are kept there too.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,29 +37,73 @@ class Scratch:
         return self.buffers[0][:, :, :n], self.buffers[1][:, :, :n]
 
 
+@dataclass
+class Resident:
+    """A streamed sequence's first positions in device blocks: `table` has room for table.length positions, of
+    which [0, filled) hold the sequence's K/V (every layer)."""
+
+    table: BlockTable
+    filled: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.table.length
+
+    def read(self, layer: int, n: int, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Positions [0, n) of `layer` into out's [1, H, >= n, d] K and V."""
+        pool = self.table.pool
+        runs = self.table.runs(0, n)
+        with torch.no_grad():
+            for cache, buf in zip((pool.keys(layer), pool.values(layer)), out):
+                torch.cat([cache[b, :, off:off + m] for b, off, _, m in runs], dim=1, out=buf[0, :, :n])
+
+    def keep(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values [kv_heads, m, d] of positions [start, start + m), cut to the room there is."""
+        m = min(keys.shape[-2], self.capacity - start)
+        if m > 0:
+            self.table.write(layer, start, keys[:, :m], values[:, :m])
+
+    def release(self) -> None:
+        self.table.release()
+        self.filled = 0
+
+
 class LayerStream:
-    def __init__(self, table: BlockTable, n: int, device: torch.device, scratch: Scratch | None = None):
+    def __init__(self, table: BlockTable, n: int, device: torch.device, scratch: Scratch | None = None,
+                 resident: Resident | None = None):
         if n > table.length:
             raise ValueError(f"cannot stream {n} positions of a {table.length}-position table")
         self.table, self.n, self.device = table, n, torch.device(device)
         self.pool = table.pool
         self.scratch = scratch or Scratch()
-        self.runs = table.runs(0, n)  # (block, offset in block, offset from 0, tokens)
-        self.blocks = table.blocks[:self.pool.layout.blocks_for(n)]
+        self.resident = resident
+        self.m = min(resident.filled, n) if resident is not None else 0  # positions [0, m) are on the device
+        self.keep_to = min(resident.capacity, n) if resident is not None else 0  # device room for [m, keep_to)
+        bs = self.pool.layout.block_size
+        self.runs = table.runs(self.m, n)  # (block, offset in block, offset from m, tokens)
+        self.first_block = self.m // bs  # host blocks copied on CUDA: [first_block, blocks_for(n))
+        self.blocks = table.blocks[self.first_block:self.pool.layout.blocks_for(n)]
         self.cuda = self.device.type == "cuda" and self.pool.device.type == "cpu"
-        self.side = torch.cuda.Stream(self.device) if self.cuda and n else None
+        self.side = torch.cuda.Stream(self.device) if self.cuda and self.blocks else None
         self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self.bytes_to_device = 0
 
     def take(self, layer: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V [1, kv_heads, n + q, d] on the device, positions [0, n) from the table; the
-        next layer's copies start now (CUDA)."""
-        if not self.cuda:
-            return self._concatenated(layer, q)
-        staged = self._staged(layer)
-        if layer + 1 < self.pool.layout.layers:
-            self._prefetch(layer + 1)
-        return self._token_order(staged, q)
+        """Layer `layer`'s K and V [1, kv_heads, n + q, d] on the device, positions [0, n) from the device blocks
+        and the table; the next layer's copies start now (CUDA)."""
+        if self.cuda:
+            staged = self._staged(layer)
+            if layer + 1 < self.pool.layout.layers:
+                self._prefetch(layer + 1)
+            out = self._token_order(staged, q)
+        else:
+            out = self._concatenated(layer, q)
+        if self.resident is not None:
+            if self.m:
+                self.resident.read(layer, self.m, out)
+            if self.keep_to > self.m:  # brought from the host now: kept on the device for the next forwards
+                self.resident.keep(layer, self.m, out[0][0, :, self.m:self.keep_to], out[1][0, :, self.m:self.keep_to])
+        return out
 
     # ---- host memory is the device ---------------------------------------------------------------------
     def _concatenated(self, layer: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +113,16 @@ class LayerStream:
         if self.runs:
             with torch.no_grad():  # cat(out=) refuses inputs that require grad
                 for cache, buf in zip(caches, out):
-                    torch.cat([cache[b, :, off:off + m] for b, off, _, m in self.runs], dim=1, out=buf[0, :, :self.n])
-        self.bytes_to_device += 2 * self.n * h * d * self.pool.storage.element_size()
+                    torch.cat([cache[b, :, off:off + m] for b, off, _, m in self.runs], dim=1,
+                              out=buf[0, :, self.m:self.n])
+        self.bytes_to_device += 2 * (self.n - self.m) * h * d * self.pool.storage.element_size()
         if self.device != caches[0].device:  # another accelerator without the CUDA path: one copy each
             return out[0].to(self.device), out[1].to(self.device)
         return out
 
     # ---- CUDA: pinned host blocks -> device, a layer ahead -------------------------------------------------
     def _prefetch(self, layer: int) -> None:
-        if layer in self.pending or not self.n:
+        if layer in self.pending or not self.blocks:
             return
         assert self.side is not None
         if not self.pending and not self.bytes_to_device:  # the first copy: after the work queued so far (e.g.
@@ -89,7 +138,7 @@ class LayerStream:
         self.bytes_to_device += staged.numel() * staged.element_size()
 
     def _staged(self, layer: int) -> torch.Tensor | None:
-        if not self.n:
+        if not self.blocks:
             return None
         self._prefetch(layer)  # the first layer (or a layer asked out of order)
         staged, done = self.pending.pop(layer)
@@ -100,12 +149,13 @@ class LayerStream:
 
     def _token_order(self, staged: torch.Tensor | None, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         h, d = self.pool.layout.kv_heads, self.pool.layout.head_dim
+        skip = self.m - self.first_block * self.pool.layout.block_size  # staged positions below m
         out = []
         for kind in (0, 1):
             buf = torch.empty(1, h, self.n + q, d, dtype=self.pool.storage.dtype, device=self.device)
-            if staged is not None:  # [blocks, H, bs, d] -> [H, blocks * bs, d], cut to n
+            if staged is not None:  # [blocks, H, bs, d] -> [H, blocks * bs, d], positions [m, n)
                 tokens = staged[:, kind].permute(1, 0, 2, 3).reshape(h, -1, d)
-                buf[0, :, :self.n].copy_(tokens[:, :self.n])
+                buf[0, :, self.m:self.n].copy_(tokens[:, skip:skip + self.n - self.m])
             out.append(buf)
         return out[0], out[1]
 

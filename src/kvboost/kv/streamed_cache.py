@@ -3,7 +3,8 @@
 StreamedLayer.update() hands attention the layer's K/V of every earlier position (LayerStream: from host blocks)
 followed by the step's own, as a contiguous [1, kv_heads, n + q, d] tensor - what a workspace layer hands it, so
 the model's own attention (masks included) runs unchanged - and writes the step's K/V into the table's reserved
-host positions. On CUDA those writes go first to pinned buffers (asynchronous copies; a blocking one per layer
+host positions (and into the device blocks of the sequence's first positions, while they have room). On CUDA the
+host writes go first to pinned buffers (asynchronous copies; a blocking one per layer
 would stall the pipeline) and reach the blocks in flush(), after the forward.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .block_table import BlockTable
-from .layer_stream import LayerStream, Scratch
+from .layer_stream import LayerStream, Resident, Scratch
 
 
 class StreamedLayer(CacheLayerMixin):
@@ -62,9 +63,10 @@ class StreamedLayer(CacheLayerMixin):
 class StreamedCache(Cache):
     """One forward's cache over `table` (positions [start, start + q) already reserved)."""
 
-    def __init__(self, table: BlockTable, start: int, device: torch.device, scratch: Scratch | None = None):
-        self.table, self.start = table, start
-        self.stream = LayerStream(table, start, device, scratch)
+    def __init__(self, table: BlockTable, start: int, device: torch.device, scratch: Scratch | None = None,
+                 resident: Resident | None = None):
+        self.table, self.start, self.resident = table, start, resident
+        self.stream = LayerStream(table, start, device, scratch, resident)
         self.async_writes = self.stream.cuda
         self.outbox: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # CUDA: (layer, K, V) in pinned memory
         self.bytes_to_host = 0
@@ -73,6 +75,8 @@ class StreamedCache(Cache):
     def keep(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The step's K/V [kv_heads, q, d] of `layer` into the table (CUDA: queued, see flush)."""
         self.bytes_to_host += (keys.numel() + values.numel()) * self.table.pool.storage.element_size()
+        if self.resident is not None:
+            self.resident.keep(layer, self.start, keys, values)
         if not self.async_writes:
             self.table.write(layer, self.start, keys, values)
             return

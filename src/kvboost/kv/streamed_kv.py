@@ -25,6 +25,7 @@ from .block_cache import CachedChunk
 from .block_table import BlockTable
 from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
 from .host_offload import HostOffload
+from .layer_stream import Resident
 from .paged_kv import PagedKV, PagedPlan
 from .workspace import LayerShape
 
@@ -38,6 +39,7 @@ class StreamedStats:
     loaded_chunks: int = 0  # records from disk / Redis loaded into host blocks
     adopted_chunks: int = 0  # chunks written back as host chunks
     load_failures: int = 0
+    resident_failures: int = 0  # no device blocks for a sequence's first positions: all of it crossed each step
     forwards: int = 0
     bytes_to_device: int = 0  # K/V of earlier positions brought to the device, every layer of every forward
     bytes_to_host: int = 0  # the forwards' own K/V written to host blocks
@@ -74,6 +76,17 @@ class StreamedKV:
             # its K/V) must not overtake those still queued: settle them once per request.
             torch.cuda.current_stream(self.paged.pool.device).synchronize()
         return BlockTable(self.pool)
+
+    def resident(self, n_positions: int) -> Resident | None:
+        """Device blocks for the first min(max_device_tokens, n_positions) positions of a streamed sequence
+        (kept there, read there each forward); None, counted, when the device pool has no room for them."""
+        table = BlockTable(self.paged.pool)
+        try:
+            table.reserve(min(self.max_device_tokens, n_positions))
+        except BlockError:
+            self.stats.resident_failures += 1
+            return None
+        return Resident(table)
 
     # ---- lookup ---------------------------------------------------------------------------------------
     def lookup(self, ids: Sequence[int], salt: str | None, token_granular: bool = True) -> PagedPlan:

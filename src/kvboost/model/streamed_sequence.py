@@ -10,16 +10,19 @@ from __future__ import annotations
 import torch
 
 from ..kv.block_table import BlockTable
-from ..kv.layer_stream import Scratch
+from ..kv.layer_stream import Resident, Scratch
 from ..kv.streamed_cache import StreamedCache
 from .forward import forward_tokens
 from .table_sequence import TableSequence
 
 
 class StreamedSequence(TableSequence):
-    def __init__(self, model: torch.nn.Module, table: BlockTable, attention: str = "model"):
+    def __init__(self, model: torch.nn.Module, table: BlockTable, attention: str = "model",
+                 resident: Resident | None = None):
+        """resident: device blocks for the sequence's first positions (their K/V is read there, not copied from
+        the host again), or None: every position crosses each forward."""
         super().__init__(model, table)
-        self.attention = attention
+        self.attention, self.resident = attention, resident
         self.device = next(model.parameters()).device
         self.scratch = Scratch()  # host-side K/V buffers every layer and forward reuses (CPU)
         self.forwards = 0
@@ -31,7 +34,7 @@ class StreamedSequence(TableSequence):
             raise ValueError(f"position {start} is past the table's {self.table.length} positions")
         self.set_length(start)
         self.table.reserve(len(tokens))
-        cache = StreamedCache(self.table, start, self.device, self.scratch)
+        cache = StreamedCache(self.table, start, self.device, self.scratch, self.resident)
         try:
             logits = forward_tokens(self.model, tokens, cache, logits_to_keep=len(tokens) if all_logits else 1,
                                     attention=self.attention)[0]
@@ -40,7 +43,20 @@ class StreamedSequence(TableSequence):
             cache.close()
             self.table.truncate(start)
             raise
+        if self.resident is not None:
+            self.resident.filled = min(self.resident.capacity, start + len(tokens))
         self.forwards += 1
         self.bytes_to_device += cache.stream.bytes_to_device
         self.bytes_to_host += cache.bytes_to_host
         return logits if all_logits else logits[-1]
+
+    def set_length(self, length: int) -> None:
+        super().set_length(length)
+        if self.resident is not None:
+            self.resident.filled = min(self.resident.filled, length)
+
+    def close(self) -> None:
+        """The request is over: the device blocks go back to the pool (the host table is the plan's)."""
+        if self.resident is not None:
+            self.resident.release()
+            self.resident = None
