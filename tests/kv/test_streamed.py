@@ -204,14 +204,19 @@ def test_device_kv_max_tokens_is_validated(tokenizer):
 LAYOUT = BlockLayout(2, 2, 4, 4, torch.float32)
 
 
-def test_layer_stream_hands_each_layer_the_tables_positions():
-    pool = BlockPool(LAYOUT, 6)
+def _written(pool: BlockPool) -> tuple[BlockTable, torch.Tensor, torch.Tensor]:
+    """A 10-position table over `pool` holding random K and V [layers, kv_heads, 10, d]."""
     table = BlockTable(pool)
     table.reserve(10)
     k = torch.randn(2, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
     v = torch.randn_like(k)
     for layer in range(2):
         table.write(layer, 0, k[layer], v[layer])
+    return table, k, v
+
+
+def test_layer_stream_hands_each_layer_the_tables_positions():
+    table, k, v = _written(BlockPool(LAYOUT, 6))
     stream = LayerStream(table, 7, torch.device("cpu"))
     for layer in range(2):
         keys, values = stream.take(layer, 3)
@@ -221,13 +226,8 @@ def test_layer_stream_hands_each_layer_the_tables_positions():
 
 
 def test_positions_the_device_keeps_are_read_there_and_filled_from_the_stream():
-    host, device_pool = BlockPool(LAYOUT, 6), BlockPool(LAYOUT, 4)
-    table = BlockTable(host)
-    table.reserve(10)
-    k = torch.randn(2, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
-    v = torch.randn_like(k)
-    for layer in range(2):
-        table.write(layer, 0, k[layer], v[layer])
+    device_pool = BlockPool(LAYOUT, 4)
+    table, k, v = _written(BlockPool(LAYOUT, 6))
     resident_table = BlockTable(device_pool)
     resident_table.reserve(6)
     resident = Resident(resident_table)
@@ -268,13 +268,7 @@ def test_a_streamed_decode_step_moves_only_what_the_device_does_not_keep(tokeniz
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream prefetch path needs a CUDA device")
 def test_layer_stream_prefetches_from_pinned_blocks_on_cuda():
-    pool = BlockPool(LAYOUT, 6, "cpu", pin_memory=True)
-    table = BlockTable(pool)
-    table.reserve(10)
-    k = torch.randn(2, LAYOUT.kv_heads, 10, LAYOUT.head_dim)
-    v = torch.randn_like(k)
-    for layer in range(2):
-        table.write(layer, 0, k[layer], v[layer])
+    table, k, v = _written(BlockPool(LAYOUT, 6, "cpu", pin_memory=True))
     stream = LayerStream(table, 7, torch.device("cuda"))
     assert stream.cuda
     for layer in range(2):

@@ -9,16 +9,13 @@ gathered or copied per step on the GPU path (the paged kernel reads the blocks w
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .block_table import BlockTable
+from .length_layer import LengthLayer
 
 
-class PagedLayer(CacheLayerMixin):
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
+class PagedLayer(LengthLayer):
     def __init__(self, table: BlockTable, layer_idx: int, length: int):
         super().__init__()
         self.table, self.layer_idx = table, layer_idx
@@ -28,9 +25,6 @@ class PagedLayer(CacheLayerMixin):
         self.dtype, self.device = pool.storage.dtype, pool.storage.device
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states [1, kv_heads, q, d] -> positions [length, length + q), reserved by the caller
         if key_states.shape[0] != 1:
@@ -39,19 +33,6 @@ class PagedLayer(CacheLayerMixin):
         self.table.write(self.layer_idx, self.length, key_states[0], value_states[0])
         self.length += n
         return self.keys, self.values
-
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
-        return self.length + q, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 def paged_cache(table: BlockTable, length: int) -> Cache:

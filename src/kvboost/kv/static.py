@@ -10,18 +10,17 @@ graph serves every position until the workspace is reallocated.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from .length_layer import LengthLayer
 from .workspace import KVWorkspace
 
 
-class StaticLayer(CacheLayerMixin):
+class StaticLayer(LengthLayer):
     """One layer's K/V buffers [B, kv_heads, capacity, d], written at `positions`: [q] int64, the same columns
     for every row (a prefill or a batch-1 step), or [B, 1], one token per row at its own column (batch decode)."""
 
-    is_sliding = False
     is_compileable = True
-    is_croppable = False
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: int):
         super().__init__()
@@ -31,9 +30,6 @@ class StaticLayer(CacheLayerMixin):
         # Host-side nominal length (tokens before this step): transformers sizes its masks from it; the
         # attention ignores those sizes here (a None mask), so it never enters the captured work.
         self.length = length
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states [B, kv_heads, q, d] -> buffer columns `positions` of every row
@@ -46,19 +42,8 @@ class StaticLayer(CacheLayerMixin):
             self.values.scatter_(2, index, value_states)
         return self.keys, self.values
 
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        # transformers passes the query length (>= 5.2x) or the cache_position tensor (earlier 5.x)
-        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
-        return self.length + q, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
     def get_max_length(self) -> int:
         return self.keys.shape[-2]
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 def static_cache(workspace: KVWorkspace, positions: torch.Tensor, length: int = 0, rows: int = 1) -> Cache:

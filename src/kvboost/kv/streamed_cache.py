@@ -10,17 +10,14 @@ would stall the pipeline) and reach the blocks in flush(), after the forward.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .block_table import BlockTable
 from .layer_stream import LayerStream, Resident, Scratch
+from .length_layer import LengthLayer
 
 
-class StreamedLayer(CacheLayerMixin):
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
+class StreamedLayer(LengthLayer):
     def __init__(self, cache: StreamedCache, layer_idx: int):
         super().__init__()
         self.owner, self.layer_idx = cache, layer_idx
@@ -28,9 +25,6 @@ class StreamedLayer(CacheLayerMixin):
         pool = cache.table.pool
         self.dtype, self.device = pool.storage.dtype, cache.stream.device
         self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states [1, kv_heads, q, d] -> positions [length, length + q), reserved by the caller
@@ -45,19 +39,6 @@ class StreamedLayer(CacheLayerMixin):
         self.owner.keep(self.layer_idx, key_states[0], value_states[0])
         self.length += q
         return keys, values
-
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
-        return self.length + q, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 class StreamedCache(Cache):
