@@ -122,6 +122,17 @@ def test_streamed_speculation_rolls_back_in_host_blocks(tokenizer, device):
     assert got.speculative == "prompt_lookup" and got.draft_tokens > 0
 
 
+def test_a_draft_model_speculates_over_a_streamed_target(tokenizer, device):
+    model = make_tiny_model("llama", tokenizer)
+    resident = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    streaming = _streaming(model, tokenizer, draft_model=make_tiny_model("llama", tokenizer))  # the same weights
+    prompt = text_with_tokens(tokenizer, 4 * CHUNK, seed=17)
+    got = streaming.generate(prompt, max_new_tokens=16, speculative="draft", num_speculative_tokens=4)
+    assert got.output_token_ids == resident.generate(prompt, max_new_tokens=16, mode="baseline").output_token_ids
+    assert got.draft_tokens > 0 and got.accepted_tokens == got.draft_tokens  # every draft verified, all kept
+    assert _streamed(streaming)["requests"] == 1
+
+
 def test_a_forward_that_fails_midway_leaves_no_blocks_behind(tokenizer, device, monkeypatch):
     model = make_tiny_model("llama", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
