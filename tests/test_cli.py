@@ -38,7 +38,7 @@ def test_help_lists_commands_and_benchmarks():
     for name in ("demo", "verify", "bench", "cost"):
         assert name in out.stdout
     bench = kvboost_cli("bench", "--help").stdout
-    for name in ("prefix", "multiturn", "quant", "serve", "rag", "structured"):
+    for name in ("prefix", "multiturn", "quant", "serve", "rag", "structured", "longctx"):
         assert name in bench
 
 

@@ -52,6 +52,13 @@ def serve_command(
                                                "with the Triton kernels, off elsewhere), graphs, compiled (CPU: "
                                                "the decode step under torch.compile; needs --max-batch-size 1), "
                                                "eager or off."),
+    paged_kv: bool = typer.Option(False, help="Stored chunks live in a block pool (zero-copy hits; docs/paged-kv.md)."),
+    device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="With --paged-kv: stored K/V kept on the "
+                                                      "device; colder chunks move to host memory (default on CUDA: "
+                                                      "30%% of free device memory)."),
+    device_kv_max_tokens: int | None = typer.Option(None, min=1, help="With --paged-kv: longer contexts keep their "
+                                                    "K/V in host memory, streamed to the device per layer (one "
+                                                    "request at a time: batching servers refuse them with a 400)."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
@@ -77,7 +84,8 @@ def serve_command(
                        kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
-                       num_speculative_tokens=num_speculative_tokens, fast_path=fast_path)
+                       num_speculative_tokens=num_speculative_tokens, fast_path=fast_path, paged_kv=paged_kv,
+                       device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens)
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)
         check_fast_path_flag(config.fast_path, max_batch_size)
