@@ -73,8 +73,10 @@ class EngineConfig:
     # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host blocks (host offload's
     # pool, which then has room for one such sequence) and each forward brings it to the device one layer at a
     # time (prefetched a layer ahead on CUDA): it runs, identically, instead of running out of device memory.
-    # None: on CUDA what device_kv_budget_bytes holds; elsewhere no limit. Single requests only (batches refuse a
-    # longer row). Needs paged_kv and host offload (on CPU: device_kv_budget_bytes set).
+    # None: elsewhere than CUDA no limit; on CUDA none while the stored chunks' budget and two sequences of the
+    # model's longest context fit in 60% of the device memory free at load, else what 15% of it holds. Single
+    # requests only (batches run a longer row on its own; the batching server refuses it). Needs paged_kv and
+    # host offload (on CPU: device_kv_budget_bytes set).
     device_kv_max_tokens: int | None = None
     # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
     # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.

@@ -309,3 +309,21 @@ def test_a_host_chunk_a_streamed_table_reads_is_never_evicted():
     reader.release()
     table.release()
     assert host.num_used == 1  # "a", held by the host tier alone
+
+
+def test_the_cuda_default_streams_only_contexts_the_device_could_not_hold(monkeypatch):
+    from kvboost.kv.streamed_kv import device_max_tokens
+    from kvboost.kv.workspace import LayerShape
+
+    shapes = [LayerShape(2, 64, 64)] * 4  # 4 layers x K and V x 2 heads x 64 x 4 bytes = 4 KiB per token
+    per_token = 4 * 2 * 2 * 64 * 4
+    cuda, free = torch.device("cuda"), 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    budget = int(free * 0.3)
+    # 32k-token contexts: two of them (256 MiB) beside the budget fit in 60% of free memory: nothing streams.
+    assert device_max_tokens(None, cuda, budget, shapes, torch.float32, 32768) is None
+    # 128k-token contexts would not: the device keeps what 15% of free memory holds of a sequence.
+    assert device_max_tokens(None, cuda, budget, shapes, torch.float32, 131072) == int(0.15 * free) // per_token
+    assert device_max_tokens(500, cuda, budget, shapes, torch.float32, 131072) == 500  # configured wins
+    assert device_max_tokens(None, torch.device("cpu"), budget, shapes, torch.float32, 131072) is None
+    assert device_max_tokens(None, cuda, None, shapes, torch.float32, 131072) is None  # no host offload

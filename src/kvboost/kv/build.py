@@ -23,7 +23,8 @@ def build_kv_manager(config: EngineConfig, namespace: str, chunker: Chunker, mod
     blocks = streamed = None
     if paged:
         device_budget = device_kv_budget(config.device_kv_budget_bytes, device)
-        max_tokens = device_max_tokens(config.device_kv_max_tokens, device, device_budget, shapes, kv_dtype)
+        max_tokens = device_max_tokens(config.device_kv_max_tokens, device, device_budget, shapes, kv_dtype,
+                                       max_context)
         blocks = build_paged_kv(chunker, shapes, kv_dtype, device, config.memory_budget_bytes, config.kv_block_size,
                                 max_context, slow=store if store.slow_tiers else None,
                                 device_budget_bytes=device_budget, device_max_tokens=max_tokens)

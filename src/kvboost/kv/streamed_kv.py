@@ -214,14 +214,22 @@ class StreamedKV:
         return kept
 
 
+RUNNING_SHARE = 0.6  # of the device memory free at load: stored chunks plus two sequences' blocks, at most
+STREAMED_SHARE = 0.15  # ... else the device part of one sequence, when the longest ones would not fit
+
+
 def device_max_tokens(configured: int | None, device: torch.device, device_budget_bytes: int | None,
-                      shapes: Sequence[LayerShape], dtype: torch.dtype) -> int | None:
-    """The most positions of one sequence whose K/V the device holds (None: no limit): as configured, else on CUDA
-    what the device budget holds (a longer context is streamed from host memory), elsewhere none (the device is
-    host memory)."""
+                      shapes: Sequence[LayerShape], dtype: torch.dtype, max_context: int | None) -> int | None:
+    """The most positions of one sequence whose K/V the device holds (None: no limit; a longer context is
+    streamed from host memory). As configured; elsewhere than CUDA none (the device is host memory); on CUDA none
+    while the stored chunks' budget and two sequences of the model's longest context fit in 60% of the device
+    memory free now (the pool holds them: build_paged_kv), else what 15% of it holds."""
     if configured is not None:
         return configured
     if device.type != "cuda" or device_budget_bytes is None:
         return None
     per_token = BlockLayout.for_layers(shapes, 1, dtype).block_nbytes
-    return max(1, device_budget_bytes // per_token)
+    free, _ = torch.cuda.mem_get_info(device)
+    if device_budget_bytes + 2 * (max_context or 32768) * per_token <= RUNNING_SHARE * free:
+        return None
+    return max(1, int(STREAMED_SHARE * free) // per_token)
