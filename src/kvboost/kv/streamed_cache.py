@@ -1,11 +1,12 @@
 """A transformers Cache over a host block table whose layers bring their K/V to the device one at a time.
 
-StreamedLayer.update() hands attention the layer's K/V of every earlier position (LayerStream: from host blocks)
+StreamedLayer.update() hands attention the layer's K/V of every earlier position (LayerStream: from host blocks,
+or the device blocks of the first positions)
 followed by the step's own, as a contiguous [1, kv_heads, n + q, d] tensor - what a workspace layer hands it, so
 the model's own attention (masks included) runs unchanged - and writes the step's K/V into the table's reserved
 host positions (and into the device blocks of the sequence's first positions, while they have room). On CUDA the
-host writes go first to pinned buffers (asynchronous copies; a blocking one per layer
-would stall the pipeline) and reach the blocks in flush(), after the forward.
+host writes go first to pinned buffers (asynchronous copies; a blocking one per layer would stall the pipeline)
+and reach the blocks in flush(), after the forward.
 """
 from __future__ import annotations
 

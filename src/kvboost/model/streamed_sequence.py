@@ -3,7 +3,8 @@ brought to the device one layer at a time for each forward (kv/streamed_cache.py
 
 Same lifecycle as TableSequence (the engine's decode, verify and rollback calls are the same), with the model's
 own attention over contiguous K/V, so outputs equal the all-resident run's. What a forward moves is counted:
-`bytes_to_device` (every earlier position, every layer) and `bytes_to_host` (the step's own K/V).
+`bytes_to_device` (earlier positions the device does not keep, every layer) and `bytes_to_host` (the step's own
+K/V).
 """
 from __future__ import annotations
 
