@@ -9,11 +9,12 @@ import torch
 from kvboost import KVBoost
 from kvboost.batch import BatchRunner
 from kvboost.errors import InvalidRequestError
+from kvboost.kv import layer_stream
 from kvboost.kv.block_cache import BlockCache
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.blocks import BlockLayout, BlockPool
 from kvboost.kv.host_offload import HostOffload
-from kvboost.kv.layer_stream import LayerStream, Resident
+from kvboost.kv.layer_stream import InlineTransfers, LayerStream, Resident
 from kvboost.results import GenerationMode
 from kvboost.sampling import SamplingParams
 
@@ -22,6 +23,15 @@ from ..tiny_models import TINY_ARCHS, make_tiny_model
 
 CHUNK = 16
 ON_DEVICE = 40  # positions a sequence may hold on the device: every prompt below is longer
+
+
+@pytest.fixture(params=["concatenated", "staged"])
+def path(request, monkeypatch) -> str:
+    """Run a test both ways a device reads host blocks: the CPU's concatenation and CUDA's staged copies (block
+    layout, a layer ahead, pinned outbox), the latter with copies that complete as issued (InlineTransfers)."""
+    if request.param == "staged":
+        monkeypatch.setattr(layer_stream, "transfers_for", lambda device, host: InlineTransfers())
+    return request.param
 
 
 def _streaming(model, tokenizer, **kw) -> KVBoost:
@@ -47,7 +57,7 @@ def _same(got, want) -> None:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_streamed_outputs_equal_the_resident_run(tokenizer, device, arch):
+def test_streamed_outputs_equal_the_resident_run(tokenizer, device, arch, path):
     model = make_tiny_model(arch, tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
     prompt = text_with_tokens(tokenizer, 5 * CHUNK + 3, seed=1)
@@ -60,7 +70,7 @@ def test_streamed_outputs_equal_the_resident_run(tokenizer, device, arch):
     assert stats["bytes_to_device"] > 0 and stats["bytes_to_host"] > 0
 
 
-def test_a_streamed_prefix_is_mapped_again_without_a_copy(tokenizer, device):
+def test_a_streamed_prefix_is_mapped_again_without_a_copy(tokenizer, device, path):
     model = make_tiny_model("llama", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
     document = text_with_tokens(tokenizer, 6 * CHUNK, seed=2)
@@ -77,7 +87,7 @@ def test_a_streamed_prefix_is_mapped_again_without_a_copy(tokenizer, device):
     assert stats["mapped_chunks"] >= 6 and stats["copied_chunks"] == 0
 
 
-def test_streamed_and_resident_requests_share_chunks_both_ways(tokenizer, device):
+def test_streamed_and_resident_requests_share_chunks_both_ways(tokenizer, device, path):
     model = make_tiny_model("qwen2", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
     short = text_with_tokens(tokenizer, CHUNK + 4, seed=5)
@@ -96,7 +106,7 @@ def test_streamed_and_resident_requests_share_chunks_both_ways(tokenizer, device
     assert got.cached_tokens > 2 * CHUNK and streaming.cache_stats()["paged_kv"]["host"]["restored"] >= 1
 
 
-def test_warming_a_long_text_keeps_it_in_host_blocks(tokenizer, device):
+def test_warming_a_long_text_keeps_it_in_host_blocks(tokenizer, device, path):
     model = make_tiny_model("llama", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
     document = text_with_tokens(tokenizer, 5 * CHUNK, seed=14)
@@ -112,7 +122,7 @@ def test_warming_a_long_text_keeps_it_in_host_blocks(tokenizer, device):
     assert got.cached_tokens >= 5 * CHUNK and _streamed(streaming)["mapped_chunks"] >= 5
 
 
-def test_streamed_speculation_rolls_back_in_host_blocks(tokenizer, device):
+def test_streamed_speculation_rolls_back_in_host_blocks(tokenizer, device, path):
     model = make_tiny_model("llama", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
     prompt = " ".join([words(12, seed=7)] * 5)  # repetitive: prompt lookup drafts, some rejected
@@ -122,7 +132,7 @@ def test_streamed_speculation_rolls_back_in_host_blocks(tokenizer, device):
     assert got.speculative == "prompt_lookup" and got.draft_tokens > 0
 
 
-def test_a_draft_model_speculates_over_a_streamed_target(tokenizer, device):
+def test_a_draft_model_speculates_over_a_streamed_target(tokenizer, device, path):
     model = make_tiny_model("llama", tokenizer)
     resident = KVBoost(model, tokenizer, chunk_size=CHUNK)
     streaming = _streaming(model, tokenizer, draft_model=make_tiny_model("llama", tokenizer))  # the same weights
@@ -133,7 +143,7 @@ def test_a_draft_model_speculates_over_a_streamed_target(tokenizer, device):
     assert _streamed(streaming)["requests"] == 1
 
 
-def test_a_forward_that_fails_midway_leaves_no_blocks_behind(tokenizer, device, monkeypatch):
+def test_a_forward_that_fails_midway_leaves_no_blocks_behind(tokenizer, device, path, monkeypatch):
     model = make_tiny_model("llama", tokenizer)
     resident, streaming = KVBoost(model, tokenizer, chunk_size=CHUNK), _streaming(model, tokenizer)
     host_pool = streaming.kv.streamed.pool
@@ -172,7 +182,7 @@ def test_batches_run_streamed_rows_apart_and_the_runner_refuses_them(tokenizer, 
         runner.add(streaming.encode(prompts[1]), SamplingParams(max_new_tokens=5))
 
 
-def test_streamed_chunks_are_written_behind_and_loaded_from_disk(tokenizer, device, tmp_path):
+def test_streamed_chunks_are_written_behind_and_loaded_from_disk(tokenizer, device, path, tmp_path):
     model = make_tiny_model("llama", tokenizer)
     resident = KVBoost(model, tokenizer, chunk_size=CHUNK)
     prompt = text_with_tokens(tokenizer, 5 * CHUNK, seed=11)
@@ -277,11 +287,31 @@ def test_a_streamed_decode_step_moves_only_what_the_device_does_not_keep(tokeniz
     assert streaming.kv.blocks.pool.num_used == 0  # the device blocks went back with each request
 
 
+def test_staged_copies_cut_blocks_at_the_positions_the_device_keeps(monkeypatch):
+    monkeypatch.setattr(layer_stream, "transfers_for", lambda device, host: InlineTransfers())
+    device_pool = BlockPool(LAYOUT, 4)
+    table, k, v = _written(BlockPool(LAYOUT, 6))
+    resident_table = BlockTable(device_pool)
+    resident_table.reserve(6)  # 6 positions kept: the second block is staged from its third position on
+    resident = Resident(resident_table)
+    for n, q, filled in ((8, 2, 0), (9, 1, 6)):
+        resident.filled = filled
+        stream = LayerStream(table, n, torch.device("cpu"), resident=resident)
+        assert stream.staged
+        for layer in range(2):
+            keys, values = stream.take(layer, q)
+            assert keys.shape == (1, LAYOUT.kv_heads, n + q, LAYOUT.head_dim)
+            assert torch.equal(keys[0, :, :n], k[layer, :, :n]) and torch.equal(values[0, :, :n], v[layer, :, :n])
+        assert not stream.pending
+        blocks = LAYOUT.blocks_for(n) - filled // LAYOUT.block_size  # whole blocks cross, from the first not kept
+        assert stream.bytes_to_device == 2 * blocks * LAYOUT.block_nbytes // LAYOUT.layers
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream prefetch path needs a CUDA device")
 def test_layer_stream_prefetches_from_pinned_blocks_on_cuda():
     table, k, v = _written(BlockPool(LAYOUT, 6, "cpu", pin_memory=True))
     stream = LayerStream(table, 7, torch.device("cuda"))
-    assert stream.cuda
+    assert stream.staged
     for layer in range(2):
         keys, values = stream.take(layer, 3)
         assert keys.device.type == "cuda" and keys.shape == (1, LAYOUT.kv_heads, 10, LAYOUT.head_dim)

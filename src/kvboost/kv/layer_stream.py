@@ -15,6 +15,7 @@ workspace. Positions a forward brings from the host that the device blocks have 
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,68 @@ class Resident:
         self.filled = 0
 
 
+class CudaTransfers:
+    """Copies on a side stream, ordered against the compute stream by events (host memory must be pinned for
+    the copies to be asynchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    def after_queued_work(self) -> None:
+        """Copies issued from now on start after everything already queued on the compute stream."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def side_stream(self) -> AbstractContextManager:
+        return torch.cuda.stream(self.side)
+
+    def mark(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
+
+    def consume(self, tensor: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        """The compute stream reads `tensor` (made on the side stream) once its copies are done."""
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(done)
+        tensor.record_stream(main)  # its memory is reused only after both streams are done with it
+
+    def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+class InlineTransfers:
+    """CudaTransfers' protocol where every copy completes as it is issued: runs the staged path on any device (the
+    tests drive CUDA's code path on a CPU with it)."""
+
+    def after_queued_work(self) -> None:
+        pass
+
+    def side_stream(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def mark(self) -> None:
+        return None
+
+    def consume(self, tensor: torch.Tensor, done: None) -> None:
+        pass
+
+    def host_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def transfers_for(device: torch.device, host: torch.device) -> CudaTransfers | InlineTransfers | None:
+    """How a device reads host blocks: staged copies on a side stream (CUDA), or None: one concatenation of the
+    blocks' slices (the device is host memory, or has no streams: then one copy per layer)."""
+    return CudaTransfers(device) if device.type == "cuda" and host.type == "cpu" else None
+
+
 class LayerStream:
     def __init__(self, table: BlockTable, n: int, device: torch.device, scratch: Scratch | None = None,
                  resident: Resident | None = None):
@@ -83,15 +146,15 @@ class LayerStream:
         self.runs = table.runs(self.m, n)  # (block, offset in block, offset from m, tokens)
         self.first_block = self.m // bs  # host blocks copied on CUDA: [first_block, blocks_for(n))
         self.blocks = table.blocks[self.first_block:self.pool.layout.blocks_for(n)]
-        self.cuda = self.device.type == "cuda" and self.pool.device.type == "cpu"
-        self.side = torch.cuda.Stream(self.device) if self.cuda and self.blocks else None
-        self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
+        self.transfers = transfers_for(self.device, self.pool.device)
+        self.staged = self.transfers is not None  # block-layout copies a layer ahead, else concatenations
+        self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self.bytes_to_device = 0
 
     def take(self, layer: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V [1, kv_heads, n + q, d] on the device, positions [0, n) from the device blocks
         and the table; the next layer's copies start now (CUDA)."""
-        if self.cuda:
+        if self.staged:
             staged = self._staged(layer)
             if layer + 1 < self.pool.layout.layers:
                 self._prefetch(layer + 1)
@@ -120,31 +183,29 @@ class LayerStream:
             return out[0].to(self.device), out[1].to(self.device)
         return out
 
-    # ---- CUDA: pinned host blocks -> device, a layer ahead -------------------------------------------------
+    # ---- staged (CUDA): pinned host blocks -> device, a layer ahead ----------------------------------------
     def _prefetch(self, layer: int) -> None:
         if layer in self.pending or not self.blocks:
             return
-        assert self.side is not None
+        assert self.transfers is not None
         if not self.pending and not self.bytes_to_device:  # the first copy: after the work queued so far (e.g.
-            self.side.wait_stream(torch.cuda.current_stream(self.device))  # device blocks copied into the table)
-        with torch.cuda.stream(self.side):
+            self.transfers.after_queued_work()  # device blocks copied into the table)
+        with self.transfers.side_stream():
             staged = torch.empty((len(self.blocks), *self.pool.storage.shape[2:]), dtype=self.pool.storage.dtype,
                                  device=self.device)  # [blocks, 2, H, bs, d]
             for j, block in enumerate(self.blocks):  # one contiguous region per block: one async copy
                 staged[j].copy_(self.pool.storage[block, layer], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.side)
+            done = self.transfers.mark()
         self.pending[layer] = (staged, done)
         self.bytes_to_device += staged.numel() * staged.element_size()
 
     def _staged(self, layer: int) -> torch.Tensor | None:
         if not self.blocks:
             return None
+        assert self.transfers is not None
         self._prefetch(layer)  # the first layer (or a layer asked out of order)
         staged, done = self.pending.pop(layer)
-        main = torch.cuda.current_stream(self.device)
-        main.wait_event(done)
-        staged.record_stream(main)  # made on the side stream, read on this one: its memory waits for both
+        self.transfers.consume(staged, done)
         return staged
 
     def _token_order(self, staged: torch.Tensor | None, q: int) -> tuple[torch.Tensor, torch.Tensor]:

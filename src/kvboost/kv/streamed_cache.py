@@ -49,7 +49,7 @@ class StreamedCache(Cache):
                  resident: Resident | None = None):
         self.table, self.start, self.resident = table, start, resident
         self.stream = LayerStream(table, start, device, scratch, resident)
-        self.async_writes = self.stream.cuda
+        self.transfers = self.stream.transfers  # staged (CUDA): the step's K/V reaches the host blocks in flush()
         self.outbox: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # CUDA: (layer, K, V) in pinned memory
         self.bytes_to_host = 0
         super().__init__(layers=[StreamedLayer(self, i) for i in range(table.pool.layout.layers)])
@@ -59,12 +59,12 @@ class StreamedCache(Cache):
         self.bytes_to_host += (keys.numel() + values.numel()) * self.table.pool.storage.element_size()
         if self.resident is not None:
             self.resident.keep(layer, self.start, keys, values)
-        if not self.async_writes:
+        if self.transfers is None:
             self.table.write(layer, self.start, keys, values)
             return
         pinned = []
         for t in (keys, values):
-            host = torch.empty(t.shape, dtype=self.table.pool.storage.dtype, pin_memory=True)
+            host = self.transfers.host_buffer(t.shape, self.table.pool.storage.dtype)
             host.copy_(t, non_blocking=True)
             pinned.append(host)
         self.outbox.append((layer, pinned[0], pinned[1]))
@@ -72,7 +72,8 @@ class StreamedCache(Cache):
     def flush(self) -> None:
         """The queued writes into the table's blocks (after the device finished them)."""
         if self.outbox:
-            torch.cuda.current_stream(self.stream.device).synchronize()
+            assert self.transfers is not None
+            self.transfers.synchronize()
             for layer, keys, values in self.outbox:
                 self.table.write(layer, self.start, keys, values)
             self.outbox.clear()
