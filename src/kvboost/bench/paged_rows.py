@@ -1,5 +1,6 @@
 """Paged KV's rows of the prefix benchmarks (`kvboost bench prefix --paged`, `kvboost bench gpu`), each TTFT over
-the floor of its own cached tokens:
+the floor of its own cached tokens, timed interleaved with the benchmark's own rows (PagedRows: one request of each
+row per repeat, so drift of the machine cancels out of the ratios between rows):
 
   placed an engine with paged_kv=True and the default paged_attention ("workspace"), its workspace forgotten before
          each request: the stored blocks are placed (copied) into the workspace, then the suffix runs there
@@ -47,29 +48,55 @@ def paged_engines(engine, max_tokens: int) -> tuple[dict, dict[str, str]]:
     return built, errors
 
 
-def measure_paged(row: dict, name: str, paged, prefix: str, prompts: list[list[int]], floor: SuffixFloor) -> None:
-    """Store `prefix` in a paged engine, then TTFT of prompts[1:] (prompts[0] untimed) into row["<name>_ms"] and
-    row["<name>_over_floor"] (medians; the floor over each result's own cached tokens)."""
-    try:
-        paged.clear_cache()
-        paged.warm(prefix)
-        paged.generate(input_ids=prompts[0], max_new_tokens=1)  # untimed: first-call allocations
-        restored = _restored(paged)
-        ms, over = [], []
-        for ids in prompts[1:]:
-            # Chunks over the device budget move to the host when the previous request let go of them; trimming
-            # here again (a no-op then) makes sure the row times the copy back alone.
-            paged.kv.blocks.cache.trim()
-            paged.forget_workspace()  # "placed": from the blocks, not a prefix left resident (a no-op over tables)
-            res = paged.generate(input_ids=ids, max_new_tokens=1)
-            floor_ms, _ = floor.ttft_ms(ids, res.cached_tokens)
-            ms.append(res.ttft_ms)
-            over.append(res.ttft_ms / floor_ms)
-        row[f"{name}_ms"], row[f"{name}_over_floor"] = _median(ms), _median(over)
-        row[f"{name}_restored_from_host"] = _restored(paged) - restored  # chunks copied back during the timed runs
-        row[f"{name}_cached_tokens"] = res.cached_tokens  # of the last timed request
-    except Exception as exc:
-        row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+class PagedRows:
+    """The paged rows at one prefix length, timed interleaved with the caller's own rows (one request of each per
+    repeat: time(), then into()), so that drift of the machine between rows cancels out of their ratios."""
+
+    def __init__(self, engines: dict, prefix: str, first_ids: list[int]):
+        """Store `prefix` in every engine and run first_ids once, untimed (first-call allocations)."""
+        self.engines, self.errors = {}, {}
+        self.ms: dict[str, list[float]] = {}
+        self.over: dict[str, list[float]] = {}
+        self.restored: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+        for name, paged in engines.items():
+            try:
+                paged.clear_cache()
+                paged.warm(prefix)
+                paged.generate(input_ids=first_ids, max_new_tokens=1)
+                self.restored[name] = _restored(paged)
+                self.engines[name] = paged
+                self.ms[name], self.over[name] = [], []
+            except Exception as exc:  # recorded: a GPU run must come back with every other row
+                self.errors[name] = f"{type(exc).__name__}: {exc}"
+
+    def time(self, ids: list[int], floor: SuffixFloor) -> None:
+        """One timed request of `ids` in every engine, each over the floor of its own cached tokens."""
+        for name, paged in list(self.engines.items()):
+            try:
+                # Chunks over the device budget move to the host when the previous request let go of them;
+                # trimming here again (a no-op then) makes sure the row times the copy back alone.
+                paged.kv.blocks.cache.trim()
+                paged.forget_workspace()  # "placed": from the blocks, not a prefix left resident
+                res = paged.generate(input_ids=ids, max_new_tokens=1)
+                floor_ms, _ = floor.ttft_ms(ids, res.cached_tokens)
+                self.ms[name].append(res.ttft_ms)
+                self.over[name].append(res.ttft_ms / floor_ms)
+                self.cached[name] = res.cached_tokens  # of the last timed request
+            except Exception as exc:
+                self.errors[name] = f"{type(exc).__name__}: {exc}"
+                del self.engines[name]
+
+    def into(self, row: dict) -> None:
+        """row["<name>_ms"], row["<name>_over_floor"] (medians), chunks restored from the host during the timed
+        requests and the last request's cached tokens; row["<name>_error"] for a row that failed."""
+        for name, paged in self.engines.items():
+            row[f"{name}_ms"], row[f"{name}_over_floor"] = _median(self.ms[name]), _median(self.over[name])
+            row[f"{name}_restored_from_host"] = _restored(paged) - self.restored[name]
+            if name in self.cached:
+                row[f"{name}_cached_tokens"] = self.cached[name]
+        for name, error in self.errors.items():
+            row[f"{name}_error"] = error
 
 
 def _restored(engine) -> int:

@@ -151,7 +151,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
         console.print(f"skipping prefix lengths {sorted(set(lengths) - set(fitting))}: the model's context is "
                       f"{engine.max_context} tokens")
     lengths = fitting
-    from .paged_rows import PAGED_ROWS, measure_paged, paged_engines
+    from .paged_rows import PAGED_ROWS, PagedRows, paged_engines
 
     paged_built, paged_errors = {}, {}
     if paged:
@@ -177,6 +177,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                 return f"{prefix}\n\nQuestion: {questions[qi % len(questions)]} (case {qi})\nAnswer:"
 
             engine.generate(prompt_for(), 1)  # warm-up: first-call allocations, thread pools
+            paged_rows = PagedRows(paged_built, prefix, engine.encode(prompt_for()))
             # Every system starts from token ids: the floor is handed ids, so KVBoost is too (tokenizing a 7k
             # prompt costs tens of ms, the same for any system given text, and is no part of what is compared).
             for r in range(repeats):
@@ -198,6 +199,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                 samples["floor"].append(ms)
                 cached = fast.cached_tokens
                 agree &= int(fast.first_token_logits.argmax()) == floor_token  # EOS is a valid first token
+                paged_rows.time(engine.encode(prompt_for()), floor)  # interleaved: drift cancels in the ratios
                 if r < max(1, min(3, repeats)):  # full prefill is slow at 7k; three samples suffice
                     samples["base"].append(engine.generate(input_ids=engine.encode(prompt_for()), max_new_tokens=1,
                                                            mode="baseline").ttft_ms)
@@ -205,9 +207,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
             med = {k: statistics.median(v) for k, v in samples.items()}
             row = PrefixRow(n, len(ids), med["base"], med["ws"], med["store"], med["floor"], med["floor_store"],
                             med["keys"], cached, agree)
-            for name, other in paged_built.items():
-                prompts = [engine.encode(prompt_for()) for _ in range(repeats + 1)]
-                measure_paged(row.paged, name, other, prefix, prompts, floor)
+            paged_rows.into(row.paged)
             rows.append(row)
     _print(console, rows)
     if json_path:

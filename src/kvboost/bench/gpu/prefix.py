@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..paged_rows import measure_paged, paged_engines
+from ..paged_rows import PagedRows, paged_engines
 from ..prefix import SuffixFloor, bench_questions, fitting_lengths, prefix_text
 from .settings import GpuBenchSettings
 from .timing import Budget, median
@@ -49,6 +49,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
             engine.warm(prefix)
             floor = SuffixFloor(engine.model)
             engine.generate(prompt_for(prefix), 1)  # untimed: first-call allocations at this length
+            paged_rows = PagedRows(paged if not budget.expired() else {}, prefix, engine.encode(prompt_for(prefix)))
             kvb, flo, full, store = [], [], [], []
             cached = prompt_tokens = 0
             for r in range(settings.prefix_repeats):
@@ -62,6 +63,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
                 ids = engine.encode(prompt_for(prefix))
                 res = engine.generate(input_ids=ids, max_new_tokens=1)
                 store.append(res.ttft_ms / floor.ttft_ms(ids, res.cached_tokens)[0])
+                paged_rows.time(engine.encode(prompt_for(prefix)), floor)  # interleaved: drift cancels
                 if r < max(1, settings.prefix_repeats // 2):  # full prefill is the slow one; fewer samples do
                     full.append(engine.generate(input_ids=engine.encode(prompt_for(prefix)), max_new_tokens=1,
                                                 mode="baseline").ttft_ms)
@@ -73,10 +75,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
                    "kvboost_ms": median(kvb), "samples": len(kvb)}
             row["kvboost_over_floor"] = row["kvboost_ms"] / row["floor_ms"] if row["floor_ms"] > 0 else float("nan")
             row["store_over_floor"] = median(store)
-            for name, other in paged.items():
-                if not budget.expired():
-                    measure_paged(row, name, other, prefix,
-                               [engine.encode(prompt_for(prefix)) for _ in range(settings.prefix_repeats + 1)], floor)
+            paged_rows.into(row)
             section["rows"] = sorted([*section["rows"], row], key=lambda r: r["prefix_tokens"])
             del floor  # its cache copy of the prefix: up to ~1 GB at 30k tokens on a 3B model
             if engine.device.type == "cuda":
