@@ -56,10 +56,12 @@ def test_prefix_paged_rows(tmp_path, one_thread):
     out = _invoke(["bench", "prefix", "--shape", "tiny", "--device", "cpu", "--lengths", "300", "--repeats", "1",
                    "--paged", "--json", str(js)])
     assert out.exit_code == 0, out.output
-    assert "table/floor" in out.output and "host/floor" in out.output
+    assert "table/kvb" in out.output and "host/kvb" in out.output
     (row,) = json.loads(js.read_text())["rows"]
     paged = row["paged"]
     assert paged["placed_over_floor"] > 0 and paged["table_over_floor"] > 0 and paged["host_over_floor"] > 0, paged
+    assert all(paged[f"{name}_over_resident"] > 0 for name in ("placed", "table", "host"))
+    assert row["store_over_resident"] > 0
     assert paged["placed_restored_from_host"] == 0
     assert paged["placed_cached_tokens"] == paged["table_cached_tokens"] == paged["host_cached_tokens"] > 0
     assert paged["host_restored_from_host"] >= 2 and paged["table_restored_from_host"] == 0

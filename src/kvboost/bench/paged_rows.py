@@ -42,7 +42,7 @@ def paged_engines(engine, max_tokens: int) -> tuple[dict, dict[str, str]]:
         try:
             built[name] = type(engine)(engine.model, engine.tokenizer, chunk_size=engine.config.chunk_size,
                                        attention_backend=engine.config.attention_backend, paged_kv=True,
-                                       fast_path="off", **extra)
+                                       fast_path="off", write_back=engine.config.write_back, **extra)
         except Exception as exc:  # recorded: a GPU run must come back with every other row
             errors[name] = f"{type(exc).__name__}: {exc}"
     return built, errors
@@ -57,6 +57,7 @@ class PagedRows:
         self.engines, self.errors = {}, {}
         self.ms: dict[str, list[float]] = {}
         self.over: dict[str, list[float]] = {}
+        self.over_reference: dict[str, list[float]] = {}
         self.restored: dict[str, int] = {}
         self.cached: dict[str, int] = {}
         for name, paged in engines.items():
@@ -66,12 +67,13 @@ class PagedRows:
                 paged.generate(input_ids=first_ids, max_new_tokens=1)
                 self.restored[name] = _restored(paged)
                 self.engines[name] = paged
-                self.ms[name], self.over[name] = [], []
+                self.ms[name], self.over[name], self.over_reference[name] = [], [], []
             except Exception as exc:  # recorded: a GPU run must come back with every other row
                 self.errors[name] = f"{type(exc).__name__}: {exc}"
 
-    def time(self, ids: list[int], floor: SuffixFloor) -> None:
-        """One timed request of `ids` in every engine, each over the floor of its own cached tokens."""
+    def time(self, ids: list[int], floor: SuffixFloor, reference_over_floor: float | None = None) -> None:
+        """One timed request of `ids` in every engine, each over the floor of its own cached tokens, and that
+        over `reference_over_floor` (the caller's resident row on the same ids, over its floor)."""
         for name, paged in list(self.engines.items()):
             try:
                 # Chunks over the device budget move to the host when the previous request let go of them;
@@ -82,6 +84,8 @@ class PagedRows:
                 floor_ms, _ = floor.ttft_ms(ids, res.cached_tokens)
                 self.ms[name].append(res.ttft_ms)
                 self.over[name].append(res.ttft_ms / floor_ms)
+                if reference_over_floor:
+                    self.over_reference[name].append(res.ttft_ms / floor_ms / reference_over_floor)
                 self.cached[name] = res.cached_tokens  # of the last timed request
             except Exception as exc:
                 self.errors[name] = f"{type(exc).__name__}: {exc}"
@@ -92,6 +96,8 @@ class PagedRows:
         requests and the last request's cached tokens; row["<name>_error"] for a row that failed."""
         for name, paged in self.engines.items():
             row[f"{name}_ms"], row[f"{name}_over_floor"] = _median(self.ms[name]), _median(self.over[name])
+            if self.over_reference[name]:
+                row[f"{name}_over_resident"] = _median(self.over_reference[name])
             row[f"{name}_restored_from_host"] = _restored(paged) - self.restored[name]
             if name in self.cached:
                 row[f"{name}_cached_tokens"] = self.cached[name]
