@@ -204,11 +204,7 @@ class InferenceEngine:
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
-        """Generate for one prompt; options as request(): messages, input_ids, mode, temperature, top_p, top_k,
-        min_p, do_sample, stop, seed, frequency_penalty, presence_penalty, repetition_penalty, logit_bias, cache_salt,
-        content_reuse, return_logits, response_format, regex, grammar, logprobs, speculative,
-        num_speculative_tokens, prompt_lookup_max_ngram, prompt_lookup_min_ngram, prediction,
-        chat_template_kwargs."""
+        """Generate for one prompt; options as request() (RequestFactory.request lists them all)."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
     def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
@@ -491,7 +487,6 @@ class InferenceEngine:
         from .verify import verify_correctness
 
         return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
-
 
 
 def _feed(tracker, tokens: list[int]) -> Iterator[str]:
