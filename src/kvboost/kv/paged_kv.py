@@ -136,15 +136,7 @@ class PagedKV:
             return None
         table = BlockTable(self.pool)
         try:
-            table.reserve(record.n_tokens)
-            packed = record.packed_view()
-            if packed is not None:  # format 2: one copy per block
-                bs = self.pool.layout.block_size
-                for j, block in enumerate(table.blocks):
-                    self.pool.write_packed(block, 0, packed[:, :, :, j * bs:(j + 1) * bs])
-            else:  # a per-layer record (format 1, or built in memory): per layer, one slice copy per block
-                for layer, (k, v) in enumerate(zip(record.keys, record.values)):
-                    table.write(layer, 0, k, v)
+            load_record(table, record)
             self.cache.put(chunk.prefix_key, table.blocks, chunk.token_ids, chunk.start, chunk.parent_key)
         except (BlockError, RuntimeError, ValueError, IndexError) as exc:  # out of blocks, a record of another shape
             reason = type(exc).__name__
@@ -390,6 +382,22 @@ class _LayerViews(Sequence[torch.Tensor]):
         ids = torch.tensor(blocks, device=self.pool.device)[None]
         kv = self.pool.gather(i % len(self), ids)[self.kind]
         return kv[0, :, :n]
+
+
+def load_record(table: BlockTable, record: ChunkRecord) -> None:
+    """A stored record's K/V into new positions at the end of `table` (which must end on a block boundary): a packed
+    record (format 2) one copy per block, a per-layer one (format 1, or built in memory) per layer one slice copy per
+    block. Raises BlockError (no room) or a shape error for a record that does not fit the blocks."""
+    start = table.length
+    table.reserve(record.n_tokens)
+    packed = record.packed_view()
+    if packed is not None:
+        bs = table.pool.layout.block_size
+        for j in range(table.pool.layout.blocks_for(record.n_tokens)):
+            table.pool.write_packed(table.blocks[start // bs + j], 0, packed[:, :, :, j * bs:(j + 1) * bs])
+    else:
+        for layer, (k, v) in enumerate(zip(record.keys, record.values)):
+            table.write(layer, start, k, v)
 
 
 def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.dtype, device: torch.device,

@@ -26,7 +26,7 @@ from .block_table import BlockTable
 from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
 from .host_offload import HostOffload
 from .layer_stream import Resident
-from .paged_kv import PagedKV, PagedPlan
+from .paged_kv import PagedKV, PagedPlan, load_record
 from .workspace import LayerShape
 
 
@@ -146,15 +146,7 @@ class StreamedKV:
             return False
         start = table.length
         try:
-            table.reserve(record.n_tokens)
-            packed = record.packed_view()
-            if packed is not None:
-                bs = self.pool.layout.block_size
-                for j in range(self.pool.layout.blocks_for(record.n_tokens)):
-                    self.pool.write_packed(table.blocks[start // bs + j], 0, packed[:, :, :, j * bs:(j + 1) * bs])
-            else:
-                for layer, (k, v) in enumerate(zip(record.keys, record.values)):
-                    table.write(layer, start, k, v)
+            load_record(table, record)
         except (BlockError, RuntimeError, ValueError, IndexError):  # no room, a record of another shape
             table.truncate(start)
             self.stats.load_failures += 1
