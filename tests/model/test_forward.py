@@ -45,14 +45,23 @@ def test_sdpa_backend_gives_hf_tokens_in_every_path(tokenizer, calls, arch):
     assert [r.output_token_ids for r in batched] == [r.output_token_ids for r in single]
 
 
-def test_auto_is_the_models_own_attention_off_cuda(tokenizer, calls):
+def test_auto_is_sdpa_on_cpu_and_gives_the_models_own_logits(tokenizer, calls):
     model = make_tiny_model("llama", tokenizer)
-    if model.device.type == "cuda":
-        pytest.skip("auto picks sdpa on CUDA")
+    if model.device.type != "cpu":
+        pytest.skip("the CPU choice")
     engine = KVBoost(model, tokenizer, chunk_size=16)
-    assert engine.attention == "model" and "auto" in engine.attention_reason
-    engine.generate(words(20, seed=1), 3)
-    assert calls["n"] == 0
+    assert engine.attention == "sdpa" and "auto on cpu" in engine.attention_reason
+    prompt = words(40, seed=1)
+    engine.warm(prompt)
+    result = engine.generate(prompt + " " + words(5, seed=2), 4)  # a suffix of several queries over a cache
+    assert calls["n"] > 0
+    assert result.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt + " " + words(5, seed=2)), 4)
+
+
+def test_auto_keeps_the_models_own_attention_where_layers_cannot_switch(tokenizer, monkeypatch):
+    model = make_tiny_model("llama", tokenizer)
+    monkeypatch.setattr(attention_hf, "unsupported_reason", lambda m: "its layers call attention directly")
+    assert resolve_attention("auto", model) == ("model", "its layers call attention directly")
 
 
 def test_bad_or_unavailable_backends_are_refused(tokenizer):
