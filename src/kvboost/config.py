@@ -144,10 +144,14 @@ class EngineConfig:
         _require(self.device_kv_budget_bytes is None or self.paged_kv,
                  "device_kv_budget_bytes (host offload) needs paged_kv=True")
         if self.paged_kv:
-            unsupported = [name for name, on in (
-                ("chunk_boundary_window", self.chunk_boundary_window != 0),
-                ("kv_cache_bits", self.kv_cache_bits != 16)) if on]
-            _require(not unsupported, f"paged_kv does not support {', '.join(unsupported)} yet")
+            # kv_cache_bits 8/4 with paged_kv: disk and Redis records are quantized and dequantized into blocks on
+            # load; device and host blocks keep the model's dtype (a hit from memory stays exact). Without a slow
+            # tier the option would change nothing: refused rather than ignored.
+            _require(self.kv_cache_bits == 16 or bool(self.disk_cache_dir or self.redis_url),
+                     f"kv_cache_bits={self.kv_cache_bits} with paged_kv quantizes the disk and Redis records only "
+                     "(blocks in memory keep the model's dtype): set disk_cache_dir or redis_url, or paged_kv=False "
+                     "to quantize the memory tier")
+            _require(self.chunk_boundary_window == 0, "paged_kv does not support chunk_boundary_window yet")
             _require(not (self.content_reuse and self.paged_attention == "table"),
                      "content_reuse needs paged_attention 'auto' or 'workspace' (a chunk moved to another position "
                      "is re-rotated into the workspace), not 'table'")

@@ -78,8 +78,7 @@ def test_paged_engine_warm_and_batches(tokenizer, device):
 
 def test_paged_engine_refuses_what_it_cannot_do_yet(tokenizer):
     model = make_tiny_model("llama", tokenizer, device="cpu")
-    for bad in (dict(chunk_boundary_window=3), dict(kv_cache_bits=8),
-                dict(kv_block_size=5)):
+    for bad in (dict(chunk_boundary_window=3), dict(kv_block_size=5)):
         with pytest.raises(ValueError):
             KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True, **bad)
     with pytest.raises(BlockLayoutError):  # layers whose K/V shapes differ cannot share one block layout

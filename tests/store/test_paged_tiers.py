@@ -97,3 +97,41 @@ def test_redis_behind_the_blocks(saved_model, redis_server, tokenizer):  # noqa:
     result = reader.generate(prompt, NEW)
     assert result.cached_tokens >= 6 * CHUNK and result.output_token_ids == baseline_tokens(reader, prompt)
     assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] >= 6
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_records_are_dequantized_into_blocks(saved_model, tmp_path, tokenizer, bits):  # noqa: F811
+    import torch
+
+    prefix, prompt = prompt_pair(tokenizer, seed=7)
+    full = _stored(saved_model, prefix, disk_cache_dir=str(tmp_path / "full"), paged_kv=True)
+    quant = _stored(saved_model, prefix, disk_cache_dir=str(tmp_path / "quant"), paged_kv=True, kv_cache_bits=bits)
+    disk_bytes = {name: e.cache_stats()["tiers"]["disk"]["bytes"] for name, e in (("full", full), ("quant", quant))}
+    assert disk_bytes["quant"] < (0.4 if bits == 4 else 0.55) * disk_bytes["full"]  # quantized (fp32, small chunks)
+    # Blocks in memory keep the model's dtype: a hit from them is exact, as without quantization.
+    from_memory = quant.generate(prompt, NEW, return_logits=True)
+    exact = full.generate(prompt, NEW, return_logits=True)
+    assert from_memory.cached_tokens >= 6 * CHUNK
+    assert torch.equal(from_memory.first_token_logits, exact.first_token_logits)
+    # After a restart the chunks come from disk: each block holds its record's K/V dequantized, exactly.
+    reader = engine_on(saved_model, disk_cache_dir=str(tmp_path / "quant"), paged_kv=True, kv_cache_bits=bits)
+    got = reader.generate(prompt, NEW, return_logits=True)
+    assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] >= 6 and got.cached_tokens >= 6 * CHUNK
+    paged = reader.kv.blocks
+    checked = 0
+    for chunk in paged.chunker.split(reader.encode(prefix), None):
+        held = paged.cache.get(chunk.prefix_key)
+        record = reader.store.get(chunk.prefix_key)
+        if held is None or record is None:
+            continue
+        blocks = paged.pool.read_packed(held.blocks, held.n_tokens)  # [layers, 2, heads, tokens, dim]
+        assert all(torch.equal(blocks[i, 0], k) and torch.equal(blocks[i, 1], v)
+                   for i, (k, v) in enumerate(zip(record.keys, record.values)))
+        checked += 1
+    assert checked >= 6
+    assert not torch.equal(got.first_token_logits, exact.first_token_logits)  # the quantization error is there
+
+
+def test_kv_cache_bits_with_paged_kv_needs_a_slow_tier(saved_model, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match="disk_cache_dir or redis_url"):
+        engine_on(saved_model, paged_kv=True, kv_cache_bits=8)
