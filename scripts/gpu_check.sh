@@ -25,7 +25,13 @@
 #                             from host memory with 25% of its K/V on the device, against the PCIe bound);
 #                             otherwise extra arguments for it (default: --shape qwen2.5-3b --context 32000 on
 #                             CUDA, --shape tiny --context 300 on CPU)
-#   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png / longctx.json (default: benchmarks/results)
+#   KVBOOST_GPU_CHECK_SPEC    0: skip the speculative decoding bench (`kvboost bench spec`: decode tok/s with and
+#                             without prompt lookup, and the verify cost per token the engine measured, through
+#                             the fast path's graphs on CUDA; random weights: acceptance means little there);
+#                             otherwise extra arguments for it (default: --shape qwen2.5-3b on CUDA,
+#                             --shape tiny --max-new-tokens 8 --per-workload 1 on CPU)
+#   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png / longctx.json / spec_gpu.json (default:
+#                             benchmarks/results)
 #   KVBOOST_TOKENIZER         a tokenizer folder for the benchmark's random-weight shapes, where the embedded
 #                             model's package is not installed (a GPU machine that cannot carry its 94 MB GGUF)
 #   PYTHON                    interpreter to use (default: python)
@@ -180,5 +186,21 @@ if [[ "${KVBOOST_GPU_CHECK_LONGCTX:-}" != "0" ]]; then
     long_status=$?
     set -e
 fi
-[[ $status -eq 0 && $bench_status -eq 0 && $long_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
-exit $(( status != 0 || bench_status != 0 || long_status != 0 ))
+spec_status=0
+if [[ "${KVBOOST_GPU_CHECK_SPEC:-}" != "0" ]]; then
+    out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
+    mkdir -p "$out"
+    # shellcheck disable=SC2206
+    spec=(${KVBOOST_GPU_CHECK_SPEC:-})
+    if [[ ${#spec[@]} -eq 0 ]]; then
+        if [[ "$DEVICE" == cuda* ]]; then spec=(--shape qwen2.5-3b); else spec=(--shape tiny --max-new-tokens 8 --per-workload 1); fi
+    fi
+    echo "== kvboost bench spec --device $DEVICE ${spec[*]} --json $out/spec_gpu.json --plot $out/spec_gpu.png"
+    set +e
+    "$PYTHON" -m kvboost.cli bench spec --device "$DEVICE" "${spec[@]}" --json "$out/spec_gpu.json" \
+        --plot "$out/spec_gpu.png"
+    spec_status=$?
+    set -e
+fi
+[[ $status -eq 0 && $bench_status -eq 0 && $long_status -eq 0 && $spec_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
+exit $(( status != 0 || bench_status != 0 || long_status != 0 || spec_status != 0 ))

@@ -457,7 +457,8 @@ class InferenceEngine:
                 **(self.runner.stats.as_dict() if self.runner else {})}
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,
-                    speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict()))
+                    speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict(),
+                                     step_costs={m: c.as_dict() for m, c in self.spec_costs.items()}))
 
     def clear_cache(self) -> None:
         """Forget every stored chunk and the workspace's resident prefix."""

@@ -24,3 +24,23 @@ def test_shipped_tasks_cover_every_workload():
     tasks = load_spec_tasks()
     assert {t["workload"] for t in tasks} == {"rag", "code", "extract", "chat"}
     assert all(t["messages"][-1]["role"] == "user" for t in tasks)
+
+
+def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one_thread):
+    import json
+
+    from kvboost.bench.spec import run_spec_bench
+    from kvboost.cli_common import model_choice
+
+    js = tmp_path / "spec.json"
+    rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=6, per_workload=1, k=4,
+                          json_path=str(js))
+    assert {(r.workload, r.system) for r in rows} == {(w, s) for w in ("rag", "code", "extract", "chat")
+                                                     for s in ("kvboost", "prompt_lookup", "draft", "hf_prompt_lookup")}
+    assert all(r.identical_rate == 1.0 for r in rows)  # greedy: every system's tokens equal no speculation's
+    data = json.loads(js.read_text())
+    assert set(data["step_costs"]) == {"rag", "code", "extract", "chat"}
+    last = data["step_costs"]["chat"]
+    assert set(last) <= {"prompt_lookup", "draft"} and last  # what the engine measured, per method
+    for costs in last.values():
+        assert costs["plain_step_ms"] > 0 and set(costs["verify_ms"]) == {str(n) for n in range(2, 17)}

@@ -191,6 +191,22 @@ def test_real_prompt_lookup_accepts_drafts_on_repetitive_output(tokenizer):
     assert stats["accepted_tokens"] == accepted and 0 < stats["acceptance_rate"] <= 1
     costs = engine.spec_costs["prompt_lookup"]  # measured by these requests, kept for the engine's next ones
     assert costs.t1 is not None and costs.base is not None and set(engine.spec_costs) == {"prompt_lookup"}
+    reported = stats["step_costs"]["prompt_lookup"]  # the same measurement, in ms
+    assert reported["plain_step_ms"] == pytest.approx(1e3 * costs.t1)
+    assert reported["verify_ms"]["2"] == pytest.approx(1e3 * costs.base)
+
+
+def test_step_costs_report_verifies_per_token_against_a_plain_step():
+    empty = StepCosts().as_dict()
+    assert empty["plain_step_ms"] is None and set(empty["verify_ms"]) == {str(n) for n in range(2, 17)}
+    assert all(v is None for v in empty["verify_ms"].values())
+    costs = StepCosts(t1=0.1, base=0.15, extra=0.01).as_dict()
+    assert costs["plain_step_ms"] == pytest.approx(100.0)
+    assert costs["verify_ms"]["2"] == pytest.approx(150.0) and costs["verify_ms"]["9"] == pytest.approx(220.0)
+    assert costs["verify_per_token_over_step"]["9"] == pytest.approx(220.0 / 9 / 100.0)
+    assert costs["slope_measured"] is True
+    flat = StepCosts(t1=0.1, base=0.15).as_dict()  # one verify length timed: no slope yet
+    assert flat["verify_ms"]["16"] == pytest.approx(150.0) and flat["slope_measured"] is False
 
 
 def test_max_new_tokens_stop_strings_and_eos_inside_a_burst(tokenizer, monkeypatch):

@@ -100,6 +100,7 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
         by_workload.setdefault(t["workload"], []).append(t)
     eos = sorted(engine.eos_token_ids)
     samples: list[Sample] = []
+    step_costs: dict[str, dict] = {}  # per workload: the engine's measured step costs per method after it ran
     for workload, items in by_workload.items():
         for task in items[:per_workload]:
             ids = engine.encode(messages=task["messages"])
@@ -121,14 +122,17 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                 samples.append(s)
             console.print(f"{task['id']}: " + ", ".join(
                 f"{x.system} {(x.generated - 1) / x.decode_s:.1f} tok/s" for x in samples[-len(SYSTEMS):]))
+        step_costs[workload] = engine.cache_stats()["speculative"]["step_costs"]
     rows = _rows(samples)
     _print(console, rows, draft_note)
+    _print_costs(console, step_costs, k)
     if json_path:
         from .plots import write_json
 
         write_json(json_path, {"benchmark": "spec", **choice.record(engine), "threads": torch.get_num_threads(),
                                "max_new_tokens": max_new_tokens, "num_speculative_tokens": k,
-                               "draft_model": draft_note, "rows": [asdict(r) for r in rows]})
+                               "draft_model": draft_note, "rows": [asdict(r) for r in rows],
+                               "step_costs": step_costs})
         console.print(f"wrote {json_path}")
     if plot_path:
         from .plots import plot_bars
@@ -171,6 +175,27 @@ def _print(console: Console, rows: list[Row], draft_note: str) -> None:
     for r in rows:
         table.add_row(r.workload, r.system, str(r.prompts), f"{r.decode_tok_s:.1f}", f"{r.speedup:.2f}x",
                       "-" if r.acceptance is None else f"{r.acceptance:.0%}", f"{r.identical_rate:.0%}")
+    console.print(table)
+
+
+def _print_costs(console: Console, step_costs: dict[str, dict], k: int) -> None:
+    """The verification cost the engine measured (its AdaptiveK fit: a step's time including proposing)."""
+    table = Table(title="Measured step costs (the engine's own fit, after each workload)", caption=(
+        f"verify n = the last token and n - 1 drafts in one forward; per token / step = verify ms / n / plain step "
+        f"ms (below 1: verifying beats decoding the tokens one by one); {k + 1} = k + 1"))
+    for col in ("after", "method", "plain step ms", "verify 2 ms", f"verify {k + 1} ms", "per token / step"):
+        table.add_column(col, justify="right")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    for workload, methods in step_costs.items():
+        for method, c in methods.items():
+            n = str(k + 1)
+            ratio = c["verify_per_token_over_step"].get(n)
+            verify = c["verify_ms"].get(n)
+            table.add_row(workload, method, ms(c["plain_step_ms"]), ms(c["verify_ms"].get("2")), ms(verify),
+                          "-" if ratio is None else f"{ratio:.2f}")
     console.print(table)
 
 

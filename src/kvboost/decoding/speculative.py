@@ -124,6 +124,22 @@ class StepCosts:
     extra: float | None = None  # seconds per verified token beyond 2 (the slope)
     fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decaying sums over verifies: w, n, t, n^2, n t
 
+    def verify_ms(self, n_tokens: int) -> float | None:
+        """A verify of n_tokens >= 2 per the fit, in ms (None until one was timed)."""
+        if self.base is None:
+            return None
+        return 1e3 * (self.base + (self.extra or 0.0) * (n_tokens - 2))
+
+    def as_dict(self, lengths: tuple[int, ...] = tuple(range(2, MAX_SPECULATIVE_TOKENS + 2))) -> dict:
+        """What the engine measured, in ms: a plain step, and verifies of a few lengths with their cost per
+        verified token over a plain step's (below 1: verifying n tokens beats n plain steps)."""
+        t1 = None if self.t1 is None else 1e3 * self.t1
+        verify = {n: self.verify_ms(n) for n in lengths}
+        return {"plain_step_ms": t1, "verify_ms": {str(n): v for n, v in verify.items()},
+                "verify_per_token_over_step": {str(n): None if v is None or not t1 else v / n / t1
+                                               for n, v in verify.items()},
+                "slope_measured": self.extra is not None}
+
 
 class AdaptiveK:
     """The number of drafts to propose next: the k that maximizes expected tokens per second, from measured
