@@ -155,52 +155,29 @@ else
     rm -rf "$workdir"
 fi
 
-bench_status=0
-if [[ "${KVBOOST_GPU_CHECK_BENCH:-}" != "0" ]]; then
-    out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
+# run_bench NAME FILE SETTING CUDA_DEFAULT OTHER_DEFAULT: `kvboost bench NAME` with its JSON and plot as FILE.json /
+# FILE.png in the output folder, unless SETTING (an environment variable's value) is 0; a non-empty SETTING is its
+# extra arguments, else the default for the device. Prints the command; returns its exit status.
+run_bench() {
+    local name=$1 file=$2 setting=$3 cuda_default=$4 other_default=$5
+    [[ "$setting" == "0" ]] && return 0
+    local out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
     mkdir -p "$out"
-    # shellcheck disable=SC2206  # the variable holds extra CLI arguments, split on spaces on purpose
-    extra=(${KVBOOST_GPU_CHECK_BENCH:-})
-    if [[ "$DEVICE" != cuda* && ${#extra[@]} -eq 0 ]]; then
-        extra=(--quick --shape tiny)
-    fi
-    echo "== kvboost bench gpu --device $DEVICE ${extra[*]} --json $out/gpu.json --plot $out/gpu.png"
-    set +e
-    "$PYTHON" -m kvboost.cli bench gpu --device "$DEVICE" "${extra[@]}" --json "$out/gpu.json" --plot "$out/gpu.png"
-    bench_status=$?
-    set -e
-fi
-long_status=0
-if [[ "${KVBOOST_GPU_CHECK_LONGCTX:-}" != "0" ]]; then
-    out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
-    mkdir -p "$out"
-    # shellcheck disable=SC2206
-    long=(${KVBOOST_GPU_CHECK_LONGCTX:-})
-    if [[ ${#long[@]} -eq 0 ]]; then
-        if [[ "$DEVICE" == cuda* ]]; then long=(--shape qwen2.5-3b --context 32000); else long=(--shape tiny --context 300); fi
-    fi
-    echo "== kvboost bench longctx --device $DEVICE ${long[*]} --json $out/longctx.json --plot $out/longctx.png"
-    set +e
-    "$PYTHON" -m kvboost.cli bench longctx --device "$DEVICE" "${long[@]}" --json "$out/longctx.json" \
-        --plot "$out/longctx.png"
-    long_status=$?
-    set -e
-fi
-spec_status=0
-if [[ "${KVBOOST_GPU_CHECK_SPEC:-}" != "0" ]]; then
-    out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
-    mkdir -p "$out"
-    # shellcheck disable=SC2206
-    spec=(${KVBOOST_GPU_CHECK_SPEC:-})
-    if [[ ${#spec[@]} -eq 0 ]]; then
-        if [[ "$DEVICE" == cuda* ]]; then spec=(--shape qwen2.5-3b); else spec=(--shape tiny --max-new-tokens 8 --per-workload 1); fi
-    fi
-    echo "== kvboost bench spec --device $DEVICE ${spec[*]} --json $out/spec_gpu.json --plot $out/spec_gpu.png"
-    set +e
-    "$PYTHON" -m kvboost.cli bench spec --device "$DEVICE" "${spec[@]}" --json "$out/spec_gpu.json" \
-        --plot "$out/spec_gpu.png"
-    spec_status=$?
-    set -e
-fi
+    local args
+    # shellcheck disable=SC2206  # the settings hold extra CLI arguments, split on spaces on purpose
+    if [[ -n "$setting" ]]; then args=($setting); elif [[ "$DEVICE" == cuda* ]]; then args=($cuda_default); else args=($other_default); fi
+    echo "== kvboost bench $name --device $DEVICE ${args[*]} --json $out/$file.json --plot $out/$file.png"
+    local rc=0
+    "$PYTHON" -m kvboost.cli bench "$name" --device "$DEVICE" "${args[@]}" --json "$out/$file.json" \
+        --plot "$out/$file.png" || rc=$?
+    return $rc
+}
+
+bench_status=0 long_status=0 spec_status=0
+run_bench gpu gpu "${KVBOOST_GPU_CHECK_BENCH:-}" "" "--quick --shape tiny" || bench_status=$?
+run_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" "--shape qwen2.5-3b --context 32000" \
+    "--shape tiny --context 300" || long_status=$?
+run_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b" \
+    "--shape tiny --max-new-tokens 8 --per-workload 1" || spec_status=$?
 [[ $status -eq 0 && $bench_status -eq 0 && $long_status -eq 0 && $spec_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
 exit $(( status != 0 || bench_status != 0 || long_status != 0 || spec_status != 0 ))
