@@ -189,9 +189,9 @@ def _print_costs(console: Console, step_costs: dict[str, dict], k: int) -> None:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
 
+    n = str(k + 1)
     for workload, methods in step_costs.items():
         for method, c in methods.items():
-            n = str(k + 1)
             ratio = c["verify_per_token_over_step"].get(n)
             verify = c["verify_ms"].get(n)
             table.add_row(workload, method, ms(c["plain_step_ms"]), ms(c["verify_ms"].get("2")), ms(verify),
