@@ -90,13 +90,16 @@ def test_a_record_that_cannot_be_loaded_is_a_counted_miss(saved_model, tmp_path,
 
 
 @pytest.mark.redis
-def test_redis_behind_the_blocks(saved_model, redis_server, tokenizer):  # noqa: F811
-    prefix, prompt = prompt_pair(tokenizer, seed=5)
-    _stored(saved_model, prefix, redis_url=redis_server.url, paged_kv=True)
-    reader = engine_on(saved_model, redis_url=redis_server.url, paged_kv=True)  # another host: empty pool
+@pytest.mark.parametrize("bits", [16, 8])
+def test_redis_behind_the_blocks(saved_model, redis_server, tokenizer, bits):  # noqa: F811
+    prefix, prompt = prompt_pair(tokenizer, seed=5 + bits)
+    _stored(saved_model, prefix, redis_url=redis_server.url, paged_kv=True, kv_cache_bits=bits)
+    # another host: an empty pool
+    reader = engine_on(saved_model, redis_url=redis_server.url, paged_kv=True, kv_cache_bits=bits)
     result = reader.generate(prompt, NEW)
-    assert result.cached_tokens >= 6 * CHUNK and result.output_token_ids == baseline_tokens(reader, prompt)
-    assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] >= 6
+    assert result.cached_tokens >= 6 * CHUNK and reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] >= 6
+    if bits == 16:  # exact; quantized K/V may change the tokens of a tiny random model
+        assert result.output_token_ids == baseline_tokens(reader, prompt)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
