@@ -2,9 +2,10 @@
 (one packed [layers, 2, heads, n, d] tensor), side by side in one process on synthetic records of SmolLM2-135M's
 K/V shape (30 layers, 3 kv heads, head dim 64, fp32, 128-token chunks). Each record is verified and decoded
 (`serialize.loads`), copied into fresh blocks and freed, one at a time, as `PagedKV` loads a chunk from disk or
-Redis (file reads excluded: the same bytes either way).
+Redis (file reads excluded). With --quantized, int8 and int4 records (kv_cache_bits 8/4: dequantized on load, layer
+by layer) are timed beside them.
 
-    python scripts/record_format_timing.py [--chunks 32] [--repeats 7]
+    python scripts/record_format_timing.py [--chunks 32] [--repeats 7] [--quantized]
 """
 from __future__ import annotations
 
@@ -44,10 +45,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quantized", action="store_true", help="Also int8 and int4 records.")
     args = parser.parse_args()
     records = [make_record(i, LAYERS, HEADS, TOKENS, DIM) for i in range(args.chunks)]
     blobs = {"format 1 (per layer)": [layered_blob(r, "ns") for r in records],
              "format 2 (packed)": [dumps(r, "ns") for r in records]}
+    if args.quantized:
+        from kvboost.store.quant import QuantCodec
+
+        for bits in (8, 4):
+            codec = QuantCodec(bits, v_group_size=256)  # the tiers' codec (store/tiered.py)
+            blobs[f"int{bits} (dequantized)"] = [dumps(r, "ns", codec) for r in records]
     pool = BlockPool(BlockLayout(LAYERS, HEADS, DIM, TOKENS, torch.float32), 4)
     times: dict[str, list[float]] = {name: [] for name in blobs}
     for _ in range(args.repeats):
@@ -60,8 +68,11 @@ def main() -> None:
           "verify + decode + copy into blocks, median (min) ms")
     for name, ts in times.items():
         print(f"  {name:22s} {statistics.median(ts):7.1f} ({min(ts):.1f})")
-    one, two = (statistics.median(ts) for ts in times.values())
-    print(f"  format 1 / format 2:   {one / two:.2f}x")
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    two = medians["format 2 (packed)"]
+    for name, m in medians.items():
+        if name != "format 2 (packed)":
+            print(f"  {name} / format 2: {m / two:.2f}x")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,25 @@ def test_chunks_go_through_disk_between_engines(saved_model, tmp_path, tokenizer
         assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] == stats["paged_kv"]["loaded_from_slow_tiers"]
 
 
+def test_a_partial_last_chunk_comes_from_disk_too(saved_model, tmp_path, tokenizer):  # noqa: F811
+    from tests.prompts import text_with_tokens, words
+
+    cache = str(tmp_path / "cache")
+    prefix = text_with_tokens(tokenizer, 6 * CHUNK + 5, seed=8)  # whole chunks and a remainder
+    prompt = prefix + " " + words(7, seed=108)
+    writer = engine_on(saved_model, disk_cache_dir=cache, paged_kv=True)
+    stored = writer.warm(prefix).chunks_stored
+    assert writer.flush() and len(writer.encode(prefix)) % CHUNK  # the last stored chunk is partial
+    # A restart: nothing in blocks. Neither reader stores its prompt (what one writes behind, the other would read).
+    reader = engine_on(saved_model, disk_cache_dir=cache, paged_kv=True, write_back=False)
+    unpaged = engine_on(saved_model, disk_cache_dir=cache, write_back=False)
+    result = reader.generate(prompt, NEW)
+    want = unpaged.generate(prompt, NEW)
+    assert result.cached_tokens == want.cached_tokens > 6 * CHUNK  # the remainder too, token-granular
+    assert result.output_token_ids == want.output_token_ids == baseline_tokens(reader, prompt)
+    assert reader.cache_stats()["paged_kv"]["loaded_from_slow_tiers"] == stored
+
+
 def test_format_1_files_load_into_blocks_layer_by_layer(saved_model, tmp_path, tokenizer):  # noqa: F811
     from pathlib import Path
 

@@ -33,7 +33,7 @@ import torch
 
 from ..chunking import Chunk, Chunker
 from ..reuse.match import Segment, common_prefix_length
-from ..store.base import ChunkRecord, ChunkStore
+from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
 from .block_cache import BlockCache, CachedChunk
 from .block_table import BlockTable
 from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
@@ -102,7 +102,7 @@ class PagedKV:
         if hit is None and self.host is not None:
             hit = self._restore(chunk.prefix_key)
         if hit is None and self.slow is not None:
-            hit = self._load(chunk)
+            hit = self._load(chunk.prefix_key, chunk.token_ids, chunk.start, chunk.parent_key)
         if hit is None:
             return False
         if hit.token_ids != chunk.token_ids or hit.start != chunk.start:  # a key collision is not a hit
@@ -128,16 +128,16 @@ class PagedKV:
             self.pool.decref(blocks)  # the cache holds them now
         return self.cache.acquire(key)
 
-    def _load(self, chunk: Chunk) -> CachedChunk | None:
-        """The chunk from the slow tiers into fresh blocks, cached and acquired (None: not there, or no room)."""
+    def _load(self, key: str, token_ids: Sequence[int], start: int, parent_key: str | None) -> CachedChunk | None:
+        """A chunk from the slow tiers into fresh blocks, cached and acquired (None: not there, or no room)."""
         assert self.slow is not None
-        record = self.slow.get(chunk.prefix_key)
-        if record is None or record.token_ids != chunk.token_ids or record.start != chunk.start:
+        record = self.slow.get(key)
+        if record is None or tuple(record.token_ids) != tuple(token_ids) or record.start != start:
             return None
         table = BlockTable(self.pool)
         try:
             load_record(table, record)
-            self.cache.put(chunk.prefix_key, table.blocks, chunk.token_ids, chunk.start, chunk.parent_key)
+            self.cache.put(key, table.blocks, record.token_ids, start, parent_key)
         except (BlockError, RuntimeError, ValueError, IndexError) as exc:  # out of blocks, a record of another shape
             reason = type(exc).__name__
             self.load_failures[reason] = self.load_failures.get(reason, 0) + 1
@@ -145,7 +145,7 @@ class PagedKV:
         finally:
             table.release()  # the cache holds the blocks now (or they are free again)
         self.loaded += 1
-        return self.cache.acquire(chunk.prefix_key)
+        return self.cache.acquire(key)
 
     def snapshot(self, chunk: Chunk, blocks: Sequence[int], pool: BlockPool | None = None) -> ChunkRecord:
         """The chunk's K/V copied out of its blocks (of `pool`, default the device pool), for the write-behind
@@ -156,11 +156,14 @@ class PagedKV:
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
         """The stored sibling of `chunk` (same parent, same start) agreeing longest with the prompt from there, on
-        the device or (host offload) in host memory."""
+        the device, (host offload) in host memory, or in the disk / Redis tiers (a prompt's partial last chunk,
+        after a restart or from another process sharing them)."""
         best, agree = None, 0
-        siblings = self.cache.children(chunk.parent_key)
+        siblings: list[CachedChunk | ChunkMeta] = list(self.cache.children(chunk.parent_key))
         if self.host is not None:
             siblings += self.host.children(chunk.parent_key)
+        if self.slow is not None:  # listed after the blocks: an equal match is taken from them
+            siblings += self.slow.children(chunk.parent_key)
         for sibling in siblings:
             if sibling.start != chunk.start:
                 continue
@@ -169,11 +172,13 @@ class PagedKV:
                 best, agree = sibling, n
         if best is None:
             return
-        if not self.cache.contains(best.key):  # in host memory: back to the device first
-            restored = self._restore(best.key)
-            if restored is None:
+        if not self.cache.contains(best.key):  # in host memory or a slow tier: into device blocks first
+            moved = self._restore(best.key) if self.host is not None and self.host.contains(best.key) else None
+            if moved is None and isinstance(best, ChunkMeta):
+                moved = self._load(best.key, best.token_ids, best.start, best.parent_key)
+            if moved is None:
                 return
-            self.pool.decref(restored.blocks)  # cached again; the holds this plan keeps are taken below
+            self.pool.decref(moved.blocks)  # cached again; the holds this plan keeps are taken below
         hit = self.cache.acquire(best.key, agree)  # None if evicted since children() looked
         if hit is None:
             return
