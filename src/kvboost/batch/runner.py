@@ -35,6 +35,7 @@ from ..decoding import OutputTracker
 from ..errors import InvalidRequestError
 from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
+from ..model.few_rows import few_rows_context
 from ..model.forward import attention_context
 from ..model.runner import BATCH_BUCKETS, ModelRunner
 from ..request import Request
@@ -335,7 +336,7 @@ class BatchRunner:
             ctx = cascade_forward(model, cache)
         else:
             ctx = attention_context(model, self.engine.attention)
-        with ctx:
+        with ctx, few_rows_context(model, inputs["input_ids"].numel()):
             return model(past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits
 
     # ---- prefill ---------------------------------------------------------------------------------
