@@ -32,7 +32,6 @@ from .kv.manager import Plan
 from .kv.workspace import KVWorkspace
 from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
-from .model.few_rows import few_row_linears
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
 from .model.streamed_sequence import StreamedSequence
@@ -455,7 +454,6 @@ class InferenceEngine:
         fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
                 "failure": self.runner.failure if self.runner else None,
                 "decode_kernels": self.runner.decode_kernels if self.runner else None,
-                "few_row_linears": None if (linears := few_row_linears(self.model)) is None else linears.stats(),
                 **(self.runner.stats.as_dict() if self.runner else {})}
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,

@@ -35,7 +35,6 @@ from ..decoding import OutputTracker
 from ..errors import InvalidRequestError
 from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
-from ..model.few_rows import few_rows_context
 from ..model.forward import attention_context
 from ..model.runner import BATCH_BUCKETS, ModelRunner
 from ..request import Request
@@ -336,7 +335,7 @@ class BatchRunner:
             ctx = cascade_forward(model, cache)
         else:
             ctx = attention_context(model, self.engine.attention)
-        with ctx, few_rows_context(model, inputs["input_ids"].numel()):
+        with ctx:
             return model(past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits
 
     # ---- prefill ---------------------------------------------------------------------------------

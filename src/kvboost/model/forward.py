@@ -7,7 +7,6 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kv.workspace import LayerShape
-from .few_rows import few_rows_context
 
 
 def probe_layer_shapes(model: torch.nn.Module) -> tuple[list[LayerShape], torch.dtype]:
@@ -97,6 +96,6 @@ def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, 
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    with attention_context(model, attention), few_rows_context(model, ids.numel()):
+    with attention_context(model, attention):
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits.float()
