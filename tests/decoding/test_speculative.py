@@ -177,10 +177,12 @@ def test_greedy_output_is_identical_with_accepted_and_rejected_drafts(arch, wron
 
 
 def test_real_prompt_lookup_accepts_drafts_on_repetitive_output(tokenizer):
-    """No scripting: a tiny random model falls into loops that prompt lookup predicts."""
+    """No scripting: a tiny random model falls into loops that prompt lookup predicts. Prompts 4 and 5 send this
+    model into a repeated token within 48 tokens (prompts 0-2 barely repeat: a handful of kept drafts, or none,
+    depending on how many the timed step costs let AdaptiveK propose)."""
     engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
     accepted = 0
-    for seed in range(3):
+    for seed in (4, 5):
         prompt = text_with_tokens(tokenizer, 40, seed=seed)
         plain = engine.generate(prompt, 48)
         spec = engine.generate(prompt, 48, speculative="prompt_lookup")

@@ -67,9 +67,12 @@ def tiny_random_draft(tokenizer, device, dtype):
 def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple[list[int], float]:
     import torch
 
+    from ..model.few_rows import model_own_products
+
     x = torch.tensor([ids], device=model.device)
     common = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
-    with torch.inference_mode():
+    # Plain transformers as users run it: the model's own Linear products, not the engine's few-row form.
+    with torch.inference_mode(), model_own_products(model):
         t0 = time.perf_counter()
         model.generate(x, max_new_tokens=1, prompt_lookup_num_tokens=k, **common)
         ttft = time.perf_counter() - t0
