@@ -50,10 +50,11 @@ class EngineConfig:
     # the model's own attention elsewhere),
     # "model", "sdpa", or "triton" (KVBoost's kernels; CUDA + triton). See model.forward.resolve_attention.
     attention_backend: str = "auto"
-    # Linear layers over 2-8 token rows (verifies, batched decode steps) as W @ x^T, which CPU BLAS threads and
-    # runs up to 2-3x faster: "auto" (float32 on a CPU with MKL), "on" (refused where it does not apply), "off".
-    # Installed on the model's nn.Linear modules, so every forward path rounds alike. See model.few_rows.
-    few_row_linear: str = "auto"
+    # Linear layers over 2-8 token rows (verifies, batched decode steps), and 1 row at 2+ threads, as W @ x^T,
+    # which CPU BLAS threads: "auto" (float32 on a CPU with MKL), "on" (refused where it does not apply), "off"
+    # (the model's own products, bit for bit). Installed on the model's nn.Linear modules, so every forward path
+    # rounds alike. See model.cpu_linear.
+    cpu_linear: str = "auto"
     # Short forwards (decode steps, suffixes up to 256 tokens) over a static cache in fixed-size buckets:
     # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
     # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
@@ -116,8 +117,8 @@ class EngineConfig:
         _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
         _require(self.attention_backend in ("auto", "model", "sdpa", "triton"),
                  f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
-        _require(self.few_row_linear in ("auto", "on", "off"),
-                 f"few_row_linear must be auto, on or off, got {self.few_row_linear!r}")
+        _require(self.cpu_linear in ("auto", "on", "off"),
+                 f"cpu_linear must be auto, on or off, got {self.cpu_linear!r}")
         _require(self.fast_path in ("auto", "graphs", "compiled", "eager", "off"),
                  f"fast_path must be auto, graphs, compiled, eager or off, got {self.fast_path!r}")
         from .decoding.speculative import check_speculative_numbers, parse_method

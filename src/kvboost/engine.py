@@ -32,7 +32,7 @@ from .kv.manager import Plan
 from .kv.workspace import KVWorkspace
 from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
-from .model.few_rows import install_few_rows
+from .model.cpu_linear import install_cpu_linear
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .model.runner import make_runner
 from .model.streamed_sequence import StreamedSequence
@@ -92,7 +92,7 @@ class InferenceEngine:
         shapes, kv_dtype = probe_layer_shapes(model)
         self.kv_dtype = kv_dtype
         self.attention, self.attention_reason = resolve_attention(self.config.attention_backend, model)
-        self.few_row_linear = install_few_rows(self.config.few_row_linear, model)  # before any timed forward
+        self.cpu_linear = install_cpu_linear(self.config.cpu_linear, model)  # before any timed forward
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         self.fingerprint = model_fingerprint(model)
@@ -456,7 +456,7 @@ class InferenceEngine:
         fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
                 "failure": self.runner.failure if self.runner else None,
                 "decode_kernels": self.runner.decode_kernels if self.runner else None,
-                "few_row_linear": self.few_row_linear,
+                "cpu_linear": self.cpu_linear,
                 **(self.runner.stats.as_dict() if self.runner else {})}
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,

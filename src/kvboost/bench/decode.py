@@ -31,6 +31,8 @@ def _runner_modes(device_type: str) -> tuple[str, ...]:
 def _hf_call(model, ids: list[int], pad: int, outputs: dict, name: str, static: bool, compiled: bool) -> Callable:
     import torch
 
+    from ..model.cpu_linear import model_own_products
+
     x = torch.tensor([ids], device=model.device)
 
     def call(n: int) -> int:
@@ -39,8 +41,9 @@ def _hf_call(model, ids: list[int], pad: int, outputs: dict, name: str, static: 
             from transformers import StaticCache
 
             kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=len(ids) + n)
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                             pad_token_id=pad, disable_compile=not compiled, **kwargs)
+        with model_own_products(model):  # plain transformers as users run it, not the engine's CPU products
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad, disable_compile=not compiled, **kwargs)
         outputs[name] = out[0, len(ids):].tolist()
         return out.shape[1] - len(ids)
     return call

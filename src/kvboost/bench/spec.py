@@ -67,7 +67,7 @@ def tiny_random_draft(tokenizer, device, dtype):
 def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple[list[int], float]:
     import torch
 
-    from ..model.few_rows import model_own_products
+    from ..model.cpu_linear import model_own_products
 
     x = torch.tensor([ids], device=model.device)
     common = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)

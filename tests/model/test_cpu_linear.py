@@ -1,4 +1,4 @@
-"""model/few_rows.py: Linear layers over 2-8 token rows as W @ x^T on a CPU, installed on the model's modules."""
+"""model/cpu_linear.py: Linear layers over few token rows as W @ x^T on a CPU, installed on the model's modules."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +8,11 @@ from torch import nn
 
 from kvboost import KVBoost
 from kvboost.config import EngineConfig
-from kvboost.model.few_rows import FEW_ROWS, install_few_rows, model_own_products, uninstall_few_rows
+from kvboost.model.cpu_linear import install_cpu_linear, model_own_products, uninstall_cpu_linear, uses_w_x
 
 from ..tiny_models import make_tiny_model
 
-needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="few-row products apply with MKL only")
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the W @ x^T products apply with MKL only")
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -20,33 +20,41 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
 
 
 @needs_mkl
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's q/k/v carry a bias
-def test_rows_two_to_eight_are_w_times_x_transposed_and_others_untouched(arch, tokenizer):
+def test_few_rows_are_w_times_x_transposed_and_others_untouched(arch, threads, tokenizer):
     model = make_tiny_model(arch, tokenizer)
-    reason = install_few_rows("auto", model)
+    reason = install_cpu_linear("auto", model)
     assert reason.startswith("W @ x^T") and f"{len(_linears(model))} Linear" in reason
     gen = torch.Generator().manual_seed(0)
-    for layer in _linears(model)[:4]:
-        for rows in (1, 2, 5, 8, 9, 16):
-            x = torch.randn(1, rows, layer.in_features, generator=gen)
-            with torch.inference_mode():
-                got = layer(x)
-            own = F.linear(x, layer.weight, layer.bias)
-            assert got.shape == own.shape and got.is_contiguous()
-            if rows in FEW_ROWS:
-                want = (layer.weight @ x[0].T).T
-                if layer.bias is not None:
-                    want = want + layer.bias
-                assert torch.equal(got[0], want)
-                torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-5)  # another summation order only
-            else:  # a decode step (1 row) and longer forwards: the model's own products, bit for bit
-                assert torch.equal(got, own)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for layer in _linears(model)[:4]:
+            for rows in (1, 2, 5, 8, 9, 16):
+                x = torch.randn(1, rows, layer.in_features, generator=gen)
+                with torch.inference_mode():
+                    got = layer(x)
+                own = F.linear(x, layer.weight, layer.bias)
+                assert got.shape == own.shape and got.is_contiguous()
+                if uses_w_x(rows):
+                    assert rows in range(2, 9) or (rows == 1 and threads > 1)
+                    cols = x[0] if rows > 1 else x[0].repeat(2, 1)  # one row: two equal columns, the first kept
+                    want = (layer.weight @ cols.T).T[:rows]
+                    if layer.bias is not None:
+                        want = want + layer.bias
+                    assert torch.equal(got[0], want)
+                    torch.testing.assert_close(got, own, rtol=1e-5, atol=1e-5)  # another summation order only
+                else:  # one row at one thread, and longer forwards: the model's own products, bit for bit
+                    assert torch.equal(got, own)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_mkl
 def test_training_and_other_dtypes_keep_the_models_own_products(tokenizer):
     model = make_tiny_model("llama", tokenizer)
-    install_few_rows("auto", model)
+    install_cpu_linear("auto", model)
     layer = _linears(model)[0]
     x = torch.randn(4, layer.in_features, requires_grad=True)
     out = layer(x)  # grad enabled and needed: F.linear, differentiable as before
@@ -60,34 +68,34 @@ def test_training_and_other_dtypes_keep_the_models_own_products(tokenizer):
 
 def test_modes(tokenizer):
     model = make_tiny_model("llama", tokenizer)
-    with pytest.raises(ValueError, match="few_row_linear must be one of"):
-        install_few_rows("fast", model)
-    with pytest.raises(ValueError, match="few_row_linear must be auto, on or off"):
-        EngineConfig(few_row_linear="yes")
+    with pytest.raises(ValueError, match="cpu_linear must be one of"):
+        install_cpu_linear("fast", model)
+    with pytest.raises(ValueError, match="cpu_linear must be auto, on or off"):
+        EngineConfig(cpu_linear="yes")
     bf16 = make_tiny_model("llama", tokenizer).to(torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16"):
-        install_few_rows("on", bf16)
-    assert install_few_rows("auto", bf16).startswith("off: the model is bfloat16")
+        install_cpu_linear("on", bf16)
+    assert install_cpu_linear("auto", bf16).startswith("off: the model is bfloat16")
     assert all("forward" not in vars(m) for m in _linears(bf16))
     if torch.backends.mkl.is_available():
-        install_few_rows("auto", model)
+        install_cpu_linear("auto", model)
         assert all("forward" in vars(m) for m in _linears(model))
-        install_few_rows("auto", model)  # idempotent: a second engine on the same model
-        assert install_few_rows("off", model) == "off"
+        install_cpu_linear("auto", model)  # idempotent: a second engine on the same model
+        assert install_cpu_linear("off", model) == "off"
         assert all("forward" not in vars(m) for m in _linears(model))
 
 
 @needs_mkl
 def test_model_own_products_suspends_and_restores(tokenizer):
     model = make_tiny_model("llama", tokenizer)
-    install_few_rows("on", model)
+    install_cpu_linear("on", model)
     layer = _linears(model)[0]
     x = torch.randn(3, layer.in_features)
     with torch.inference_mode():
         with model_own_products(model):
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
         assert torch.equal(layer(x), (layer.weight @ x.T).T)
-    uninstall_few_rows(model)
+    uninstall_cpu_linear(model)
     with model_own_products(model):  # nothing installed: nothing to restore
         pass
     assert all("forward" not in vars(m) for m in _linears(model))
@@ -98,11 +106,11 @@ def test_engine_reports_it_and_outputs_stay_greedy_exact(tokenizer):
     """Batched rows and verifies go through the few-row form; their tokens equal one-at-a-time greedy."""
     model = make_tiny_model("llama", tokenizer)
     engine = KVBoost(model, tokenizer, chunk_size=16)
-    assert engine.cache_stats()["fast_path"]["few_row_linear"].startswith("W @ x^T")
+    assert engine.cache_stats()["fast_path"]["cpu_linear"].startswith("W @ x^T")
     prompts = ["the cat sat on the mat", "a b c d e f g", "one two three four", "red green blue"]
     singles = [engine.generate(p, 12).output_token_ids for p in prompts]
     batched = [r.output_token_ids for r in engine.generate_batch(prompts, max_new_tokens=12)]
     assert batched == singles
-    off = KVBoost(model, tokenizer, chunk_size=16, few_row_linear="off")
-    assert off.cache_stats()["fast_path"]["few_row_linear"] == "off"
+    off = KVBoost(model, tokenizer, chunk_size=16, cpu_linear="off")
+    assert off.cache_stats()["fast_path"]["cpu_linear"] == "off"
     assert [off.generate(p, 12).output_token_ids for p in prompts] == singles
