@@ -49,6 +49,13 @@ def _hf_call(model, ids: list[int], pad: int, outputs: dict, name: str, static: 
     return call
 
 
+def _own_products(model, call: Callable, n: int) -> int:
+    from ..model.cpu_linear import model_own_products
+
+    with model_own_products(model):
+        return call(n)
+
+
 def _kvboost_call(engine, ids: list[int], outputs: dict, name: str) -> Callable:
     def call(n: int) -> int:
         result = engine.generate(input_ids=ids, max_new_tokens=n)
@@ -90,6 +97,10 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
     add("hf static" + ("+compile" if compile_hf else ""),
         _hf_call(model, ids, pad, outputs, "hf static", static=True, compiled=compile_hf))
     add("kvboost off", _kvboost_call(engine, ids, outputs, "kvboost off"))
+    if engine.cpu_linear.startswith("W @ x^T"):  # the same engine with the model's own Linear products: the A/B
+        name = "kvboost off, cpu_linear off"
+        own = _kvboost_call(engine, ids, outputs, name)
+        add(name, lambda n, m=model: _own_products(m, own, n))
     del engine, model
     gc.collect()
     for mode in _runner_modes(device.type):
