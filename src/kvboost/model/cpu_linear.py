@@ -2,17 +2,19 @@
 
 Decoding multiplies every weight by a thin matrix: 1 row per step, 2-8 for a speculative verify or a batched
 decode step. The BLAS in torch's CPU builds (MKL) runs x @ W^T for such an x on one thread - a 1-row product
-is a matrix-vector product, and 2-8 rows take 1.5-2x its time - whereas W @ x^T with 2+ columns streams the
-weights once and threads. Measured on SmolLM2-135M's 211 weights (fp32, torch 2.13 + MKL, AMD EPYC, 2 cores;
-all Linear products of one forward, best of 3), x @ W^T against W @ x^T:
+is a matrix-vector product, and 2-8 rows take 1.5-3x its time - whereas W @ x^T streams the weights once and
+threads. All Linear products of one forward, fp32, torch 2.13 + MKL, AMD EPYC, 2 cores, best of 3, in ms,
+x @ W^T / W @ x^T (a row alone as two equal columns, half of the product kept):
 
-    rows         1     2     4     8    9+
-    1 thread   26.6  41.1  43.3  52.5   (W @ x^T no faster)   vs  27.1  21.6  26.5  55.2
-    2 threads  27.3  43.9  45.4  41.1                         vs  15.1* 15.1  15.2  31.7
+    rows                               1          2          4          5          8
+    SmolLM2-135M, 1 thread        26.6/27.1  41.1/21.6  43.3/26.5  50.7/38.7  52.5/55.2
+    SmolLM2-135M, 2 threads       27.3/15.1  43.9/15.1  45.4/15.2  42.4/21.5  41.1/31.7
+    4 Qwen2.5-1.5B layers, 1 thr  29.7/32.9  64.9/32.9  61.5/54.9  70.8/81.2  75.5/109.3
+    4 Qwen2.5-1.5B layers, 2 thr  30.3/21.8  65.2/22.2  60.9/28.1  61.2/40.9  57.9/56.4
 
-A row alone is computed as two equal columns (*: the 2-column product, half of it kept) when torch has 2+
-threads: a decode step of the embedded model went from 34.5 to 23.4 ms (2 threads); at 1 thread it gains
-nothing and keeps the matrix-vector product.
+So W @ x^T is used for 2-4 rows at one thread and for 1-8 rows at 2+ threads; 9 rows and more keep the
+model's own products, and so does bfloat16 (W @ x^T measured slower: 11.7 / 14.5 ms for one row of the 1.5B
+layers). A decode step of the embedded model went from 34.5 to 23.4 ms at 2 threads.
 
 Numerics: the forms sum each element in another order, so logits move by float rounding (~1e-6 relative),
 as they do between the model's own 1-row and n-row products; greedy tokens were the same on the shipped
@@ -31,14 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FEW_ROWS = range(2, 9)  # row counts computed as W @ x^T
+ROWS_ONE_THREAD = range(2, 5)  # row counts computed as W @ x^T at one thread ...
+ROWS_THREADED = range(1, 9)  # ... and at 2+ threads
 MODES = ("auto", "on", "off")
 _MARK = "_kvboost_cpu_linear"  # set on a module whose forward this module replaced
 
 
 def uses_w_x(rows: int) -> bool:
     """Whether a product over `rows` token rows runs as W @ x^T (at torch's current thread count)."""
-    return rows in FEW_ROWS or (rows == 1 and torch.get_num_threads() > 1)
+    return rows in (ROWS_THREADED if torch.get_num_threads() > 1 else ROWS_ONE_THREAD)
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +95,7 @@ def install_cpu_linear(mode: str, model: nn.Module) -> str:
                 module.forward = functools.partial(_forward, module)
                 setattr(module, _MARK, True)
             count += 1
-    return (f"W @ x^T in {count} Linear layers for {FEW_ROWS.start}-{FEW_ROWS.stop - 1} rows, and for 1 row "
-            "at 2+ threads")
+    return f"W @ x^T in {count} Linear layers for 2-4 rows at one thread, 1-8 rows at 2+ threads"
 
 
 def uninstall_cpu_linear(model: nn.Module) -> None:
