@@ -63,6 +63,7 @@ def test_startup_lines_name_device_dtype_context_budgets_times_and_batching(tiny
     for expected in (f"model '{TINY_NAME}' on {tiny_engine.device}", dtype,
                      f"context {tiny_engine.max_context:,} tokens", "loaded in 1.3 s", "warmed up in 0.5 s",
                      "memory budget ", "chunks of 16 tokens",
-                     "stored at 16 bits", "reuse chunk_kv_reuse", "5 ms window", "queue 32"):
+                     "stored at 16 bits", "reuse chunk_kv_reuse", "5 ms window", "queue 32",
+                     f"Linear products: {tiny_engine.cpu_linear}"):
         assert expected in text, text
     assert "continuous batching (max 8 rows)" in text or "one request at a time" in text

@@ -184,7 +184,7 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
         f"  K/V cache: {tiers}; chunks of {config.chunk_size} tokens stored at {config.kv_cache_bits} bits; "
         f"reuse {reuse}",
         f"  batching: {scheduler.mode_name}{window}; queue {settings.max_queue}; fast path: "
-        f"{engine.fast_path_reason}",
+        f"{engine.fast_path_reason}; Linear products: {engine.cpu_linear}",
     ]
 
 
