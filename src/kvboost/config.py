@@ -50,7 +50,7 @@ class EngineConfig:
     # the model's own attention elsewhere),
     # "model", "sdpa", or "triton" (KVBoost's kernels; CUDA + triton). See model.forward.resolve_attention.
     attention_backend: str = "auto"
-    # Linear layers over 2-4 token rows (verifies, batched decode steps; 1-8 at 2+ threads) as W @ x^T,
+    # Linear layers over 2-4 token rows (verifies, batched decode steps; 1-9 at 2+ threads) as W @ x^T,
     # which CPU BLAS threads: "auto" (float32 on a CPU with MKL), "on" (refused where it does not apply), "off"
     # (the model's own products, bit for bit). Installed on the model's nn.Linear modules, so every forward path
     # rounds alike. See model.cpu_linear.

@@ -6,15 +6,16 @@ is a matrix-vector product, and 2-8 rows take 1.5-3x its time - whereas W @ x^T 
 threads. All Linear products of one forward, fp32, torch 2.13 + MKL, AMD EPYC, 2 cores, best of 3, in ms,
 x @ W^T / W @ x^T (a row alone as two equal columns, half of the product kept):
 
-    rows                               1          2          4          5          8
-    SmolLM2-135M, 1 thread        26.6/27.1  41.1/21.6  43.3/26.5  50.7/38.7  52.5/55.2
-    SmolLM2-135M, 2 threads       27.3/15.1  43.9/15.1  45.4/15.2  42.4/21.5  41.1/31.7
+    rows                               1          2          4          5          8          9         12
+    SmolLM2-135M, 1 thread        26.6/27.1  41.1/21.6  43.3/26.5  50.7/38.7  52.5/55.2  61.5/66.2
+    SmolLM2-135M, 2 threads       27.3/15.1  43.9/15.1  45.4/15.2  42.4/21.5  41.1/31.7  52.3/37.8  45.7/58.6
     4 Qwen2.5-1.5B layers, 1 thr  29.7/32.9  64.9/32.9  61.5/54.9  70.8/81.2  75.5/109.3
-    4 Qwen2.5-1.5B layers, 2 thr  30.3/21.8  65.2/22.2  60.9/28.1  61.2/40.9  57.9/56.4
+    4 Qwen2.5-1.5B layers, 2 thr  30.3/21.8  65.2/22.2  60.9/28.1  61.2/40.9  57.9/56.4  76.2/61.6  76.8/69.9
 
-So W @ x^T is used for 2-4 rows at one thread and for 1-8 rows at 2+ threads; 9 rows and more keep the
-model's own products, and so does bfloat16 (W @ x^T measured slower: 11.7 / 14.5 ms for one row of the 1.5B
-layers). A decode step of the embedded model went from 34.5 to 23.4 ms at 2 threads.
+So W @ x^T is used for 2-4 rows at one thread and for 1-9 rows at 2+ threads (9: a speculative verify of the
+default 8 drafts); more rows keep the model's own products, and so does bfloat16 (W @ x^T measured slower:
+11.7 / 14.5 ms for one row of the 1.5B layers). A decode step of the embedded model went from 34.5 to 23.4 ms
+at 2 threads.
 
 Numerics: the forms sum each element in another order, so logits move by float rounding (~1e-6 relative),
 as they do between the model's own 1-row and n-row products; greedy tokens were the same on the shipped
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROWS_ONE_THREAD = range(2, 5)  # row counts computed as W @ x^T at one thread ...
-ROWS_THREADED = range(1, 9)  # ... and at 2+ threads
+ROWS_THREADED = range(1, 10)  # ... and at 2+ threads (9: a verify of the default 8 drafts)
 MODES = ("auto", "on", "off")
 _MARK = "_kvboost_cpu_linear"  # set on a module whose forward this module replaced
 
@@ -95,7 +96,7 @@ def install_cpu_linear(mode: str, model: nn.Module) -> str:
                 module.forward = functools.partial(_forward, module)
                 setattr(module, _MARK, True)
             count += 1
-    return f"W @ x^T in {count} Linear layers for 2-4 rows at one thread, 1-8 rows at 2+ threads"
+    return f"W @ x^T in {count} Linear layers for 2-4 rows at one thread, 1-9 rows at 2+ threads"
 
 
 def uninstall_cpu_linear(model: nn.Module) -> None:
