@@ -54,7 +54,7 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:  # two equal columns: the threaded matrix product instead of the 1-thread matrix-vector one
-        out = torch.mm(module.weight, flat.repeat(2, 1).t())[:, 0].contiguous()  # [out_features]
+        out = torch.mm(module.weight, torch.cat((flat, flat)).t())[:, 0].contiguous()  # [out_features]
     else:
         out = torch.mm(module.weight, flat.t()).t().contiguous()  # [rows, out_features]
     if module.bias is not None:
