@@ -30,6 +30,7 @@ MAX_NGRAM = 16
 # Drafts in the first verify, before its cost is known: on a CPU a verify of k + 1 tokens costs ~(1 + 0.4 k)
 # plain steps, so two failed 8-draft probes at the start of a short open-ended answer cost ~10% of it.
 PROBE_K = 2
+STREAK_ACCEPTANCE = 0.9  # the acceptance lengths are judged at right after a proposal was kept whole
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,21 @@ class StepCosts:
     base: float | None = None  # seconds of a 2-token verify
     extra: float | None = None  # seconds per verified token beyond 2 (the slope)
     fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decaying sums over verifies: w, n, t, n^2, n t
+    # Seconds per verify of each length timed (a decaying mean): on a CPU the cost is not a line in n - MKL's
+    # kernels change with the row count (model/cpu_linear.py: 4 rows 39 ms, 5 rows 64 ms at one thread).
+    by_length: dict[int, float] = field(default_factory=dict)
 
-    def verify_ms(self, n_tokens: int) -> float | None:
-        """A verify of n_tokens >= 2 per the fit, in ms (None until one was timed)."""
+    def verify_s(self, n_tokens: int) -> float | None:
+        """A verify of n_tokens >= 2 in seconds: as timed at that length, else per the fit (None: nothing timed)."""
+        if n_tokens in self.by_length:
+            return self.by_length[n_tokens]
         if self.base is None:
             return None
-        return 1e3 * (self.base + (self.extra or 0.0) * (n_tokens - 2))
+        return self.base + (self.extra or 0.0) * (n_tokens - 2)
+
+    def verify_ms(self, n_tokens: int) -> float | None:
+        s = self.verify_s(n_tokens)
+        return None if s is None else 1e3 * s
 
     def as_dict(self, lengths: tuple[int, ...] = tuple(range(2, MAX_SPECULATIVE_TOKENS + 2))) -> dict:
         """What the engine measured, in ms: a plain step, and verifies of a few lengths with their cost per
@@ -138,7 +148,7 @@ class StepCosts:
         return {"plain_step_ms": t1, "verify_ms": {str(n): v for n, v in verify.items()},
                 "verify_per_token_over_step": {str(n): None if v is None or not t1 else v / n / t1
                                                for n, v in verify.items()},
-                "slope_measured": self.extra is not None}
+                "slope_measured": self.extra is not None, "lengths_timed": sorted(self.by_length)}
 
 
 class AdaptiveK:
@@ -149,18 +159,19 @@ class AdaptiveK:
     probability a is estimated as kept / (kept + rejections) over recent proposals (decaying counts). With k
     drafts a verify emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the kept drafts and the target's
     own token).
-    Cost: a plain step takes t1; a verify of n >= 2 tokens takes t(n) = base + slope (n - 2), fitted by
-    decaying least squares over the engine's own verify steps. A verify is not a plain step plus a per-token
-    increment: on a CPU one token is a matrix-vector product and two are already a matrix product (SmolLM2-135M,
-    1 thread, 1,100 cached tokens: 1 token 107 ms, 2-9 tokens 195-223 ms, 16 tokens 244 ms); on a GPU n barely
-    matters. Until two different lengths were timed the slope is taken as 0 (one verify length measured says
-    nothing about longer ones; the next length measured corrects it). The first step is plain (t1), the first
-    verify carries PROBE_K drafts (base); from then on the model decides, except right after a proposal kept
-    whole: copying from the prompt comes in spans, so k_max follows. k = 0 (a plain decode step) is picked
-    when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to `max_pause` while it keeps
-    losing, and retries with one draft: open-ended text pays for about one short verify per pause. The costs
-    (StepCosts) may be shared: an engine hands its requests one object per method, so only the first request
-    pays for the plain first step and the probe.
+    Cost: a plain step takes t1; a verify of n >= 2 tokens takes what it measured at that length (a decaying
+    mean per length). The cost is not a line in n: on a CPU one token is a matrix-vector product and several a
+    matrix product whose kernel changes with the row count (SmolLM2-135M, 1 thread, cpu_linear: 1-4 tokens 35-45
+    ms, 5-9 tokens 64-76 ms); on a GPU n barely matters. A length not timed yet is taken to cost what the longest
+    timed length below it did - optimistic, so each length worth trying is tried once and then known - and
+    below every timed length the line base + slope (n - 2) fitted by decaying least squares over all verifies
+    stands in (slope 0 until two lengths were timed). The first step is plain (t1), the first verify carries
+    PROBE_K drafts; from then on the model decides. Right after a proposal kept whole (copying from the prompt
+    comes in spans) the lengths are judged at an acceptance of at least STREAK_ACCEPTANCE. k = 0 (a plain
+    decode step) is picked when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to
+    `max_pause` while it keeps losing, and retries with one draft: open-ended text pays for about one short
+    verify per pause. The costs (StepCosts) may be shared: an engine hands its requests one object per method,
+    so only the first request pays for the plain first step, the probe and trying each length once.
     """
 
     def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7, costs: StepCosts | None = None):
@@ -175,8 +186,8 @@ class AdaptiveK:
     def acceptance(self) -> float:
         return self.kept / (self.kept + self.rejected)
 
-    def expected(self, k: int) -> float:
-        a = min(self.acceptance, 0.999)
+    def expected(self, k: int, acceptance: float | None = None) -> float:
+        a = min(self.acceptance if acceptance is None else acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
     @property
@@ -192,16 +203,27 @@ class AdaptiveK:
         return self.costs.extra
 
     def verify_cost(self, n_tokens: int) -> float:
-        assert self.base is not None
-        return self.base + (self.extra or 0.0) * (n_tokens - 2)
+        """Seconds per verify of n_tokens: as timed at that length; a length not timed yet is taken to cost what
+        the longest timed length below it did (optimistic, so that it gets tried once and its own time counts),
+        or the fit's line when none below was timed."""
+        timed = self.costs.by_length
+        if n_tokens in timed:
+            return timed[n_tokens]
+        below = [n for n in timed if n < n_tokens]
+        if below:
+            return timed[max(below)]
+        cost = self.costs.verify_s(n_tokens)
+        assert cost is not None
+        return cost
 
     def best_k(self) -> int:
-        if self.streak:  # the last drafts were all kept: a copied span tends to go on (acceptance comes in bursts)
-            return self.k_max
         if self.base is None:  # what a verify costs is not measured yet: probe with a few
-            return min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
+            return self.k_max if self.streak else min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
+        # Right after a proposal kept whole, a copied span tends to go on (acceptance comes in bursts): the
+        # lengths are judged at a high acceptance, which picks the longest whose cost does not jump.
+        a = max(self.acceptance, STREAK_ACCEPTANCE) if self.streak else self.acceptance
         rates = {0: 1.0 / self.t1} if self.t1 else {0: 0.0}
-        rates.update({k: self.expected(k) / max(self.verify_cost(k + 1), 1e-12) for k in range(1, self.k_max + 1)})
+        rates.update({k: self.expected(k, a) / max(self.verify_cost(k + 1), 1e-12) for k in range(1, self.k_max + 1)})
         return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
@@ -225,6 +247,8 @@ class AdaptiveK:
         if n_tokens == 1:
             c.t1 = seconds if c.t1 is None else 0.8 * c.t1 + 0.2 * seconds
             return
+        old = c.by_length.get(n_tokens)
+        c.by_length[n_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
         w, sn, st, snn, snt = (0.8 * x for x in c.fit)
         c.fit = [w + 1, sn + n_tokens, st + seconds, snn + n_tokens * n_tokens, snt + n_tokens * seconds]
         w, sn, st, snn, snt = c.fit
