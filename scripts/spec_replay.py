@@ -2,12 +2,19 @@
 
 Greedy output does not depend on speculation, so each workload prompt's 64-token greedy output is generated once
 (embedded SmolLM2, cached in a JSON file); then the real PromptLookup and AdaptiveK (kvboost.decoding) are driven
-step by step over it, with each forward of n tokens charged a fixed cost: the CPU step costs measured in session 7
-(SmolLM2-135M, 1 thread: 1 token 107 ms, 2-9 tokens 195-223 ms, more 244 ms). The estimated speed-up is
-(tokens x a plain step's cost) / the charged total, per workload. Deterministic, so policies can be compared in
-seconds; the real figures come from `kvboost bench spec`.
+step by step over it, with each forward of n tokens charged a fixed cost from a measured profile (--profile):
+
+* cpu_linear-1t / cpu_linear-2t (default: 1t): SmolLM2-135M over ~300 cached tokens with `cpu_linear` (session 12,
+  median of 7 forwards of n tokens at 1 / 2 torch threads);
+* session7: the same model before `cpu_linear`, 1 thread (1 token 107 ms, 2-9 tokens 195-223 ms, more 244 ms).
+
+The estimated speed-up is (tokens x a plain step's cost) / the charged total, per workload. Deterministic, so
+policies can be compared in seconds; the real figures come from `kvboost bench spec` (on session 12's code the
+replay estimated rag / code / extract / chat 1.30 / 2.23 / 3.10 / 1.01x at 1 thread, and the bench measured
+1.26-1.29 / 2.21-2.25 / 3.00-3.15 / 1.03x).
 
     python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram 1 2 3] [--cold]
+                                  [--profile cpu_linear-1t]
 
 --cold starts every request's step costs from nothing (as before they were kept per engine); by default the
 costs measured by one request carry to the next, as the engine now does.
@@ -21,13 +28,17 @@ from pathlib import Path
 from kvboost.decoding.prompt_lookup import PromptLookup
 from kvboost.decoding.speculative import AdaptiveK, StepCosts
 
+# ms per forward of n tokens (1..10); longer forwards cost what 10 did.
+PROFILES = {
+    "cpu_linear-1t": (34.9, 35.9, 45.4, 39.2, 64.3, 65.4, 73.0, 67.8, 75.5, 75.8),
+    "cpu_linear-2t": (22.9, 24.2, 28.3, 25.5, 33.5, 38.5, 43.7, 44.3, 51.1, 60.5),
+    "session7": (107.0, *(195.0 + 28.0 * i / 7 for i in range(8)), 244.0),
+}
+PROFILE = PROFILES["cpu_linear-1t"]
+
 
 def step_cost(n_tokens: int) -> float:
-    if n_tokens == 1:
-        return 0.107
-    if n_tokens <= 9:
-        return 0.195 + (0.223 - 0.195) * (n_tokens - 2) / 7
-    return 0.244
+    return PROFILE[min(n_tokens, len(PROFILE)) - 1] / 1e3
 
 
 def references(path: Path, new_tokens: int) -> list[dict]:
@@ -81,7 +92,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-ngram", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--cold", action="store_true")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu_linear-1t")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = PROFILES[args.profile]
     refs = references(args.refs, args.new_tokens)
     for n in args.min_ngram:
         est = replay(refs, n, carry=not args.cold)
