@@ -14,8 +14,9 @@ x @ W^T / W @ x^T (a row alone as two equal columns, half of the product kept):
 
 So W @ x^T is used for 2-4 rows at one thread and for 1-9 rows at 2+ threads (9: a speculative verify of the
 default 8 drafts); more rows keep the model's own products, and so does bfloat16 (W @ x^T measured slower:
-11.7 / 14.5 ms for one row of the 1.5B layers). A decode step of the embedded model went from 34.5 to 23.4 ms
-at 2 threads.
+11.7 / 14.5 ms for one row of the 1.5B layers). A decode step of the embedded model went from 35.0 to 23.4 ms
+at 2 threads; generate_batch of 4 prompts from 40 to 86 tok/s (2 threads) and 38 to 61 (1 thread).
+`python scripts/cpu_linear_timing.py [--threads N]` reproduces these (a later run's figures vary by ~10%).
 
 Numerics: the forms sum each element in another order, so logits move by float rounding (~1e-6 relative),
 as they do between the model's own 1-row and n-row products; greedy tokens were the same on the shipped
