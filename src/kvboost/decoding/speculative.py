@@ -127,6 +127,7 @@ class StepCosts:
     # Seconds per verify of each length timed (a decaying mean): on a CPU the cost is not a line in n - MKL's
     # kernels change with the row count (model/cpu_linear.py: 4 rows 39 ms, 5 rows 64 ms at one thread).
     by_length: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)  # verifies timed per length
 
     def verify_s(self, n_tokens: int) -> float | None:
         """A verify of n_tokens >= 2 in seconds: as timed at that length, else per the fit (None: nothing timed)."""
@@ -159,8 +160,9 @@ class AdaptiveK:
     probability a is estimated as kept / (kept + rejections) over recent proposals (decaying counts). With k
     drafts a verify emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the kept drafts and the target's
     own token).
-    Cost: a plain step takes t1; a verify of n >= 2 tokens takes what it measured at that length (a decaying
-    mean per length). The cost is not a line in n: on a CPU one token is a matrix-vector product and several a
+    Cost: a plain step takes t1; a verify of n >= 2 tokens takes what it measured at that length (the better of
+    its first two timings, then a decaying mean; timed once only, it is not trusted above the optimistic figure
+    below). The cost is not a line in n: on a CPU one token is a matrix-vector product and several a
     matrix product whose kernel changes with the row count (SmolLM2-135M, 1 thread, cpu_linear: 1-4 tokens 35-45
     ms, 5-9 tokens 64-76 ms); on a GPU n barely matters. A length not timed yet is taken to cost what the longest
     timed length below it did - optimistic, so each length worth trying is tried once and then known - and
@@ -204,17 +206,18 @@ class AdaptiveK:
 
     def verify_cost(self, n_tokens: int) -> float:
         """Seconds per verify of n_tokens: as timed at that length; a length not timed yet is taken to cost what
-        the longest timed length below it did (optimistic, so that it gets tried once and its own time counts),
-        or the fit's line when none below was timed."""
+        the longest timed length below it did (optimistic, so that it gets tried and its own time counts), or
+        the fit's line when none below was timed. A length timed once only is not trusted above that optimistic
+        figure either: one slow outlier (a page fault, another process) would otherwise rule it out for good."""
         timed = self.costs.by_length
-        if n_tokens in timed:
-            return timed[n_tokens]
         below = [n for n in timed if n < n_tokens]
-        if below:
-            return timed[max(below)]
-        cost = self.costs.verify_s(n_tokens)
-        assert cost is not None
-        return cost
+        optimistic = timed[max(below)] if below else self.costs.verify_s(n_tokens)
+        if n_tokens in timed:
+            if self.costs.samples.get(n_tokens, 0) >= 2 or optimistic is None:
+                return timed[n_tokens]
+            return min(timed[n_tokens], optimistic)
+        assert optimistic is not None
+        return optimistic
 
     def best_k(self) -> int:
         if self.base is None:  # what a verify costs is not measured yet: probe with a few
@@ -247,8 +250,11 @@ class AdaptiveK:
         if n_tokens == 1:
             c.t1 = seconds if c.t1 is None else 0.8 * c.t1 + 0.2 * seconds
             return
-        old = c.by_length.get(n_tokens)
-        c.by_length[n_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        old, count = c.by_length.get(n_tokens), c.samples.get(n_tokens, 0)
+        # The better of the first two timings (a first run may pay one-off costs), then a decaying mean.
+        c.by_length[n_tokens] = seconds if old is None else min(old, seconds) if count == 1 else \
+            0.8 * old + 0.2 * seconds
+        c.samples[n_tokens] = count + 1
         w, sn, st, snn, snt = (0.8 * x for x in c.fit)
         c.fit = [w + 1, sn + n_tokens, st + seconds, snn + n_tokens * n_tokens, snt + n_tokens * seconds]
         w, sn, st, snn, snt = c.fit
