@@ -10,8 +10,8 @@ step by step over it, with each forward of n tokens charged a fixed cost from a 
 
 The estimated speed-up is (tokens x a plain step's cost) / the charged total, per workload. Deterministic, so
 policies can be compared in seconds; the real figures come from `kvboost bench spec` (on session 12's code the
-replay estimated rag / code / extract / chat 1.30 / 2.23 / 3.10 / 1.01x at 1 thread, and the bench measured
-1.26-1.29 / 2.21-2.25 / 3.00-3.15 / 1.03x).
+replay estimated rag / code / extract / chat 1.27 / 2.23 / 3.10 / 1.01x at 1 thread, and the bench measured
+1.29 / 2.19 / 3.21 / 1.03x).
 
     python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram 1 2 3] [--cold]
                                   [--profile cpu_linear-1t]
