@@ -18,18 +18,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from timing_utils import best_ms  # scripts/, on the path when run as a script
+
 SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30 + [
     (49152, 576)]
 QWEN_1_5B = [(1536, 1536), (256, 1536), (256, 1536), (1536, 1536), (8960, 1536), (8960, 1536), (1536, 8960)] * 4
-
-
-def best_ms(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def products(shapes: list[tuple[int, int]], rows: list[int]) -> None:
@@ -37,8 +30,8 @@ def products(shapes: list[tuple[int, int]], rows: list[int]) -> None:
     for n in rows:
         xs = {k: torch.randn(n, k) for k in {s[1] for s in shapes}}
         cols = {k: (x if n > 1 else torch.cat((x, x))) for k, x in xs.items()}
-        own = best_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights])
-        wx = best_ms(lambda cols=cols: [torch.mm(w, cols[w.shape[1]].t()) for w in weights])
+        own = best_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], trials=3, warm=False)
+        wx = best_ms(lambda cols=cols: [torch.mm(w, cols[w.shape[1]].t()) for w in weights], trials=3, warm=False)
         print(f"  {n:2d} rows: x @ W^T {own:7.1f} ms   W @ x^T {wx:7.1f} ms")
 
 

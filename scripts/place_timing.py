@@ -9,24 +9,14 @@ SmolLM2-135M's K/V shape (30 layers, 3 kv heads, head dim 64, fp32, 128-token bl
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from kvboost.kv.blocks import BlockLayout, BlockPool
 from kvboost.kv.workspace import KVWorkspace, LayerShape
+from timing_utils import best_ms  # scripts/, on the path when run as a script
 
 LAYERS, HEADS, DIM, BLOCK = 30, 3, 64, 128
-
-
-def best_ms(fn, trials: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main() -> None:
