@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-# Imported for their registrations in transformers' attention interfaces, so that every KVBoost attention function
-# is registered before the runner compiles a step: torch.compile guards on the size of that registry, and a later
-# registration (the first batch, the first paged forward) would compile the decode step again.
+# Imported for their registrations in transformers' attention interfaces before the runner compiles a step: compile
+# guards on that registry's size, and a later registration (first batch / paged forward) would compile it again.
 from .batch import cascade as _cascade  # noqa: F401
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
