@@ -75,7 +75,6 @@ def greedy_over_cache(model, ids: list[int], cache: DynamicCache, start: int, n:
                       eos: set[int]) -> tuple[float, list[int]]:
     """Prefill ids[start:] over `cache`, then decode greedily; returns (ttft_ms, tokens). Tensors are built on
     the model's device, and reading each token id waits for the device, so the clock sees the whole prefill."""
-
     from ..model.cpu_linear import model_own_products
 
     with model_own_products(model):  # plain transformers as users run it, not the engine's CPU products

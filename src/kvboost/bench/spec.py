@@ -71,7 +71,7 @@ def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple
 
     x = torch.tensor([ids], device=model.device)
     common = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
-    # Plain transformers as users run it: the model's own Linear products, not the engine's few-row form.
+    # Plain transformers as users run it: the model's own Linear products, not the engine's (cpu_linear).
     with torch.inference_mode(), model_own_products(model):
         t0 = time.perf_counter()
         model.generate(x, max_new_tokens=1, prompt_lookup_num_tokens=k, **common)
