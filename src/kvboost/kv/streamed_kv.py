@@ -156,9 +156,13 @@ class StreamedKV:
         return True
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
-        """The stored sibling agreeing longest with the prompt from chunk.start, host (mapped) or device (copied)."""
+        """The stored sibling agreeing longest with the prompt from chunk.start: host (mapped), device (copied), or
+        - after a restart, or from another process sharing them - disk / Redis (loaded into the table)."""
         best, agree = None, 0
-        for sibling in self.host.children(chunk.parent_key) + self.paged.cache.children(chunk.parent_key):
+        siblings = self.host.children(chunk.parent_key) + self.paged.cache.children(chunk.parent_key)
+        if self.paged.slow is not None:  # listed last: an equal match is taken from memory
+            siblings += self.paged.slow.children(chunk.parent_key)
+        for sibling in siblings:
             n = common_prefix_length(sibling.token_ids, ids[chunk.start:]) if sibling.start == chunk.start else 0
             if n > agree:
                 best, agree = sibling, n
@@ -168,11 +172,27 @@ class StreamedKV:
         if hit is not None:
             plan.table.map_shared(hit.blocks[:self.pool.layout.blocks_for(agree)], agree, held=True)
             self.stats.mapped_chunks += 1
-        elif self._copy_from_device(plan.table, best.key, best, agree):
-            pass
-        else:
+        elif not self._copy_from_device(plan.table, best.key, best, agree) \
+                and not self._load_partial(plan.table, best.key, ids[chunk.start:], agree):
             return
         plan.chunks += 1
+
+    def _load_partial(self, table: BlockTable, key: str, ids: Sequence[int], agree: int) -> bool:
+        """The first `agree` tokens of a disk / Redis record into new host blocks of the table (the sequence's
+        own: write-back stores its chunks as usual)."""
+        record = None if self.paged.slow is None else self.paged.slow.get(key)
+        if record is None or common_prefix_length(record.token_ids, ids) < agree:
+            return False
+        start = table.length
+        try:
+            load_record(table, record)
+        except (BlockError, RuntimeError, ValueError, IndexError):  # no room, a record of another shape
+            table.truncate(start)
+            self.stats.load_failures += 1
+            return False
+        table.truncate(start + agree)
+        self.stats.loaded_chunks += 1
+        return True
 
     # ---- write-back -----------------------------------------------------------------------------------
     def write_back(self, table: BlockTable, ids: Sequence[int], salt: str | None) -> tuple[int, int]:
