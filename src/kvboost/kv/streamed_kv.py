@@ -21,6 +21,7 @@ import torch
 
 from ..chunking import Chunk
 from ..reuse.match import common_prefix_length
+from ..store.base import ChunkRecord
 from .block_cache import CachedChunk
 from .block_table import BlockTable
 from .blocks import BlockError, BlockLayout, BlockLayoutError, BlockPool
@@ -144,15 +145,22 @@ class StreamedKV:
         record = None if slow is None else slow.get(chunk.prefix_key)
         if record is None or record.token_ids != chunk.token_ids or record.start != chunk.start:
             return False
+        if not self._load_record(table, record):
+            return False
+        self._adopt(table, chunk)
+        return True
+
+    def _load_record(self, table: BlockTable, record: ChunkRecord) -> bool:
+        """A record's tokens appended to the table in new host blocks; False (counted, the table as it was) when
+        there is no room or the record has another shape."""
         start = table.length
         try:
             load_record(table, record)
-        except (BlockError, RuntimeError, ValueError, IndexError):  # no room, a record of another shape
+        except (BlockError, RuntimeError, ValueError, IndexError):
             table.truncate(start)
             self.stats.load_failures += 1
             return False
         self.stats.loaded_chunks += 1
-        self._adopt(table, chunk)
         return True
 
     def _map_partial(self, plan: PagedPlan, chunk: Chunk, ids: list[int]) -> None:
@@ -184,14 +192,9 @@ class StreamedKV:
         if record is None or common_prefix_length(record.token_ids, ids) < agree:
             return False
         start = table.length
-        try:
-            load_record(table, record)
-        except (BlockError, RuntimeError, ValueError, IndexError):  # no room, a record of another shape
-            table.truncate(start)
-            self.stats.load_failures += 1
+        if not self._load_record(table, record):
             return False
         table.truncate(start + agree)
-        self.stats.loaded_chunks += 1
         return True
 
     # ---- write-back -----------------------------------------------------------------------------------
