@@ -45,5 +45,8 @@ def make_tiny_model(arch: str, tokenizer, seed: int = 0, device: torch.device | 
 
     torch.manual_seed(seed)
     cfg = tiny_config(arch, len(tokenizer), **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Gemma's attention softcaps its scores, which only the eager implementation does: transformers 5.17 still
+    # picks SDPA for Gemma2 by default and silently drops the softcap, so the HF reference would be wrong there.
+    kw = {"attn_implementation": "eager"} if arch.startswith("gemma") else {}
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kw)
     return model.to(device if device is not None else devices.current()).eval()

@@ -324,7 +324,9 @@ class InferenceEngine:
         if isinstance(cache, TableSequence):
             return cache.forward(tokens, start, all_logits)
         if self.runner is not None and self.runner.fits(len(tokens)):
-            return self.runner.verify(tokens, start) if all_logits else self.runner.forward(tokens, start)
+            if all_logits and len(tokens) > 1:  # one token (no drafts) is the decode step: verify pads to 16
+                return self.runner.verify(tokens, start)
+            return self.runner.forward(tokens, start)[None] if all_logits else self.runner.forward(tokens, start)
         self.set_cache_length(cache, start)
         logits = forward_tokens(self.model, tokens, cache, logits_to_keep=len(tokens) if all_logits else 1,
                                 attention=self.attention)[0]

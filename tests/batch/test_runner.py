@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvboost import KVBoost
 from kvboost.batch import BatchRunner, cascade
+from kvboost.batch.runner import CASCADE_MIN_TOKENS
 from kvboost.sampling import SamplingParams
 
 from ..hf_reference import hf_greedy
@@ -47,6 +48,15 @@ def _prefix_columns_untouched(runner: BatchRunner) -> bool:
     return ws.base == p
 
 
+def _cascade_engine(model, tokenizer, **options) -> KVBoost:
+    """An engine whose batches share prefixes through cascade attention on every device. With a runner (CUDA
+    graphs: fast_path "auto" on CUDA) a BatchRunner copies prefixes shorter than CASCADE_MIN_TOKENS per row
+    instead, so these tests of the shared-prefix path turn the fast path off."""
+    engine = KVBoost(model, tokenizer, fast_path="off", **options)
+    assert engine.runner is None
+    return engine
+
+
 def _add(runner, ids, n):
     return runner.add(ids, SamplingParams(max_new_tokens=n), "prompt")
 
@@ -64,7 +74,7 @@ def _drain(runner, check=None, limit=300):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_rows_sharing_a_prefix_read_one_copy_and_match_sequential(arch, tokenizer, prefix_reads):
     model = make_tiny_model(arch, tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = text_with_tokens(tokenizer, 3 * CHUNK + 5, seed=1)
     prompts = [system + " " + words(n, seed=n) for n in (3, 9, 17, 5)]
     runner = BatchRunner(engine, max_batch_size=4)
@@ -92,7 +102,7 @@ def test_rows_sharing_a_prefix_read_one_copy_and_match_sequential(arch, tokenize
 
 def test_rows_joining_with_the_same_prefix_keep_it(tokenizer, prefix_reads):
     model = make_tiny_model("llama", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = _ids(3 * CHUNK, seed=1)
     prompts = [system + _ids(n, seed=n) for n in (4, 11, 7, 20)]
     budgets = [12, 5, 9, 6]
@@ -112,7 +122,7 @@ def test_rows_joining_with_the_same_prefix_keep_it(tokenizer, prefix_reads):
 
 def test_a_row_with_another_prefix_shrinks_the_shared_part(tokenizer):
     model = make_tiny_model("qwen2", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = _ids(3 * CHUNK, seed=1)
     prompts = [system + _ids(n, seed=n) for n in (5, 9, 13)]
     runner = BatchRunner(engine, max_batch_size=6)
@@ -142,7 +152,7 @@ def test_a_row_with_another_prefix_shrinks_the_shared_part(tokenizer):
 
 def test_cancel_and_release_move_only_a_rows_own_columns(tokenizer):
     model = make_tiny_model("llama", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = _ids(2 * CHUNK, seed=3)
     prompts = [system + _ids(n, seed=10 + n) for n in (3, 8, 5, 12, 6)]
     budgets = [3, 14, 6, 11, 9]
@@ -168,7 +178,7 @@ def test_cancel_and_release_move_only_a_rows_own_columns(tokenizer):
 
 def test_every_row_keeps_a_token_after_the_prefix(tokenizer):
     model = make_tiny_model("llama", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = _ids(3 * CHUNK, seed=5)
     prompts = [system, system + _ids(9, seed=6)]  # the first is exactly the 3-chunk prefix
     runner = BatchRunner(engine, max_batch_size=2)
@@ -182,7 +192,7 @@ def test_every_row_keeps_a_token_after_the_prefix(tokenizer):
 
 def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
     model = make_tiny_model("llama", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = text_with_tokens(tokenizer, 2 * CHUNK + 3, seed=8)
     prompts = [system + " " + words(n, seed=40 + n) for n in (6, 13)]
     runner = BatchRunner(engine, max_batch_size=2)
@@ -207,6 +217,29 @@ def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
         single = engine.generate(prompt, 20)
         assert single.cached_tokens == len(engine.encode(prompt)) - 1
         assert single.output_token_ids == h.result.output_token_ids
+
+
+def test_with_a_runner_rows_copy_a_short_prefix_and_match_sequential(tokenizer, device):
+    """An engine with a runner (CUDA graphs by default on CUDA; fast_path="eager" on the CPU, whose default has
+    none) decodes batches through it: a prefix shorter than CASCADE_MIN_TOKENS is copied into every row."""
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, fast_path="auto" if device.type == "cuda" else "eager")
+    assert engine.runner is not None
+    system = _ids(3 * CHUNK, seed=1)
+    assert len(system) < CASCADE_MIN_TOKENS
+    prompts = [system + _ids(n, seed=n) for n in (4, 11, 7)]
+    runner = BatchRunner(engine, max_batch_size=4)
+    assert runner.shared_prefix_attention and runner.steps is not None
+    handles = [_add(runner, ids, 8) for ids in prompts]
+    runner.step()
+    assert runner.prefix is None and runner.ws.base == 0
+    k0, _ = runner.ws.buffers(0)
+    assert all(k0[r.slot, :, :len(system)].abs().sum() > 0 for r in runner._active)  # every row holds the prefix
+    _drain(runner, lambda: runner.prefix is None or pytest.fail("shared a short prefix"))
+    assert runner.steps.stats.counts["steps"] > 0  # the decode steps ran through the runner
+    for ids, h in zip(prompts, handles):
+        assert h.error is None and h.result.cached_tokens >= 3 * CHUNK
+        assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 8)
 
 
 def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
@@ -239,10 +272,11 @@ def test_sliding_window_models_keep_the_per_row_path(tokenizer):
     assert not runner.shared_prefix_attention and "sliding" in runner.shared_prefix_off_reason
 
 
+@pytest.mark.slow
 def test_smollm2_rows_sharing_a_system_prompt(smol):
     model, tokenizer = smol
     chunk = 32
-    engine = KVBoost(model, tokenizer, chunk_size=chunk)
+    engine = _cascade_engine(model, tokenizer, chunk_size=chunk)
     system = text_with_tokens(tokenizer, 2 * chunk + 10, seed=11)
     prompts = [system + " Question: " + words(n, seed=60 + n) + "?" for n in (4, 9, 6, 12)]
     runner = BatchRunner(engine, max_batch_size=4)
@@ -262,7 +296,7 @@ def test_boundary_window_shared_prefix_ends_on_every_rows_cut(arch, tokenizer):
     from kvboost.batch import find_common_chunk_prefix
 
     model = make_tiny_model(arch, tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=7)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=7)
     system = " ".join(words(2 + (3 * i) % 8, seed=i).capitalize() + "." for i in range(9))
     prompts = [system + " " + words(n, seed=n).capitalize() + "?" for n in (4, 10, 7, 15)]
     encoded = [engine.encode(p) for p in prompts]
@@ -291,7 +325,7 @@ def test_boundary_window_rows_cut_differently_right_after_the_shared_tokens(case
     from kvboost.batch import find_common_chunk_prefix
 
     model = make_tiny_model("llama", tokenizer)
-    engine = KVBoost(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=7)
+    engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK, chunk_boundary_window=7)
     word, dot = (tokenizer(t)["input_ids"][0] for t in (" river", "."))
     tails = [tokenizer(" " + words(12, seed=s))["input_ids"] for s in (1, 2)]
     if case == "cut_after_shared_tokens":

@@ -7,8 +7,16 @@ from kvboost.bench.batch import _rows, _run
 from ..tiny_models import make_tiny_model
 
 
+def _engine(tokenizer) -> KVBoost:
+    """An engine whose "on" runs share the prefix on every device: with a runner (CUDA graphs, fast_path "auto"
+    on CUDA) a BatchRunner copies prefixes shorter than CASCADE_MIN_TOKENS per row: "on" would share nothing."""
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, fast_path="off")
+    assert engine.runner is None
+    return engine
+
+
 def test_bench_runs_both_modes_on_a_tiny_model(tokenizer):
-    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    engine = _engine(tokenizer)
     system_ids, rows = _rows(engine, n_rows=3, prefix=40)
     assert len(system_ids) == 40 and all(r[:40] == system_ids for r in rows)
     engine.warm_ids(system_ids, None)
@@ -20,7 +28,7 @@ def test_bench_runs_both_modes_on_a_tiny_model(tokenizer):
 
 
 def test_rows_allocate_no_columns_for_the_shared_prefix(tokenizer):
-    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    engine = _engine(tokenizer)
     system_ids, rows = _rows(engine, n_rows=3, prefix=300)  # longer than one 256-position growth step
     engine.warm_ids(system_ids, None)
     off = _run(engine, rows, 4, False, "off", 300)

@@ -1,4 +1,5 @@
-"""`kvboost bench decode` end to end on the tiny shape (CPU): every system measured, tokens compared with HF."""
+"""`kvboost bench decode` end to end on the tiny shape, on the suite's device: every system measured, tokens
+compared with HF."""
 from __future__ import annotations
 
 import json
@@ -9,23 +10,43 @@ from typer.testing import CliRunner
 from kvboost.cli import app
 
 
-def test_decode_bench_measures_every_mode_beside_hf(tmp_path):
+def _run_options(device: torch.device) -> list[str]:
+    """The bench's options on `device`. On CUDA its runner modes are eager and graphs (torch.compile is the CPU's
+    mode): fp32 so that the tokens equal HF's, and more tokens, since a replayed step takes a fraction of a
+    millisecond and 1 and N steps must time apart."""
+    if device.type == "cpu":
+        return ["--device", "cpu", "--new-tokens", "4"]
+    return ["--device", str(device), "--dtype", "float32", "--new-tokens", "16"]
+
+
+def _systems(device: torch.device) -> list[str]:
+    if device.type != "cpu":  # no CPU Linear products to compare (cpu_linear is off there)
+        return ["hf generate", "hf static", "kvboost off", "kvboost eager", "kvboost graphs"]
+    ab = ["kvboost off, cpu_linear off"] if torch.backends.mkl.is_available() else []  # the same engine, own products
+    return ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled"]
+
+
+def test_decode_bench_measures_every_mode_beside_hf(tmp_path, device):
     threads = torch.get_num_threads()
     js = tmp_path / "decode.json"
+    options = _run_options(device)
     try:
-        out = CliRunner().invoke(app, ["bench", "decode", "--shape", "tiny", "--device", "cpu", "--prompt", "32",
-                                       "--new-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(js)])
+        out = CliRunner().invoke(app, ["bench", "decode", "--shape", "tiny", *options, "--prompt", "32",
+                                       "--repeats", "1", "--threads", "1", "--json", str(js)])
     finally:
         torch.set_num_threads(threads)
     assert out.exit_code == 0, out.output
     data = json.loads(js.read_text())
     assert data["benchmark"] == "decode" and data["threads"] == 1 and data["shape"] == "tiny"
-    systems = [r["system"] for r in data["rows"]]
-    ab = ["kvboost off, cpu_linear off"] if torch.backends.mkl.is_available() else []  # the same engine, own products
-    assert systems == ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled"]
+    assert [r["system"] for r in data["rows"]] == _systems(device)
+    new_tokens = int(options[options.index("--new-tokens") + 1])
     for row in data["rows"]:
         assert row["identical_to_hf_generate"], row
-        assert row["decode_tokens"] == 3 and row["decode_tok_s"] > 0
+        assert row["decode_tokens"] == new_tokens - 1 and row["decode_tok_s"] > 0
     assert next(r for r in data["rows"] if r["system"] == "kvboost off")["over_kvboost_off"] == 1.0
     kernels = {r["system"]: r.get("decode_kernels") for r in data["rows"]}
-    assert kernels["kvboost eager"] is None and kernels["kvboost compiled"]  # which GEMV kernels decoded
+    assert kernels["kvboost eager"] is None
+    if device.type == "cpu":
+        assert kernels["kvboost compiled"]  # which GEMV kernels decoded
+    else:
+        assert kernels["kvboost graphs"] is None  # GEMV kernels are the compiled (CPU) mode's

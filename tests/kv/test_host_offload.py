@@ -153,14 +153,20 @@ def test_engine_recomputes_when_the_host_copy_fails(tokenizer, monkeypatch):
     assert got.cached_tokens < 6 * CHUNK  # recomputed, not served from a half-made copy
 
 
-def test_device_budget_needs_paged_kv(tokenizer):
+def test_device_budget_needs_paged_kv(tokenizer, device):
     model = make_tiny_model("llama", tokenizer)
     with pytest.raises(ValueError, match="paged_kv"):
         KVBoost(model, tokenizer, device_kv_budget_bytes=1 << 20)
     with pytest.raises(ValueError, match="device_kv_budget_bytes"):
         KVBoost(model, tokenizer, paged_kv=True, device_kv_budget_bytes=-1)
-    engine = KVBoost(model, tokenizer, paged_kv=True)
-    assert engine.cache_stats()["paged_kv"]["host"] is None  # CPU default: the device is host memory
+    # device_kv_budget_bytes left to its default; a small memory budget, since on CUDA it is pinned host memory
+    engine = KVBoost(model, tokenizer, paged_kv=True, memory_budget_bytes=16 << 20)
+    paged = engine.cache_stats()["paged_kv"]
+    if device.type != "cuda":
+        assert paged["host"] is None  # the default elsewhere than CUDA: the device is host memory
+    else:  # the default on CUDA (device_kv_budget): offload on, the chunks' host pool holds memory_budget_bytes
+        assert paged["host"] is not None and paged["host"]["entries"] == 0
+        assert paged["host"]["budget_bytes"] == (16 << 20) // paged["block_bytes"] * paged["block_bytes"]
 
 
 def test_chunks_stored_over_budget_while_pinned_go_once_released():

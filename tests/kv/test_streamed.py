@@ -211,12 +211,16 @@ def test_content_reuse_on_a_streamed_context_says_why_it_was_not_used(tokenizer,
     assert "device_kv_max_tokens" in (plan.content_fallback or "")
 
 
-def test_device_kv_max_tokens_is_validated(tokenizer):
+def test_device_kv_max_tokens_is_validated(tokenizer, device):
     model = make_tiny_model("llama", tokenizer)
     with pytest.raises(ValueError, match="paged_kv"):
         KVBoost(model, tokenizer, device_kv_max_tokens=64)
-    with pytest.raises(ValueError, match="host offload"):
-        KVBoost(model, tokenizer, paged_kv=True, device_kv_max_tokens=64)  # CPU: no host tier unless asked
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match="host offload"):  # no host tier elsewhere than CUDA unless asked
+            KVBoost(model, tokenizer, paged_kv=True, device_kv_max_tokens=64)
+    else:  # CUDA offloads to the host by default (device_kv_budget), so the limit needs nothing more
+        engine = KVBoost(model, tokenizer, paged_kv=True, device_kv_max_tokens=64, memory_budget_bytes=16 << 20)
+        assert engine.kv.blocks.host is not None and engine.kv.streamed.max_device_tokens == 64
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="device_kv_max_tokens"):
             KVBoost(model, tokenizer, paged_kv=True, device_kv_budget_bytes=1 << 20, device_kv_max_tokens=bad)
@@ -282,9 +286,15 @@ def test_a_streamed_decode_step_moves_only_what_the_device_does_not_keep(tokeniz
     block = streaming.cache_stats()["paged_kv"]
     per_position = block["block_bytes"] // block["block_size"]
     # The prefill moves nothing (baseline: no stored prefix); decode step i (of 4) runs position len(ids) + i over
-    # the positions before it, of which all but the first 40 (kept on the device) cross from the host.
+    # the positions before it, of which all but the first 40 (kept on the device) cross from the host: exactly
+    # those on a CPU (a concatenation), whole blocks on CUDA (one copy per block run: from the block holding
+    # position 40 to the block holding the step's last earlier position).
     assert moved[0] == 0
-    assert moved[1] == sum(len(ids) + i - ON_DEVICE for i in range(4)) * per_position
+    if device.type == "cuda":
+        crossing = [(-(-(len(ids) + i) // CHUNK) - ON_DEVICE // CHUNK) * CHUNK for i in range(4)]
+    else:
+        crossing = [len(ids) + i - ON_DEVICE for i in range(4)]
+    assert moved[1] == sum(crossing) * per_position
     assert streaming.kv.blocks.pool.num_used == 0  # the device blocks went back with each request
 
 

@@ -1,6 +1,8 @@
 """model/cpu_linear.py: Linear layers over few token rows as W @ x^T on a CPU, installed on the model's modules."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,10 +21,22 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear]
 
 
+def _cpu_only(device: torch.device) -> None:
+    # The products apply to CPU models only (cpu_linear_reason); these tests build theirs on the suite's device.
+    if device.type != "cpu":
+        pytest.skip(f"W @ x^T are CPU BLAS products: the models are on {device.type}")
+
+
+def _not_on_cpu(device: torch.device) -> str:
+    """What cpu_linear_reason says of a model on `device` (not the CPU)."""
+    return f"the model is on {device.type} (CPU BLAS only)"
+
+
 @needs_mkl
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's q/k/v carry a bias
-def test_few_rows_are_w_times_x_transposed_and_others_untouched(arch, threads, tokenizer):
+def test_few_rows_are_w_times_x_transposed_and_others_untouched(arch, threads, tokenizer, device):
+    _cpu_only(device)
     model = make_tiny_model(arch, tokenizer)
     reason = install_cpu_linear("auto", model)
     assert reason.startswith("W @ x^T") and f"{len(_linears(model))} Linear" in reason
@@ -52,7 +66,8 @@ def test_few_rows_are_w_times_x_transposed_and_others_untouched(arch, threads, t
 
 
 @needs_mkl
-def test_training_and_other_dtypes_keep_the_models_own_products(tokenizer):
+def test_training_and_other_dtypes_keep_the_models_own_products(tokenizer, device):
+    _cpu_only(device)
     model = make_tiny_model("llama", tokenizer)
     install_cpu_linear("auto", model)
     layer = _linears(model)[0]
@@ -66,12 +81,19 @@ def test_training_and_other_dtypes_keep_the_models_own_products(tokenizer):
             layer(half)
 
 
-def test_modes(tokenizer):
+def test_modes(tokenizer, device):
     model = make_tiny_model("llama", tokenizer)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
         install_cpu_linear("fast", model)
     with pytest.raises(ValueError, match="cpu_linear must be auto, on or off"):
         EngineConfig(cpu_linear="yes")
+    if device.type != "cpu":  # the device is checked first: "on" is refused for any model there, "auto" is off
+        reason = re.escape(_not_on_cpu(device))
+        with pytest.raises(ValueError, match=f"cpu_linear='on': {reason}"):
+            install_cpu_linear("on", model)
+        assert install_cpu_linear("auto", model) == f"off: {_not_on_cpu(device)}"
+        assert all("forward" not in vars(m) for m in _linears(model))
+        return
     bf16 = make_tiny_model("llama", tokenizer).to(torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16"):
         install_cpu_linear("on", bf16)
@@ -86,7 +108,8 @@ def test_modes(tokenizer):
 
 
 @needs_mkl
-def test_model_own_products_suspends_and_restores(tokenizer):
+def test_model_own_products_suspends_and_restores(tokenizer, device):
+    _cpu_only(device)
     model = make_tiny_model("llama", tokenizer)
     install_cpu_linear("on", model)
     layer = _linears(model)[0]
@@ -102,8 +125,9 @@ def test_model_own_products_suspends_and_restores(tokenizer):
 
 
 @needs_mkl
-def test_engine_reports_it_and_outputs_stay_greedy_exact(tokenizer):
+def test_engine_reports_it_and_outputs_stay_greedy_exact(tokenizer, device):
     """Batched rows and verifies go through the few-row form; their tokens equal one-at-a-time greedy."""
+    _cpu_only(device)
     model = make_tiny_model("llama", tokenizer)
     engine = KVBoost(model, tokenizer, chunk_size=16)
     assert engine.cache_stats()["fast_path"]["cpu_linear"].startswith("W @ x^T")
@@ -114,3 +138,15 @@ def test_engine_reports_it_and_outputs_stay_greedy_exact(tokenizer):
     off = KVBoost(model, tokenizer, chunk_size=16, cpu_linear="off")
     assert off.cache_stats()["fast_path"]["cpu_linear"] == "off"
     assert [off.generate(p, 12).output_token_ids for p in prompts] == singles
+
+
+def test_an_engine_off_the_cpu_reports_it_off_and_refuses_on(tokenizer, device):
+    """On another device the engine keeps the model's own products and says why; "on" is refused there."""
+    if device.type == "cpu":
+        pytest.skip("the engine on a CPU model: test_engine_reports_it_and_outputs_stay_greedy_exact")
+    model = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(model, tokenizer, chunk_size=16)
+    assert engine.cache_stats()["fast_path"]["cpu_linear"] == f"off: {_not_on_cpu(device)}"
+    assert all("forward" not in vars(m) for m in _linears(model))
+    with pytest.raises(ValueError, match=re.escape(_not_on_cpu(device))):
+        KVBoost(model, tokenizer, chunk_size=16, cpu_linear="on")

@@ -32,6 +32,16 @@ def tiny_engine(tiny_model_dir, device):
     return KVBoost.from_pretrained(str(tiny_model_dir), chunk_size=16, device=str(device))  # on --device
 
 
+@pytest.fixture(scope="session")
+def patchable_engine(tiny_model_dir, device):
+    """tiny_engine without a fast path: every forward calls model.forward, so a test that replaces it (to fail or
+    block) takes effect on every device. tiny_engine's runner (CUDA graphs on CUDA) replays steps captured at
+    load, which never call model.forward."""
+    engine = KVBoost.from_pretrained(str(tiny_model_dir), chunk_size=16, device=str(device), fast_path="off")
+    assert engine.runner is None
+    return engine
+
+
 class Live:
     """A running server: its URL, app state (scheduler, metrics) and ready-made clients."""
 

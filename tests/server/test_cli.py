@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from kvboost.server.__main__ import main, serve_command
 
@@ -54,12 +55,20 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
+def _device_lines(device: torch.device) -> tuple[str, ...]:
+    """What the startup lines say of the device: its name (cuda:0) and, off the CPU, why the Linear products are
+    the model's own (model/cpu_linear.py: CPU BLAS only)."""
+    if device.type == "cpu":
+        return ("model 'tiny-cli' on cpu",)
+    return (f"model 'tiny-cli' on {device}", f"Linear products: off: the model is on {device.type} (CPU BLAS only)")
+
+
+def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir, device):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", KVBOOST_API_KEY="")
     cmd = [sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
            "--port", "0", "--served-model-name", "tiny-cli", "--max-batch-size", "1", "--kv-cache-bits", "8",
            "--recompute-strategy", "cacheblend", "--batch-window-ms", "5", "--max-queue", "4",
-           "--log-level", "warning"]
+           "--log-level", "warning", "--device", str(device)]  # the suite's device (the default: best available)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = _read_until(proc, r"listening on http://", timeout=120)
@@ -68,7 +77,7 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir):
         base = url.group(0)
         # Before it listens, the server says what it runs on and how it will batch, and has warmed up.
         start = "".join(lines)
-        for expected in ("model 'tiny-cli' on cpu", "float32", "context 1,024 tokens", "loaded in ",
+        for expected in (*_device_lines(device), "float32", "context 1,024 tokens", "loaded in ",
                          "warmed up in ", "K/V cache: memory budget ", "chunks of 128 tokens stored at 8 bits",
                          "batching: one request at a time; queue 4"):
             assert expected in start, start

@@ -203,9 +203,10 @@ def _wait(condition, timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def test_full_queue_is_429_with_retry_after(start_server, tiny_engine):
-    with start_server(tiny_engine, max_queue=1, max_batch_size=1) as srv:
-        gate = _gate_model(tiny_engine)
+def test_full_queue_is_429_with_retry_after(start_server, patchable_engine):
+    engine = patchable_engine  # its forwards call model.forward on every device: the gate blocks them
+    with start_server(engine, max_queue=1, max_batch_size=1) as srv:
+        gate = _gate_model(engine)
         results: list[int] = []
         try:
             def send(prompt: str) -> None:
@@ -227,7 +228,7 @@ def test_full_queue_is_429_with_retry_after(start_server, tiny_engine):
                 srv.client().completions.create(model=TINY_NAME, prompt="again", max_tokens=2)
         finally:
             gate.set()
-            del tiny_engine.model.forward
+            del engine.model.forward
         first.join(30)
         second.join(30)
         assert results == [200, 200]

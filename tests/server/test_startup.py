@@ -32,18 +32,19 @@ def test_warm_up_runs_one_generation_through_the_worker_and_stores_nothing(tiny_
         scheduler.stop()
 
 
-def test_a_warm_up_that_fails_stops_the_start(tiny_engine):
-    app = create_app(tiny_engine, ServerSettings(served_model_name=TINY_NAME, max_batch_size=1))
+def test_a_warm_up_that_fails_stops_the_start(patchable_engine):
+    engine = patchable_engine  # its forwards call model.forward on every device
+    app = create_app(engine, ServerSettings(served_model_name=TINY_NAME, max_batch_size=1))
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this device")
 
-    tiny_engine.model.forward = broken
+    engine.model.forward = broken
     try:
         with pytest.raises(RuntimeError, match="no kernel"):
             warm_up(app)
     finally:
-        del tiny_engine.model.forward
+        del engine.model.forward
         app.state.kvboost.scheduler.stop()
 
 

@@ -146,7 +146,8 @@ def test_quantized_records_are_dequantized_into_blocks(saved_model, tmp_path, to
         record = reader.store.get(chunk.prefix_key)
         if held is None or record is None:
             continue
-        blocks = paged.pool.read_packed(held.blocks, held.n_tokens)  # [layers, 2, heads, tokens, dim]
+        # [layers, 2, heads, tokens, dim], on the CPU beside the record (read from disk: CPU tensors)
+        blocks = paged.pool.read_packed(held.blocks, held.n_tokens).cpu()
         assert all(torch.equal(blocks[i, 0], k) and torch.equal(blocks[i, 1], v)
                    for i, (k, v) in enumerate(zip(record.keys, record.values)))
         checked += 1

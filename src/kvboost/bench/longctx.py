@@ -89,6 +89,7 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
                     call(engine, name)(n)
                     moved.append(engine.cache_stats()["paged_kv"]["streamed"]["bytes_to_device"] - start)
                 row["bytes_per_step"] = (moved[1] - moved[0]) / (new_tokens - 1)
+                row["host_copy"] = after.get("host_copy")
         rates[name] = row["decode_tok_s"]
         report["rows"].append(row)
         console.print(f"{name:>9}: {row['decode_tok_s']:7.2f} tok/s")
@@ -141,6 +142,8 @@ def _print(console, report: dict) -> None:
                   f"greedy outputs identical: {'yes' if report['identical'] else 'NO'}")
     console.print(f"streaming adds {report['extra_ms_per_step']:.1f} ms per step; its bytes take "
                   f"{report['copy_ms_per_step']:.1f} ms at that bandwidth ({report['copy_ms_over_extra_ms']:.0%})")
+    if report["rows"][1].get("host_copy"):
+        console.print(f"host blocks reach the device as: {report['rows'][1]['host_copy']}")
 
 
 def bench_longctx_command(

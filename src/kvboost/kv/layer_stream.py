@@ -7,9 +7,10 @@ layer, positions [0, n) of that layer on the device next to the step's own K/V:
     take(layer, q) -> (keys, values) [1, kv_heads, n + q, d]   positions [0, n) filled; [n, n + q) for the caller
 
 Positions the device blocks hold are read there; the rest cross from the host. On CUDA the copies of layer l + 1
-are enqueued on a side stream while layer l computes (one copy per block from pinned host memory into a device
-buffer in block layout, then one device-side permute into token order); the compute stream waits on an event
-before reading them. Elsewhere the device is host memory and a take is one concatenation of the blocks' slices.
+are enqueued on a side stream while layer l computes (one strided copy per run of consecutive host blocks from
+pinned memory into a device buffer in block layout: kv/host_copy.py; then one device-side permute into token
+order); the compute stream waits on an event before reading them. Elsewhere the device is host memory and a
+take is one concatenation of the blocks' slices.
 Either way the values are the table's, bit for bit: attention over them is the model's own, as over a contiguous
 workspace. Positions a forward brings from the host that the device blocks have room for are kept there too.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_table import BlockTable
+from .host_copy import RowCopier, row_copier
 
 
 class Scratch:
@@ -131,6 +133,18 @@ def transfers_for(device: torch.device, host: torch.device) -> CudaTransfers | I
     return CudaTransfers(device) if device.type == "cuda" and host.type == "cpu" else None
 
 
+def consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(index in blocks, first block id, length) of each run of consecutive block ids: [5, 6, 7, 2] ->
+    [(0, 5, 3), (3, 2, 1)]."""
+    runs: list[tuple[int, int, int]] = []
+    for j, block in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((j, block, 1))
+    return runs
+
+
 class LayerStream:
     def __init__(self, table: BlockTable, n: int, device: torch.device, scratch: Scratch | None = None,
                  resident: Resident | None = None):
@@ -147,6 +161,8 @@ class LayerStream:
         self.first_block = self.m // bs  # host blocks copied on CUDA: [first_block, blocks_for(n))
         self.blocks = table.blocks[self.first_block:self.pool.layout.blocks_for(n)]
         self.transfers = transfers_for(self.device, self.pool.device)
+        self.block_runs = consecutive_runs(self.blocks)
+        self.copier = row_copier() if isinstance(self.transfers, CudaTransfers) else RowCopier.per_row()
         self.staged = self.transfers is not None  # block-layout copies a layer ahead, else concatenations
         self.pending: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self.bytes_to_device = 0
@@ -193,8 +209,8 @@ class LayerStream:
         with self.transfers.side_stream():
             staged = torch.empty((len(self.blocks), *self.pool.storage.shape[2:]), dtype=self.pool.storage.dtype,
                                  device=self.device)  # [blocks, 2, H, bs, d]
-            for j, block in enumerate(self.blocks):  # one contiguous region per block: one async copy
-                staged[j].copy_(self.pool.storage[block, layer], non_blocking=True)
+            for j, block, k in self.block_runs:  # consecutive host blocks: one strided copy per run
+                self.copier.copy_rows(staged[j:j + k], self.pool.storage[block:block + k, layer])
             done = self.transfers.mark()
         self.pending[layer] = (staged, done)
         self.bytes_to_device += staged.numel() * staged.element_size()

@@ -332,7 +332,8 @@ class KVCacheManager:
     def _paged_stats(self) -> dict:
         assert self.blocks is not None
         stats = self.blocks.stats()
-        stats["streamed"] = None if self.streamed is None else asdict(self.streamed.stats)
+        stats["streamed"] = None if self.streamed is None else {**asdict(self.streamed.stats),
+                                                                "host_copy": self.streamed.host_copy}
         return stats
 
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -59,6 +59,15 @@ class StreamedKV:
     def max_device_tokens(self) -> int:
         return self.stats.max_device_tokens
 
+    @property
+    def host_copy(self) -> str:
+        """How host blocks reach the device each forward (kv/host_copy.py on CUDA)."""
+        if self.paged.pool.device.type != "cuda":
+            return "one concatenation per layer (the device reads host memory)"
+        from .host_copy import row_copier
+
+        return row_copier().status
+
     def streams(self, n_positions: int) -> bool:
         return n_positions > self.stats.max_device_tokens
 

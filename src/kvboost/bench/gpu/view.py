@@ -63,7 +63,8 @@ def chat_table(section: dict) -> RenderableType:
 def prefix_table(section: dict) -> RenderableType:
     table = Table(title=f"b. TTFT over a cached prefix, median ms [{_status(section)}]",
                   caption="floor = prefill of the same uncached suffix over a DynamicCache already holding the "
-                          "prefix; full = no cache; store = workspace forgotten, chunks copied from the store; "
+                          "prefix (timed on the same shape's second run: no cuDNN plan build); full = no cache; "
+                          "store = workspace forgotten, chunks copied from the store; "
                           "placed = paged_kv, stored blocks copied into the workspace; table = paged_kv, attention "
                           "over the stored blocks; host = the same with every block "
                           "waiting in host memory" + (f"; {section['note']}" if section.get("note") else ""))
