@@ -73,7 +73,8 @@ class Request:
 
     def sampler(self, device) -> Sampler:
         """This sequence's sampler, with a fresh grammar state when the request has a format."""
-        return Sampler(self.params, device, self.format.constraint() if self.format is not None else None,
+        constraint = self.format.constraint(self.params.max_new_tokens) if self.format is not None else None
+        return Sampler(self.params, device, constraint,
                        prompt_ids=self.ids)
 
     def tracker(self, tokenizer, eos_token_ids: set[int]) -> OutputTracker:
@@ -95,8 +96,15 @@ class Request:
             ttft_ms=ttft_ms, total_ms=total_ms,
             tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
             kv_reuse_ratio=plan.cached_tokens / n, prompt_tokens=n, cached_tokens=plan.cached_tokens,
-            output_token_ids=generated, finish_reason=tracker.finish_reason, exact_tokens=plan.exact_tokens,
+            output_token_ids=generated, finish_reason=_finish_reason(tracker, sampler), exact_tokens=plan.exact_tokens,
             approximate_tokens=plan.approximate_tokens, recomputed_tokens=plan.recomputed_tokens,
             lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits, logprobs=logprobs,
             speculative=self.speculative.method if self.speculative else None,
             draft_tokens=spec.draft_tokens if spec else 0, accepted_tokens=spec.accepted_tokens if spec else 0)
+
+
+def _finish_reason(tracker: OutputTracker, sampler: Sampler | None) -> str | None:
+    """The tracker's, except where the budget forced the output's last tokens (a format closed before
+    max_new_tokens: decoding/closing.py): that output was cut by its length, whatever token ended it."""
+    constraint = sampler.constraint if sampler is not None else None
+    return "length" if constraint is not None and constraint.forced else tracker.finish_reason

@@ -44,6 +44,23 @@ def test_json_schema_and_json_object(client):
     assert obj.choices[0].message.content.startswith("{")
 
 
+def test_json_cut_by_max_tokens_is_closed_and_reported_as_length(client):
+    """An unbounded string the random model never ends: max_tokens closes the object, finish_reason says so."""
+    schema = {"type": "object", "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["note", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": schema, "strict": True}}
+    for stream in (False, True):
+        kw = dict(model=TINY_NAME, messages=CHAT, max_tokens=40, temperature=0, response_format=fmt)
+        if stream:
+            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            r = client.chat.completions.create(**kw)
+            text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        assert _valid(json.loads(text), schema) and reason == "length", (text, reason)
+
+
 def test_named_and_required_tool_choice(client):
     r = client.chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=300, temperature=0, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})

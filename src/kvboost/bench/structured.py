@@ -57,7 +57,8 @@ class Summary:
     cases: int
     constrained_valid_rate: float
     constrained_ended_rate: float  # outputs that ended on their own (EOS) within the budget
-    valid_when_ended_rate: float  # of those, schema-valid (the rest ran out of budget: a valid prefix, cut)
+    valid_when_ended_rate: float  # of those, schema-valid
+    closed_rate: float  # outputs the budget closed (finish "length": its last tokens forced to finish the JSON)
     free_valid_rate: float
     free_decode_tok_s: float
     constrained_decode_tok_s: float
@@ -182,6 +183,7 @@ def _summarize(cases: list[Case], schemas: int, first: list[float], cached: list
     ended = [c for c in cases if c.constrained_finish == "stop"]
     return Summary(schemas, n, sum(c.constrained_valid for c in cases) / n, len(ended) / n,
                    sum(c.constrained_valid for c in ended) / len(ended) if ended else 0.0,
+                   sum(c.constrained_finish == "length" and c.constrained_valid for c in cases) / n,
                    sum(c.free_valid for c in cases) / n,
                    free_tps, fixed_tps, 1 - fixed_tps / free_tps if free_tps else 0.0, mask_ms,
                    mask_ms / (1e3 / free_tps) if free_tps else 0.0, statistics.median(first), max(first),
@@ -195,6 +197,7 @@ def _print(console: Console, s: Summary, cases: list[Case]) -> None:
     rows = [("schema-valid, constrained", f"{s.constrained_valid_rate:.1%}"),
             ("constrained outputs that ended (EOS) in budget", f"{s.constrained_ended_rate:.1%}"),
             ("schema-valid among those", f"{s.valid_when_ended_rate:.1%}"),
+            ("closed by the budget (valid, finish 'length')", f"{s.closed_rate:.1%}"),
             ("schema-valid, free (schema in the prompt only)", f"{s.free_valid_rate:.1%}"),
             ("decode tok/s, free", f"{s.free_decode_tok_s:.1f}"),
             ("decode tok/s, constrained", f"{s.constrained_decode_tok_s:.1f}"),

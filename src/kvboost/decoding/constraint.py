@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import KVBoostError
+from .closing import CLOSING_MARGIN, HORIZON, ClosingPlanner, ClosingVocab
 
 
 class GrammarViolationError(KVBoostError, RuntimeError):
@@ -19,7 +20,10 @@ class GrammarViolationError(KVBoostError, RuntimeError):
 
 
 class TokenConstraint:
-    def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int], budget: int | None = None,
+                 closing: ClosingVocab | None = None):
+        """budget: the sequence's max_new_tokens; with `closing` (what decoding/closing.py writes with) its last
+        tokens are forced to finish the output where it would otherwise be cut unfinished."""
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -27,14 +31,26 @@ class TokenConstraint:
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # int32 on the CPU, where xgrammar fills it
         self._device_bitmask: torch.Tensor | None = None
+        self.budget, self.emitted, self.forced = budget, 0, 0  # tokens advanced; of them, forced to close
+        self.closing_started = False
+        self._closing = ClosingPlanner(self.matcher, vocab_size, stop_token_ids, closing) \
+            if budget is not None and closing is not None else None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] (any device) with every token the grammar forbids at -inf: in place when they are
         contiguous float32 (the engine's always are), else in a float32 copy. In place because a copy of the row
         is the one cost here that scales with the vocabulary: on the loaded 2-core box this was measured on, one
-        200 kB copy took ~15 ms (thread wake-ups), fill + apply ~0.05 ms."""
-        self.matcher.fill_next_token_bitmask(self.bitmask)
+        200 kB copy took ~15 ms (thread wake-ups), fill + apply ~0.05 ms. Where the budget's last tokens must
+        close the output, every token but the closing one is masked."""
         out = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
+        forced = self._closing_token()
+        if forced is not None:
+            row = out.reshape(-1)
+            kept = row[forced].clone()
+            row.fill_(float("-inf"))
+            row[forced] = kept
+            return out
+        self.matcher.fill_next_token_bitmask(self.bitmask)
         row = out.reshape(1, -1)
         bitmask = self.bitmask
         if out.device.type != "cpu":
@@ -80,11 +96,32 @@ class TokenConstraint:
     def advance(self, token: int) -> None:
         if not self.matcher.accept_token(int(token)):
             raise GrammarViolationError(f"token {token} is not allowed by the output format here")
+        self.emitted += 1
 
     def rollback(self, n: int) -> None:
         """Undo the last n advanced tokens (xgrammar keeps the whole history: any n up to the tokens advanced)."""
         if n > 0:
             self.matcher.rollback(n)
+            self.emitted -= n
+
+    def _closing_token(self) -> int | None:
+        """The token that must come next for the output to finish within the budget, or None (the model picks).
+        Looked for over the budget's last HORIZON tokens; once the closing needs all but CLOSING_MARGIN of what is
+        left, every later token is forced (the model's own next token could open something longer to close),
+        ending with a stop token. `forced` counts them: the result then reports finish_reason "length"."""
+        if self._closing is None or self.matcher.is_terminated():
+            return None
+        left = self.budget - self.emitted
+        if not self.closing_started and not 0 < left <= HORIZON:
+            return None
+        plan = self._closing.plan(HORIZON)
+        if plan is None or (not self.closing_started and (not plan or len(plan) + CLOSING_MARGIN < left)):
+            return None  # nothing to close (the output may end here), or still room for the model's own tokens
+        self.closing_started = True
+        token = plan[0] if plan else self._closing.stop_token()
+        if token is not None:
+            self.forced += 1
+        return token
 
     @property
     def finished(self) -> bool:

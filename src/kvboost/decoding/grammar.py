@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidRequestError, KVBoostError
+from .closing import ClosingVocab, closing_vocab
 
 FORMAT_KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
 # JSON may hold whitespace between tokens, at most this many characters in a row: models write the indented JSON
@@ -141,12 +142,14 @@ class CompiledFormat:
     compiled: Any  # xgrammar.CompiledGrammar
     vocab_size: int
     stop_token_ids: tuple[int, ...]
+    closing: ClosingVocab | None = None  # what may finish an output cut by its budget (closing.py)
 
-    def constraint(self):
-        """A fresh decoding.constraint.TokenConstraint (the per-sequence grammar state)."""
+    def constraint(self, budget: int | None = None):
+        """A fresh decoding.constraint.TokenConstraint (the per-sequence grammar state); with budget (the
+        sequence's max_new_tokens) its last tokens finish the output rather than leave it cut."""
         from .constraint import TokenConstraint
 
-        return TokenConstraint(self.compiled, self.vocab_size, self.stop_token_ids)
+        return TokenConstraint(self.compiled, self.vocab_size, self.stop_token_ids, budget, self.closing)
 
 
 @dataclass
@@ -180,6 +183,7 @@ class GrammarCompiler:
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=self.stop_token_ids or None)
         self.tokenizer_info_ms = (time.perf_counter() - t0) * 1e3
+        self.closing = closing_vocab(tokenizer, vocab_size)
         # Our own LRU is the cache (bounded, observable); xgrammar's internal one would be unbounded.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -230,7 +234,7 @@ class GrammarCompiler:
 
     def prepare(self, fmt: OutputFormat) -> CompiledFormat:
         """fmt compiled (cached) as a CompiledFormat, which makes one TokenConstraint per sequence."""
-        return CompiledFormat(fmt, self.compile(fmt), self.vocab_size, tuple(self.stop_token_ids))
+        return CompiledFormat(fmt, self.compile(fmt), self.vocab_size, tuple(self.stop_token_ids), self.closing)
 
     def cache_size(self) -> int:
         return len(self._cache)

@@ -53,6 +53,9 @@ COMPILED_STEPS = {("seq", 1)}
 # Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
 # reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
 CAPACITY_STEP = 1024
+# Device memory a capture must find free. Measured on an H100 with the device full (other processes): a capture
+# that ran out of memory aborted the process (its failed CUDAGraph is destroyed), where an eager forward raises.
+CAPTURE_MIN_FREE_BYTES = 256 << 20
 WARM_CAPACITY = 4096
 
 
@@ -250,6 +253,10 @@ class ModelRunner:
         """Run the step once for real on a side stream (compiles kernels, sets up cuBLAS), then capture it.
         The real run computes exactly what the replay that follows recomputes, so capturing mid-request is safe."""
         device = self.workspace.device
+        refusal = capture_refusal(device)
+        if refusal is not None:
+            self._give_up_graphs(RuntimeError(refusal))
+            return
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -262,17 +269,20 @@ class ModelRunner:
             with torch.cuda.graph(graph):
                 step.logits = self._run(step)
         except Exception as exc:  # an op that cannot be captured (a host sync somewhere in the model)
-            if not self.fallback_on_failure:
-                raise
-            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            log.warning("kvboost: CUDA graph capture failed (%s); this engine's short forwards run eagerly",
-                        self.failure)
-            self.stats.counts["capture_failures"] += 1
-            self.mode = "eager"
-            self.steps.clear()
+            self._give_up_graphs(exc)
             return
         step.graph = graph
         self.stats.counts["captures"] += 1
+
+    def _give_up_graphs(self, exc: Exception) -> None:
+        """A capture failed or was refused: run every step eagerly from now on (auto mode), or raise."""
+        if not self.fallback_on_failure:
+            raise exc
+        self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        log.warning("kvboost: CUDA graph capture failed (%s); this engine's short forwards run eagerly", self.failure)
+        self.stats.counts["capture_failures"] += 1
+        self.mode = "eager"
+        self.steps.clear()
 
     # ---- buffers ------------------------------------------------------------------------------
     def _ensure_capacity(self, needed: int, keep: int) -> None:
@@ -326,6 +336,15 @@ class ModelRunner:
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
         return 1 + len(self.buckets)
+
+
+def capture_refusal(device: torch.device) -> str | None:
+    """Why a CUDA graph must not be captured on `device` now (None: it may)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < CAPTURE_MIN_FREE_BYTES:
+        return (f"{free >> 20} MiB of device memory free, under the {CAPTURE_MIN_FREE_BYTES >> 20} MiB a capture "
+                "needs")
+    return None
 
 
 def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,

@@ -1,0 +1,121 @@
+"""Finishing structured output inside max_new_tokens: the shortest way a grammar may still stop, found greedily.
+
+A model that loops inside a JSON value (a list that never ends, a number with ever more digits) would run into
+max_new_tokens with the JSON unfinished: not parseable, whatever the grammar allowed on the way. With a token
+budget, the constraint (constraint.py) looks, over the budget's last HORIZON tokens, for a continuation of
+single-character tokens that lets the grammar stop, and once that continuation needs every token left it forces
+it: the output then ends exactly at the budget (finish reason "length", as before) and parses.
+
+The continuation is found greedily, not searched, one character at a time: inside a string (a letter and '"'
+both allowed) close it; otherwise the first allowed character of CLOSING_CHARS, closers first, then the
+shortest values ('0', '""', null), then what keys, literals and patterns may force. The text found is then
+written with the tokenizer's own tokens ('{"tags":[],"note":"","n":0}': 27 characters, 13 SmolLM2 tokens) when
+the grammar takes them. Every plan is checked token by token against the grammar (the matcher is rolled back
+after), so a forced token is always one the grammar allows; when no continuation within HORIZON tokens lets the
+grammar stop, nothing is forced.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+HORIZON = 64  # tokens: the longest closing looked for (and the part of the budget where it is looked for)
+CLOSING_MARGIN = 8  # tokens: closing starts this much before it must (a model's token may lengthen the closing)
+CLOSING_CHARS = ('}]"0ntf[{,:' + "123456789-." + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                 + "_@+/#$%&*()<>=;!?'")
+
+
+@dataclass(frozen=True)
+class ClosingVocab:
+    """What the planner writes with: the single-character tokens of CLOSING_CHARS, in that order, and the
+    tokenizer's encode (no special tokens), which packs a planned text into fewer, longer tokens."""
+
+    chars: tuple[tuple[str, int], ...]
+    encode: Callable[[str], list[int]]
+
+
+def closing_vocab(tokenizer, vocab_size: int) -> ClosingVocab:
+    chars = []
+    for c in CLOSING_CHARS:
+        ids = tokenizer.encode(c, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] < vocab_size and tokenizer.decode(ids) == c:
+            chars.append((c, ids[0]))
+    return ClosingVocab(tuple(chars), lambda text: tokenizer.encode(text, add_special_tokens=False))
+
+
+def _allowed(row: list[int], token: int) -> bool:
+    """Bit `token` of an xgrammar bitmask row (int32 words, as Python ints)."""
+    return (row[token >> 5] >> (token & 31)) & 1 == 1
+
+
+class ClosingPlanner:
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: Sequence[int], vocab: ClosingVocab):
+        import xgrammar as xgr
+
+        self.matcher = matcher
+        self.stop_ids = list(stop_token_ids)
+        self.encode = vocab.encode
+        self.candidates = [t for _, t in vocab.chars]
+        self.char_of = {t: c for c, t in vocab.chars}
+        chars = dict(vocab.chars)
+        self.quote, self.letter = chars.get('"'), chars.get("q")
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # its own: the constraint's holds the next mask
+
+    def plan(self, limit: int) -> list[int] | None:
+        """Tokens, at most `limit`, after which the grammar may stop ([]: it may stop now); None if this greedy
+        continuation does not get there within `limit`. The continuation is found one character at a time, then
+        written with the tokenizer's own (longer) tokens where the grammar takes them. The matcher is left as it
+        was."""
+        chars = self._characters(2 * limit)  # a text of n characters is at most n tokens, often far fewer
+        if chars is None:
+            return None
+        if not chars:
+            return []
+        packed = self.encode("".join(self.char_of[t] for t in chars))
+        if len(packed) < len(chars) and self._finishes(packed):
+            return packed if len(packed) <= limit else None
+        return chars if len(chars) <= limit else None
+
+    def stop_token(self) -> int | None:
+        """A stop token the grammar allows now, or None."""
+        if not self._may_stop():
+            return None
+        return next((s for s in self.stop_ids if _allowed(self._row, s)), None)
+
+    def _characters(self, limit: int) -> list[int] | None:
+        out: list[int] = []
+        try:
+            while not self._may_stop():
+                token = self._pick() if len(out) < limit else None
+                if token is None or not self.matcher.accept_token(token):
+                    return None
+                out.append(token)
+            return out
+        finally:
+            if out:
+                self.matcher.rollback(len(out))
+
+    def _finishes(self, tokens: list[int]) -> bool:
+        """Whether the grammar takes `tokens` from here and may stop after them (the matcher is left as it was)."""
+        n = 0
+        try:
+            for t in tokens:
+                if not self.matcher.accept_token(t):
+                    return False
+                n += 1
+            return self._may_stop()
+        finally:
+            if n:
+                self.matcher.rollback(n)
+
+    def _may_stop(self) -> bool:
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self._row = self.bitmask[0].tolist()
+        return any(_allowed(self._row, s) for s in self.stop_ids)
+
+    def _pick(self) -> int | None:
+        row = self._row
+        if self.quote is not None and self.letter is not None and _allowed(row, self.letter) \
+                and _allowed(row, self.quote):
+            return self.quote  # inside a string: close it
+        return next((t for t in self.candidates if _allowed(row, t)), None)
