@@ -50,3 +50,10 @@ def make_tiny_model(arch: str, tokenizer, seed: int = 0, device: torch.device | 
     kw = {"attn_implementation": "eager"} if arch.startswith("gemma") else {}
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **kw)
     return model.to(device if device is not None else devices.current()).eval()
+
+
+def make_tiny_eos_model(arch: str, tokenizer, **kw):
+    """make_tiny_model whose EOS is the tokenizer's: a grammar lets an output end only on the engine's EOS ids."""
+    model = make_tiny_model(arch, tokenizer, **kw)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

@@ -1,15 +1,14 @@
 """Finishing structured output inside max_new_tokens (decoding/closing.py through constraint.py and the engine)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kvboost import KVBoost
+from kvboost.bench.structured import schema_valid
 from kvboost.decoding.closing import HORIZON, ClosingPlanner, closing_vocab
 
 from ..prompts import text_with_tokens
-from ..tiny_models import make_tiny_model
+from ..tiny_models import make_tiny_eos_model
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -21,19 +20,9 @@ SCHEMA = {"type": "object", "properties": {"tags": {"type": "array", "items": {"
 FORMAT = {"type": "json_schema", "json_schema": {"name": "loop", "schema": SCHEMA, "strict": True}}
 
 
-def _valid(text: str, schema: dict) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    model = make_tiny_model("llama", tokenizer)
-    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return KVBoost(model, tokenizer, chunk_size=16)
+    return KVBoost(make_tiny_eos_model("llama", tokenizer), tokenizer, chunk_size=16)
 
 
 def test_closing_tokens_are_single_characters(tokenizer):
@@ -56,7 +45,7 @@ def test_a_plan_finishes_the_json_and_leaves_the_matcher_as_it_was(engine, token
     plan = planner.plan(HORIZON)
     assert plan is not None and 0 < len(plan) <= HORIZON
     text = tokenizer.decode(plan)
-    assert _valid(prefix + text, SCHEMA), text
+    assert schema_valid(prefix + text, SCHEMA), text
     assert len(plan) < len(text)  # written with the tokenizer's longer tokens, not one character each
     assert planner.plan(HORIZON) == plan  # rolled back: the same state plans the same way
     assert planner.plan(len(plan) - 1) is None  # not within fewer tokens (this greedy way)
@@ -86,7 +75,7 @@ def test_outputs_cut_by_max_new_tokens_still_parse(engine, tokenizer, extra):
     for seed in range(3):
         prompt = text_with_tokens(engine.tokenizer, 30, seed=seed)
         r = engine.generate(prompt, budget, response_format=FORMAT)
-        assert _valid(r.output_text, SCHEMA), r.output_text
+        assert schema_valid(r.output_text, SCHEMA), r.output_text
         assert r.generated_tokens <= budget
         forced += r.finish_reason == "length"
     assert forced  # the random model never finishes this object on its own within these budgets
@@ -95,7 +84,7 @@ def test_outputs_cut_by_max_new_tokens_still_parse(engine, tokenizer, extra):
 def test_a_budget_below_the_shortest_output_is_cut_as_before(engine, tokenizer):
     r = engine.generate(text_with_tokens(engine.tokenizer, 30, seed=1), _shortest(engine, tokenizer) - 1,
                         response_format=FORMAT)
-    assert not _valid(r.output_text, SCHEMA) and r.finish_reason == "length"
+    assert not schema_valid(r.output_text, SCHEMA) and r.finish_reason == "length"
 
 
 def test_closing_touches_only_the_budgets_last_tokens(engine):
@@ -104,16 +93,16 @@ def test_closing_touches_only_the_budgets_last_tokens(engine):
     short = engine.generate(prompt, HORIZON + 16, response_format=FORMAT)
     long = engine.generate(prompt, HORIZON + 120, response_format=FORMAT)
     assert short.output_token_ids[:16] == long.output_token_ids[:16]
-    assert _valid(short.output_text, SCHEMA) and _valid(long.output_text, SCHEMA)
+    assert schema_valid(short.output_text, SCHEMA) and schema_valid(long.output_text, SCHEMA)
 
 
 def test_batched_and_sampled_rows_close_too(engine):
     prompts = [text_with_tokens(engine.tokenizer, 30, seed=s) for s in range(3)]
     budget = _shortest(engine, engine.tokenizer) + 5
     for r in engine.generate_batch(prompts, max_new_tokens=budget, response_format=FORMAT):
-        assert _valid(r.output_text, SCHEMA), r.output_text
+        assert schema_valid(r.output_text, SCHEMA), r.output_text
     r = engine.generate(prompts[0], budget, response_format=FORMAT, temperature=1.0, seed=4)
-    assert _valid(r.output_text, SCHEMA), r.output_text
+    assert schema_valid(r.output_text, SCHEMA), r.output_text
 
 
 def test_without_a_budget_nothing_is_forced(engine, tokenizer):

@@ -9,7 +9,7 @@ import pytest
 from kvboost import KVBoost
 
 from ..prompts import text_with_tokens
-from ..tiny_models import make_tiny_model
+from ..tiny_models import make_tiny_eos_model
 from .test_speculative import _script
 
 pytest.importorskip("xgrammar")
@@ -22,9 +22,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHE
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    model = make_tiny_model("llama", tokenizer)
-    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return KVBoost(model, tokenizer, chunk_size=16)
+    return KVBoost(make_tiny_eos_model("llama", tokenizer), tokenizer, chunk_size=16)
 
 
 def _valid(text: str) -> bool:

@@ -76,7 +76,8 @@ def load_cases() -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _valid(text: str, schema: dict) -> bool:
+def schema_valid(text: str, schema: dict) -> bool:
+    """Whether text is JSON that follows schema (jsonschema, the bench extra)."""
     import jsonschema
 
     try:
@@ -149,8 +150,8 @@ def run_structured_bench(model: str | ModelChoice | None, prompts_per_schema: in
                 free = engine.generate(messages=messages, max_new_tokens=new_tokens)
                 fixed = engine.generate(messages=messages, max_new_tokens=new_tokens, response_format={
                     "type": "json_schema", "json_schema": {"name": d["name"], "schema": d["schema"]}})
-                cases.append(Case(d["name"], prompt, _valid(free.output_text, d["schema"]),
-                                  _valid(fixed.output_text, d["schema"]), free.generated_tokens,
+                cases.append(Case(d["name"], prompt, schema_valid(free.output_text, d["schema"]),
+                                  schema_valid(fixed.output_text, d["schema"]), free.generated_tokens,
                                   fixed.generated_tokens, _decode_s(free), _decode_s(fixed),
                                   _mask_ms(engine, fmt, fixed.output_token_ids), fixed.finish_reason,
                                   fixed.output_text, free.output_text))
