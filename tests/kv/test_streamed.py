@@ -13,6 +13,7 @@ from kvboost.kv import layer_stream
 from kvboost.kv.block_cache import BlockCache
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.blocks import BlockLayout, BlockPool
+from kvboost.kv.host_copy import RowCopier
 from kvboost.kv.host_offload import HostOffload
 from kvboost.kv.layer_stream import InlineTransfers, LayerStream, Resident
 from kvboost.results import GenerationMode
@@ -368,3 +369,32 @@ def test_the_cuda_default_streams_only_contexts_the_device_could_not_hold(monkey
     assert device_max_tokens(500, cuda, budget, shapes, torch.float32, 131072) == 500  # configured wins
     assert device_max_tokens(None, torch.device("cpu"), budget, shapes, torch.float32, 131072) is None
     assert device_max_tokens(None, cuda, None, shapes, torch.float32, 131072) is None  # no host offload
+
+
+def test_staged_copies_go_one_per_run_of_consecutive_host_blocks(monkeypatch):
+    """Host blocks 0, 2, 3 (another table took block 1): two runs, so two row copies per layer, and the values
+    land in token order as from per-block copies."""
+    monkeypatch.setattr(layer_stream, "transfers_for", lambda device, host: InlineTransfers())
+    pool, bs = BlockPool(LAYOUT, 6), LAYOUT.block_size
+    table, other = BlockTable(pool), BlockTable(pool)
+    table.reserve(bs)
+    other.reserve(bs)
+    table.reserve(2 * bs)  # reserve adds positions: two more blocks
+    assert table.blocks == [0, 2, 3]
+    k = torch.randn(2, LAYOUT.kv_heads, 3 * bs, LAYOUT.head_dim)
+    v = torch.randn_like(k)
+    for layer in range(2):
+        table.write(layer, 0, k[layer], v[layer])
+    calls: list[int] = []
+
+    class Recording(RowCopier):
+        def copy_rows(self, dst, src):
+            calls.append(src.shape[0])
+            super().copy_rows(dst, src)
+
+    stream = LayerStream(table, 3 * bs, torch.device("cpu"))
+    stream.copier = Recording.per_row()
+    for layer in range(2):
+        keys, values = stream.take(layer, 1)
+        assert torch.equal(keys[0, :, :3 * bs], k[layer]) and torch.equal(values[0, :, :3 * bs], v[layer])
+    assert calls == [1, 2, 1, 2]  # per layer: the run of block 0, then the run of blocks 2 and 3
