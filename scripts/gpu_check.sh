@@ -34,6 +34,9 @@
 #                             benchmarks/results)
 #   KVBOOST_TOKENIZER         a tokenizer folder for the benchmark's random-weight shapes, where the embedded
 #                             model's package is not installed (a GPU machine that cannot carry its 94 MB GGUF)
+#   KVBOOST_GPU_CHECK_FAILURES file that each failing test's id and traceback are appended to as it fails (pytest
+#                             --failures-log; default: beside the log): where a lent machine kills a command at its
+#                             time limit, put it in the folder that comes back
 #   PYTHON                    interpreter to use (default: python)
 # The junit xml and the full pytest log are kept (and their paths printed) when something fails.
 set -euo pipefail
@@ -52,6 +55,7 @@ fi
 workdir="$(mktemp -d "${TMPDIR:-/tmp}/kvboost-gpu-check.XXXXXX")"
 junit="$workdir/junit.xml"
 log="$workdir/pytest.log"
+failures="${KVBOOST_GPU_CHECK_FAILURES:-$workdir/failures.txt}"
 
 echo "== kvboost GPU check (device: $DEVICE)"
 if [[ "$DEVICE" == cuda* ]] && command -v nvidia-smi >/dev/null 2>&1; then
@@ -76,7 +80,8 @@ echo "running: $PYTHON -m pytest -q --device $DEVICE -m \"not slow\" -p no:cache
 
 start=$(date +%s.%N)
 set +e
-"$PYTHON" -m pytest -q --device "$DEVICE" -m "not slow" -p no:cacheprovider --junitxml="$junit" "$@" >"$log" 2>&1
+"$PYTHON" -m pytest -q --device "$DEVICE" -m "not slow" -p no:cacheprovider --junitxml="$junit" \
+    --failures-log "$failures" "$@" >"$log" 2>&1
 rc=$?
 set -e
 end=$(date +%s.%N)

@@ -27,9 +27,26 @@ from .tiny_models import TINY_ARCHS, make_tiny_model  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", metavar="DEVICE",
                      help="torch device for the tests' models and tensors: cpu (default), cuda, cuda:N or mps")
+    parser.addoption("--failures-log", default=None, metavar="PATH",
+                     help="append each failing test's id and traceback to PATH as it fails (a run killed at a "
+                          "time limit keeps what failed so far: scripts/gpu_check.sh)")
+
+
+def pytest_runtest_logreport(report):
+    """--failures-log: written by the process that reports (the xdist controller, not its workers)."""
+    path = _failures_log
+    if path is None or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"==== {report.nodeid} [{report.when}]\n{report.longreprtext[-3000:]}\n")
+
+
+_failures_log: str | None = None
 
 
 def pytest_configure(config):
+    global _failures_log
+    _failures_log = config.getoption("--failures-log")
     try:
         dev = devices.parse_device(config.getoption("--device"))
     except ValueError as exc:
