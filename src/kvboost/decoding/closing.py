@@ -43,9 +43,9 @@ def closing_vocab(tokenizer, vocab_size: int) -> ClosingVocab:
     return ClosingVocab(tuple(chars), lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
-def _allowed(row: list[int], token: int) -> bool:
-    """Bit `token` of an xgrammar bitmask row (int32 words, as Python ints)."""
-    return (row[token >> 5] >> (token & 31)) & 1 == 1
+def _allowed(row, token: int) -> bool:
+    """Bit `token` of an xgrammar bitmask row (int32 words)."""
+    return (int(row[token >> 5]) >> (token & 31)) & 1 == 1
 
 
 class ClosingPlanner:
@@ -60,6 +60,7 @@ class ClosingPlanner:
         chars = dict(vocab.chars)
         self.quote, self.letter = chars.get('"'), chars.get("q")
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # its own: the constraint's holds the next mask
+        self._words = self.bitmask[0].numpy()  # int32 words; reading a few is cheaper than copying them all out
 
     def plan(self, limit: int) -> list[int] | None:
         """Tokens, at most `limit`, after which the grammar may stop ([]: it may stop now); None if this greedy
@@ -110,7 +111,7 @@ class ClosingPlanner:
 
     def _may_stop(self) -> bool:
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        self._row = self.bitmask[0].tolist()
+        self._row = self._words  # a view of the bitmask: refilled in place, read word by word
         return any(_allowed(self._row, s) for s in self.stop_ids)
 
     def _pick(self) -> int | None:
