@@ -317,10 +317,9 @@ class InferenceEngine:
         return forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1]
 
     def forward_at(self, tokens: list[int], cache: Cache, start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions [start, start + n) after the workspace K/V of [0, start): float32 logits of
-        the last token [vocab], or of every token [n, vocab] (all_logits: a speculative verify). Whatever the
-        workspace held past `start` (a rejected draft) is overwritten. The caller holds the lock; the cache's
-        length is right again only after set_cache_length (the runner writes behind it)."""
+        """Run tokens at positions [start, start + n) after the K/V of [0, start): float32 logits [vocab] of the
+        last token, or [n, vocab] of every one (all_logits: a speculative verify), overwriting what lay past start.
+        The caller holds the lock; the cache's length is right only after set_cache_length (the runner's isn't)."""
         if isinstance(cache, TableSequence):
             return cache.forward(tokens, start, all_logits)
         if self.runner is not None and self.runner.fits(len(tokens)):
@@ -487,8 +486,7 @@ class InferenceEngine:
 
     def verify_correctness(self, prompts: Sequence[str] | None = None, max_new_tokens: int = 32, *,
                            approximate: bool = False):
-        """Exact reuse vs baseline, token for token; approximate=True: reuse at another position, judged by
-        first-token agreement and KL against full prefill (see verify.verify_correctness)."""
+        """Exact reuse vs baseline, token for token; approximate: reuse elsewhere, by first-token agreement and KL."""
         from .verify import verify_correctness
 
         return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
