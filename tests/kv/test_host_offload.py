@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from kvboost import KVBoost
+from kvboost.chunking import Chunker
 from kvboost.kv.block_cache import BlockCache
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.blocks import BlockLayout, BlockLayoutError, BlockPool, OutOfBlocksError
 from kvboost.kv.host_offload import HostOffload
+from kvboost.kv.paged_kv import build_paged_kv
+from kvboost.kv.workspace import LayerShape
 
 from ..prompts import text_with_tokens, words
 from ..tiny_models import make_tiny_model
@@ -179,6 +182,34 @@ def test_chunks_stored_over_budget_while_pinned_go_once_released():
     assert cache.stats().entries == 3 and offload.stats().offloaded == 0  # pinned: put() could not evict
     table.release()
     assert cache.trim() == 2 and cache.stats().entries == 1 and offload.stats().offloaded == 2
+
+
+def test_restoring_a_long_prefix_walks_no_pinned_chunk_until_release():
+    """Each restored chunk is pinned by the request's table as soon as it is mapped: enforcing the budget at every
+    put walked all of them again (quadratic: 65 ms of bookkeeping for a 30k-token prefix). Now the lookup offers
+    none to eviction, and the release moves them all out again."""
+    chunker = Chunker(CHUNK, "ns")
+    paged = build_paged_kv(chunker, [LayerShape(2, 4, 4)] * 2, torch.float32, torch.device("cpu"),
+                           budget_bytes=1 << 20, device_budget_bytes=1, max_context=64 * CHUNK)
+    ids = list(range(1000, 1000 + 60 * CHUNK))
+    table = BlockTable(paged.pool)
+    table.reserve(len(ids))
+    for layer in range(2):
+        keys = torch.randn(2, len(ids), 4, generator=torch.Generator().manual_seed(layer))
+        table.write(layer, 0, keys, -keys)
+    contents = paged.pool.storage[list(table.blocks)].clone()
+    assert paged.write_back(table, ids, None) == (60, 0)
+    paged.release(table)
+    assert paged.cache.stats().entries == 0 and paged.host.stats().entries == 60  # all out to the host
+    skips = paged.cache.stats().pinned_skips
+
+    plan = paged.lookup(ids + [7], None)
+    assert plan.reuse_len == len(ids) and paged.host.stats().restored == 60
+    assert paged.cache.stats().pinned_skips == skips  # the lookup offered nothing to eviction
+    assert torch.equal(paged.pool.storage[list(plan.table.blocks)], contents)  # bit for bit back
+    paged.release(plan.table)
+    stats = paged.cache.stats()
+    assert stats.pinned_skips == skips and stats.entries == 0 and paged.host.stats().entries == 60
 
 
 def test_token_granular_matches_come_back_from_the_host_too(tokenizer):

@@ -107,10 +107,14 @@ class BlockCache:
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, key: str, blocks: Sequence[int], token_ids: Sequence[int], start: int,
-            parent_key: str | None = None) -> bool:
+            parent_key: str | None = None, enforce_budget: bool = True) -> bool:
         """Keep `blocks` (held by the caller, e.g. the sequence that wrote them) as chunk `key` holding
-        `token_ids` at positions start...: the cache takes its own hold, nothing is copied. Returns whether the
-        chunk is stored after the budget is enforced."""
+        `token_ids` at positions start...: the cache takes its own hold, nothing is copied; other chunks are evicted
+        while over budget. Returns whether the chunk is stored.
+
+        enforce_budget=False leaves the budget to the caller's trim() after a run of puts: each put of a long
+        prompt's chunks would otherwise walk past the run's earlier chunks, pinned by the caller's table (cheapest
+        first: new and deep), which is quadratic (235 chunks: 65 ms of bookkeeping)."""
         blocks, token_ids = tuple(blocks), tuple(token_ids)
         n_tokens = len(token_ids)
         bs = self.pool.layout.block_size
@@ -125,7 +129,8 @@ class BlockCache:
             self._children.setdefault(parent_key, set()).add(key)
             self._held.update(blocks)
             self._policy.add(key, depth=start)
-            self._policy.evict_while(self._over_budget, lambda k: k != key and self._drop_if_unpinned(k))
+            if enforce_budget:
+                self._policy.evict_while(self._over_budget, lambda k: k != key and self._drop_if_unpinned(k))
             return key in self._chunks
 
     def delete(self, key: str) -> bool:
@@ -189,7 +194,8 @@ class BlockCache:
         return self.budget_bytes is not None and len(self._held) * self.pool.layout.block_nbytes > self.budget_bytes
 
     def _pinned(self, chunk: CachedChunk) -> bool:
-        return any(self.pool.refcount(b) > self._held[b] for b in set(chunk.blocks))
+        blocks = set(chunk.blocks)
+        return any(n > self._held[b] for b, n in zip(blocks, self.pool.refcounts(blocks)))
 
     def _drop_if_unpinned(self, key: str) -> bool:
         if self._pinned(self._chunks[key]):

@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -76,7 +77,7 @@ class BlockLayout:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
 
-    @property
+    @cached_property  # read on every budget check: torch's element size is not free
     def block_nbytes(self) -> int:
         n = 1
         for s in self.block_shape:
@@ -135,6 +136,13 @@ class BlockPool:
         self._check_id(block)
         with self._lock:
             return self._refs[block]
+
+    def refcounts(self, blocks: Sequence[int]) -> list[int]:
+        """Each block's count, read under one lock."""
+        for b in blocks:
+            self._check_id(b)
+        with self._lock:
+            return [self._refs[b] for b in blocks]
 
     def set_evictor(self, evictor: Callable[[int], int] | None) -> None:
         """`evictor(n)` is asked to release at least n blocks (it may release fewer: pinned ones stay); it must

@@ -122,8 +122,8 @@ class PagedKV:
         if moved is None:
             return None
         stored, blocks = moved
-        try:
-            self.cache.put(stored.key, blocks, stored.token_ids, stored.start, stored.parent_key)
+        try:  # the budget is enforced once the caller lets go (release / trim): see BlockCache.put
+            self.cache.put(stored.key, blocks, stored.token_ids, stored.start, stored.parent_key, enforce_budget=False)
         finally:
             self.pool.decref(blocks)  # the cache holds them now
         return self.cache.acquire(key)
@@ -137,7 +137,7 @@ class PagedKV:
         table = BlockTable(self.pool)
         try:
             load_record(table, record)
-            self.cache.put(key, table.blocks, record.token_ids, start, parent_key)
+            self.cache.put(key, table.blocks, record.token_ids, start, parent_key, enforce_budget=False)
         except (BlockError, RuntimeError, ValueError, IndexError) as exc:  # out of blocks, a record of another shape
             reason = type(exc).__name__
             self.load_failures[reason] = self.load_failures.get(reason, 0) + 1
@@ -321,7 +321,8 @@ class PagedKV:
             if chunk.start % bs:
                 raise BlockError(f"chunk at {chunk.start} does not start on a block boundary")
             blocks = table.blocks[chunk.start // bs:self.pool.layout.blocks_for(chunk.end)]
-            if self.cache.put(chunk.prefix_key, blocks, chunk.token_ids, chunk.start, chunk.parent_key):
+            if self.cache.put(chunk.prefix_key, blocks, chunk.token_ids, chunk.start, chunk.parent_key,
+                              enforce_budget=False):
                 new += 1
                 if self.host is not None:
                     self.host.discard(chunk.prefix_key)  # recomputed while offloaded: one copy is enough
@@ -332,6 +333,7 @@ class PagedKV:
                     m = sibling.n_tokens
                     if m < chunk.end - chunk.start and sibling.token_ids == chunk.token_ids[:m]:
                         self.cache.delete(sibling.key)
+        self.cache.trim()  # once for the run of puts (the table's own chunks stay until it lets go)
         return new, existing
 
 
