@@ -33,8 +33,9 @@ from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.cpu_linear import install_cpu_linear
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
-from .model.runner import make_runner
+from .model.runner import fast_path_stats, make_runner
 from .model.streamed_sequence import StreamedSequence
+from .model.table_runner import make_table_runner
 from .model.table_sequence import TableSequence, use_table_forward
 from .prompting import Messages
 from .request import Request
@@ -111,6 +112,7 @@ class InferenceEngine:
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
         self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.workspace,
                                                          self.attention)
+        self.table_runner = make_table_runner(self.runner, model, self.kv.blocks.pool) if self.table_forward else None
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()
         self._warm_up()
@@ -135,6 +137,8 @@ class InferenceEngine:
                 forward_tokens(self.model, [0] * n, self.workspace.make_cache(0), attention=self.attention)
             if ahead:
                 self.runner.warm_up()
+                if self.table_runner is not None and self.table_runner.mode == "graphs":
+                    self.table_runner.warm_up()
             self.workspace.resident_ids, self.workspace.resident_tag = [], None  # scratch K/V, nothing resident
 
     @property
@@ -280,7 +284,7 @@ class InferenceEngine:
             return Prefill(plan, seq, logits)
         if self.table_forward:  # the stored prefix stays in its blocks; the workspace is not touched
             plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate)
-            seq = TableSequence(self.model, self.kv.sequence_table(plan), self.paged_backend)
+            seq = TableSequence(self.model, self.kv.sequence_table(plan), self.paged_backend, self.table_runner)
             return Prefill(plan, seq, seq.forward(ids[plan.reuse_len:], plan.reuse_len))
         plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate, self._resident(request.salt))
         # From here until the forward succeeds the workspace holds no trustworthy prefix: writes past the plan's
@@ -453,11 +457,7 @@ class InferenceEngine:
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        fast = {"mode": self.runner.mode if self.runner else "off", "reason": self.fast_path_reason,
-                "failure": self.runner.failure if self.runner else None,
-                "decode_kernels": self.runner.decode_kernels if self.runner else None,
-                "cpu_linear": self.cpu_linear,
-                **(self.runner.stats.as_dict() if self.runner else {})}
+        fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear, self.table_runner)
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,
                     speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict(),

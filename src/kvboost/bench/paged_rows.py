@@ -31,8 +31,8 @@ def _kv_bytes_per_token(engine) -> int:
 
 def paged_engines(engine, max_tokens: int) -> tuple[dict, dict[str, str]]:
     """The PAGED_ROWS engines around `engine`'s model, with room for max_tokens of stored prefix:
-    ({name: engine}, {name: why it could not be built}). No fast path: a single request over a table runs eager
-    (the runner's graphs would only cost capture time and memory)."""
+    ({name: engine}, {name: why it could not be built}). Each takes `engine`'s fast path: on a GPU the table rows'
+    short forwards replay CUDA graphs over the block table (model/table_runner.py), as a user's engine would."""
     stored = int(_kv_bytes_per_token(engine) * max_tokens * 1.25) + (64 << 20)
     options = {"placed": dict(memory_budget_bytes=0, device_kv_budget_bytes=stored, paged_attention="workspace"),
                "table": dict(memory_budget_bytes=0, device_kv_budget_bytes=stored, paged_attention="table"),
@@ -42,7 +42,8 @@ def paged_engines(engine, max_tokens: int) -> tuple[dict, dict[str, str]]:
         try:
             built[name] = type(engine)(engine.model, engine.tokenizer, chunk_size=engine.config.chunk_size,
                                        attention_backend=engine.config.attention_backend, paged_kv=True,
-                                       fast_path="off", write_back=engine.config.write_back, **extra)
+                                       fast_path=engine.config.fast_path, write_back=engine.config.write_back,
+                                       **extra)
         except Exception as exc:  # recorded: a GPU run must come back with every other row
             errors[name] = f"{type(exc).__name__}: {exc}"
     return built, errors

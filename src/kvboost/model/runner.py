@@ -29,6 +29,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
@@ -38,7 +39,11 @@ from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
 from .compiled_step import CompiledStep, packing_refusal
+from .graphs import CaptureFailed, capture_step
 from .layout import fastest_linear_layouts
+
+if TYPE_CHECKING:
+    from .table_runner import TableRunner
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +58,6 @@ COMPILED_STEPS = {("seq", 1)}
 # Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
 # reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
 CAPACITY_STEP = 1024
-# Device memory a capture must find free. Measured on an H100 with the device full (other processes): a capture
-# that ran out of memory aborted the process (its failed CUDAGraph is destroyed), where an eager forward raises.
-CAPTURE_MIN_FREE_BYTES = 256 << 20
 WARM_CAPACITY = 4096
 
 
@@ -250,28 +252,11 @@ class ModelRunner:
         return out.logits.float()
 
     def _capture(self, step: _Step) -> None:
-        """Run the step once for real on a side stream (compiles kernels, sets up cuBLAS), then capture it.
-        The real run computes exactly what the replay that follows recomputes, so capturing mid-request is safe."""
-        device = self.workspace.device
-        refusal = capture_refusal(device)
-        if refusal is not None:
-            self._give_up_graphs(RuntimeError(refusal))
-            return
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self._run(step)  # an error here is the model's own: it propagates
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         try:
-            # A private memory pool per graph: graphs are dropped and recaptured when the workspace grows, and
-            # pools shared across such generations trip the caching allocator's bookkeeping (torch 2.11).
-            with torch.cuda.graph(graph):
-                step.logits = self._run(step)
-        except Exception as exc:  # an op that cannot be captured (a host sync somewhere in the model)
-            self._give_up_graphs(exc)
+            step.graph, step.logits = capture_step(lambda: self._run(step), self.workspace.device)
+        except CaptureFailed as failed:
+            self._give_up_graphs(failed.cause)
             return
-        step.graph = graph
         self.stats.counts["captures"] += 1
 
     def _give_up_graphs(self, exc: Exception) -> None:
@@ -338,13 +323,16 @@ class ModelRunner:
         return 1 + len(self.buckets)
 
 
-def capture_refusal(device: torch.device) -> str | None:
-    """Why a CUDA graph must not be captured on `device` now (None: it may)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < CAPTURE_MIN_FREE_BYTES:
-        return (f"{free >> 20} MiB of device memory free, under the {CAPTURE_MIN_FREE_BYTES >> 20} MiB a capture "
-                "needs")
-    return None
+def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str,
+                    table_runner: TableRunner | None = None) -> dict:
+    """cache_stats()["fast_path"]: the runner's mode, why, its step counts, and the table runner's (paged_attention
+    ="table": model/table_runner.py) under "table"."""
+    fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
+            "decode_kernels": runner.decode_kernels if runner else None, "cpu_linear": cpu_linear,
+            **(runner.stats.as_dict() if runner else {})}
+    if table_runner is not None:
+        fast["table"] = dict(table_runner.stats.as_dict(), mode=table_runner.mode, failure=table_runner.failure)
+    return fast
 
 
 def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,

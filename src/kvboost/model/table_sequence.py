@@ -8,18 +8,25 @@ the gather path (identical outputs, one gather per layer per forward: slow for C
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..kv.block_table import BlockTable
 from .paged import paged_forward
 
+if TYPE_CHECKING:
+    from .table_runner import TableRunner
+
 
 class TableSequence:
     """What the engine's lifecycle needs of a sequence's cache, over a block table it does not own (the plan
-    holds it)."""
+    holds it). runner: the engine's TableRunner (fixed-shape steps, CUDA graphs on a GPU) for forwards that fit
+    its buckets; longer ones (and every one without it) run model/paged.py's eager forward."""
 
-    def __init__(self, model: torch.nn.Module, table: BlockTable, backend: str | None = None):
-        self.model, self.table, self.backend = model, table, backend
+    def __init__(self, model: torch.nn.Module, table: BlockTable, backend: str | None = None,
+                 runner: TableRunner | None = None):
+        self.model, self.table, self.backend, self.runner = model, table, backend, runner
 
     @property
     def length(self) -> int:
@@ -32,6 +39,9 @@ class TableSequence:
         if start > self.table.length:
             raise ValueError(f"position {start} is past the table's {self.table.length} positions")
         self.set_length(start)
+        if self.runner is not None and self.runner.fits(len(tokens)):
+            logits = self.runner.forward(tokens, self.table, all_logits)
+            return (logits[None] if all_logits and logits.dim() == 1 else logits).clone()  # the runner's buffer
         logits = paged_forward(self.model, tokens, self.table, backend=self.backend,
                                logits_to_keep=len(tokens) if all_logits else 1)[0]
         return logits if all_logits else logits[-1]

@@ -93,3 +93,36 @@ def paged_attention_block(model: torch.nn.Module, table: BlockTable,
             yield ctx
     finally:
         _local.ctx = previous
+
+
+# ---- fixed-shape steps over a table (model/table_runner.py) -------------------------------------------------
+KVBOOST_PAGED_STATIC = "kvboost_paged_static"
+
+
+def static_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                   value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                   scaling: float | None = None, is_causal: bool | None = None,
+                                   **kwargs) -> tuple[torch.Tensor, None]:
+    """AttentionInterface entry for a fixed-shape step: query [1, Hq, T, d] over the layer's pool views, the block
+    table [1, W] and valid length [1] read from the forward's keyword arguments kvboost_tables / kvboost_ends
+    (device tensors filled before each step: no thread-local state, no host value). Registered without a mask
+    function, as static.py's KVBOOST_STATIC: transformers then builds no mask; causality comes from the ends."""
+    tables, ends = kwargs.get("kvboost_tables"), kwargs.get("kvboost_ends")
+    if tables is None or ends is None:
+        raise ValueError(f"{KVBOOST_PAGED_STATIC} attention needs kvboost_tables and kvboost_ends (a table step)")
+    unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if attention_mask is not None or unsupported or is_causal is False or (module.training and dropout):
+        raise NotImplementedError(f"a table step runs plain causal attention only, not {unsupported or 'a mask'}")
+    out, _, _ = paged_dispatch(query, key, value, tables, ends, scale=scaling, backend=kwargs.get("kvboost_backend"))
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(KVBOOST_PAGED_STATIC, static_paged_attention_forward)
+
+
+@contextmanager
+def static_paged_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block the model attends with KVBOOST_PAGED_STATIC; pass kvboost_tables, kvboost_ends (and
+    optionally kvboost_backend) to the model's forward."""
+    with switched_attention(model, KVBOOST_PAGED_STATIC):
+        yield
