@@ -24,7 +24,8 @@
 #   KVBOOST_GPU_CHECK_LONGCTX 0: skip the long-context decode bench (`kvboost bench longctx`: a context streamed
 #                             from host memory with 25% of its K/V on the device, against the PCIe bound);
 #                             otherwise extra arguments for it (default: --shape qwen2.5-3b --context 32000 on
-#                             CUDA, --shape tiny --context 300 on CPU)
+#                             CUDA, with torch.profiler's table of one streamed request in longctx_profile.txt;
+#                             --shape tiny --context 300 on CPU)
 #   KVBOOST_GPU_CHECK_SPEC    0: skip the speculative decoding bench (`kvboost bench spec`: decode tok/s with and
 #                             without prompt lookup, and the verify cost per token the engine measured, through
 #                             the fast path's graphs on CUDA; random weights: acceptance means little there);
@@ -180,7 +181,8 @@ run_bench() {
 
 bench_status=0 long_status=0 spec_status=0
 run_bench gpu gpu "${KVBOOST_GPU_CHECK_BENCH:-}" "" "--quick --shape tiny" || bench_status=$?
-run_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" "--shape qwen2.5-3b --context 32000" \
+run_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" \
+    "--shape qwen2.5-3b --context 32000 --profile ${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}/longctx_profile.txt" \
     "--shape tiny --context 300" || long_status=$?
 run_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b" \
     "--shape tiny --max-new-tokens 8 --per-workload 1" || spec_status=$?

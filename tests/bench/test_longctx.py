@@ -10,9 +10,9 @@ from kvboost.cli import app
 
 
 def test_longctx_bench_streams_and_reports_the_bound(tmp_path):
-    js = tmp_path / "longctx.json"
+    js, prof = tmp_path / "longctx.json", tmp_path / "profile.txt"
     out = CliRunner().invoke(app, ["bench", "longctx", "--shape", "tiny", "--device", "cpu", "--context", "300",
-                                   "--new-tokens", "4", "--repeats", "1", "--json", str(js)])
+                                   "--new-tokens", "4", "--repeats", "1", "--json", str(js), "--profile", str(prof)])
     assert out.exit_code == 0, out.output
     data = json.loads(js.read_text())
     assert data["benchmark"] == "longctx" and data["identical"] is True
@@ -25,3 +25,6 @@ def test_longctx_bench_streams_and_reports_the_bound(tmp_path):
     assert crossing * per_token <= streamed["bytes_per_step"] <= (crossing + 4) * per_token
     assert data["device_kv_max_tokens"] < data["context_tokens"]
     assert data["bound_tok_s"] > 0 and data["copy_bandwidth_gb_s"] > 0
+    assert streamed["host_pinned"] is False  # a CPU "device": host blocks are plain memory
+    profile = prof.read_text()  # one streamed request under torch.profiler: its ops, heaviest first
+    assert "sorted by self_cpu_time_total" in profile and "aten::" in profile

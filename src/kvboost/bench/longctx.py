@@ -43,7 +43,8 @@ def copy_bandwidth(device, repeats: int = 5) -> float:
 
 
 def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeats: int, fraction: float,
-                      json_path: str | None = None, plot_path: str | None = None) -> dict:
+                      json_path: str | None = None, plot_path: str | None = None,
+                      profile_path: str | None = None) -> dict:
     import torch
 
     from .. import KVBoost
@@ -90,6 +91,8 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
                     moved.append(engine.cache_stats()["paged_kv"]["streamed"]["bytes_to_device"] - start)
                 row["bytes_per_step"] = (moved[1] - moved[0]) / (new_tokens - 1)
                 row["host_copy"] = after.get("host_copy")
+                host = engine.cache_stats()["paged_kv"]["host"]
+                row["host_pinned"] = host["pinned"] if host else None  # unpinned blocks copy synchronously
         rates[name] = row["decode_tok_s"]
         report["rows"].append(row)
         console.print(f"{name:>9}: {row['decode_tok_s']:7.2f} tok/s")
@@ -107,6 +110,10 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
                   streamed_over_bound=rates["streamed"] / bound, streamed_over_resident=rates["streamed"] /
                   rates["resident"], identical=outputs.get("streamed") == outputs.get("resident"))
     _print(console, report)
+    if profile_path:
+        with console.status("profiling one streamed request"):
+            write_profile(profile_path, call(streaming, "streamed"), new_tokens, device)
+        console.print(f"wrote {profile_path}")
     del resident, streaming
     gc.collect()
     if json_path:
@@ -120,6 +127,24 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
                   plot_path)
         console.print(f"wrote {plot_path}")
     return report
+
+
+def write_profile(path: str, run, new_tokens: int, device) -> None:
+    """torch.profiler's table of one streamed request (`run(new_tokens)`), heaviest ops first, host and (CUDA)
+    device time: where a streamed step's time goes beyond its copies."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        run(new_tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        for sort in ("self_cpu_time_total",) + (("self_device_time_total",) if device.type == "cuda" else ()):
+            f.write(f"# one streamed request of {new_tokens} tokens, sorted by {sort}\n")
+            f.write(averages.table(sort_by=sort, row_limit=40) + "\n\n")
 
 
 def _print(console, report: dict) -> None:
@@ -155,9 +180,11 @@ def bench_longctx_command(
                                             help="Share of the context's K/V the device may hold.")] = 0.25,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG of tokens/s per row.")] = None,
+    profile_path: Annotated[str | None, typer.Option(
+        "--profile", help="Write torch.profiler's table of one streamed request (untimed) to this file.")] = None,
 ) -> None:
     """Decode over a context longer than the device may hold (streamed from host memory) against the resident
     run and the host-to-device copy bound."""
     report = run_longctx_bench(model_choice(model, shape, device, dtype), context, new_tokens, repeats, fraction,
-                               json_path, plot_path)
+                               json_path, plot_path, profile_path)
     raise typer.Exit(0 if report["identical"] else 1)

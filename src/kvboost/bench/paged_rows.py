@@ -94,7 +94,8 @@ class PagedRows:
 
     def into(self, row: dict) -> None:
         """row["<name>_ms"], row["<name>_over_floor"] (medians), chunks restored from the host during the timed
-        requests and the last request's cached tokens; row["<name>_error"] for a row that failed."""
+        requests, the last request's cached tokens, the table runner's step counts and whether host blocks are
+        pinned; row["<name>_error"] for a row that failed."""
         for name, paged in self.engines.items():
             row[f"{name}_ms"], row[f"{name}_over_floor"] = _median(self.ms[name]), _median(self.over[name])
             if self.over_reference[name]:
@@ -102,6 +103,11 @@ class PagedRows:
             row[f"{name}_restored_from_host"] = _restored(paged) - self.restored[name]
             if name in self.cached:
                 row[f"{name}_cached_tokens"] = self.cached[name]
+            stats = paged.cache_stats()
+            if "table" in stats["fast_path"]:  # whether the table's steps replayed graphs (and why not)
+                row[f"{name}_table_steps"] = stats["fast_path"]["table"]
+            if stats["paged_kv"]["host"]:  # unpinned host blocks copy synchronously: say which ran
+                row[f"{name}_host_pinned"] = stats["paged_kv"]["host"]["pinned"]
         for name, error in self.errors.items():
             row[f"{name}_error"] = error
 
