@@ -128,6 +128,8 @@ def test_a_step_that_raises_cuts_the_table_back(tokenizer, device, monkeypatch):
     assert table.length == length and pool.num_used == used
     with pytest.raises(ValueError, match="largest bucket"):
         runner.forward([1] * 300, table)
+    with pytest.raises(ValueError, match="at least one token"):
+        runner.forward([], table)
     assert table.length == length
     table.release()
 
@@ -149,6 +151,23 @@ def test_engine_table_requests_run_through_the_runner(tokenizer, device, arch):
                 assert got.output_token_ids == want.output_token_ids and got.cached_tokens == want.cached_tokens
         table = fast.cache_stats()["fast_path"]["table"]
         assert table["mode"] == mode and table["steps"] > 40 and table["failure"] is None
+
+
+def test_sampling_stops_and_streams_over_the_runner(tokenizer, device):
+    """Seeded sampling, a stop string and streamed text over table steps equal fast_path="off"'s."""
+    model = make_tiny_model("llama", tokenizer, device=device)
+    prefix = text_with_tokens(tokenizer, 2 * CHUNK + 3, seed=8)
+    engines = [KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True, paged_attention="table", fast_path=mode)
+               for mode in ("off", _modes(device)[-1])]
+    for prompt in (prefix + " one", prefix + " two and three"):
+        sampled = [e.generate(prompt, max_new_tokens=16, temperature=0.8, top_p=0.9, seed=3) for e in engines]
+        assert sampled[0].output_token_ids == sampled[1].output_token_ids
+        stop = sampled[0].output_text[4:7] or "x"
+        stopped = [e.generate(prompt, max_new_tokens=16, stop=[stop]) for e in engines]
+        assert stopped[0].output_text == stopped[1].output_text
+        streams = [e.generate_stream(prompt, max_new_tokens=10) for e in engines]
+        texts = ["".join(stream) for stream in streams]
+        assert texts[0] == texts[1] == streams[1].result.output_text
 
 
 def test_compiled_fast_path_over_tables_is_refused(tokenizer, device):

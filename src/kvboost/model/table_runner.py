@@ -91,6 +91,8 @@ class TableRunner:
         speculative verify): a buffer the next step overwrites (clone to keep). If the step raises, the table is
         cut back to start."""
         n, start = len(tokens), table.length
+        if n == 0:
+            raise ValueError("a step needs at least one token")
         kind = "verify" if all_logits and n > 1 else "seq"
         size = bucket_for(max(n, 2) if kind == "verify" else n, self.buckets)
         if size is None:
