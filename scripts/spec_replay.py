@@ -14,7 +14,10 @@ replay estimated rag / code / extract / chat 1.27 / 2.23 / 3.10 / 1.01x at 1 thr
 1.29 / 2.19 / 3.21 / 1.03x).
 
     python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram 1 2 3] [--cold]
-                                  [--profile cpu_linear-1t]
+                                  [--profile cpu_linear-1t] [--oracle 8 15]
+
+--oracle K prints an upper bound for any prompt-lookup policy (perfect choice among every earlier occurrence of
+the last token, drafts of up to K tokens, none rejected) on the same outputs and costs.
 
 --cold starts every request's step costs from nothing (as before they were kept per engine); by default the
 costs measured by one request carry to the next, as the engine now does.
@@ -86,6 +89,33 @@ def replay(refs: list[dict], min_ngram: int, carry: bool, k_max: int = 8) -> dic
     return {w: plain / charged for w, (plain, charged) in totals.items()}
 
 
+def oracle(refs: list[dict], k_max: int = 8) -> dict[str, float]:
+    """An upper bound for every prompt-lookup policy on these outputs and step costs: each step drafts exactly the
+    longest continuation (<= k_max) that follows *any* earlier occurrence of the last token and agrees with the
+    output, so no draft is ever rejected and k is always right. (Any n-gram lookup proposes the continuation of
+    some occurrence of the last token: an n-gram match is one of them.)"""
+    totals: dict[str, list[float]] = {}
+    for ref in refs:
+        prompt, out = ref["prompt"], ref["output"]
+        ctx = list(prompt) + out[:1]  # the first token comes from the prefill
+        i, charged = 1, 0.0
+        while i < len(out):
+            budget = len(out) - i
+            best = 0
+            for s in (j for j in range(len(ctx) - 1) if ctx[j] == ctx[-1]):
+                m = 0
+                while m < min(k_max, budget - 1) and s + 1 + m < len(ctx) and ctx[s + 1 + m] == out[i + m]:
+                    m += 1
+                best = max(best, m)
+            charged += step_cost(1 + best)
+            ctx += out[i:i + best + 1]
+            i += best + 1
+        t = totals.setdefault(ref["workload"], [0.0, 0.0])
+        t[0] += (len(out) - 1) * step_cost(1)
+        t[1] += charged
+    return {w: plain / charged for w, (plain, charged) in totals.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refs", type=Path, default=Path("/tmp/kvboost_spec_refs.json"))
@@ -93,6 +123,8 @@ def main() -> None:
     parser.add_argument("--min-ngram", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu_linear-1t")
+    parser.add_argument("--oracle", type=int, nargs="*", metavar="K",
+                        help="also print the bound no prompt-lookup policy can pass (drafts of up to K tokens)")
     args = parser.parse_args()
     global PROFILE
     PROFILE = PROFILES[args.profile]
@@ -101,6 +133,8 @@ def main() -> None:
         est = replay(refs, n, carry=not args.cold)
         print(f"min_ngram {n}, {'cold' if args.cold else 'carried'} costs: "
               + "  ".join(f"{w} {v:.2f}x" for w, v in est.items()))
+    for k in args.oracle or ():
+        print(f"oracle lookup, drafts <= {k}: " + "  ".join(f"{w} {v:.2f}x" for w, v in oracle(refs, k).items()))
 
 
 if __name__ == "__main__":
