@@ -8,12 +8,16 @@ decides: run eagerly from now on (auto mode) or raise.
 """
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Device memory a capture must find free. Measured on an H100 with the device full (other processes): a capture
 # that ran out of memory aborted the process (its failed CUDAGraph is destroyed), where an eager forward raises.
@@ -56,3 +60,56 @@ def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda
     except Exception as exc:  # an op that cannot be captured (a host sync somewhere in the model)
         raise CaptureFailed(exc) from exc
     return graph, out
+
+
+@dataclass
+class RunnerStats:
+    counts: Counter = field(default_factory=Counter)  # steps, replays, captures, recaptures (per bucket)
+
+    def as_dict(self) -> dict:
+        return dict(self.counts)
+
+
+class GraphSteps:
+    """What the runners share: a fixed-shape step runs eagerly, or replays its graph (captured on first use); a
+    capture that fails gives graphs up for good (auto mode: the steps run eagerly, counted, `failure` says why) or
+    raises. Subclasses set mode, fallback_on_failure, stats and failure, and define _run, _device and
+    _forget_graphs; a step has `graph` and `logits`."""
+
+    mode: str
+    fallback_on_failure: bool
+    stats: RunnerStats
+    failure: str | None
+
+    def _run(self, step: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _forget_graphs(self) -> None:
+        raise NotImplementedError
+
+    def _execute(self, step: Any) -> torch.Tensor:
+        self.stats.counts["steps"] += 1
+        if self.mode == "graphs" and step.graph is None:
+            try:
+                step.graph, step.logits = capture_step(lambda: self._run(step), self._device())
+                self.stats.counts["captures"] += 1
+            except CaptureFailed as failed:
+                self._give_up_graphs(failed.cause)
+        if self.mode != "graphs":
+            step.logits = self._run(step)
+        else:
+            step.graph.replay()
+            self.stats.counts["replays"] += 1
+        return step.logits
+
+    def _give_up_graphs(self, exc: Exception) -> None:
+        if not self.fallback_on_failure:
+            raise exc
+        self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        log.warning("kvboost: CUDA graph capture failed (%s); these steps run eagerly", self.failure)
+        self.stats.counts["capture_failures"] += 1
+        self.mode = "eager"
+        self._forget_graphs()

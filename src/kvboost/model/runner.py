@@ -25,10 +25,8 @@ and recaptured on next use. Longer prefills stay on the ordinary eager path (the
 """
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,13 +37,12 @@ from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
 from .compiled_step import CompiledStep, packing_refusal
-from .graphs import CaptureFailed, capture_step
+from .graphs import GraphSteps, RunnerStats
 from .layout import fastest_linear_layouts
 
 if TYPE_CHECKING:
     from .table_runner import TableRunner
 
-log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # rows of a batched decode step (continuous batching)
@@ -114,15 +111,7 @@ class _Step:
     end: int = 0  # valid keys after the step (host copy of ends[0]; the compiled decode step's view length)
 
 
-@dataclass
-class RunnerStats:
-    counts: Counter = field(default_factory=Counter)  # steps, replays, captures, recaptures (per bucket)
-
-    def as_dict(self) -> dict:
-        return dict(self.counts)
-
-
-class ModelRunner:
+class ModelRunner(GraphSteps):
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False, packed_gemv: bool = True,
@@ -214,17 +203,6 @@ class ModelRunner:
         set_length(step.cache, max(lengths))
         return self._execute(step)[:n]
 
-    def _execute(self, step: _Step) -> torch.Tensor:
-        self.stats.counts["steps"] += 1
-        if self.mode == "graphs" and step.graph is None:
-            self._capture(step)
-        if self.mode != "graphs":
-            step.logits = self._run(step)
-        else:
-            step.graph.replay()
-            self.stats.counts["replays"] += 1
-        return step.logits
-
     def _run(self, step: _Step) -> torch.Tensor:
         position_ids = step.positions if step.last is None else step.positions[None]  # [B, tokens]
         keep = 0 if step.all_logits else (1 if step.last is None else step.last)  # 0: every position
@@ -251,22 +229,10 @@ class ModelRunner:
                          kvboost_backend=self.backend)
         return out.logits.float()
 
-    def _capture(self, step: _Step) -> None:
-        try:
-            step.graph, step.logits = capture_step(lambda: self._run(step), self.workspace.device)
-        except CaptureFailed as failed:
-            self._give_up_graphs(failed.cause)
-            return
-        self.stats.counts["captures"] += 1
+    def _device(self) -> torch.device:
+        return self.workspace.device
 
-    def _give_up_graphs(self, exc: Exception) -> None:
-        """A capture failed or was refused: run every step eagerly from now on (auto mode), or raise."""
-        if not self.fallback_on_failure:
-            raise exc
-        self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        log.warning("kvboost: CUDA graph capture failed (%s); this engine's short forwards run eagerly", self.failure)
-        self.stats.counts["capture_failures"] += 1
-        self.mode = "eager"
+    def _forget_graphs(self) -> None:
         self.steps.clear()
 
     # ---- buffers ------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ from ..kv.blocks import BlockPool
 from ..kv.paged_cache import static_paged_cache, static_pool_rows
 from ..kv.static import set_length
 from .attention.paged_hf import static_paged_attention
-from .graphs import CaptureFailed, capture_step
-from .runner import PREFILL_BUCKETS, ModelRunner, RunnerStats, bucket_for
+from .graphs import GraphSteps, RunnerStats
+from .runner import PREFILL_BUCKETS, ModelRunner, bucket_for
 
 TABLE_RUNNER_MODES = ("graphs", "eager")
 MIN_WIDTH = 8  # table width buckets: 8, 16, 32, ... blocks (a conversation under 1k tokens uses one graph a step)
@@ -63,7 +63,7 @@ class _TableStep:
     logits: torch.Tensor | None = None  # float32: [vocab] ("seq") or [T, vocab] ("verify")
 
 
-class TableRunner:
+class TableRunner(GraphSteps):
     def __init__(self, model: torch.nn.Module, pool: BlockPool, *, mode: str = "eager", backend: str | None = None,
                  buckets: Sequence[int] = PREFILL_BUCKETS, fallback_on_failure: bool = False):
         if mode not in TABLE_RUNNER_MODES:
@@ -139,21 +139,6 @@ class TableRunner:
         step.last.fill_(n - 1)
         set_length(step.cache, start)
 
-    def _execute(self, step: _TableStep) -> torch.Tensor:
-        self.stats.counts["steps"] += 1
-        if self.mode == "graphs" and step.graph is None:
-            try:
-                step.graph, step.logits = capture_step(lambda: self._run(step), self.pool.device)
-                self.stats.counts["captures"] += 1
-            except CaptureFailed as failed:
-                self._give_up_graphs(failed.cause)
-        if self.mode != "graphs":
-            step.logits = self._run(step)
-        else:
-            step.graph.replay()
-            self.stats.counts["replays"] += 1
-        return step.logits
-
     def _run(self, step: _TableStep) -> torch.Tensor:
         verify = step.key[0] == "verify"
         with static_paged_attention(self.model):
@@ -163,12 +148,10 @@ class TableRunner:
         logits = out.logits.float()  # [1, T or 1, vocab]
         return logits[0] if verify else logits[0, -1]
 
-    def _give_up_graphs(self, exc: Exception) -> None:
-        if not self.fallback_on_failure:
-            raise exc
-        self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        self.stats.counts["capture_failures"] += 1
-        self.mode = "eager"
+    def _device(self) -> torch.device:
+        return self.pool.device
+
+    def _forget_graphs(self) -> None:
         for step in self.steps.values():
             step.graph = None
 
