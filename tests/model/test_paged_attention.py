@@ -134,13 +134,13 @@ def test_paged_kernel_reads_a_block_pool(kernel_device):
 @pytest.mark.parametrize("dtype,hq,hkv,q", [(torch.float32, 4, 1, 1), (torch.bfloat16, 3, 1, 5),
                                             (torch.float16, 2, 2, 12)])
 def test_gather_path_equals_contiguous_sdpa(dtype, hq, hkv, q):
-    from kvboost.model.attention.paged_backend import paged_attention
+    from kvboost.model.attention.paged_backend import paged_attention_gather
 
     # Garbage in unread entries is finite here: SDPA masks by adding -inf, and NaN + -inf is still NaN.
     query, kc, vc, tables, lengths, k, v = _paged_inputs([40, 11, 29], hq, hkv, q, 64, 8, dtype,
                                                          torch.device("cpu"), poison=7.0, seed=q)
     for kv_len in (None, 40):  # the tables' capacity, or just the longest row
-        out = paged_attention(query, kc, vc, tables, lengths, scale=0.1, kv_len=kv_len, backend="sdpa")
+        out = paged_attention_gather(query, kc, vc, tables, lengths, scale=0.1, kv_len=kv_len)
         cols = k.shape[2] if kv_len is None else kv_len
         flat = sdpa_attention(query, k[:, :, :cols], v[:, :, :cols], scale=0.1, ends=lengths)
         assert torch.equal(out, flat)
@@ -163,3 +163,53 @@ def test_dispatch_and_refusals(kernel_device):
     with pytest.raises(KernelUnsupportedError, match="multiple"):
         paged_dispatch(query[:, :1].expand(2, 3, 1, 64), kc.expand(-1, 2, -1, -1), vc.expand(-1, 2, -1, -1),
                        tables, lengths, scale=0.1, backend="triton")
+
+
+# ---- the CPU in-place path -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,hq,hkv,q", [(torch.float32, 4, 1, 1), (torch.float32, 9, 3, 13),
+                                            (torch.bfloat16, 3, 1, 5), (torch.float16, 2, 2, 12)])
+def test_in_place_path_matches_the_reference_without_reading_past_a_row(dtype, hq, hkv, q):
+    """Shuffled tables (runs of one block), rows ending mid-block, NaN in every entry a row may not read: the
+    in-place path reads only what each row's length allows, and is what paged_dispatch runs on a CPU."""
+    from kvboost.model.attention.paged_backend import in_place_refusal, paged_attention_in_place, paged_dispatch
+
+    query, kc, vc, tables, lengths, k, v = _paged_inputs([40, 13, 29], hq, hkv, q, 64, 8, dtype,
+                                                         torch.device("cpu"), seed=q)
+    assert in_place_refusal(query, kc, vc, tables, lengths) is None
+    out = paged_attention_in_place(query, kc, vc, tables, lengths, scale=0.1)
+    _check(out, query, k, v, lengths, 0.1)
+    dispatched, used, _ = paged_dispatch(query, kc, vc, tables, lengths, scale=0.1)
+    assert used == "sdpa" and torch.equal(dispatched, out)
+
+
+def test_in_place_path_reads_runs_of_blocks_as_strided_views():
+    """A pool's per-layer views, tables whose blocks run consecutively or evenly spaced (another sequence's blocks
+    between them): one call per run, same result as the reference."""
+    from kvboost.model.attention.paged_backend import _even_runs, paged_attention_in_place
+
+    g = torch.Generator().manual_seed(9)
+    pool = BlockPool(BlockLayout(2, 2, 32, 8, torch.float32), 40)
+    storage = torch.randn(pool.storage.shape, generator=g)
+    pool.storage.copy_(storage)
+    ids = [[3, 4, 5, 6, 7, 20], [10, 12, 14, 16, 2, 30]]
+    assert [len(_even_runs(row[:5])) for row in ids] == [1, 2]
+    tables = torch.tensor(ids, dtype=torch.int32)
+    lengths = torch.tensor([45, 37], dtype=torch.int32)
+    query = torch.randn(2, 4, 3, 32, generator=g)
+    out = paged_attention_in_place(query, pool.keys(1), pool.values(1), tables, lengths, scale=0.2)
+    for row in range(2):
+        n = int(lengths[row])
+        k = torch.cat([pool.keys(1)[i] for i in ids[row]], dim=1)[None, :, :n]
+        v = torch.cat([pool.values(1)[i] for i in ids[row]], dim=1)[None, :, :n]
+        ref = reference_attention(query[row:row + 1], k, v, scale=0.2)
+        torch.testing.assert_close(out[row:row + 1].double(), ref, **TOL[torch.float32])
+
+
+def test_in_place_path_refuses_rows_whose_queries_see_no_key():
+    from kvboost.model.attention.paged_backend import in_place_refusal, paged_dispatch
+
+    query, kc, vc, tables, lengths, k, v = _paged_inputs([40, 3], 2, 1, 5, 64, 8, torch.float32,
+                                                         torch.device("cpu"), poison=7.0)
+    assert "see no key" in in_place_refusal(query, kc, vc, tables, lengths)
+    out, _, _ = paged_dispatch(query, kc, vc, tables, lengths, scale=0.1, backend="sdpa")  # the gather instead
+    assert torch.equal(out, sdpa_attention(query, k, v, scale=0.1, ends=lengths))

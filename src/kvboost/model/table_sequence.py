@@ -4,7 +4,7 @@ The stored prefix a lookup mapped into the table is attended where it is stored 
 suffix and every decode step write their K/V into the table's own blocks (copy on write of a shared, partly filled
 last block first); write-back keeps those blocks as stored chunks (no clone). A speculative verify's rejected
 drafts are cut off the table (truncate). Attention runs through model/paged.py: the Triton paged kernel on CUDA,
-the gather path (identical outputs, one gather per layer per forward: slow for CPU decode) elsewhere.
+torch paths elsewhere (on a CPU the blocks are read in place: model/attention/paged_backend.py).
 """
 from __future__ import annotations
 
