@@ -190,3 +190,25 @@ def test_least_recently_used_steps_go_past_the_cap(tokenizer, device, monkeypatc
             runner.forward(list(range(10, 10 + n)), table)
     assert [key[:2] for key in runner.steps] == [("seq", 1), ("seq", 16)]
     table.release()
+
+
+def test_a_table_step_never_syncs_the_host(tokenizer, device):
+    """What a graph captures must not wait on the device (a sync inside a capture fails it, and auto mode would then
+    run eagerly for good): the step's forward runs under torch's sync debug mode set to raise."""
+    if device.type != "cuda":
+        pytest.skip("host syncs exist on CUDA only")
+    model = make_tiny_model("llama", tokenizer, device=device)
+    pool = _pool(model)
+    runner = TableRunner(model, pool, mode="eager", backend="triton")
+    table = BlockTable(pool)
+    with torch.inference_mode():
+        runner.forward(tokenizer(words(20, seed=4))["input_ids"], table)  # compiles the kernels
+        runner.forward([7], table)
+        step = runner.steps[("seq", 1, 8)]
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner._run(step)  # noqa: SLF001 - exactly what capture_step records
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    table.release()
