@@ -100,13 +100,17 @@ def paged_attention_in_place(query: torch.Tensor, key_cache: torch.Tensor, value
             outs.append(o)
             lses.append(lse)
         start, tail_blocks = whole * bs, ids[whole:-(-end // bs)]
-        keys = torch.cat([key_cache[i] for i in tail_blocks], dim=1)[None, :, :end - start]  # [1, Hkv, t, d]
-        values = torch.cat([value_cache[i] for i in tail_blocks], dim=1)[None, :, :end - start]
         t = end - start
-        hidden = torch.arange(t)[None, :] > torch.arange(t - q, t)[:, None]  # [q, t] bottom-right causal
-        bias = torch.zeros(q, t, dtype=query.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
-        o, lse = _FLASH_CPU(queries[None], keys, values, attn_mask=bias[None, None].expand(1, hkv, -1, -1),
-                            scale=scale)[:2]
+        if q == 1:  # a decode step: its one block, every key visible to the one query - a view, no mask
+            keys, values = key_cache[tail_blocks[0]][None, :, :t], value_cache[tail_blocks[0]][None, :, :t]
+            o, lse = _FLASH_CPU(queries[None], keys, values, scale=scale)[:2]
+        else:
+            keys = torch.cat([key_cache[i] for i in tail_blocks], dim=1)[None, :, :t]  # [1, Hkv, t, d]
+            values = torch.cat([value_cache[i] for i in tail_blocks], dim=1)[None, :, :t]
+            hidden = torch.arange(t)[None, :] > torch.arange(t - q, t)[:, None]  # [q, t] bottom-right causal
+            bias = torch.zeros(q, t, dtype=query.dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+            o, lse = _FLASH_CPU(queries[None], keys, values, attn_mask=bias[None, None].expand(1, hkv, -1, -1),
+                                scale=scale)[:2]
         outs.append(o)
         lses.append(lse)
         weights = torch.softmax(torch.cat(lses), dim=0)  # [pieces, Hkv, group * q]
