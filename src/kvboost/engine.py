@@ -442,10 +442,9 @@ class InferenceEngine:
         """Run requests together through the continuous-batching runner until all are done. Speculative requests
         (a verify is per sequence) and contexts longer than device_kv_max_tokens (streamed from host memory) run
         apart, one at a time through the single-request path; results keep order."""
-        from .batch import BatchRunner
+        from .batch import BatchRunner, runs_apart
 
-        plain = [r for r in requests
-                 if r.speculative is None and not self.kv.streams(len(r.ids) + r.params.max_new_tokens)]
+        plain = [r for r in requests if runs_apart(self, r) is None]
         runner = BatchRunner(self, max_batch_size=max_batch_size or max(1, len(plain)))
         handles = {id(r): runner.add(r) for r in plain}
         while runner.has_work():

@@ -336,5 +336,6 @@ def test_batches_run_speculative_rows_apart_and_the_runner_refuses_them(tokenize
     assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
     assert all(r.speculative == "prompt_lookup" for r in spec) and all(r.speculative is None for r in plain)
     request = engine.request(prompts[0], 4, speculative="prompt_lookup")
-    with pytest.raises(InvalidRequestError, match="not supported in batches"):
+    with pytest.raises(InvalidRequestError, match="verifies drafts per sequence") as info:
         BatchRunner(engine).add(request)
+    assert info.value.param == "speculative"

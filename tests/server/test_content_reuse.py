@@ -35,3 +35,15 @@ def test_warmed_documents_in_another_order_are_reused(rag_engine, tiny_model_dir
         plain = live.client().chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=4,
                                                       temperature=0, extra_body=fresh_tenant)
         assert plain.usage.prompt_tokens_details.cached_tokens < CHUNK  # a new tenant sees none of it
+
+
+@pytest.mark.parametrize("max_batch_size,order", [(16, [1, 2, 0]), (1, [0, 2, 1])], ids=["batched", "single"])
+def test_content_reuse_can_be_turned_off_per_request(rag_engine, tiny_model_dir, max_batch_size, order):
+    messages = [{"role": "user", "content": rag_prompt(documents(), order)}]  # a first document no other test put first
+    with live_server(rag_engine, model=str(tiny_model_dir), max_batch_size=max_batch_size) as live:
+        r = live.client().chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=4, temperature=0,
+                                                  extra_body={"content_reuse": False})
+    # the exact prefix only (template and intro), none of the documents away from their positions (> 3 chunks)
+    assert r.usage.prompt_tokens_details.cached_tokens < 3 * CHUNK
+    exact = rag_engine.generate(messages=messages, max_new_tokens=4, content_reuse=False, mode="baseline")
+    assert r.choices[0].message.content == exact.output_text

@@ -55,8 +55,8 @@ def test_unknown_model_is_404_model_not_found(client):
     ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"hello": 1}}, "logit_bias"),
     ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"999999999": 1}}, "logit_bias"),  # not in the vocab
     ({"model": TINY_NAME, "messages": CHAT, "logit_bias": {"12": "x"}}, "logit_bias.12"),
+    ({"model": TINY_NAME, "messages": CHAT, "prediction": {"type": "image", "content": "x"}}, "prediction"),
     # OpenAI fields that would change the reply and are not implemented: refused, never silently ignored.
-    ({"model": TINY_NAME, "messages": CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"model": TINY_NAME, "messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
     ({"model": TINY_NAME, "messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"model": TINY_NAME, "messages": CHAT, "web_search_options": {}}, "web_search_options"),

@@ -42,11 +42,11 @@ def test_each_guided_field_maps_to_one_format():
 def test_fields_that_would_change_the_reply_are_refused_and_defaults_pass():
     refuse_unsupported({"skip_special_tokens": True, "min_tokens": 0, "priority": 0, "ignore_eos": False,
                         "guided_decoding_backend": "xgrammar", "stop_token_ids": [],
-                        "cache_prompt": True, "length_penalty": 1.0})
+                        "cache_prompt": True, "length_penalty": 1.0, "return_logits": False})
     for field, value in [("use_beam_search", True), ("min_tokens", 5), ("ignore_eos", True),
                          ("stop_token_ids", [7]), ("chat_template", "{{ messages }}"),
                          ("skip_special_tokens", False), ("guided_decoding_backend", "outlines"),
-                         ("typical_p", 0.5), ("logits_processors", ["x"]), ("priority", 3)]:
+                         ("typical_p", 0.5), ("logits_processors", ["x"]), ("priority", 3), ("return_logits", True)]:
         with pytest.raises(InvalidRequestError) as info:
             refuse_unsupported({field: value})
         assert info.value.param == field

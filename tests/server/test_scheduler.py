@@ -50,6 +50,9 @@ class FakeRunner:
         self.rows.append(handle)
         return handle
 
+    def runs_apart(self, request) -> str | None:
+        return "runs alone" if request.prompt_text.startswith("apart") else None
+
     def has_work(self) -> bool:
         return bool(self.rows)
 
@@ -72,10 +75,31 @@ class FakeRunner:
 
 
 class RequestMaker:
-    """The engine's make_request as the worker calls it: a Request-like record of the job."""
+    """The engine's make_request as the worker calls it: a Request-like record of the job; and its stream (the
+    single-request path, for requests the runner runs apart): one word per step, recorded in `log`."""
+
+    def __init__(self):
+        self.log: list[str] = []
 
     def make_request(self, ids, params, prompt_text="", **options):
         return SimpleNamespace(ids=ids, params=params, prompt_text=prompt_text, **options)
+
+    def stream(self, request):
+        log = self.log
+
+        class Stream:
+            result = GenerationResult("chunk_kv_reuse", request.prompt_text, "alone", 1, 0, 0, 0, 0, 1, 0)
+
+            def __iter__(self):
+                for word in request.prompt_text.split():
+                    time.sleep(0.005)
+                    log.append(word)
+                    yield word + " "
+
+            def close(self):
+                pass
+
+        return Stream()
 
 
 def _job(loop, text: str) -> Job:
@@ -164,6 +188,29 @@ def test_cancelled_rows_leave_and_queued_cancelled_jobs_are_dropped(scheduler):
     assert scheduler.stats.cancelled == 2 and scheduler.stats.completed == 0
     steps = FakeRunner.instances[0].steps
     assert len(steps) < 50 and all("never" not in s for s in steps)
+
+
+def test_a_request_the_runner_cannot_batch_runs_alone_once_the_batch_drains(scheduler):
+    """Admission pauses behind it (arrival order): rows already running finish, it runs through the single-request
+    path, then batching resumes with whoever queued meanwhile."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = [_job(loop, f"b{i} x y z") for i in range(2)]
+        alone, cancelled = _job(loop, "apart one two"), _job(loop, "apart never")
+        after = _job(loop, "c0 x")
+        for job in (*first, alone, cancelled, after):
+            scheduler.submit(job)
+        cancelled.cancel()
+        scheduler.start()
+        return await asyncio.gather(*(_drain(j) for j in (*first, alone, after)))
+
+    results = asyncio.run(main())
+    assert results == [("b0 x y z ", "done"), ("b1 x y z ", "done"), ("apart one two ", "done"), ("c0 x ", "done")]
+    runner = FakeRunner.instances[0]
+    assert sorted(runner.steps[0]) == ["b0", "b1"] and all("c0" not in s for s in runner.steps[:4])
+    assert scheduler.engine.log == ["apart", "one", "two"]  # never batched, never the cancelled one
+    assert any("c0" in s for s in runner.steps)  # batching resumed after it
+    assert scheduler.stats.run_apart == 1 and scheduler.stats.cancelled == 1 and scheduler.stats.completed == 4
 
 
 def test_submit_beyond_max_queue_raises_queue_full():

@@ -53,7 +53,7 @@ def test_flag_combinations_that_cannot_run_are_refused():
 
 def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenizer, tiny_model_dir):
     """OpenAI's `prediction` on a one-at-a-time server: the reply is the reply without it, streamed or not, and
-    usage reports accepted / rejected prediction tokens; a batching server refuses it with a 400."""
+    usage reports accepted / rejected prediction tokens; a batching server runs such a request on its own."""
     import httpx
     import openai
 
@@ -85,10 +85,12 @@ def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenize
                                                    "prediction": {"type": "content", "content": "x"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
     with live_server(engine, model=str(tiny_model_dir), max_batch_size=4) as live:
-        with pytest.raises(openai.BadRequestError, match="max-batch-size 1") as info:
-            live.client().chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4,
-                                                  prediction={"type": "content", "content": "x"})
-        assert info.value.param == "prediction"
+        r = live.client().chat.completions.create(model="tiny-llama", messages=messages, max_tokens=24,
+                                                  temperature=0,
+                                                  prediction={"type": "content", "content": want.output_text})
+        assert r.choices[0].message.content == want.output_text
+        assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0
+        assert live.scheduler.snapshot()["run_apart"] == 1
 
 
 def test_a_compiled_fast_path_server_answers_as_the_default_one(tokenizer, tiny_model_dir, device):

@@ -8,7 +8,7 @@ cascade.py  shared-prefix attention registered through transformers' AttentionIn
 from __future__ import annotations
 
 from .prefix import PrefixedRows, SharedPrefix, broadcast_kv, find_common_chunk_prefix, group_by_prefix
-from .runner import BatchRunner, SequenceHandle
+from .runner import BatchRunner, RunsApart, SequenceHandle, runs_apart
 
-__all__ = ["BatchRunner", "SequenceHandle", "SharedPrefix", "PrefixedRows", "broadcast_kv",
+__all__ = ["BatchRunner", "RunsApart", "SequenceHandle", "runs_apart", "SharedPrefix", "PrefixedRows", "broadcast_kv",
            "find_common_chunk_prefix", "group_by_prefix"]

@@ -155,6 +155,27 @@ class _Row:
         return self.request.salt
 
 
+@dataclass(frozen=True)
+class RunsApart:
+    """Why a request cannot be a row of a batch: the request field that causes it, and the reason."""
+
+    param: str
+    reason: str
+
+
+def runs_apart(engine, request: Request) -> RunsApart | None:
+    """Why `request` cannot be a row of a batch (None: it can). Such a request runs one at a time through the
+    single-request path: engine.run_batch and the batching server's scheduler run it apart, between batches."""
+    if request.speculative is not None:
+        return RunsApart("speculative", "speculative decoding verifies drafts per sequence, not in a batch")
+    positions = len(request.ids) + request.params.max_new_tokens
+    if engine.kv.streams(positions):
+        return RunsApart("max_tokens", f"prompt + max_new_tokens = {positions} positions is more than "
+                         f"device_kv_max_tokens={engine.kv.streamed.max_device_tokens}, so its K/V is streamed "
+                         "from host memory one request at a time, not batched")
+    return None
+
+
 class BatchRunner:
     def __init__(self, engine, max_batch_size: int = 16, shared_prefix_attention: bool | None = None):
         """shared_prefix_attention: None follows engine.config.shared_prefix_attention (default on); models
@@ -201,22 +222,20 @@ class BatchRunner:
                                                content_reuse=content_reuse, t_start=t_start)
         else:
             request.check_context(self.engine.max_context)
-        if request.speculative is not None:
-            raise InvalidRequestError("speculative decoding is not supported in batches yet: run the request "
-                                      "with generate()/generate_stream(), or pass speculative='off'", "speculative")
-        positions = len(request.ids) + request.params.max_new_tokens
-        if self.engine.kv.streams(positions):
-            raise InvalidRequestError(
-                f"prompt + max_new_tokens = {positions} positions is more than device_kv_max_tokens="
-                f"{self.engine.kv.streamed.max_device_tokens}: such a context is streamed from "
-                "host memory one request at a time, not batched; run it with generate()/generate_stream() (or a "
-                "server with max_batch_size=1)", "max_tokens")
+        apart = runs_apart(self.engine, request)
+        if apart is not None:
+            raise InvalidRequestError(f"{apart.reason}: run it with generate()/generate_stream() (engine.run_batch "
+                                      "and a batching server run it on its own)", apart.param)
         handle = SequenceHandle(request.prompt_text, len(request.ids))
         row = _Row(handle, request, request.sampler(self.engine.device),
                    request.tracker(self.engine.tokenizer, self.engine.eos_token_ids))
         with self._lock:
             self._pending.append(row)
         return handle
+
+    def runs_apart(self, request: Request) -> RunsApart | None:
+        """Why add() would refuse this request as a row (None: it takes it); see the module's runs_apart."""
+        return runs_apart(self.engine, request)
 
     def has_work(self) -> bool:
         with self._lock:

@@ -202,7 +202,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         _check_model(settings, req.model)
         prepared = prepare_chat(state.engine, req, settings, state.tokenizer_lock)
         renderer = ChatRenderer(settings.model_id, _FINGERPRINT, decode=_decoder(state), tool_parse=prepared.tool_parse,
-                                n=prepared.n, predicted=prepared.speculative != "default")
+                                n=prepared.n, predicted=prepared.predicted)
         return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
 
     @app.post("/v1/completions")
@@ -255,8 +255,8 @@ async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, s
         params = prepared.params if i == 0 or prepared.params.seed is None else \
             dataclasses.replace(prepared.params, seed=prepared.params.seed + i)
         jobs.append(Job(prepared.ids, params, prepared.prompt_text, asyncio.get_running_loop(), cache_salt=salt,
-                        mode=state.settings.mode, t_start=t0, output_format=prepared.output_format,
-                        speculative=prepared.speculative))
+                        mode=prepared.mode or state.settings.mode, content_reuse=prepared.content_reuse, t_start=t0,
+                        output_format=prepared.output_format, speculative=prepared.speculative))
     try:
         for job in jobs:
             state.scheduler.submit(job)

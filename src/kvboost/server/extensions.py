@@ -31,6 +31,7 @@ _NO_EFFECT: dict[str, tuple] = {
     "typical_p": (1, 1.0), "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "mirostat_tau": (),
     "mirostat_eta": (), "dynatemp_range": (0, 0.0), "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0),
     "n_probs": (0,),
+    "return_logits": (False,),  # generate()'s: first-token logits have no place in an OpenAI reply (use logprobs)
 }
 _META = set("\\.^$*+?()[]{}|")
 _BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values this server satisfies

@@ -23,6 +23,7 @@ from typing import Any
 from ..decoding.grammar import OutputFormat, StructuredOutputUnavailableError, parse_output_format
 from ..errors import ContextLengthError, InvalidRequestError
 from ..prompting import check_template_kwargs
+from ..results import GenerationMode
 from ..sampling import SamplingParams
 from .errors import APIError
 from .extensions import guided_format, refuse_unsupported
@@ -45,7 +46,10 @@ class Prepared:
     n: int = 1
     output_format: OutputFormat | None = None
     tool_parse: str = "none"  # how replies are read for tool calls: server/toolcalls.py
-    speculative: Any = "default"  # SpeculativeParams of a request with a prediction; else the engine's default
+    speculative: Any = "default"  # SpeculativeParams (a prediction, or speculation asked for); else the engine's
+    predicted: bool = False  # the request had a prediction (usage reports its accepted / rejected tokens)
+    mode: GenerationMode | None = None  # None: the server's
+    content_reuse: bool | None = None  # None: the engine's
 
 
 def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
@@ -66,7 +70,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
                        param="response_format", code="invalid_value")
     fmt = fmt or tools.output_format
     texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
-    prediction = _prediction_text(req.prediction, settings)
+    prediction = _prediction_text(req.prediction)
     template_kwargs = _template_kwargs(extra.get("chat_template_kwargs"))
     with lock:
         native = bool(tools.functions) and template_supports_tools(engine.tokenizer)
@@ -75,12 +79,12 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
             ids = _encode_with_tools(engine, messages, native_tools(tools), template_kwargs)
         else:
             ids = _encode(engine, None, messages, "messages", template_kwargs=template_kwargs)
-        speculative = _speculation(engine, prediction)
+        speculative = _speculation(engine, req, prediction)
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
     return Prepared(ids, _sampling(engine, req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
-                    fmt, tools.parse, speculative)
+                    fmt, tools.parse, speculative, bool(prediction), *_reuse(req))
 
 
 def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
@@ -113,12 +117,13 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
         text = prompt  # None for token ids: decoded in the result, after the first token
+        speculative = _speculation(engine, req, None)
     # response_format is a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
     fmt = _output_format(extra.get("response_format"), extra)
     _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
     return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), text, bool(req.stream),
-                    _usage_wanted(req), n, fmt)
+                    _usage_wanted(req), n, fmt, "none", speculative, False, *_reuse(req))
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
@@ -132,10 +137,10 @@ _UNSUPPORTED_FIELDS = {
 }
 
 
-def _prediction_text(prediction: dict | None, settings: ServerSettings) -> str | None:
+def _prediction_text(prediction: dict | None) -> str | None:
     """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | [text parts]}), or None.
     It drafts tokens for speculative decoding (the reply is exactly what it would be without it), which runs one
-    request at a time: a batching server refuses it rather than ignore it."""
+    request at a time (a batching server runs such a request on its own, between batches)."""
     if prediction is None:
         return None
     content = prediction.get("content")
@@ -148,19 +153,33 @@ def _prediction_text(prediction: dict | None, settings: ServerSettings) -> str |
             raise APIError(400, "prediction.content parts must be {\"type\": \"text\", \"text\": ...}",
                            param="prediction.content", code="invalid_value")
         content = "".join(p["text"] for p in content)
-    if settings.max_batch_size > 1:
-        raise _unsupported("prediction drafts tokens for speculative decoding, which this server runs only one "
-                           "request at a time: start it with --max-batch-size 1", "prediction")
     return content
 
 
-def _speculation(engine, prediction: str | None):
-    if not prediction:
+_SPECULATION_FIELDS = ("speculative", "num_speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram")
+
+
+def _speculation(engine, req: SamplingRequest, prediction: str | None):
+    """The request's speculation as the engine resolves generate()'s keywords of the same names ("default" when
+    it sets none of them and has no prediction: the engine's own setting). `speculative: null` is off."""
+    given = req.model_fields_set.intersection(_SPECULATION_FIELDS)
+    if not prediction and not given:
         return "default"
+    method = req.speculative if "speculative" in given else "default"
     try:
-        return engine.speculation("default", prediction=prediction)
+        return engine.speculation(method, req.num_speculative_tokens, req.prompt_lookup_max_ngram,
+                                  req.prompt_lookup_min_ngram, prediction=prediction or None)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+
+def _reuse(req: SamplingRequest) -> tuple[GenerationMode | None, bool | None]:
+    """The request's `mode` and `content_reuse` (None: the server's / engine's)."""
+    try:
+        mode = None if req.mode is None else GenerationMode.parse(req.mode)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="mode", code="invalid_value") from None
+    return mode, req.content_reuse
 
 
 def _output_format(response_format, extra: dict) -> OutputFormat | None:

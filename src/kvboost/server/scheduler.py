@@ -9,7 +9,10 @@ Two ways to run:
 * batched (`kvboost.batch.BatchRunner`, max_batch_size > 1): an idle worker waits up to the batch
   window for more requests, adds them together (rows sharing prefix chunks prefill against one copy of
   the shared K/V), then steps the runner; between steps, newly queued requests join the running batch
-  and finished or cancelled rows leave (continuous batching).
+  and finished or cancelled rows leave (continuous batching). A request the runner cannot batch
+  (`batch.runs_apart`: speculative decoding, a context streamed from host memory) runs on its own: the
+  worker stops admitting, lets the running rows finish, runs it (and any others waiting apart) through
+  engine.stream, then batches again - in arrival order, so a stream of such requests cannot starve.
 * single (max_batch_size == 1): one request at a time via engine.stream; consecutive requests sharing a
   prefix still reuse it from the workspace/store.
 
@@ -22,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -103,6 +107,7 @@ class SchedulerStats:
     rejected: int = 0
     batches: int = 0  # batch mode: runner.step() calls that prefilled or decoded something
     max_rows: int = 0  # batch mode: the most rows seen in one step
+    run_apart: int = 0  # batch mode: requests the runner cannot batch, run on their own between batches
 
 
 def default_runner_factory() -> RunnerFactory:
@@ -127,6 +132,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._active = 0
         self._rows: dict[Job, Any] = {}  # batch mode: admitted jobs → their runner handles
+        self._apart: deque[tuple[Job, Any]] = deque()  # batch mode: (job, Request) to run alone once rows drain
         self._start_lock = threading.Lock()
 
     # ---- control, from any thread ----------------------------------------------------------------
@@ -185,7 +191,8 @@ class Scheduler:
                 "queued": self.queue_depth(), "active": self.active_count(), "max_queue": self.max_queue,
                 "max_batch_size": self.max_batch_size, "batch_window_ms": self.batch_window_s * 1e3,
                 "completed": s.completed, "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
-                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows}
+                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows, "run_apart": s.run_apart,
+                "waiting_apart": len(self._apart)}
 
     # ---- the worker thread ---------------------------------------------------------------------------
     def _main(self) -> None:
@@ -197,10 +204,11 @@ class Scheduler:
                     self._single_loop()
             except Exception as exc:  # a bug in the loop itself: fail what it held, log, keep serving
                 log.exception("scheduler worker loop failed; restarting it")
-                for job in self._rows:
+                for job in [*self._rows, *(job for job, _ in self._apart)]:
                     self.stats.failed += 1
                     job.emit("error", exc)
                 self._rows = {}
+                self._apart.clear()
                 self._active = 0
                 time.sleep(0.05)
 
@@ -227,10 +235,10 @@ class Scheduler:
                 finally:
                     self._active = 0
 
-    def _run_one(self, job: Job) -> None:
+    def _run_one(self, job: Job, request: Any = None) -> None:
         try:
             # The ids the request was validated and counted with: never tokenized a second time.
-            stream = self.engine.stream(self._request(job))
+            stream = self.engine.stream(request if request is not None else self._request(job))
             for delta in stream:
                 if job.cancelled or self._stop.is_set():
                     stream.close()
@@ -249,8 +257,12 @@ class Scheduler:
         assert self.runner_factory is not None
         runner = self.runner_factory(self.engine, max_batch_size=self.max_batch_size)
         rows = self._rows = {}
+        apart = self._apart
         while not self._stop.is_set():
             new: list[Job] = []  # admitted in this iteration: the runner prefills them in the next step
+            if not rows and not runner.has_work() and apart:  # the batch has drained: run what waits apart
+                self._run_apart(*apart.popleft())
+                continue
             if not rows and not runner.has_work():
                 job = self._next(0.1)
                 if job is None:
@@ -258,13 +270,13 @@ class Scheduler:
                 self._admit(runner, job, rows, new)
                 # The batch window: requests arriving now prefill together (shared prefix K/V loaded once).
                 deadline = time.perf_counter() + self.batch_window_s
-                while len(rows) < self.max_batch_size:
+                while len(rows) < self.max_batch_size and not apart:
                     job = self._next(max(0.0, deadline - time.perf_counter()))
                     if job is None:
                         break
                     self._admit(runner, job, rows, new)
-            else:  # running: whatever queued meanwhile joins the next step
-                while len(rows) < self.max_batch_size:
+            else:  # running: whatever queued meanwhile joins the next step (unless a request waits apart)
+                while len(rows) < self.max_batch_size and not apart:
                     job = self._next()
                     if job is None:
                         break
@@ -297,16 +309,33 @@ class Scheduler:
         for job, handle in rows.items():  # shutting down
             handle.cancel()
             job.emit("error", ShuttingDownError("the server is shutting down"))
+        while apart:
+            apart.popleft()[0].emit("error", ShuttingDownError("the server is shutting down"))
         self._active = 0
 
     def _admit(self, runner, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:
-            rows[job] = runner.add(self._request(job))
+            request = self._request(job)
+            if runner.runs_apart(request) is not None:
+                self._apart.append((job, request))  # admission pauses until it has run
+                return
+            rows[job] = runner.add(request)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
             return
         new.append(job)
+
+    def _run_apart(self, job: Job, request: Any) -> None:
+        if job.cancelled:
+            self.stats.cancelled += 1
+            return
+        self._active = 1
+        self.stats.run_apart += 1
+        try:
+            self._run_one(job, request)
+        finally:
+            self._active = 0
 
     def _request(self, job: Job):
         """The job as the engine's Request: the same lifecycle (and the same options) on either worker."""

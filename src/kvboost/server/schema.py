@@ -83,6 +83,13 @@ class SamplingRequest(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's / llama.cpp's
     repetition_penalty: float | None = Field(None, gt=0.0)  # transformers' / vLLM's (1 = off)
     cache_salt: str | None = None  # tenant isolation: K/V is shared only between equal salts
+    # generate()'s own per-request options, checked by the engine (prepare.py): absent = the server's setting
+    mode: str | None = None  # chunk_kv_reuse | prefix_cache | baseline
+    content_reuse: bool | None = None
+    speculative: str | None = None  # prompt_lookup | draft | off (null: off)
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max_ngram: int | None = None
+    prompt_lookup_min_ngram: int | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -1,0 +1,163 @@
+"""Random request traces through paged engines under memory pressure, against plain generation.
+
+Each trace mixes what users do - documents with questions, multi-turn follow-ups that quote earlier outputs,
+warm(), prefix-cache mode, speculative requests, streams, batches, stop strings - on an engine whose device
+holds only a few chunks (evictions, host offload and restores on nearly every request), optionally with a disk
+tier behind it or long prompts streamed from host blocks. Every greedy output must equal plain generation's
+(no cache at all), and after every operation no block may stay held by a finished request: the pools hold
+exactly the stored chunks, within their budgets.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvboost import KVBoost
+
+from ..prompts import text_with_tokens, words
+from ..tiny_models import make_tiny_model
+
+CHUNK = 16
+OPERATIONS = 32
+
+
+# setup -> kv_block_size; "unpaged-disk" is the default engine (no blocks) over a disk tier, for comparison
+SETUPS = {"workspace": None, "table": CHUNK // 4, "table-disk": None, "streamed": CHUNK // 2, "unpaged-disk": None}
+
+
+def _engine(model, tokenizer, setup: str, tmp_path) -> KVBoost:
+    """Budgets of a few chunks: the device holds 3, the host 12 (or, with disk, the device 4 and no host)."""
+    probe = KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True)
+    chunk = probe.cache_stats()["paged_kv"]["block_bytes"]
+    kw: dict = {"chunk_size": CHUNK, "paged_kv": True, "device_kv_budget_bytes": 3 * chunk,
+                "memory_budget_bytes": 12 * chunk, "kv_block_size": SETUPS[setup]}
+    if setup == "unpaged-disk":
+        return KVBoost(model, tokenizer, chunk_size=CHUNK, memory_budget_bytes=4 * chunk,
+                       disk_cache_dir=str(tmp_path / "disk"))
+    if setup == "table":
+        kw["paged_attention"] = "table"
+    elif setup == "table-disk":
+        # no host offload: chunks evicted from the device are dropped, and come back from disk
+        kw.update(paged_attention="table", disk_cache_dir=str(tmp_path / "disk"), memory_budget_bytes=4 * chunk)
+        del kw["device_kv_budget_bytes"]
+    elif setup == "streamed":
+        kw.update(device_kv_max_tokens=4 * CHUNK)
+    return KVBoost(model, tokenizer, **kw)
+
+
+class Trace:
+    """Random operations over a few documents; remembers what plain generation answers."""
+
+    def __init__(self, tokenizer, plain: KVBoost, seed: int):
+        self.rng = random.Random(seed)
+        self.plain = plain
+        self.docs = [text_with_tokens(tokenizer, self.rng.choice((2, 3, 5, 7)) * CHUNK + self.rng.randrange(CHUNK),
+                                      seed=100 * seed + i) for i in range(3)]
+        self.turns: list[str] = []  # prompts + outputs of earlier requests, for follow-ups
+        self._answers: dict[tuple, tuple[list[int], str]] = {}
+
+    def prompt(self) -> str:
+        r = self.rng.random()
+        if self.turns and r < 0.3:  # a follow-up: an earlier prompt, its answer and a new question
+            return self.rng.choice(self.turns) + " " + words(self.rng.randrange(2, 9), seed=self.rng.randrange(10**6))
+        if r < 0.4:  # a document alone (its partial last chunk matched token by token next time)
+            return self.rng.choice(self.docs)
+        if r < 0.45:
+            return words(self.rng.randrange(3, 30), seed=self.rng.randrange(10**6))  # unrelated
+        return self.rng.choice(self.docs) + " " + words(self.rng.randrange(2, 9), seed=self.rng.randrange(10**6))
+
+    def want(self, prompt: str, max_new_tokens: int, stop: list[str] | None) -> tuple[list[int], str]:
+        """Plain generation's (output tokens, output text: cut before a stop string)."""
+        key = (prompt, max_new_tokens, tuple(stop or ()))
+        if key not in self._answers:
+            r = self.plain.generate(prompt, max_new_tokens=max_new_tokens, mode="baseline", stop=stop)
+            self._answers[key] = (r.output_token_ids, r.output_text)
+        return self._answers[key]
+
+    def options(self) -> dict:
+        opts: dict = {"max_new_tokens": self.rng.randrange(1, 9)}
+        if self.rng.random() < 0.3:
+            opts["speculative"] = "prompt_lookup"
+        if self.rng.random() < 0.15:
+            opts["stop"] = [self.rng.choice(("the", "a", "of", "and", "to"))]
+        if self.rng.random() < 0.1:
+            opts["mode"] = "prefix_cache"
+        return opts
+
+
+def check_holds(engine: KVBoost, where: str) -> None:
+    stats = engine.cache_stats().get("paged_kv")
+    if stats is None:  # an unpaged engine: nothing to hold
+        return
+    assert stats["blocks_used"] == stats["stored_blocks"], f"{where}: a finished request still holds blocks"
+    assert stats["stored_bytes"] <= stats["budget_bytes"], f"{where}: the device holds more than its budget"
+    host = stats["host"]
+    if host is not None:
+        assert engine.kv.blocks.host.host.num_used == host["blocks"], f"{where}: host blocks held by no chunk"
+        assert host["bytes"] <= host["budget_bytes"], f"{where}: the host holds more than its budget"
+
+
+def _step(engine: KVBoost, trace: Trace, op: int, restart) -> KVBoost:
+    """One random operation; returns the engine (a new one after a restart: what was on disk is still there)."""
+    rng = trace.rng
+    kind = rng.choices(("generate", "stream", "batch", "warm", "forget", "restart"), weights=(10, 3, 3, 1, 1, 1))[0]
+    where = f"operation {op} ({kind})"
+    if kind == "restart":
+        engine.close()
+        engine = restart()
+    elif kind == "warm":
+        engine.warm(rng.choice(trace.docs))
+    elif kind == "forget":
+        engine.forget_workspace()
+    elif kind == "batch":
+        prompts = [trace.prompt() for _ in range(rng.randrange(2, 4))]
+        opts = trace.options()
+        method = rng.choice((engine.generate_batch, engine.generate_many))
+        for prompt, got in zip(prompts, method(prompts, **opts)):
+            assert (got.output_token_ids, got.output_text) == trace.want(prompt, opts["max_new_tokens"],
+                                                                         opts.get("stop")), where
+    else:
+        prompt, opts = trace.prompt(), trace.options()
+        want = trace.want(prompt, opts["max_new_tokens"], opts.get("stop"))
+        if kind == "stream":
+            stream = engine.generate_stream(prompt, **opts)
+            assert "".join(stream) == want[1], where
+            got = stream.result
+        else:
+            got = engine.generate(prompt, **opts)
+        assert (got.output_token_ids, got.output_text) == want, where
+        trace.turns.append(prompt + got.output_text)
+    check_holds(engine, where)
+    return engine
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_traces_under_memory_pressure_match_plain_generation(tokenizer, tmp_path, setup, seed):
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=CHUNK)
+    trace = Trace(tokenizer, plain, seed)
+    engines = [_engine(model, tokenizer, setup, tmp_path)]
+
+    def restart() -> KVBoost:
+        engines.append(_engine(model, tokenizer, setup, tmp_path))
+        return engines[-1]
+
+    engine = engines[0]
+    for op in range(OPERATIONS):
+        engine = _step(engine, trace, op, restart)
+    stats = [e.cache_stats() for e in engines]
+    assert sum(s["cached_tokens"] for s in stats) > 0
+    if setup == "unpaged-disk":
+        assert sum(s["tiers"]["disk"]["hits"] for s in stats) > 0
+        return
+    paged = [s["paged_kv"] for s in stats]
+    assert sum(p["hits"] for p in paged) > 0 and sum(p["evictions"] for p in paged) > 0
+    if setup == "table-disk":
+        assert sum(p["loaded_from_slow_tiers"] for p in paged) > 0
+    elif setup == "streamed":
+        assert sum(p["streamed"]["requests"] for p in paged) > 0 and sum(p["host"]["offloaded"] for p in paged) > 0
+    else:
+        assert sum(p["host"]["offloaded"] for p in paged) > 0 and sum(p["host"]["restored"] for p in paged) > 0
+    engine.close()
