@@ -1,7 +1,8 @@
 """Random request traces through paged engines under memory pressure, against plain generation.
 
 Each trace mixes what users do - documents with questions, multi-turn follow-ups that quote earlier outputs,
-warm(), prefix-cache mode, speculative requests, streams, batches, stop strings - on an engine whose device
+warm(), prefix-cache mode, speculative requests, streams, batches, stop strings, regex-constrained output,
+logprobs, repetition penalty, restarts over the same disk directory - on an engine whose device
 holds only a few chunks (evictions, host offload and restores on nearly every request), optionally with a disk
 tier behind it or long prompts streamed from host blocks. Every greedy output must equal plain generation's
 (no cache at all), and after every operation no block may stay held by a finished request: the pools hold
@@ -9,6 +10,7 @@ exactly the stored chunks, within their budgets.
 """
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -20,6 +22,9 @@ from ..tiny_models import make_tiny_model
 
 CHUNK = 16
 OPERATIONS = 32
+REGEXES = ("[a-z ]{1,12}", "(yes|no|maybe)", "[0-9]+") if importlib.util.find_spec("xgrammar") else ()
+# options forwarded to plain generation as they are (stop, max_new_tokens: Trace.want's own arguments)
+OUTPUT_OPTIONS = ("regex", "logprobs", "repetition_penalty")
 
 
 # setup -> kv_block_size; "unpaged-disk" is the default engine (no blocks) over a disk tier, for comparison
@@ -67,11 +72,13 @@ class Trace:
             return words(self.rng.randrange(3, 30), seed=self.rng.randrange(10**6))  # unrelated
         return self.rng.choice(self.docs) + " " + words(self.rng.randrange(2, 9), seed=self.rng.randrange(10**6))
 
-    def want(self, prompt: str, max_new_tokens: int, stop: list[str] | None) -> tuple[list[int], str]:
-        """Plain generation's (output tokens, output text: cut before a stop string)."""
-        key = (prompt, max_new_tokens, tuple(stop or ()))
+    def want(self, prompt: str, opts: dict) -> tuple[list[int], str]:
+        """Plain generation's (output tokens, output text: cut before a stop string) for these options."""
+        same = {k: v for k, v in opts.items() if k in OUTPUT_OPTIONS}
+        key = (prompt, opts["max_new_tokens"], tuple(opts.get("stop") or ()), tuple(sorted(same.items())))
         if key not in self._answers:
-            r = self.plain.generate(prompt, max_new_tokens=max_new_tokens, mode="baseline", stop=stop)
+            r = self.plain.generate(prompt, max_new_tokens=opts["max_new_tokens"], mode="baseline",
+                                    stop=opts.get("stop"), **same)
             self._answers[key] = (r.output_token_ids, r.output_text)
         return self._answers[key]
 
@@ -83,6 +90,13 @@ class Trace:
             opts["stop"] = [self.rng.choice(("the", "a", "of", "and", "to"))]
         if self.rng.random() < 0.1:
             opts["mode"] = "prefix_cache"
+        r = self.rng.random()
+        if r < 0.15 and REGEXES:
+            opts["regex"] = self.rng.choice(REGEXES)
+        elif r < 0.25:
+            opts["logprobs"] = 2
+        if self.rng.random() < 0.1:
+            opts["repetition_penalty"] = 1.3
         return opts
 
 
@@ -115,11 +129,10 @@ def _step(engine: KVBoost, trace: Trace, op: int, restart) -> KVBoost:
         opts = trace.options()
         method = rng.choice((engine.generate_batch, engine.generate_many))
         for prompt, got in zip(prompts, method(prompts, **opts)):
-            assert (got.output_token_ids, got.output_text) == trace.want(prompt, opts["max_new_tokens"],
-                                                                         opts.get("stop")), where
+            assert (got.output_token_ids, got.output_text) == trace.want(prompt, opts), where
     else:
         prompt, opts = trace.prompt(), trace.options()
-        want = trace.want(prompt, opts["max_new_tokens"], opts.get("stop"))
+        want = trace.want(prompt, opts)
         if kind == "stream":
             stream = engine.generate_stream(prompt, **opts)
             assert "".join(stream) == want[1], where

@@ -24,7 +24,7 @@ def test_concurrent_requests_under_memory_pressure(tokenizer, tmp_path, setup):
     jobs = []
     for _ in range(16):
         prompt, options = trace.prompt(), trace.options()
-        jobs.append((prompt, options, trace.want(prompt, options["max_new_tokens"], options.get("stop"))[1]))
+        jobs.append((prompt, options, trace.want(prompt, options)[1]))
         trace.turns.append(prompt + " and")
     got: list[str | None] = [None] * len(jobs)
     with live_server(engine, max_batch_size=4, batch_window_ms=5) as live:
@@ -32,9 +32,12 @@ def test_concurrent_requests_under_memory_pressure(tokenizer, tmp_path, setup):
             http = live.client()
             for i in range(k, len(jobs), CLIENTS):
                 prompt, options, _ = jobs[i]
-                extra = {key: options[key] for key in ("speculative", "mode") if key in options}
+                extra = {key: options[key] for key in ("speculative", "mode", "repetition_penalty") if key in options}
+                if "regex" in options:
+                    extra["guided_regex"] = options["regex"]  # vLLM's name for it
                 got[i] = http.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=options["max_new_tokens"],
                                                  temperature=0, stop=options.get("stop"),
+                                                 logprobs=options.get("logprobs"),
                                                  extra_body=extra or None).choices[0].text
 
         threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
