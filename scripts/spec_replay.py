@@ -13,7 +13,7 @@ policies can be compared in seconds; the real figures come from `kvboost bench s
 replay estimated rag / code / extract / chat 1.27 / 2.23 / 3.10 / 1.01x at 1 thread, and the bench measured
 1.29 / 2.19 / 3.21 / 1.03x).
 
-    python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram 1 2 3] [--cold]
+    python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram auto 1 2 3] [--cold]
                                   [--profile cpu_linear-1t] [--oracle 8 15]
 
 --oracle K prints an upper bound for any prompt-lookup policy (perfect choice among every earlier occurrence of
@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 
 from kvboost.decoding.prompt_lookup import PromptLookup
-from kvboost.decoding.speculative import AdaptiveK, StepCosts
+from kvboost.decoding.speculative import AdaptiveK, StepCosts, lookup_min_ngram
 
 # ms per forward of n tokens (1..10); longer forwards cost what 10 did.
 PROFILES = {
@@ -60,19 +60,21 @@ def references(path: Path, new_tokens: int) -> list[dict]:
     return refs
 
 
-def replay(refs: list[dict], min_ngram: int, carry: bool, k_max: int = 8) -> dict[str, float]:
+def replay(refs: list[dict], min_ngram: int | None, carry: bool, k_max: int = 8) -> dict[str, float]:
+    """min_ngram None: the engine's default "auto" (lookup_min_ngram over the costs measured so far)."""
     totals: dict[str, list[float]] = {}
     costs = StepCosts()
     for ref in refs:
         prompt, out = ref["prompt"], ref["output"]
-        lookup = PromptLookup(prompt, 3, min_ngram, capacity=len(out) + k_max)
+        lookup = PromptLookup(prompt, 3, min_ngram or 1, capacity=len(out) + k_max)
         policy = AdaptiveK(k_max, costs=costs if carry else StepCosts())
         lookup.extend(out[:1])  # the first token comes from the prefill
         i, charged = 1, 0.0
         while i < len(out):
             budget = len(out) - i
             k = policy.next_k(budget - 1)
-            drafts = lookup.propose(k) if k > 0 else []
+            floor = lookup_min_ngram(policy.costs) if min_ngram is None else None
+            drafts = lookup.propose(k, floor) if k > 0 else []
             kept = 0
             while kept < len(drafts) and drafts[kept] == out[i + kept]:
                 kept += 1
@@ -120,7 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refs", type=Path, default=Path("/tmp/kvboost_spec_refs.json"))
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--min-ngram", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--min-ngram", nargs="+", default=["auto", "1", "2", "3"],
+                        help="shortest n-grams to replay: integers, or auto (the engine's default)")
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu_linear-1t")
     parser.add_argument("--oracle", type=int, nargs="*", metavar="K",
@@ -130,7 +133,7 @@ def main() -> None:
     PROFILE = PROFILES[args.profile]
     refs = references(args.refs, args.new_tokens)
     for n in args.min_ngram:
-        est = replay(refs, n, carry=not args.cold)
+        est = replay(refs, None if n == "auto" else int(n), carry=not args.cold)
         print(f"min_ngram {n}, {'cold' if args.cold else 'carried'} costs: "
               + "  ".join(f"{w} {v:.2f}x" for w, v in est.items()))
     for k in args.oracle or ():

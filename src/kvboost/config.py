@@ -88,8 +88,8 @@ class EngineConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 8  # the most drafts verified per forward (adapted to acceptance below it)
     prompt_lookup_max_ngram: int = 3
-    # None: 2, or prompt_lookup_max_ngram when that is 1. A single token recurs everywhere: on the shipped spec
-    # workloads unigram matches were almost never kept and cost more verifies than they saved (bench spec).
+    # None ("auto"): 1 where a 2-token verify measures about a plain step (GPU; CPU with cpu_linear), else 2 - a
+    # lone recurring token is worth a verify only when verifies are cheap (decoding.speculative.lookup_min_ngram).
     prompt_lookup_min_ngram: int | None = None
 
     def __post_init__(self) -> None:
@@ -124,10 +124,6 @@ class EngineConfig:
         from .decoding.speculative import check_speculative_numbers, parse_method
 
         self.speculative = parse_method(self.speculative)
-        if self.prompt_lookup_min_ngram is None:
-            m = self.prompt_lookup_max_ngram
-            valid = isinstance(m, int) and not isinstance(m, bool) and m >= 1  # else refused just below
-            self.prompt_lookup_min_ngram = min(2, m) if valid else 2
         check_speculative_numbers(self.num_speculative_tokens, self.prompt_lookup_max_ngram,
                                   self.prompt_lookup_min_ngram)
         _require(isinstance(self.shared_prefix_attention, bool),

@@ -34,11 +34,12 @@ def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one
 
     js = tmp_path / "spec.json"
     rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=6, per_workload=1, k=4,
-                          json_path=str(js))
+                          json_path=str(js), min_ngram=1, max_ngram=4)
     assert {(r.workload, r.system) for r in rows} == {(w, s) for w in ("rag", "code", "extract", "chat")
                                                      for s in ("kvboost", "prompt_lookup", "draft", "hf_prompt_lookup")}
     assert all(r.identical_rate == 1.0 for r in rows)  # greedy: every system's tokens equal no speculation's
     data = json.loads(js.read_text())
+    assert data["prompt_lookup_ngram"] == [1, 4]  # the engine ran with the n-grams asked for
     assert set(data["step_costs"]) == {"rag", "code", "extract", "chat"}
     last = data["step_costs"]["chat"]
     assert set(last) <= {"prompt_lookup", "draft"} and last  # what the engine measured, per method

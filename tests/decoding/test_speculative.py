@@ -44,7 +44,7 @@ class Scripted:
 def _script(monkeypatch, truth: list[int], wrong: float) -> list[Scripted]:
     made: list[Scripted] = []
 
-    def make(engine, request, context):
+    def make(engine, request, context, costs=None):
         made.append(Scripted(len(request.ids), truth, wrong))
         made[-1].emitted = len(context) - len(request.ids)
         return made[-1]
@@ -125,14 +125,37 @@ def test_step_costs_carry_over_to_the_next_request():
     assert AdaptiveK(8).next_k(100) == 0  # costs of its own: starts cold
 
 
-def test_prompt_lookup_needs_two_tokens_matching_by_default():
+def test_the_shortest_ngram_follows_the_measured_verify_cost_unless_set():
+    """prompt_lookup_min_ngram None (the default) is "auto": a lone recurring token drafts only where a 2-token verify
+    measured about a plain step; before anything is measured, and where it costs nearly two, a 2-gram must match.
+    A value set on the engine or the request is used as it is."""
     from kvboost.config import EngineConfig
+    from kvboost.decoding.factory import resolve_speculation
+    from kvboost.decoding.speculative import StepCosts, lookup_min_ngram
+    from kvboost.decoding.speculator import LookupProposer
 
-    assert EngineConfig().prompt_lookup_min_ngram == 2
-    assert EngineConfig(prompt_lookup_max_ngram=1).prompt_lookup_min_ngram == 1
+    assert EngineConfig().prompt_lookup_min_ngram is None
     assert EngineConfig(prompt_lookup_min_ngram=1).prompt_lookup_min_ngram == 1
     with pytest.raises(ValueError):
         EngineConfig(prompt_lookup_max_ngram=2, prompt_lookup_min_ngram=3)
+    cheap, dear = StepCosts(t1=0.035), StepCosts(t1=0.107)
+    cheap.by_length[2], dear.by_length[2] = 0.036, 0.195  # cpu_linear at one thread; a CPU without it
+    assert lookup_min_ngram(None) == lookup_min_ngram(StepCosts()) == 2
+    assert lookup_min_ngram(StepCosts(t1=0.035)) == 2  # no verify timed yet
+    assert lookup_min_ngram(cheap) == 1 and lookup_min_ngram(dear) == 2
+
+    context = [5, 6, 7, 8, 9, 1, 6, 2, 7]  # "7" recurs alone; no 2-gram of the end recurs
+    auto = resolve_speculation(EngineConfig(speculative="prompt_lookup"), False)
+    assert auto.min_ngram is None
+    assert LookupProposer(context, auto, 8, costs=cheap).propose(3) == [8, 9, 1]
+    assert LookupProposer(context, auto, 8, costs=dear).propose(3) == []
+    fixed = resolve_speculation(EngineConfig(speculative="prompt_lookup", prompt_lookup_min_ngram=2), False)
+    assert LookupProposer(context, fixed, 8, costs=cheap).propose(3) == []  # set: used whatever the costs
+    request = resolve_speculation(EngineConfig(speculative="prompt_lookup"), False, prompt_lookup_min_ngram=1)
+    assert LookupProposer(context, request, 8, costs=dear).propose(3) == [8, 9, 1]
+    capped = resolve_speculation(EngineConfig(speculative="prompt_lookup", prompt_lookup_min_ngram=2), False,
+                                 prompt_lookup_max_ngram=1)
+    assert capped.min_ngram == 1  # lowered to the requested maximum
 
 
 def test_verify_cost_is_timed_per_length_with_the_fit_below_and_optimism_above():

@@ -85,14 +85,15 @@ def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple
 
 def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: int = 8,
                    draft_model: str | None = None, json_path: str | None = None, plot_path: str | None = None,
-                   console: Console | None = None) -> list[Row]:
+                   console: Console | None = None, min_ngram: int | None = None, max_ngram: int = 3) -> list[Row]:
     import torch
 
     from ..decoding.factory import make_draft_engine
     from .workloads import load_spec_tasks
 
     console = console or bench_console()
-    engine = load_engine(choice, num_speculative_tokens=k)
+    engine = load_engine(choice, num_speculative_tokens=k, prompt_lookup_max_ngram=max_ngram,
+                         prompt_lookup_min_ngram=min_ngram)
     param = next(engine.model.parameters())
     draft_note = draft_model or "tiny random 2-layer Llama sharing the tokenizer (exactness and cost only)"
     draft = draft_model or tiny_random_draft(engine.tokenizer, param.device, param.dtype)
@@ -134,6 +135,7 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
 
         write_json(json_path, {"benchmark": "spec", **choice.record(engine), "threads": torch.get_num_threads(),
                                "max_new_tokens": max_new_tokens, "num_speculative_tokens": k,
+                               "prompt_lookup_ngram": [engine.config.prompt_lookup_min_ngram or "auto", max_ngram],
                                "draft_model": draft_note, "rows": [asdict(r) for r in rows],
                                "step_costs": step_costs})
         console.print(f"wrote {json_path}")
@@ -211,7 +213,10 @@ def bench_spec_command(
                                            "a tiny random one: exactness and verification cost only)."),
     json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+    min_ngram: int | None = typer.Option(None, "--prompt-lookup-min-ngram", min=1,
+                                         help="Shortest n-gram prompt lookup matches (default: the engine's)."),
+    max_ngram: int = typer.Option(3, "--prompt-lookup-max-ngram", min=1, help="Longest n-gram it tries first."),
 ) -> None:
     """Decode tok/s, acceptance and identical outputs: no speculation, prompt lookup, a draft model, HF's."""
     run_spec_bench(model_choice(model, shape, device, dtype), max_new_tokens, per_workload, k, draft_model,
-                   json_path, plot_path)
+                   json_path, plot_path, min_ngram=min_ngram, max_ngram=max_ngram)

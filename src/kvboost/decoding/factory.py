@@ -43,15 +43,16 @@ def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str 
         return default if value is None else value
 
     max_ngram = pick(prompt_lookup_max_ngram, config.prompt_lookup_max_ngram)
-    # An unset minimum follows the config's, lowered to a requested maximum below it.
-    min_ngram = min(config.prompt_lookup_min_ngram, max_ngram) if prompt_lookup_min_ngram is None \
-        else prompt_lookup_min_ngram
+    # An unset minimum follows the config's (None: auto), lowered to a requested maximum below it.
+    min_ngram = prompt_lookup_min_ngram
+    if min_ngram is None and config.prompt_lookup_min_ngram is not None:
+        min_ngram = min(config.prompt_lookup_min_ngram, max_ngram)
     return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens), max_ngram,
                              min_ngram, tuple(prediction))
 
 
-def make_proposer(engine, request: Request, context: Sequence[int]) -> Proposer:
-    """context: prompt + the tokens emitted so far."""
+def make_proposer(engine, request: Request, context: Sequence[int], costs: StepCosts | None = None) -> Proposer:
+    """context: prompt + the tokens emitted so far; costs: the engine's measured step costs for the method."""
     params = request.speculative
     assert params is not None
     if params.method == "draft":
@@ -60,7 +61,7 @@ def make_proposer(engine, request: Request, context: Sequence[int]) -> Proposer:
         if engine.draft is None:
             raise InvalidRequestError("speculative='draft' needs an engine loaded with draft_model=", "speculative")
         return DraftProposer(engine.draft, request, context)
-    return LookupProposer(context, params, capacity=request.params.max_new_tokens + params.num_tokens)
+    return LookupProposer(context, params, capacity=request.params.max_new_tokens + params.num_tokens, costs=costs)
 
 
 def make_speculator(engine, request: Request, sampler: Sampler, cache: Cache, context: Sequence[int]) -> Speculator:
@@ -71,7 +72,7 @@ def make_speculator(engine, request: Request, sampler: Sampler, cache: Cache, co
         return engine.forward_at(tokens, cache, start, all_logits=True)
 
     costs = engine.spec_costs.setdefault(request.speculative.method, StepCosts())  # one per engine and method
-    return Speculator(make_proposer(engine, request, context), sampler, request.speculative, forward, costs)
+    return Speculator(make_proposer(engine, request, context, costs), sampler, request.speculative, forward, costs)
 
 
 def make_draft_engine(engine, draft_model):

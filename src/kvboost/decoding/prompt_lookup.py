@@ -38,13 +38,14 @@ class PromptLookup:
         self._buf[self.length:self.length + n] = tokens
         self.length += n
 
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest (max_ngram down to min_ngram) earlier occurrence of the
-        context's last n tokens; [] when none occurs."""
+    def propose(self, k: int, min_ngram: int | None = None) -> list[int]:
+        """Up to k tokens that followed the longest (max_ngram down to min_ngram, or the given floor for this
+        call) earlier occurrence of the context's last n tokens; [] when none occurs."""
         ctx, L = self.tokens, self.length
         if k <= 0:
             return []
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+        floor = self.min_ngram if min_ngram is None else max(1, min(min_ngram, self.max_ngram))
+        for n in range(min(self.max_ngram, L - 1), floor - 1, -1):
             # Windows starting at s < L - n, so a match is followed by at least one token and is never the
             # suffix itself.
             m = L - n

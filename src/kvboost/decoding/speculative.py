@@ -31,6 +31,11 @@ MAX_NGRAM = 16
 # plain steps, so two failed 8-draft probes at the start of a short open-ended answer cost ~10% of it.
 PROBE_K = 2
 STREAK_ACCEPTANCE = 0.9  # the acceptance lengths are judged at right after a proposal was kept whole
+# prompt_lookup_min_ngram None ("auto"): a lone recurring token is worth drafting from only where a short verify
+# costs about a plain step (a GPU; a CPU with cpu_linear: 2 tokens 36 ms against 35 at one thread); where it costs
+# nearly two (a CPU without it: 195 against 107 ms) drafts need a 2-gram match. `kvboost bench spec`, one thread,
+# back to back: min n-gram 1 rag / code / extract / chat 1.34 / 2.35 / 3.15 / 1.07x, 2: 1.29 / 2.19 / 3.07 / 1.02x.
+UNIGRAM_VERIFY_OVER_STEP = 1.25
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class SpeculativeParams:
     method: str
     num_tokens: int = 8  # k: the most drafts verified in one forward
     max_ngram: int = 3
-    min_ngram: int = 2
+    min_ngram: int | None = None  # None: auto (lookup_min_ngram, from the measured step costs)
     prediction: tuple[int, ...] = ()  # predicted output (OpenAI's Predicted Outputs): drafts come from it first
 
     def __post_init__(self) -> None:
@@ -48,6 +53,15 @@ class SpeculativeParams:
             raise InvalidRequestError(f"unknown speculative method {self.method!r}; expected prompt_lookup or "
                                       "draft (or off/None for no speculation)", "speculative")
         check_speculative_numbers(self.num_tokens, self.max_ngram, self.min_ngram)
+
+
+def lookup_min_ngram(costs: StepCosts | None) -> int:
+    """prompt_lookup_min_ngram "auto": 1 once a 2-token verify has measured at most UNIGRAM_VERIFY_OVER_STEP plain
+    steps, else 2 (also before anything is measured)."""
+    if costs is None or costs.t1 is None:
+        return 2
+    verify = costs.verify_s(2)
+    return 1 if verify is not None and verify <= UNIGRAM_VERIFY_OVER_STEP * costs.t1 else 2
 
 
 def parse_method(value: object) -> str | None:
@@ -62,6 +76,7 @@ def parse_method(value: object) -> str | None:
 
 
 def check_speculative_numbers(k: object, max_ngram: object, min_ngram: object) -> None:
+    """min_ngram None is "auto" (lookup_min_ngram), valid with any max_ngram."""
     def is_int(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
@@ -71,7 +86,7 @@ def check_speculative_numbers(k: object, max_ngram: object, min_ngram: object) -
     if not is_int(max_ngram) or not 1 <= max_ngram <= MAX_NGRAM:  # type: ignore[operator]
         raise InvalidRequestError(f"prompt_lookup_max_ngram must be an int in [1, {MAX_NGRAM}], got {max_ngram!r}",
                                   "prompt_lookup_max_ngram")
-    if not is_int(min_ngram) or not 1 <= min_ngram <= max_ngram:  # type: ignore[operator]
+    if min_ngram is not None and (not is_int(min_ngram) or not 1 <= min_ngram <= max_ngram):  # type: ignore
         raise InvalidRequestError(f"prompt_lookup_min_ngram must be an int in [1, prompt_lookup_max_ngram="
                                   f"{max_ngram}], got {min_ngram!r}", "prompt_lookup_min_ngram")
 

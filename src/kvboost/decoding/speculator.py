@@ -16,7 +16,15 @@ import torch
 
 from ..sampling import Sampler
 from .prompt_lookup import PromptLookup
-from .speculative import AdaptiveK, SpecCounts, SpeculativeParams, StepCosts, accept_greedy, accept_sampled
+from .speculative import (
+    AdaptiveK,
+    SpecCounts,
+    SpeculativeParams,
+    StepCosts,
+    accept_greedy,
+    accept_sampled,
+    lookup_min_ngram,
+)
 
 Forward = Callable[[list[int], int], torch.Tensor]
 
@@ -34,17 +42,22 @@ class Proposer(Protocol):
 
 class LookupProposer:
     """Prompt lookup as a Proposer (no model, nothing to release). A request's predicted output comes first in
-    the searched text: the earliest occurrence wins, so drafts follow the prediction where it matches."""
+    the searched text: the earliest occurrence wins, so drafts follow the prediction where it matches.
+    params.min_ngram None ("auto"): each proposal's shortest n-gram follows the engine's measured step costs
+    (`costs`, shared with the request's AdaptiveK; lookup_min_ngram)."""
 
-    def __init__(self, context: Sequence[int], params: SpeculativeParams, capacity: int):
-        self.lookup = PromptLookup([*params.prediction, *context], params.max_ngram, params.min_ngram,
+    def __init__(self, context: Sequence[int], params: SpeculativeParams, capacity: int,
+                 costs: StepCosts | None = None):
+        self.lookup = PromptLookup([*params.prediction, *context], params.max_ngram, params.min_ngram or 1,
                                    capacity=capacity)
+        self.auto_min_ngram = params.min_ngram is None
+        self.costs = costs
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.lookup.extend(tokens)
 
     def propose(self, k: int) -> list[int]:
-        return self.lookup.propose(k)
+        return self.lookup.propose(k, lookup_min_ngram(self.costs) if self.auto_min_ngram else None)
 
     def close(self, emitted: Sequence[int]) -> None:
         pass
