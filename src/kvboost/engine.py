@@ -23,7 +23,7 @@ from .batch import cascade as _cascade  # noqa: F401
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
-from .decoding.factory import make_draft_engine, make_speculator
+from .decoding.factory import make_draft_engine, make_speculator, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.build import build_kv_manager
@@ -459,8 +459,7 @@ class InferenceEngine:
         fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear, self.table_runner)
         return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,
-                    speculative=dict(default=self.config.speculative, **self.spec_counts.as_dict(),
-                                     step_costs={m: c.as_dict() for m, c in self.spec_costs.items()}))
+                    speculative=speculation_stats(self.config, self.spec_counts, self.spec_costs))
 
     def clear_cache(self) -> None:
         """Forget every stored chunk and the workspace's resident prefix."""

@@ -158,6 +158,21 @@ def test_the_shortest_ngram_follows_the_measured_verify_cost_unless_set():
     assert capped.min_ngram == 1  # lowered to the requested maximum
 
 
+def test_cache_stats_report_the_shortest_ngram_set_or_picked(tokenizer):
+    from kvboost.decoding.speculative import lookup_min_ngram
+
+    model = make_tiny_model("llama", tokenizer)
+    auto = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
+    stats = auto.cache_stats()["speculative"]
+    assert (stats["prompt_lookup_min_ngram"], stats["prompt_lookup_min_ngram_now"]) == ("auto", 2)  # nothing timed
+    auto.generate("river stone lantern quiet orbit " * 6, 24)
+    assert auto.cache_stats()["speculative"]["prompt_lookup_min_ngram_now"] == \
+        lookup_min_ngram(auto.spec_costs["prompt_lookup"])
+    fixed = KVBoost(model, tokenizer, chunk_size=16, prompt_lookup_min_ngram=3)
+    assert fixed.cache_stats()["speculative"]["prompt_lookup_min_ngram"] == 3
+    assert fixed.cache_stats()["speculative"]["prompt_lookup_min_ngram_now"] == 3
+
+
 def test_verify_cost_is_timed_per_length_with_the_fit_below_and_optimism_above():
     """A length timed costs what it measured (a decaying mean), whatever the line through the others says - on a
     CPU the cost jumps where MKL changes kernels (cpu_linear: 4 rows 39 ms, 5 rows 64 ms at one thread); a length

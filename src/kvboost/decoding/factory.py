@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequestError
-from .speculative import SpeculativeParams, StepCosts, parse_method
+from .speculative import SpecCounts, SpeculativeParams, StepCosts, lookup_min_ngram, parse_method
 from .speculator import LookupProposer, Proposer, Speculator
 
 if TYPE_CHECKING:
@@ -49,6 +49,17 @@ def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str 
         min_ngram = min(config.prompt_lookup_min_ngram, max_ngram)
     return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens), max_ngram,
                              min_ngram, tuple(prediction))
+
+
+def speculation_stats(config: EngineConfig, counts: SpecCounts, costs: dict[str, StepCosts]) -> dict:
+    """cache_stats()["speculative"]: the engine's default, draft / acceptance counts, the measured step costs per
+    method, and the shortest n-gram prompt lookup drafts from (set, or "auto" and what auto picks now)."""
+    auto = config.prompt_lookup_min_ngram is None
+    return dict(default=config.speculative, **counts.as_dict(),
+                step_costs={m: c.as_dict() for m, c in costs.items()},
+                prompt_lookup_min_ngram="auto" if auto else config.prompt_lookup_min_ngram,
+                prompt_lookup_min_ngram_now=min(lookup_min_ngram(costs.get("prompt_lookup")) if auto
+                                                else config.prompt_lookup_min_ngram, config.prompt_lookup_max_ngram))
 
 
 def make_proposer(engine, request: Request, context: Sequence[int], costs: StepCosts | None = None) -> Proposer:
