@@ -1,4 +1,5 @@
-"""Random request traces through paged engines under memory pressure, against plain generation.
+"""Random request traces through paged engines (and an unpaged one over disk) under memory pressure, against plain
+generation.
 
 Each trace mixes what users do - documents with questions, multi-turn follow-ups that quote earlier outputs,
 warm(), prefix-cache mode, speculative requests, streams, batches, stop strings, regex-constrained output,
@@ -31,7 +32,7 @@ OUTPUT_OPTIONS = ("regex", "logprobs", "repetition_penalty")
 SETUPS = {"workspace": None, "table": CHUNK // 4, "table-disk": None, "streamed": CHUNK // 2, "unpaged-disk": None}
 
 
-def _engine(model, tokenizer, setup: str, tmp_path) -> KVBoost:
+def make_engine(model, tokenizer, setup: str, tmp_path) -> KVBoost:
     """Budgets of a few chunks: the device holds 3, the host 12 (or, with disk, the device 4 and no host)."""
     probe = KVBoost(model, tokenizer, chunk_size=CHUNK, paged_kv=True)
     chunk = probe.cache_stats()["paged_kv"]["block_bytes"]
@@ -151,10 +152,10 @@ def test_random_traces_under_memory_pressure_match_plain_generation(tokenizer, t
     model = make_tiny_model("llama", tokenizer)
     plain = KVBoost(model, tokenizer, chunk_size=CHUNK)
     trace = Trace(tokenizer, plain, seed)
-    engines = [_engine(model, tokenizer, setup, tmp_path)]
+    engines = [make_engine(model, tokenizer, setup, tmp_path)]
 
     def restart() -> KVBoost:
-        engines.append(_engine(model, tokenizer, setup, tmp_path))
+        engines.append(make_engine(model, tokenizer, setup, tmp_path))
         return engines[-1]
 
     engine = engines[0]

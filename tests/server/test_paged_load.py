@@ -9,7 +9,7 @@ import pytest
 
 from kvboost import KVBoost
 
-from ..kv.test_paged_traces import Trace, _engine, check_holds
+from ..kv.test_paged_traces import Trace, check_holds, make_engine
 from ..tiny_models import make_tiny_model
 from .conftest import TINY_NAME, live_server
 
@@ -19,7 +19,7 @@ CLIENTS = 4
 @pytest.mark.parametrize("setup", ["workspace", "table"])
 def test_concurrent_requests_under_memory_pressure(tokenizer, tmp_path, setup):
     model = make_tiny_model("llama", tokenizer)
-    engine = _engine(model, tokenizer, setup, tmp_path)
+    engine = make_engine(model, tokenizer, setup, tmp_path)
     trace = Trace(tokenizer, KVBoost(model, tokenizer, chunk_size=16), seed=5)
     jobs = []
     for _ in range(16):
