@@ -137,7 +137,8 @@ def check_speculative_flags(speculative: str | None, draft_model: str | None, ma
     """ValueError for flag combinations that cannot run (never a silently ignored flag)."""
     if speculative is not None and max_batch_size > 1:
         raise ValueError(f"--speculative {speculative} runs one request at a time (batched rows do not speculate "
-                         "yet): add --max-batch-size 1")
+                         "yet): add --max-batch-size 1, or keep batching and send speculative in the requests that "
+                         "should (those run on their own)")
     if speculative == "draft" and draft_model is None:
         raise ValueError("--speculative draft needs --draft-model")
     if draft_model is not None and speculative != "draft":
