@@ -364,7 +364,7 @@ def test_bad_values_are_typed_errors(tokenizer):
     assert on.generate("hello there", 4, speculative=None).speculative is None
 
 
-def test_batches_run_speculative_rows_apart_and_the_runner_refuses_them(tokenizer):
+def test_batches_take_prompt_lookup_rows_and_the_runner_refuses_seeded_sampled_ones(tokenizer):
     from kvboost.batch import BatchRunner
 
     engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
@@ -373,7 +373,7 @@ def test_batches_run_speculative_rows_apart_and_the_runner_refuses_them(tokenize
     spec = engine.generate_batch(prompts, 20, speculative="prompt_lookup")
     assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
     assert all(r.speculative == "prompt_lookup" for r in spec) and all(r.speculative is None for r in plain)
-    request = engine.request(prompts[0], 4, speculative="prompt_lookup")
-    with pytest.raises(InvalidRequestError, match="verifies drafts per sequence") as info:
+    request = engine.request(prompts[0], 4, speculative="prompt_lookup", temperature=0.7, seed=1)
+    with pytest.raises(InvalidRequestError, match="seeded sampling with speculation") as info:
         BatchRunner(engine).add(request)
-    assert info.value.param == "speculative"
+    assert info.value.param == "seed"

@@ -77,3 +77,24 @@ def test_sampled_constrained_output_with_speculation_is_valid(engine):
         r = engine.generate(prompt, 200, response_format=FORMAT, temperature=1.0, seed=seed,
                             speculative="prompt_lookup")
         assert _valid(r.output_text), r.output_text
+
+
+def test_output_closed_at_the_budget_is_identical_with_speculation(tokenizer):
+    """Near max_new_tokens the grammar forces the output closed, counting the tokens emitted so far. Checking
+    drafts against the grammar must not change that count (it once did: each check took its drafts off it, so
+    the speculative output closed later than the plain one)."""
+    from ..tiny_models import make_tiny_model
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
+    prompt, regex = "river stone lantern quiet orbit " * 6, r"(river|stone|lantern|quiet|orbit| )+"
+    plain = engine.generate(prompt, 30, regex=regex)
+    assert plain.finish_reason == "length" and plain.generated_tokens < 30  # closed (and stopped) by the budget
+    spec = engine.generate(prompt, 30, regex=regex, speculative="prompt_lookup", prompt_lookup_min_ngram=1)
+    assert spec.draft_tokens > 0
+    assert spec.output_token_ids == plain.output_token_ids and spec.finish_reason == plain.finish_reason
+    constraint = engine.request(prompt, 30, regex=regex).sampler(engine.device).constraint
+    ids = plain.output_token_ids[:5]
+    assert constraint.accepted_prefix(ids) == 5 and constraint.emitted == 0
+    for token in ids:
+        constraint.advance(token)
+    assert constraint.accepted_prefix(plain.output_token_ids[5:9]) == 4 and constraint.emitted == 5

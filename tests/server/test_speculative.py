@@ -1,5 +1,5 @@
-"""The server with speculative decoding: one request at a time, greedy output identical, /metrics reports drafts
-and acceptance; flag combinations that cannot run are refused before anything loads."""
+"""The server with speculative decoding: one request at a time or batched, greedy output identical, /metrics
+reports drafts and acceptance; flag combinations that cannot run are refused before anything loads."""
 from __future__ import annotations
 
 import pytest
@@ -12,17 +12,33 @@ from ..tiny_models import make_tiny_model
 from .conftest import live_server
 
 
-def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_model_dir):
+@pytest.mark.parametrize("max_batch_size", [1, 4], ids=["single", "batched"])
+def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_model_dir, max_batch_size):
+    """`kvboost serve --speculative prompt_lookup`, one request at a time or batching (where a request verifies
+    drafts on the steps it runs alone): concurrent replies equal plain generation's."""
+    import threading
+
     model = make_tiny_model("llama", tokenizer)
     plain = KVBoost(model, tokenizer, chunk_size=16)
     spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
-    prompt = "river stone lantern quiet orbit " * 6
-    want = [plain.generate(prompt, 32).output_text for _ in range(2)]
-    with live_server(spec, model=str(tiny_model_dir), max_batch_size=1) as live:
+    prompts = ["river stone lantern quiet orbit " * 6, "quiet orbit " * 9, "lantern stone river " * 7]
+    lengths = [40, 8, 12]  # the longest finishes alone on a batching server, drafting then
+    want = [plain.generate(p, n).output_text for p, n in zip(prompts, lengths)]
+    got: list[str | None] = [None] * len(prompts)
+    with live_server(spec, model=str(tiny_model_dir), max_batch_size=max_batch_size) as live:
         client = live.client()
-        got = [client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=32, temperature=0)
-               .choices[0].text for _ in range(2)]
+
+        def ask(i: int) -> None:
+            got[i] = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=lengths[i],
+                                               temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         metrics = live.http().get("/metrics").text
+        assert live.scheduler.snapshot()["run_apart"] == 0
     assert got == want
     drafted = [line for line in metrics.splitlines() if line.startswith("kvboost_speculative_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
@@ -32,7 +48,8 @@ def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_
 
 def test_flag_combinations_that_cannot_run_are_refused():
     with pytest.raises(ValueError, match="max-batch-size 1"):
-        check_speculative_flags("prompt_lookup", None, 16)
+        check_speculative_flags("draft", "some/draft", 16)
+    check_speculative_flags("prompt_lookup", None, 16)  # its rows speculate when they run alone
     with pytest.raises(ValueError, match="--draft-model"):
         check_speculative_flags("draft", None, 1)
     with pytest.raises(ValueError, match="only with --speculative draft"):
@@ -53,7 +70,7 @@ def test_flag_combinations_that_cannot_run_are_refused():
 
 def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenizer, tiny_model_dir):
     """OpenAI's `prediction` on a one-at-a-time server: the reply is the reply without it, streamed or not, and
-    usage reports accepted / rejected prediction tokens; a batching server runs such a request on its own."""
+    usage reports accepted / rejected prediction tokens; on a batching server it is a row like any other."""
     import httpx
     import openai
 
@@ -90,7 +107,7 @@ def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenize
                                                   prediction={"type": "content", "content": want.output_text})
         assert r.choices[0].message.content == want.output_text
         assert r.usage.completion_tokens_details.accepted_prediction_tokens > 0
-        assert live.scheduler.snapshot()["run_apart"] == 1
+        assert live.scheduler.snapshot()["run_apart"] == 0  # a row of the batch, drafting from the prediction
 
 
 def test_a_compiled_fast_path_server_answers_as_the_default_one(tokenizer, tiny_model_dir, device):

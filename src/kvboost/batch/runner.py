@@ -20,28 +20,36 @@ dropped part, prefix[P':P], is copied into every active row's positions [P', P) 
 rebased to P' (exact; P' may be 0, which is the plain per-row layout). The prefix never grows while rows
 are active and is dropped when the batch empties. Models where this cannot be exact (sliding windows,
 softcapping...) keep the per-row path.
+
+Speculation (prompt lookup, speculative= on the request or the engine): a row verifies drafts on the steps it runs
+alone - one forward of its token and up to k drafts over its slot, kept or rolled back by its length exactly as
+generate() does - and decodes plainly beside other rows (its proposer still sees every token). vLLM turns
+speculation off above a batch size for the same reason: with company, a verify would make every row's step k + 1
+tokens long. Draft-model and seeded sampled speculative requests run apart (rows.runs_apart).
 """
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..compat import has_sliding_layers
-from ..decoding import OutputTracker
+from ..decoding.factory import make_proposer
+from ..decoding.speculative import MAX_SPECULATIVE_TOKENS, StepCosts
+from ..decoding.speculator import Speculator
 from ..errors import InvalidRequestError
 from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
 from ..model.forward import attention_context
 from ..model.runner import BATCH_BUCKETS, ModelRunner
 from ..request import Request
-from ..results import GenerationMode, GenerationResult
-from ..sampling import Sampler, SamplingParams, sample_rows
+from ..results import GenerationMode
+from ..sampling import SamplingParams, sample_rows
 from .cascade import cascade_forward, unsupported_reason
 from .prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
+from .rows import Row, RunsApart, SequenceHandle, runs_apart
 
 # With a runner (CUDA graphs), rows share a prefix through cascade attention only from this length on: a
 # shorter one is copied per row so that decode steps replay as graphs. At 1k shared tokens x 16 rows of a 3B
@@ -99,83 +107,6 @@ class _SlotLayer(CacheLayerMixin):
         return -1
 
 
-@dataclass
-class SequenceHandle:
-    """A request inside the runner. Deltas are taken by another thread; cancel() from any thread."""
-
-    prompt_text: str | None  # None: the result decodes it from the ids
-    prompt_tokens: int
-    finished: bool = False
-    result: GenerationResult | None = None
-    error: Exception | None = None
-    _deltas: list[str] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _cancelled: bool = False
-
-    def take_deltas(self) -> list[str]:
-        with self._lock:
-            out, self._deltas = self._deltas, []
-        return out
-
-    def cancel(self) -> None:
-        self._cancelled = True
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def _push(self, delta: str) -> None:
-        if delta:
-            with self._lock:
-                self._deltas.append(delta)
-
-
-@dataclass
-class _Row:
-    handle: SequenceHandle
-    request: Request
-    sampler: Sampler
-    tracker: OutputTracker
-    slot: int = -1
-    length: int = 0  # tokens whose K/V is in the slot (or the shared prefix)
-    next_token: int = -1
-    plan: Plan | None = None
-    ttft_ms: float = 0.0
-
-    @property
-    def ids(self) -> list[int]:
-        return self.request.ids
-
-    @property
-    def mode(self) -> GenerationMode:
-        return self.request.mode
-
-    @property
-    def salt(self) -> str | None:
-        return self.request.salt
-
-
-@dataclass(frozen=True)
-class RunsApart:
-    """Why a request cannot be a row of a batch: the request field that causes it, and the reason."""
-
-    param: str
-    reason: str
-
-
-def runs_apart(engine, request: Request) -> RunsApart | None:
-    """Why `request` cannot be a row of a batch (None: it can). Such a request runs one at a time through the
-    single-request path: engine.run_batch and the batching server's scheduler run it apart, between batches."""
-    if request.speculative is not None:
-        return RunsApart("speculative", "speculative decoding verifies drafts per sequence, not in a batch")
-    positions = len(request.ids) + request.params.max_new_tokens
-    if engine.kv.streams(positions):
-        return RunsApart("max_tokens", f"prompt + max_new_tokens = {positions} positions is more than "
-                         f"device_kv_max_tokens={engine.kv.streamed.max_device_tokens}, so its K/V is streamed "
-                         "from host memory one request at a time, not batched")
-    return None
-
-
 class BatchRunner:
     def __init__(self, engine, max_batch_size: int = 16, shared_prefix_attention: bool | None = None):
         """shared_prefix_attention: None follows engine.config.shared_prefix_attention (default on); models
@@ -205,10 +136,15 @@ class BatchRunner:
                               max_positions=engine.max_context)
         self.steps: ModelRunner | None = None
         if engine.runner is not None:
+            # One verify bucket: a row alone verifies its drafts through it (k + 1 <= 16 tokens).
             self.steps = ModelRunner(engine.model, self.ws, mode=engine.runner.mode, backend=engine.runner.backend,
-                                     buckets=(), fallback_on_failure=engine.runner.fallback_on_failure)
-        self._pending: list[_Row] = []
-        self._active: list[_Row] = []  # _active[i].slot == i
+                                     buckets=(MAX_SPECULATIVE_TOKENS + 1,),
+                                     fallback_on_failure=engine.runner.fallback_on_failure)
+        # What a plain step and a verify cost here, per method, for the rows' AdaptiveK (this runner's steps are
+        # not the engine's single-request ones, so they are measured apart).
+        self.spec_costs: dict[str, StepCosts] = {}
+        self._pending: list[Row] = []
+        self._active: list[Row] = []  # _active[i].slot == i
         self._lock = threading.Lock()
 
     # ---- public ---------------------------------------------------------------------------------
@@ -227,7 +163,7 @@ class BatchRunner:
             raise InvalidRequestError(f"{apart.reason}: run it with generate()/generate_stream() (engine.run_batch "
                                       "and a batching server run it on its own)", apart.param)
         handle = SequenceHandle(request.prompt_text, len(request.ids))
-        row = _Row(handle, request, request.sampler(self.engine.device),
+        row = Row(handle, request, request.sampler(self.engine.device),
                    request.tracker(self.engine.tokenizer, self.engine.eos_token_ids))
         with self._lock:
             self._pending.append(row)
@@ -281,13 +217,15 @@ class BatchRunner:
                 self._fail(row, exc)
                 continue
             self._active.append(row)
+            if row.request.speculative is not None:
+                row.spec = self._speculator(row)
             self._after_sample(row)
 
-    def _compute_shared_prefixes(self, rows: list[_Row]) -> None:
+    def _compute_shared_prefixes(self, rows: list[Row]) -> None:
         """A prefix that several new rows share but the store lacks is computed once, not once per row."""
         engine = self.engine
         size = engine.config.chunk_size
-        groups: dict[tuple, list[_Row]] = {}
+        groups: dict[tuple, list[Row]] = {}
         for r in rows:
             if r.mode is not GenerationMode.BASELINE and len(r.ids) > size:
                 groups.setdefault((r.salt, tuple(r.ids[:size])), []).append(r)
@@ -300,7 +238,7 @@ class BatchRunner:
                     engine.warm_ids(group[0].ids[:common], group[0].salt, cut_ids=group[0].ids)
 
     # ---- the shared prefix ----------------------------------------------------------------------
-    def _share_prefix(self, new: list[_Row]) -> None:
+    def _share_prefix(self, new: list[Row]) -> None:
         """Make self.prefix the longest stored chunk-aligned prefix that every active and new row shares."""
         if not self._active:
             self.prefix = None
@@ -313,7 +251,7 @@ class BatchRunner:
         self.ws.rebase(self.prefix.length if self.prefix is not None else 0,
                        keep=max([r.length for r in self._active], default=0))
 
-    def _shared_length(self, new: list[_Row]) -> int:
+    def _shared_length(self, new: list[Row]) -> int:
         if not self.shared_prefix_attention:
             return 0
         rows = self._active + new
@@ -328,7 +266,7 @@ class BatchRunner:
         # Never grows while rows rely on it (their columns below a larger P were never written).
         return min(n, self.prefix.length) if self.prefix is not None else n
 
-    def _load_prefix(self, row: _Row, target: int) -> SharedPrefix | None:
+    def _load_prefix(self, row: Row, target: int) -> SharedPrefix | None:
         """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
         # The row's own chunks (cut as in its full ids: split(ids[:target]) could cut its last chunks elsewhere
         # under a boundary window), whole chunks only, so n is a cut of every row too.
@@ -347,7 +285,7 @@ class BatchRunner:
             self.ws.write(dropped_k, dropped_v, n, row=row.slot)
         self.prefix = prefix.truncated(n)
 
-    def _forward(self, cache: Cache, **inputs) -> torch.Tensor:
+    def _forward(self, cache: Cache, keep: int = 1, **inputs) -> torch.Tensor:
         model = self.engine.model
         # The shared prefix needs cascade attention; otherwise rows use the engine's attention (resolve_attention).
         if self.prefix is not None:
@@ -355,10 +293,10 @@ class BatchRunner:
         else:
             ctx = attention_context(model, self.engine.attention)
         with ctx:
-            return model(past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs).logits
+            return model(past_key_values=cache, use_cache=True, logits_to_keep=keep, **inputs).logits
 
     # ---- prefill ---------------------------------------------------------------------------------
-    def _prefill(self, row: _Row) -> None:
+    def _prefill(self, row: Row) -> None:
         request, shared = row.request, self.prefix.length if self.prefix is not None else 0
         # Chunks inside the shared prefix need no lookup: their K/V is already in self.prefix.
         plan = self.kv.lookup(request.ids, request.salt, request.mode, request.approximate, skip_before=shared)
@@ -376,7 +314,7 @@ class BatchRunner:
         row.next_token = row.sampler(logits.float())
         row.ttft_ms = (time.perf_counter() - request.t_start) * 1e3
 
-    def _prefill_with_content(self, row: _Row, shared: int) -> tuple[Plan, torch.Tensor]:
+    def _prefill_with_content(self, row: Row, shared: int) -> tuple[Plan, torch.Tensor]:
         """Content placed at new positions is repaired layer by layer over one contiguous row: the engine's
         single-request prefill does exactly what generate() does; the row's own positions are copied over."""
         pre = self.engine.prefill(row.request)
@@ -388,6 +326,8 @@ class BatchRunner:
     def _decode(self) -> None:
         rows = self._active
         n = len(rows)
+        if n == 1 and rows[0].spec is not None:
+            return self._speculate(rows[0])
         if self.prefix is None and self.steps is not None and self.steps.fits_batch(n):
             logits = self.steps.decode_batch([r.next_token for r in rows], [r.length for r in rows])
         else:
@@ -402,16 +342,52 @@ class BatchRunner:
         for row, token in zip(rows, sample_rows([r.sampler for r in rows], logits)):
             row.length += 1
             row.next_token = token
+            if row.spec is not None:
+                row.spec.proposer.extend([token])
         for row in list(rows):
             self._after_sample(row)
 
-    def _after_sample(self, row: _Row) -> None:
-        row.handle._push(row.tracker.feed(row.next_token))
+    def _after_sample(self, row: Row) -> None:
+        row.emit([row.next_token])
         if row.tracker.finished:
             self._finish(row)
 
+    # ---- speculation: a prompt-lookup row verifies drafts on the steps it runs alone ------------------------
+    # Beside other rows a verify would cost every row a step of k + 1 tokens (a ragged batch); alone, the step is
+    # the row's own, as in generate(), and its AdaptiveK weighs drafts against this runner's measured plain step.
+    def _speculator(self, row: Row) -> Speculator:
+        params = row.request.speculative
+        assert params is not None
+        costs = self.spec_costs.setdefault(params.method, StepCosts())
+        proposer = make_proposer(self.engine, row.request, row.ids + [row.next_token], costs)
+        # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
+        # row's plan, and with it the holds on its blocks, alive until the garbage collector ran.
+        return Speculator(proposer, row.sampler, params, self._verify_alone, costs)
+
+    def _speculate(self, row: Row) -> None:
+        assert row.spec is not None
+        out = row.spec.step(row.next_token, row.length, row.tracker.max_new_tokens - len(row.tracker.tokens))
+        row.length += len(out)  # the fed token and the kept drafts; rejected drafts' K/V lies past it
+        row.next_token = out[-1]
+        row.emit(out)
+        if row.tracker.finished:
+            self._finish(row)
+
+    def _verify_alone(self, tokens: list[int], start: int) -> torch.Tensor:
+        """float32 logits [n, vocab] of `tokens` run at positions [start, start + n) of the batch's only row (slot 0)
+        after the K/V of its [0, start): a verify, or without drafts the row's plain step."""
+        assert len(self._active) == 1 and self._active[0].slot == 0
+        n = len(tokens)
+        if self.steps is not None and self.steps.fits_batch(1) and self.steps.fits(n):
+            return self.steps.verify(tokens, start) if n > 1 else self.steps.decode_batch(tokens, [start])
+        self.ws.ensure_capacity(start + n, keep=start)
+        cache = Cache(layers=[_SlotLayer(self.ws, i, slice(0, 1), start, start, self.prefix)
+                              for i in range(len(self.ws.shapes))])
+        ids = torch.tensor([tokens], device=self.engine.device)
+        return self._forward(cache, keep=n, input_ids=ids)[0].float()
+
     # ---- leaving ---------------------------------------------------------------------------------
-    def _finish(self, row: _Row) -> None:
+    def _finish(self, row: Row) -> None:
         request, plan = row.request, row.plan
         assert plan is not None
         fed = (request.ids + row.tracker.tokens)[: row.length]
@@ -423,11 +399,16 @@ class BatchRunner:
             source = PrefixedRows(self.ws, self.prefix) if self.prefix is not None else self.ws
             self.kv.write_back(exact, request.salt, source, row=row.slot)
         self.kv.record(request.mode, len(request.ids), plan)
-        row.handle.result = request.result(plan, row.tracker, row.ttft_ms, sampler=row.sampler)
+        spec = row.spec
+        if spec is not None:
+            spec.close(request.ids + row.tracker.tokens)
+            self.engine.spec_counts.merge(spec.counts)
+        row.handle.result = request.result(plan, row.tracker, row.ttft_ms, sampler=row.sampler,
+                                           spec=spec.counts if spec is not None else None)
         self._release(row)
         row.handle.finished = True
 
-    def _fail(self, row: _Row, exc: Exception) -> None:
+    def _fail(self, row: Row, exc: Exception) -> None:
         row.handle.error = exc
         if row in self._active:
             self._release(row)
@@ -442,7 +423,7 @@ class BatchRunner:
             self._release(row)
             row.handle.finished = True
 
-    def _release(self, row: _Row) -> None:
+    def _release(self, row: Row) -> None:
         """Free the row's slot; the last active row moves into it so active slots stay 0..n-1 (only its own
         columns move: those below the shared prefix are not the row's)."""
         idx = self._active.index(row)

@@ -90,7 +90,8 @@ class TokenConstraint:
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
                 break
             n += 1
-        self.rollback(n)
+        if n:
+            self.matcher.rollback(n)  # not self.rollback: these were never advanced, so `emitted` stays
         return n
 
     def advance(self, token: int) -> None:

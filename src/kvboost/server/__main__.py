@@ -43,8 +43,9 @@ def serve_command(
         "that starts with it then costs what later ones do.")),
     speculative: str | None = typer.Option(None, help="Speculative decoding for every request: prompt_lookup "
                                                       "(n-gram drafts from prompt + output), draft (needs "
-                                                      "--draft-model) or off. Runs one request at a time "
-                                                      "(--max-batch-size 1)."),
+                                                      "--draft-model; one request at a time: "
+                                                      "--max-batch-size 1) or off. With batching, a prompt-lookup "
+                                                      "request verifies drafts on the steps it runs alone."),
     num_speculative_tokens: int = typer.Option(8, help="Most drafts verified per forward (1-15)."),
     draft_model: str | None = typer.Option(None, help="Draft model (path or hub id) sharing the tokenizer, for "
                                                       "--speculative draft."),
@@ -135,10 +136,10 @@ def serve_command(
 
 def check_speculative_flags(speculative: str | None, draft_model: str | None, max_batch_size: int) -> None:
     """ValueError for flag combinations that cannot run (never a silently ignored flag)."""
-    if speculative is not None and max_batch_size > 1:
-        raise ValueError(f"--speculative {speculative} runs one request at a time (batched rows do not speculate "
-                         "yet): add --max-batch-size 1, or keep batching and send speculative in the requests that "
-                         "should (those run on their own)")
+    if speculative == "draft" and max_batch_size > 1:
+        raise ValueError("--speculative draft runs one request at a time (a draft model proposes through forwards "
+                         "of its own per sequence, not in a batch): add --max-batch-size 1, or use --speculative "
+                         "prompt_lookup, whose rows speculate in the batch on the steps they run alone")
     if speculative == "draft" and draft_model is None:
         raise ValueError("--speculative draft needs --draft-model")
     if draft_model is not None and speculative != "draft":

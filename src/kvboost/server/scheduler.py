@@ -10,9 +10,10 @@ Two ways to run:
   window for more requests, adds them together (rows sharing prefix chunks prefill against one copy of
   the shared K/V), then steps the runner; between steps, newly queued requests join the running batch
   and finished or cancelled rows leave (continuous batching). A request the runner cannot batch
-  (`batch.runs_apart`: speculative decoding, a context streamed from host memory) runs on its own: the
-  worker stops admitting, lets the running rows finish, runs it (and any others waiting apart) through
-  engine.stream, then batches again - in arrival order, so a stream of such requests cannot starve.
+  (`batch.runs_apart`: draft-model or seeded sampled speculation, a context streamed from host memory)
+  runs on its own: the worker stops admitting, lets the running rows finish, runs it (and any others
+  waiting apart) through engine.stream, then batches again - in arrival order, so a stream of such
+  requests cannot starve.
 * single (max_batch_size == 1): one request at a time via engine.stream; consecutive requests sharing a
   prefix still reuse it from the workspace/store.
 

@@ -1,0 +1,151 @@
+"""Prompt-lookup rows in the continuous-batching runner: a row verifies drafts on the steps it runs alone and
+decodes plainly beside others; every output equals plain generation, and what it stores is what plain generation
+would store."""
+from __future__ import annotations
+
+import pytest
+
+from kvboost import KVBoost
+from kvboost.batch import BatchRunner, runs_apart
+
+from ..prompts import text_with_tokens
+from ..tiny_models import make_tiny_model
+
+# Repetitive text: prompt lookup finds drafts in it, and a tiny random model tends to copy it.
+REPEATED = "river stone lantern quiet orbit " * 6
+
+
+def _run(runner: BatchRunner, handles) -> list:
+    while runner.has_work():
+        runner.step()
+    for h in handles:
+        assert h.error is None, h.error
+    return [h.result for h in handles]
+
+
+@pytest.fixture(params=["off", "eager"])
+def engines(request, tokenizer):
+    """(plain, spec): the same tiny model, without and with prompt lookup; fast_path "eager" runs the runner's
+    fixed-shape steps (its verify bucket), "off" the batch's own forward."""
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=16)
+    spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup", fast_path=request.param)
+    return plain, spec
+
+
+def test_a_row_alone_verifies_drafts_and_equals_plain_generation(engines):
+    plain, spec = engines
+    want = plain.generate(REPEATED, 40)
+    runner = BatchRunner(spec, max_batch_size=4)
+    [got] = _run(runner, [runner.add(spec.request(REPEATED, 40))])
+    assert got.output_token_ids == want.output_token_ids and got.output_text == want.output_text
+    assert got.speculative == "prompt_lookup"
+    assert got.draft_tokens > 0 and got.accepted_tokens > 0  # it really verified, and kept some
+    stats = spec.cache_stats()["speculative"]
+    assert stats["draft_tokens"] == got.draft_tokens and stats["accepted_tokens"] == got.accepted_tokens
+
+
+def test_rows_decode_plainly_together_and_speculate_once_alone(engines, tokenizer):
+    """Three rows of different lengths: while two or more are active nobody drafts; the longest finishes alone,
+    drafting. Outputs equal plain generation's, row by row."""
+    plain, spec = engines
+    prompts = [REPEATED, text_with_tokens(tokenizer, 30, seed=3) + " " + REPEATED, text_with_tokens(tokenizer, 20)]
+    lengths = [48, 8, 12]
+    want = [plain.generate(p, n).output_token_ids for p, n in zip(prompts, lengths)]
+    runner = BatchRunner(spec, max_batch_size=4)
+    handles = [runner.add(spec.request(p, n)) for p, n in zip(prompts, lengths)]
+    steps_together = 0
+    while runner.has_work():
+        steps_together += runner.active_count() > 1
+        runner.step()
+    got = [h.result for h in handles]
+    assert [r.output_token_ids for r in got] == want
+    assert steps_together >= 7  # the short rows ran beside the long one
+    assert got[0].draft_tokens > 0  # the long row drafted once it was alone
+    assert got[1].draft_tokens == 0  # the shortest row never ran alone
+
+
+def test_stops_inside_a_burst_and_the_stored_chunks_are_plain_generations(engines):
+    """A stop string or max_new_tokens inside an accepted burst ends the output exactly there, and what the row
+    wrote back serves a follow-up as plain generation's would (rejected drafts are never stored)."""
+    plain, spec = engines
+    base = plain.generate(REPEATED, 40).output_text
+    stop = base[len(base) // 2: len(base) // 2 + 6]
+    for options in ({"stop": [stop]}, {}):
+        for n in (9, 23):
+            want = plain.generate(REPEATED, n, **options)
+            runner = BatchRunner(spec, max_batch_size=2)
+            [got] = _run(runner, [runner.add(spec.request(REPEATED, n, **options))])
+            assert (got.output_text, got.finish_reason) == (want.output_text, want.finish_reason)
+    follow = REPEATED + base + " and then"
+    plain.clear_cache()
+    assert spec.generate(follow, 12, speculative="off").output_token_ids == plain.generate(follow, 12).output_token_ids
+    assert spec.generate(follow, 1).cached_tokens > len(spec.tokenizer(REPEATED).input_ids)
+
+
+def test_a_shared_prefix_row_speculates_over_the_cascade(tokenizer):
+    """Rows sharing a stored prefix read it through cascade attention; the row left alone verifies over it."""
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=16)
+    spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
+    shared = text_with_tokens(tokenizer, 64, seed=9)
+    prompts = [shared + " " + REPEATED, shared + " lantern quiet"]
+    lengths = [40, 6]
+    want = [plain.generate(p, n).output_token_ids for p, n in zip(prompts, lengths)]
+    spec.warm(shared)
+    runner = BatchRunner(spec, max_batch_size=2)
+    handles = [runner.add(spec.request(p, n)) for p, n in zip(prompts, lengths)]
+    runner.step()
+    assert runner.prefix is not None and runner.prefix.length >= 48  # the rows read one shared prefix
+    got = _run(runner, handles)
+    assert [r.output_token_ids for r in got] == want
+    assert got[0].draft_tokens > 0
+
+
+@pytest.mark.parametrize("options", [{"regex": r"(river|stone|lantern|quiet|orbit| )+"},
+                                     {"repetition_penalty": 1.3, "logprobs": 2},
+                                     {"temperature": 0.8}])
+def test_masked_penalized_and_sampled_rows_speculate_like_generate(tokenizer, options):
+    """A grammar, penalties and log-probabilities go through the same per-token sampling as generate()'s
+    speculation; unseeded sampling joins the batch (its draws follow the target's distribution either way)."""
+    pytest.importorskip("xgrammar") if "regex" in options else None
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=16)
+    spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
+    request = spec.request(REPEATED, 30, **options)
+    assert runs_apart(spec, request) is None
+    runner = BatchRunner(spec, max_batch_size=2)
+    [got] = _run(runner, [runner.add(request)])
+    if "temperature" in options:
+        assert got.generated_tokens == 30 or got.finish_reason == "stop"
+        return
+    want = plain.generate(REPEATED, 30, **options)
+    assert got.output_token_ids == want.output_token_ids
+    if "logprobs" in options:
+        assert [lp.token for lp in got.logprobs] == [lp.token for lp in want.logprobs]
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+
+
+def test_requests_that_still_run_apart(tokenizer):
+    spec = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, speculative="prompt_lookup")
+    assert runs_apart(spec, spec.request(REPEATED, 4)) is None
+    seeded = runs_apart(spec, spec.request(REPEATED, 4, temperature=0.7, seed=3))
+    assert seeded is not None and seeded.param == "seed"
+    assert runs_apart(spec, spec.request(REPEATED, 4, temperature=0.7, seed=3, speculative="off")) is None
+    # generate_batch runs the seeded one apart: its draws are generate()'s
+    want = spec.generate(REPEATED, 12, temperature=0.7, seed=3).output_token_ids
+    assert spec.generate_batch([REPEATED, "hello"], 12, temperature=0.7, seed=3)[0].output_token_ids == want
+
+
+def test_draft_model_rows_run_apart(tokenizer):
+    from kvboost.errors import InvalidRequestError
+
+    target = make_tiny_model("llama", tokenizer)
+    engine = KVBoost(target, tokenizer, chunk_size=16, draft_model=make_tiny_model("llama", tokenizer, seed=1),
+                     speculative="draft")
+    apart = runs_apart(engine, engine.request(REPEATED, 4))
+    assert apart is not None and apart.param == "speculative"
+    with pytest.raises(InvalidRequestError, match="draft model"):
+        BatchRunner(engine).add(engine.request(REPEATED, 4))
+    want = engine.generate(REPEATED, 10).output_token_ids
+    assert engine.generate_batch([REPEATED, "hello"], 10)[0].output_token_ids == want
