@@ -45,3 +45,17 @@ def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one
     assert set(last) <= {"prompt_lookup", "draft"} and last  # what the engine measured, per method
     for costs in last.values():
         assert costs["plain_step_ms"] > 0 and set(costs["verify_ms"]) == {str(n) for n in range(2, 17)}
+
+
+def test_batch_runner_rows_are_identical_and_draft(one_thread):
+    """--batch-runner: each prompt also runs as a lone row of the batching runner, with and without lookup."""
+    from kvboost.bench.spec import run_spec_bench
+    from kvboost.cli_common import model_choice
+
+    rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=12, per_workload=1, k=4,
+                          min_ngram=1, batch_runner=True)
+    batched = [r for r in rows if r.system.startswith("batched")]
+    assert {r.system for r in batched} == {"batched", "batched_prompt_lookup"} and len(batched) == 8
+    assert all(r.identical_rate == 1.0 for r in batched)
+    assert all(s["draft_tokens"] == 0 for r in batched if r.system == "batched" for s in r.samples)
+    assert sum(s["draft_tokens"] for r in batched if r.system == "batched_prompt_lookup" for s in r.samples) > 0

@@ -8,7 +8,9 @@ the prompt, extraction from a text, open chat):
 * draft: KVBoost with a draft model. No real draft/target pair ships, so by default the draft is a tiny random
   model sharing the tokenizer: its drafts are almost never accepted, and only exactness and the cost of
   verification (how much slower than no speculation) are meaningful. --draft-model takes a real one;
-* hf_prompt_lookup: Hugging Face `generate(prompt_lookup_num_tokens=k)` with a plain DynamicCache.
+* hf_prompt_lookup: Hugging Face `generate(prompt_lookup_num_tokens=k)` with a plain DynamicCache;
+* with --batch-runner, batched / batched_prompt_lookup: the same request as a row of the continuous-batching runner
+  (kvboost serve's batching worker), alone in it, without and with prompt lookup.
 
 Decode tok/s = (generated - 1) / (total - time to first token): prefill and reuse are left out, so only the
 decode loop is compared. HF's time to first token is measured by a 1-token generate of the same prompt.
@@ -28,6 +30,7 @@ from ..cli_common import DeviceOption, DtypeOption, ModelOption, ShapeOption, lo
 from .console import bench_console
 
 SYSTEMS = ("kvboost", "prompt_lookup", "draft", "hf_prompt_lookup")
+BATCH_SYSTEMS = ("batched", "batched_prompt_lookup")
 
 
 @dataclass
@@ -85,9 +88,11 @@ def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple
 
 def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: int = 8,
                    draft_model: str | None = None, json_path: str | None = None, plot_path: str | None = None,
-                   console: Console | None = None, min_ngram: int | None = None, max_ngram: int = 3) -> list[Row]:
+                   console: Console | None = None, min_ngram: int | None = None, max_ngram: int = 3,
+                   batch_runner: bool = False) -> list[Row]:
     import torch
 
+    from ..batch import BatchRunner
     from ..decoding.factory import make_draft_engine
     from .workloads import load_spec_tasks
 
@@ -103,6 +108,8 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
     for t in tasks:
         by_workload.setdefault(t["workload"], []).append(t)
     eos = sorted(engine.eos_token_ids)
+    systems = SYSTEMS + (BATCH_SYSTEMS if batch_runner else ())
+    runner = BatchRunner(engine, max_batch_size=4) if batch_runner else None  # one, as a server keeps it
     samples: list[Sample] = []
     step_costs: dict[str, dict] = {}  # per workload: the engine's measured step costs per method after it ran
     for workload, items in by_workload.items():
@@ -110,14 +117,20 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
             ids = engine.encode(messages=task["messages"])
             engine.generate(input_ids=ids, max_new_tokens=2)  # prompt resident; warm caches
             ref = None
-            for system in SYSTEMS:
+            for system in systems:
                 if system == "hf_prompt_lookup":
                     tokens, decode_s = _hf_decode(engine.model, ids, max_new_tokens, k, eos)
                     kept = tokens[:-1] if tokens and tokens[-1] in eos else tokens  # KVBoost reports no EOS
                     s = Sample(workload, system, len(tokens), decode_s, kept == ref)
                 else:
-                    spec = {"kvboost": "off", "prompt_lookup": "prompt_lookup", "draft": "draft"}[system]
-                    r = engine.generate(input_ids=ids, max_new_tokens=max_new_tokens, speculative=spec)
+                    spec = {"kvboost": "off", "prompt_lookup": "prompt_lookup", "draft": "draft", "batched": "off",
+                            "batched_prompt_lookup": "prompt_lookup"}[system]
+                    if system in BATCH_SYSTEMS:
+                        assert runner is not None
+                        r = _run_alone(runner, engine.request(input_ids=ids, max_new_tokens=max_new_tokens,
+                                                              speculative=spec))
+                    else:
+                        r = engine.generate(input_ids=ids, max_new_tokens=max_new_tokens, speculative=spec)
                     tokens = r.output_token_ids
                     if system == "kvboost":
                         ref = tokens
@@ -125,9 +138,9 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                                tokens == ref, r.draft_tokens, r.accepted_tokens)
                 samples.append(s)
             console.print(f"{task['id']}: " + ", ".join(
-                f"{x.system} {(x.generated - 1) / x.decode_s:.1f} tok/s" for x in samples[-len(SYSTEMS):]))
+                f"{x.system} {(x.generated - 1) / x.decode_s:.1f} tok/s" for x in samples[-len(systems):]))
         step_costs[workload] = engine.cache_stats()["speculative"]["step_costs"]
-    rows = _rows(samples)
+    rows = _rows(samples, systems)
     _print(console, rows, draft_note)
     _print_costs(console, step_costs, k)
     if json_path:
@@ -150,7 +163,17 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
     return rows
 
 
-def _rows(samples: list[Sample]) -> list[Row]:
+def _run_alone(runner, request):
+    """One request through the batching runner, alone in it (as a batching server runs it between others)."""
+    handle = runner.add(request)
+    while runner.has_work():
+        runner.step()
+    if handle.error is not None:
+        raise handle.error
+    return handle.result
+
+
+def _rows(samples: list[Sample], systems: tuple[str, ...] = SYSTEMS) -> list[Row]:
     rows: list[Row] = []
     groups: dict[tuple[str, str], list[Sample]] = {}
     for s in samples:
@@ -158,10 +181,10 @@ def _rows(samples: list[Sample]) -> list[Row]:
     for workload in dict.fromkeys(s.workload for s in samples):
         # Decode tok/s over the workload: all decode tokens over all decode time (long answers weigh more).
         rates = {}
-        for system in SYSTEMS:
+        for system in systems:
             g = groups[(workload, system)]
             rates[system] = sum(s.generated - 1 for s in g) / sum(s.decode_s for s in g)
-        for system in SYSTEMS:
+        for system in systems:
             g = groups[(workload, system)]
             drafted = sum(s.draft_tokens for s in g)
             rows.append(Row(workload, system, len(g), rates[system], rates[system] / rates["kvboost"],
@@ -216,7 +239,10 @@ def bench_spec_command(
     min_ngram: int | None = typer.Option(None, "--prompt-lookup-min-ngram", min=1,
                                          help="Shortest n-gram prompt lookup matches (default: the engine's)."),
     max_ngram: int = typer.Option(3, "--prompt-lookup-max-ngram", min=1, help="Longest n-gram it tries first."),
+    batch_runner: bool = typer.Option(False, "--batch-runner", help="Also run each prompt as a row of the "
+                                      "continuous-batching runner (a batching server's path), without and with "
+                                      "prompt lookup."),
 ) -> None:
     """Decode tok/s, acceptance and identical outputs: no speculation, prompt lookup, a draft model, HF's."""
     run_spec_bench(model_choice(model, shape, device, dtype), max_new_tokens, per_workload, k, draft_model,
-                   json_path, plot_path, min_ngram=min_ngram, max_ngram=max_ngram)
+                   json_path, plot_path, min_ngram=min_ngram, max_ngram=max_ngram, batch_runner=batch_runner)
