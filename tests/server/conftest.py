@@ -61,6 +61,23 @@ class Live:
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60.0)
 
+    def complete_at_once(self, prompts: list[str], max_tokens: list[int]) -> list[str]:
+        """Greedy completions of every prompt, each from its own client thread, all sent at once."""
+        import threading
+
+        got: list[str] = [""] * len(prompts)
+
+        def ask(i: int) -> None:
+            got[i] = self.client().completions.create(model=TINY_NAME, prompt=prompts[i], max_tokens=max_tokens[i],
+                                                      temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
+
     def wait_idle(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while self.scheduler.queue_depth() or self.scheduler.active_count():

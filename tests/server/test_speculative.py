@@ -16,27 +16,14 @@ from .conftest import live_server
 def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_model_dir, max_batch_size):
     """`kvboost serve --speculative prompt_lookup`, one request at a time or batching (where a request verifies
     drafts on the steps it runs alone): concurrent replies equal plain generation's."""
-    import threading
-
     model = make_tiny_model("llama", tokenizer)
     plain = KVBoost(model, tokenizer, chunk_size=16)
     spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
     prompts = ["river stone lantern quiet orbit " * 6, "quiet orbit " * 9, "lantern stone river " * 7]
     lengths = [40, 8, 12]  # the longest finishes alone on a batching server, drafting then
     want = [plain.generate(p, n).output_text for p, n in zip(prompts, lengths)]
-    got: list[str | None] = [None] * len(prompts)
     with live_server(spec, model=str(tiny_model_dir), max_batch_size=max_batch_size) as live:
-        client = live.client()
-
-        def ask(i: int) -> None:
-            got[i] = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=lengths[i],
-                                               temperature=0).choices[0].text
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got = live.complete_at_once(prompts, lengths)
         metrics = live.http().get("/metrics").text
         assert live.scheduler.snapshot()["run_apart"] == 0
     assert got == want

@@ -3,8 +3,6 @@ resident engine, by a one-at-a-time server and by a batching one, which runs the
 while other requests still batch."""
 from __future__ import annotations
 
-import threading
-
 from kvboost import KVBoost
 
 from ..prompts import text_with_tokens
@@ -27,17 +25,8 @@ def test_long_contexts_stream_one_at_a_time_and_between_batches(tokenizer, tiny_
     # A batching server: long and short requests at once, from several clients.
     prompts = [prompt, "river stone", text_with_tokens(tokenizer, 70, seed=4), "quiet orbit lantern", "stone"]
     wants = [resident.generate(p, 6, mode="baseline").output_text for p in prompts]
-    got = [None] * len(prompts)
     with live_server(streaming, model=str(tiny_model_dir), max_batch_size=4, batch_window_ms=50) as live:
-        def ask(i: int) -> None:
-            got[i] = live.client().completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=6,
-                                                      temperature=0).choices[0].text
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got = live.complete_at_once(prompts, [6] * len(prompts))
         live.wait_idle()
         snapshot = live.scheduler.snapshot()
     assert got == wants
