@@ -425,7 +425,9 @@ class BatchRunner:
 
     def _release(self, row: Row) -> None:
         """Free the row's slot; the last active row moves into it so active slots stay 0..n-1 (only its own
-        columns move: those below the shared prefix are not the row's)."""
+        columns move: those below the shared prefix are not the row's). The row lets go of its plan here, and with
+        it the plan's holds on stored blocks, whoever still holds the row (a caller's handle never does)."""
+        row.plan, row.spec = None, None
         idx = self._active.index(row)
         last = self._active[-1]
         end = last.length - self.ws.base  # columns hold positions from the shared prefix's end on
