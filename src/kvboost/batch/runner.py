@@ -328,7 +328,9 @@ class BatchRunner:
         n = len(rows)
         if n == 1 and rows[0].spec is not None:
             return self._speculate(rows[0])
-        if self.prefix is None and self.steps is not None and self.steps.fits_batch(n):
+        if n == 1:  # alone: the row's own forward, without the padding mask a ragged batch needs (as generate())
+            logits = self._forward_alone([rows[0].next_token], rows[0].length)
+        elif self.prefix is None and self.steps is not None and self.steps.fits_batch(n):
             logits = self.steps.decode_batch([r.next_token for r in rows], [r.length for r in rows])
         else:
             lengths = torch.tensor([r.length for r in rows], device=self.engine.device)
@@ -362,7 +364,7 @@ class BatchRunner:
         proposer = make_proposer(self.engine, row.request, row.ids + [row.next_token], costs)
         # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
         # row's plan, and with it the holds on its blocks, alive until the garbage collector ran.
-        return Speculator(proposer, row.sampler, params, self._verify_alone, costs)
+        return Speculator(proposer, row.sampler, params, self._forward_alone, costs)
 
     def _speculate(self, row: Row) -> None:
         assert row.spec is not None
@@ -373,7 +375,7 @@ class BatchRunner:
         if row.tracker.finished:
             self._finish(row)
 
-    def _verify_alone(self, tokens: list[int], start: int) -> torch.Tensor:
+    def _forward_alone(self, tokens: list[int], start: int) -> torch.Tensor:
         """float32 logits [n, vocab] of `tokens` run at positions [start, start + n) of the batch's only row (slot 0)
         after the K/V of its [0, start): a verify, or without drafts the row's plain step."""
         assert len(self._active) == 1 and self._active[0].slot == 0
