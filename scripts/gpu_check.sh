@@ -28,9 +28,11 @@
 #                             --shape tiny --context 300 on CPU)
 #   KVBOOST_GPU_CHECK_SPEC    0: skip the speculative decoding bench (`kvboost bench spec`: decode tok/s with and
 #                             without prompt lookup, and the verify cost per token the engine measured, through
-#                             the fast path's graphs on CUDA; random weights: acceptance means little there);
-#                             otherwise extra arguments for it (default: --shape qwen2.5-3b on CUDA,
-#                             --shape tiny --max-new-tokens 8 --per-workload 1 on CPU)
+#                             the fast path's graphs on CUDA, and through the batching runner: a lone row, and
+#                             a workload's prompts together in ragged verify steps; random weights: acceptance
+#                             means little there); otherwise extra arguments for it (default: --shape qwen2.5-3b
+#                             --batch-runner on CUDA, --shape tiny --max-new-tokens 8 --per-workload 1
+#                             --batch-runner on CPU)
 #   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png / longctx.json / spec_gpu.json (default:
 #                             benchmarks/results)
 #   KVBOOST_TOKENIZER         a tokenizer folder for the benchmark's random-weight shapes, where the embedded
@@ -184,7 +186,7 @@ run_bench gpu gpu "${KVBOOST_GPU_CHECK_BENCH:-}" "" "--quick --shape tiny" || be
 run_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" \
     "--shape qwen2.5-3b --context 32000 --profile ${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}/longctx_profile.txt" \
     "--shape tiny --context 300" || long_status=$?
-run_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b" \
-    "--shape tiny --max-new-tokens 8 --per-workload 1" || spec_status=$?
+run_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b --batch-runner" \
+    "--shape tiny --max-new-tokens 8 --per-workload 1 --batch-runner" || spec_status=$?
 [[ $status -eq 0 && $bench_status -eq 0 && $long_status -eq 0 && $spec_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
 exit $(( status != 0 || bench_status != 0 || long_status != 0 || spec_status != 0 ))

@@ -1,6 +1,6 @@
-"""Prompt-lookup rows in the continuous-batching runner: a row verifies drafts on the steps it runs alone and
-decodes plainly beside others; every output equals plain generation, and what it stores is what plain generation
-would store."""
+"""Prompt-lookup rows in the continuous-batching runner: a row alone verifies drafts as generate() does, rows
+together verify theirs in ragged steps; every output equals plain generation, and what a row stores is what plain
+generation would store."""
 from __future__ import annotations
 
 import pytest
@@ -45,9 +45,10 @@ def test_a_row_alone_verifies_drafts_and_equals_plain_generation(engines):
     assert stats["draft_tokens"] == got.draft_tokens and stats["accepted_tokens"] == got.accepted_tokens
 
 
-def test_rows_decode_plainly_together_and_speculate_once_alone(engines, tokenizer):
-    """Three rows of different lengths: while two or more are active nobody drafts; the longest finishes alone,
-    drafting. Outputs equal plain generation's, row by row."""
+def test_rows_verify_drafts_together_in_ragged_steps(engines, tokenizer):
+    """Three rows of different lengths verify their drafts together (a ragged step: each row its own number of
+    drafts, padded to the widest); rows leave in the middle of such steps. Outputs equal plain generation's, row by
+    row."""
     plain, spec = engines
     prompts = [REPEATED, text_with_tokens(tokenizer, 30, seed=3) + " " + REPEATED, text_with_tokens(tokenizer, 20)]
     lengths = [48, 8, 12]
@@ -60,9 +61,25 @@ def test_rows_decode_plainly_together_and_speculate_once_alone(engines, tokenize
         runner.step()
     got = [h.result for h in handles]
     assert [r.output_token_ids for r in got] == want
-    assert steps_together >= 7  # the short rows ran beside the long one
-    assert got[0].draft_tokens > 0  # the long row drafted once it was alone
-    assert got[1].draft_tokens == 0  # the shortest row never ran alone
+    assert steps_together >= 5  # the short rows ran beside the long one
+    assert runner.drafting.verifies > 0  # ...and verified drafts with it
+    assert got[1].draft_tokens > 0  # the shortest row drafted although it never ran alone
+    stats = spec.cache_stats()["speculative"]
+    assert stats["draft_tokens"] == sum(r.draft_tokens for r in got)
+
+
+def test_a_row_without_speculation_rides_along_ragged_steps(engines, tokenizer):
+    """A row that asked for no speculation takes one token per step, whatever width its company verifies at."""
+    plain, spec = engines
+    prompts = [REPEATED, text_with_tokens(tokenizer, 24, seed=5), REPEATED + " lantern"]
+    want = [plain.generate(p, 24).output_token_ids for p in prompts]
+    runner = BatchRunner(spec, max_batch_size=4)
+    handles = [runner.add(spec.request(p, 24, speculative=s)) for p, s in zip(prompts, ("prompt_lookup", "off",
+                                                                                          "prompt_lookup"))]
+    got = _run(runner, handles)
+    assert [r.output_token_ids for r in got] == want
+    assert runner.drafting.verifies > 0
+    assert got[1].draft_tokens == 0 and got[1].speculative is None
 
 
 def test_stops_inside_a_burst_and_the_stored_chunks_are_plain_generations(engines):
@@ -77,6 +94,17 @@ def test_stops_inside_a_burst_and_the_stored_chunks_are_plain_generations(engine
             runner = BatchRunner(spec, max_batch_size=2)
             [got] = _run(runner, [runner.add(spec.request(REPEATED, n, **options))])
             assert (got.output_text, got.finish_reason) == (want.output_text, want.finish_reason)
+    # The same inside ragged steps, beside a row that drafts too.
+    companion = REPEATED + " river stone"
+    verifies = 0
+    for options in ({"stop": [stop]}, {}):
+        want = [plain.generate(REPEATED, 23, **options), plain.generate(companion, 30)]
+        runner = BatchRunner(spec, max_batch_size=2)
+        got = _run(runner, [runner.add(spec.request(REPEATED, 23, **options)), runner.add(spec.request(companion,
+                                                                                                       30))])
+        assert [(g.output_text, g.finish_reason) for g in got] == [(w.output_text, w.finish_reason) for w in want]
+        verifies += runner.drafting.verifies
+    assert verifies > 0
     follow = REPEATED + base + " and then"
     plain.clear_cache()
     assert spec.generate(follow, 12, speculative="off").output_token_ids == plain.generate(follow, 12).output_token_ids
@@ -100,6 +128,17 @@ def test_a_shared_prefix_row_speculates_over_the_cascade(tokenizer):
     got = _run(runner, handles)
     assert [r.output_token_ids for r in got] == want
     assert got[0].draft_tokens > 0
+    # Both rows long: they verify together over the shared prefix (cascade attention with a ragged step's mask).
+    lengths = [30, 30]
+    prompts[1] = shared + " " + REPEATED + " orbit"
+    want = [plain.generate(p, n).output_token_ids for p, n in zip(prompts, lengths)]
+    runner = BatchRunner(spec, max_batch_size=2)
+    handles = [runner.add(spec.request(p, n)) for p, n in zip(prompts, lengths)]
+    runner.step()
+    assert runner.prefix is not None
+    got = _run(runner, handles)
+    assert [r.output_token_ids for r in got] == want
+    assert runner.drafting.verifies > 0
 
 
 @pytest.mark.parametrize("options", [{"regex": r"(river|stone|lantern|quiet|orbit| )+"},
@@ -116,11 +155,21 @@ def test_masked_penalized_and_sampled_rows_speculate_like_generate(tokenizer, op
     assert runs_apart(spec, request) is None
     runner = BatchRunner(spec, max_batch_size=2)
     [got] = _run(runner, [runner.add(request)])
+    # Beside a greedy row that drafts too: the same row verifies in ragged steps.
+    runner = BatchRunner(spec, max_batch_size=2)
+    together = _run(runner, [runner.add(spec.request(REPEATED, 30, **options)), runner.add(spec.request(REPEATED,
+                                                                                                        30))])
+    assert runner.drafting.verifies > 0
+    assert together[1].output_token_ids == plain.generate(REPEATED, 30).output_token_ids
     if "temperature" in options:
         assert got.generated_tokens == 30 or got.finish_reason == "stop"
+        assert together[0].generated_tokens == 30 or together[0].finish_reason == "stop"
         return
     want = plain.generate(REPEATED, 30, **options)
     assert got.output_token_ids == want.output_token_ids
+    assert together[0].output_token_ids == want.output_token_ids
+    if "logprobs" in options:
+        assert [lp.token for lp in together[0].logprobs] == [lp.token for lp in want.logprobs]
     if "logprobs" in options:
         assert [lp.token for lp in got.logprobs] == [lp.token for lp in want.logprobs]
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)

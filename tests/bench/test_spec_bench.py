@@ -48,14 +48,19 @@ def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one
 
 
 def test_batch_runner_rows_are_identical_and_draft(one_thread):
-    """--batch-runner: each prompt also runs as a lone row of the batching runner, with and without lookup."""
-    from kvboost.bench.spec import run_spec_bench
+    """--batch-runner: each prompt also runs as a lone row of the batching runner, and a workload's prompts run
+    together as rows of one batch, with and without lookup."""
+    from kvboost.bench.spec import TOGETHER_COPIES, TOGETHER_ROUNDS, run_spec_bench
     from kvboost.cli_common import model_choice
 
-    rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=12, per_workload=1, k=4,
+    rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=12, per_workload=2, k=4,
                           min_ngram=1, batch_runner=True)
-    batched = [r for r in rows if r.system.startswith("batched")]
-    assert {r.system for r in batched} == {"batched", "batched_prompt_lookup"} and len(batched) == 8
+    batched = [r for r in rows if r.system.startswith(("batched", "together"))]
+    assert {r.system for r in batched} == {"batched", "batched_prompt_lookup", "together", "together_prompt_lookup"}
+    assert len(batched) == 16
+    together = 2 * TOGETHER_COPIES * TOGETHER_ROUNDS  # samples: prompts x copies queued x rounds
+    assert all(r.prompts == (together if r.system.startswith("together") else 2) for r in batched)
     assert all(r.identical_rate == 1.0 for r in batched)
-    assert all(s["draft_tokens"] == 0 for r in batched if r.system == "batched" for s in r.samples)
-    assert sum(s["draft_tokens"] for r in batched if r.system == "batched_prompt_lookup" for s in r.samples) > 0
+    for system in ("batched", "together"):
+        assert all(s["draft_tokens"] == 0 for r in batched if r.system == system for s in r.samples)
+        assert sum(s["draft_tokens"] for r in batched if r.system == f"{system}_prompt_lookup" for s in r.samples)

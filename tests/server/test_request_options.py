@@ -1,5 +1,5 @@
 """generate()'s own per-request options through the server (extra_body): speculation, mode and content_reuse are
-honoured on either worker (a batching one verifies a prompt-lookup row's drafts when it runs alone) or refused
+honoured on either worker (a batching one verifies prompt-lookup rows' drafts in its steps) or refused
 with a 400 naming the field - never silently ignored."""
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ from .conftest import live_server
 
 @pytest.mark.parametrize("max_batch_size", [1, 4], ids=["single", "batched"])
 def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_model_dir, max_batch_size):
-    """`kvboost serve --speculative prompt_lookup`, one request at a time or batching (where a request verifies
-    drafts on the steps it runs alone): concurrent replies equal plain generation's."""
+    """`kvboost serve --speculative prompt_lookup`, one request at a time or batching (where rows verify their
+    drafts together in ragged steps): concurrent replies equal plain generation's."""
     model = make_tiny_model("llama", tokenizer)
     plain = KVBoost(model, tokenizer, chunk_size=16)
     spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
     prompts = ["river stone lantern quiet orbit " * 6, "quiet orbit " * 9, "lantern stone river " * 7]
-    lengths = [40, 8, 12]  # the longest finishes alone on a batching server, drafting then
+    lengths = [40, 8, 12]  # on a batching server the longest verifies beside the others, then alone
     want = [plain.generate(p, n).output_text for p, n in zip(prompts, lengths)]
     with live_server(spec, model=str(tiny_model_dir), max_batch_size=max_batch_size) as live:
         got = live.complete_at_once(prompts, lengths)
@@ -36,7 +36,7 @@ def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_
 def test_flag_combinations_that_cannot_run_are_refused():
     with pytest.raises(ValueError, match="max-batch-size 1"):
         check_speculative_flags("draft", "some/draft", 16)
-    check_speculative_flags("prompt_lookup", None, 16)  # its rows speculate when they run alone
+    check_speculative_flags("prompt_lookup", None, 16)  # its rows verify their drafts in the batch
     with pytest.raises(ValueError, match="--draft-model"):
         check_speculative_flags("draft", None, 1)
     with pytest.raises(ValueError, match="only with --speculative draft"):

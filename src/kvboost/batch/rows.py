@@ -56,7 +56,7 @@ class Row:
     next_token: int = -1  # the last token emitted; its K/V is not computed yet
     plan: Plan | None = None
     ttft_ms: float = 0.0
-    spec: Speculator | None = None  # prompt lookup: verifies drafts on the steps the row runs alone
+    spec: Speculator | None = None  # prompt lookup: proposes drafts, keeps what its sampler accepts
 
     @property
     def ids(self) -> list[int]:
@@ -91,16 +91,16 @@ def runs_apart(engine, request: Request) -> RunsApart | None:
     """Why `request` cannot be a row of a batch (None: it can). Such a request runs one at a time through the
     single-request path: engine.run_batch and the batching server's scheduler run it apart, between batches.
 
-    Prompt-lookup rows are rows: they verify drafts on the steps they run alone and decode plainly beside other
-    rows (runner.py). A draft model's proposer runs forwards of its own per sequence, and a seeded sampled row
-    would draw differently depending on which steps it ran alone, so those run apart (as generate() draws)."""
+    Prompt-lookup rows are rows: alone they verify drafts as generate() does, beside other rows in ragged steps
+    (runner.py). A draft model's proposer runs forwards of its own per sequence, and a seeded sampled row
+    would draw differently depending on the company it verified with, so those run apart (as generate() draws)."""
     spec = request.speculative
     if spec is not None and spec.method == "draft":
         return RunsApart("speculative", "a draft model proposes through forwards of its own per sequence, not in "
                          "a batch")
     if spec is not None and not request.params.greedy and request.params.seed is not None:
         return RunsApart("seed", "seeded sampling with speculation draws as generate() does only one request at "
-                         "a time (in a batch, its draws would depend on which steps it ran alone)")
+                         "a time (in a batch, its draws would depend on the rows it verified with)")
     positions = len(request.ids) + request.params.max_new_tokens
     if engine.kv.streams(positions):
         return RunsApart("max_tokens", f"prompt + max_new_tokens = {positions} positions is more than "

@@ -21,11 +21,14 @@ rebased to P' (exact; P' may be 0, which is the plain per-row layout). The prefi
 are active and is dropped when the batch empties. Models where this cannot be exact (sliding windows,
 softcapping...) keep the per-row path.
 
-Speculation (prompt lookup, speculative= on the request or the engine): a row verifies drafts on the steps it runs
-alone - one forward of its token and up to k drafts over its slot, kept or rolled back by its length exactly as
-generate() does - and decodes plainly beside other rows (its proposer still sees every token). vLLM turns
-speculation off above a batch size for the same reason: with company, a verify would make every row's step k + 1
-tokens long. Draft-model and seeded sampled speculative requests run apart (rows.runs_apart).
+Speculation (prompt lookup, speculative= on the request or the engine): a row alone verifies its drafts as
+generate() does - one forward of its token and up to k drafts over its slot, kept or rolled back by its length.
+Beside other rows, a step verifies every row's drafts at once: a ragged step of q tokens per row (each row's token,
+then its own drafts, padded to q), under a mask that keeps each query to its own row's columns up to itself. Each
+row keeps what its sampler accepts and its length moves by that; padding and rejected drafts leave K/V past the
+length, which the next step overwrites. The width q is the batch's (drafting.py: the expected tokens emitted per
+second, from every row's acceptance and this runner's measured step costs), so a batch whose drafts do not pay
+decodes plainly. Draft-model and seeded sampled speculative requests run apart (rows.runs_apart).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import threading
 import time
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..compat import has_sliding_layers
 from ..decoding.factory import make_proposer
@@ -48,63 +51,15 @@ from ..request import Request
 from ..results import GenerationMode
 from ..sampling import SamplingParams, sample_rows
 from .cascade import cascade_forward, unsupported_reason
+from .drafting import BatchDrafting, RowDrafts
 from .prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
 from .rows import Row, RunsApart, SequenceHandle, runs_apart
+from .slot_layer import SlotLayer
 
 # With a runner (CUDA graphs), rows share a prefix through cascade attention only from this length on: a
 # shorter one is copied per row so that decode steps replay as graphs. At 1k shared tokens x 16 rows of a 3B
 # model the copies add ~0.2 ms of reads per step to ~2 ms of weights, while a graph removes ~30 ms of launches.
 CASCADE_MIN_TOKENS = 2048
-
-
-class _SlotLayer(CacheLayerMixin):
-    """Writes new K/V at given columns of given slots; returns views over slots [lo, hi).
-
-    With a shared prefix of P tokens the views start at column P (the prefix is `shared_prefix`, read by
-    cascade attention), and the mask sizes say so: kv_length counts columns from P, kv_offset = P.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, ws: KVWorkspace, layer_idx: int, slots: slice, write_cols: torch.Tensor | int, past: int,
-                 prefix: SharedPrefix | None = None):
-        super().__init__()
-        self.ws, self.layer_idx, self.slots = ws, layer_idx, slots
-        self.write_cols = write_cols  # int: one row's prefill start; tensor [rows]: decode column per row
-        self.past = past
-        self.start = prefix.length if prefix is not None else 0
-        self.shared_prefix = prefix.layer(layer_idx) if prefix is not None else None
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        k_buf, v_buf = self.ws.buffers(self.layer_idx)
-        k_rows, v_rows = k_buf[self.slots], v_buf[self.slots]
-        base = self.ws.base  # buffer column = position - base
-        if isinstance(self.write_cols, int):
-            end = self.write_cols + key_states.shape[-2]
-            k_rows[:, :, self.write_cols - base:end - base].copy_(key_states)
-            v_rows[:, :, self.write_cols - base:end - base].copy_(value_states)
-        else:
-            rows = torch.arange(key_states.shape[0], device=key_states.device)
-            k_rows[rows, :, self.write_cols - base] = key_states[:, :, 0]
-            v_rows[rows, :, self.write_cols - base] = value_states[:, :, 0]
-            end = self.past + 1
-        self.keys, self.values = k_rows[:, :, self.start - base:end - base], v_rows[:, :, self.start - base:end - base]
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.past + query_length - self.start, self.start
-
-    def get_seq_length(self) -> int:
-        return self.past
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class BatchRunner:
@@ -143,6 +98,10 @@ class BatchRunner:
         # What a plain step and a verify cost here, per method, for the rows' AdaptiveK (this runner's steps are
         # not the engine's single-request ones, so they are measured apart).
         self.spec_costs: dict[str, StepCosts] = {}
+        # Beside other rows, prompt-lookup rows verify their drafts in ragged steps (drafting.py), which need a 4D
+        # mask: None where the attention in use takes none (flash attention through the model's own).
+        self.drafting = BatchDrafting()
+        self.ragged_mask = ragged_mask_kind(engine)
         self._pending: list[Row] = []
         self._active: list[Row] = []  # _active[i].slot == i
         self._lock = threading.Lock()
@@ -305,7 +264,7 @@ class BatchRunner:
         else:
             self.kv.place(plan, self.ws, request.ids, row=row.slot)
             slots = slice(row.slot, row.slot + 1)
-            cache = Cache(layers=[_SlotLayer(self.ws, i, slots, plan.reuse_len, plan.reuse_len, self.prefix)
+            cache = Cache(layers=[SlotLayer(self.ws, i, slots, plan.reuse_len, plan.reuse_len, self.prefix)
                                   for i in range(len(self.ws.shapes))])
             ids = torch.tensor([request.ids[plan.reuse_len:]], device=self.engine.device)
             logits = self._forward(cache, input_ids=ids)[0, -1]
@@ -328,6 +287,13 @@ class BatchRunner:
         n = len(rows)
         if n == 1 and rows[0].spec is not None:
             return self._speculate(rows[0])
+        speculating = n > 1 and self.ragged_mask is not None and any(r.spec is not None for r in rows)
+        proposals = self._proposals(rows) if speculating and self.drafting.proposing(n) else None
+        if proposals is not None:
+            width = self.drafting.width(proposals, self.engine.max_context - max(r.length for r in rows))
+            if width > 1:
+                return self._verify_rows(rows, proposals, width)
+        t0 = time.perf_counter()
         if n == 1:  # alone: the row's own forward, without the padding mask a ragged batch needs (as generate())
             logits = self._forward_alone([rows[0].next_token], rows[0].length)
         elif self.prefix is None and self.steps is not None and self.steps.fits_batch(n):
@@ -337,7 +303,7 @@ class BatchRunner:
             past = int(lengths.max())
             self.ws.ensure_capacity(past + 1, keep=past)
             mask = torch.arange(past + 1, device=lengths.device)[None, :] <= lengths[:, None]
-            cache = Cache(layers=[_SlotLayer(self.ws, i, slice(0, n), lengths, past, self.prefix)
+            cache = Cache(layers=[SlotLayer(self.ws, i, slice(0, n), lengths, past, self.prefix)
                                   for i in range(len(self.ws.shapes))])
             ids = torch.tensor([[r.next_token] for r in rows], device=self.engine.device)
             logits = self._forward(cache, input_ids=ids, attention_mask=mask, position_ids=lengths[:, None])[:, -1]
@@ -346,6 +312,8 @@ class BatchRunner:
             row.next_token = token
             if row.spec is not None:
                 row.spec.proposer.extend([token])
+        if speculating:  # the tokens reached the host: the step is done
+            self.drafting.timed_plain(n, time.perf_counter() - t0)
         for row in list(rows):
             self._after_sample(row)
 
@@ -354,9 +322,8 @@ class BatchRunner:
         if row.tracker.finished:
             self._finish(row)
 
-    # ---- speculation: a prompt-lookup row verifies drafts on the steps it runs alone ------------------------
-    # Beside other rows a verify would cost every row a step of k + 1 tokens (a ragged batch); alone, the step is
-    # the row's own, as in generate(), and its AdaptiveK weighs drafts against this runner's measured plain step.
+    # ---- speculation alone: the step is the row's own, as in generate() ---------------------------------------
+    # Its AdaptiveK weighs drafts against this runner's measured lone plain step (spec_costs).
     def _speculator(self, row: Row) -> Speculator:
         params = row.request.speculative
         assert params is not None
@@ -364,11 +331,15 @@ class BatchRunner:
         proposer = make_proposer(self.engine, row.request, row.ids + [row.next_token], costs)
         # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
         # row's plan, and with it the holds on its blocks, alive until the garbage collector ran.
-        return Speculator(proposer, row.sampler, params, self._forward_alone, costs)
+        spec = Speculator(proposer, row.sampler, params, self._forward_alone, costs)
+        self.drafting.prior(spec.adaptive)
+        return spec
 
     def _speculate(self, row: Row) -> None:
         assert row.spec is not None
+        drafted, kept = row.spec.counts.draft_tokens, row.spec.counts.accepted_tokens
         out = row.spec.step(row.next_token, row.length, row.tracker.max_new_tokens - len(row.tracker.tokens))
+        self.drafting.observed(row.spec.counts.draft_tokens - drafted, row.spec.counts.accepted_tokens - kept)
         row.length += len(out)  # the fed token and the kept drafts; rejected drafts' K/V lies past it
         row.next_token = out[-1]
         row.emit(out)
@@ -383,10 +354,67 @@ class BatchRunner:
         if self.steps is not None and self.steps.fits_batch(1) and self.steps.fits(n):
             return self.steps.verify(tokens, start) if n > 1 else self.steps.decode_batch(tokens, [start])
         self.ws.ensure_capacity(start + n, keep=start)
-        cache = Cache(layers=[_SlotLayer(self.ws, i, slice(0, 1), start, start, self.prefix)
+        cache = Cache(layers=[SlotLayer(self.ws, i, slice(0, 1), start, start, self.prefix)
                               for i in range(len(self.ws.shapes))])
         ids = torch.tensor([tokens], device=self.engine.device)
         return self._forward(cache, keep=n, input_ids=ids)[0].float()
+
+    # ---- speculation beside other rows: ragged verify steps ---------------------------------------------------
+    def _proposals(self, rows: list[Row]) -> list[RowDrafts]:
+        """Each row's drafts for a ragged verify (rows without speculation propose none)."""
+        proposals = []
+        for row in rows:
+            if row.spec is None:
+                proposals.append(RowDrafts([]))
+                continue
+            budget = row.tracker.max_new_tokens - len(row.tracker.tokens)  # this step's own token included
+            proposals.append(RowDrafts(row.spec.drafts(min(row.spec.params.num_tokens, budget - 1)),
+                                       row.spec.adaptive))
+        return proposals
+
+    def _verify_rows(self, rows: list[Row], proposals: list[RowDrafts], width: int) -> None:
+        """One forward of `width` tokens per row: each row's token, then its drafts (cut to width - 1), padded with
+        its token; each speculating row keeps what its sampler accepts, the others sample their first position.
+        Padding and rejected drafts leave K/V past the row's length, which its next step overwrites."""
+        t0 = time.perf_counter()
+        drafts = [p.drafts[:width - 1] for p in proposals]
+        tokens = [[r.next_token, *d, *[r.next_token] * (width - 1 - len(d))] for r, d in zip(rows, drafts)]
+        logits = self._forward_ragged(tokens, [r.length for r in rows])  # [n, width, vocab]
+        plain = [i for i, r in enumerate(rows) if r.spec is None]
+        picks = dict(zip(plain, sample_rows([rows[i].sampler for i in plain], logits[plain, 0]))) if plain else {}
+        outs = [[picks[i]] if row.spec is None else row.spec.accept(logits[i, :len(d) + 1], d)
+                for i, (row, d) in enumerate(zip(rows, drafts))]
+        for d, out in zip(drafts, outs):
+            self.drafting.observed(len(d), len(out) - 1)
+        kept_whole = any(d and len(out) == len(d) + 1 for d, out in zip(drafts, outs))
+        self.drafting.timed_verify(len(rows), width, time.perf_counter() - t0, kept_whole)
+        for row, out in zip(rows, outs):  # every length first: a row leaving moves the last row's columns up to it
+            row.length += len(out)
+            row.next_token = out[-1]
+        for row, out in list(zip(rows, outs)):
+            row.emit(out)
+            if row.tracker.finished:
+                self._finish(row)
+
+    def _forward_ragged(self, tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """float32 logits [rows, q, vocab] of tokens[i] (q each) run at positions [lengths[i], lengths[i] + q) of
+        row i, each query over its own row's columns up to itself."""
+        device = self.engine.device
+        n, q = len(tokens), len(tokens[0])
+        past = max(lengths)
+        self.ws.ensure_capacity(past + q, keep=past)
+        starts = torch.tensor(lengths, device=device)
+        positions = starts[:, None] + torch.arange(q, device=device)  # [rows, q]
+        first = self.prefix.length if self.prefix is not None else 0  # key columns hold positions [first, past + q)
+        columns = torch.arange(first, past + q, device=device)
+        mask = (columns[None, None, :] <= positions[:, :, None])[:, None]  # [rows, 1, q, keys]: may attend
+        if self.ragged_mask == "additive" and self.prefix is None:  # the model's own eager attention adds it
+            dtype = next(self.engine.model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        cache = Cache(layers=[SlotLayer(self.ws, i, slice(0, n), starts, past, self.prefix)
+                              for i in range(len(self.ws.shapes))])
+        ids = torch.tensor(tokens, device=device)
+        return self._forward(cache, keep=q, input_ids=ids, attention_mask=mask, position_ids=positions).float()
 
     # ---- leaving ---------------------------------------------------------------------------------
     def _finish(self, row: Row) -> None:
@@ -441,3 +469,12 @@ class BatchRunner:
             last.slot = idx
             self._active[idx] = last
         self._active.pop()
+
+
+def ragged_mask_kind(engine) -> str | None:
+    """The 4D mask a ragged verify hands the attention in use: "bool" (KVBoost's attention, cascade, SDPA),
+    "additive" (the model's own eager attention), or None where it takes no such mask (flash attention...)."""
+    if engine.attention != "model":
+        return "bool"
+    implementation = getattr(engine.model.config, "_attn_implementation", None)
+    return {"sdpa": "bool", "eager": "additive"}.get(implementation)

@@ -10,7 +10,12 @@ the prompt, extraction from a text, open chat):
   verification (how much slower than no speculation) are meaningful. --draft-model takes a real one;
 * hf_prompt_lookup: Hugging Face `generate(prompt_lookup_num_tokens=k)` with a plain DynamicCache;
 * with --batch-runner, batched / batched_prompt_lookup: the same request as a row of the continuous-batching runner
-  (kvboost serve's batching worker), alone in it, without and with prompt lookup.
+  (kvboost serve's batching worker), alone in it, without and with prompt lookup; and together /
+  together_prompt_lookup: a workload's prompts as rows of one batch at once (a busy server: rows verify their drafts
+  in ragged steps): TOGETHER_COPIES requests of each prompt queued at once into a runner of --per-workload rows, so
+  rows join as others leave (continuous batching under load). Decode tok/s is the batch's: every row's decode
+  tokens over the wall time from the first token to the last row's end (the joining rows' prefills included: the
+  prompts are resident, and both systems pay the same). Run TOGETHER_ROUNDS times, alternating the two.
 
 Decode tok/s = (generated - 1) / (total - time to first token): prefill and reuse are left out, so only the
 decode loop is compared. HF's time to first token is measured by a 1-token generate of the same prompt.
@@ -31,6 +36,9 @@ from .console import bench_console
 
 SYSTEMS = ("kvboost", "prompt_lookup", "draft", "hf_prompt_lookup")
 BATCH_SYSTEMS = ("batched", "batched_prompt_lookup")
+TOGETHER_SYSTEMS = {"together": "off", "together_prompt_lookup": "prompt_lookup"}
+TOGETHER_COPIES = 3  # requests per prompt in a together run's queue
+TOGETHER_ROUNDS = 2  # together runs per system, alternating (one is a few seconds: drift averages out)
 
 
 @dataclass
@@ -109,10 +117,12 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
         by_workload.setdefault(t["workload"], []).append(t)
     eos = sorted(engine.eos_token_ids)
     systems = SYSTEMS + (BATCH_SYSTEMS if batch_runner else ())
-    runner = BatchRunner(engine, max_batch_size=4) if batch_runner else None  # one, as a server keeps it
+    # One runner, as a server keeps it (its measured step costs carry over from prompt to prompt).
+    runner = BatchRunner(engine, max_batch_size=max(4, per_workload)) if batch_runner else None
     samples: list[Sample] = []
     step_costs: dict[str, dict] = {}  # per workload: the engine's measured step costs per method after it ran
     for workload, items in by_workload.items():
+        refs: list[tuple[list[int], list[int] | None]] = []  # (prompt ids, kvboost's tokens) per task
         for task in items[:per_workload]:
             ids = engine.encode(messages=task["messages"])
             engine.generate(input_ids=ids, max_new_tokens=2)  # prompt resident; warm caches
@@ -139,9 +149,24 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                 samples.append(s)
             console.print(f"{task['id']}: " + ", ".join(
                 f"{x.system} {(x.generated - 1) / x.decode_s:.1f} tok/s" for x in samples[-len(systems):]))
+            refs.append((ids, ref))
+        if runner is not None:  # one batch is a few seconds: repeated, alternating, to average out drift
+            for _ in range(TOGETHER_ROUNDS):
+                for system, spec in TOGETHER_SYSTEMS.items():
+                    samples += _run_together(runner, workload, system, refs, max_new_tokens, spec)
+            rates = {system: _rows([x for x in samples if x.workload == workload], ("kvboost", system))[1]
+                     for system in TOGETHER_SYSTEMS}
+            console.print(f"{workload}, {len(refs)} rows together: " + ", ".join(
+                f"{system} {row.decode_tok_s:.1f} tok/s" for system, row in rates.items()))
         step_costs[workload] = engine.cache_stats()["speculative"]["step_costs"]
-    rows = _rows(samples, systems)
+    rows = _rows(samples, systems + (tuple(TOGETHER_SYSTEMS) if runner is not None else ()))
     _print(console, rows, draft_note)
+    together = {w: r.decode_tok_s / plain.decode_tok_s for w in dict.fromkeys(x.workload for x in rows)
+                for r in rows if r.workload == w and r.system == "together_prompt_lookup"
+                for plain in rows if plain.workload == w and plain.system == "together"}
+    if together:
+        console.print("rows together, prompt lookup over the same batch without it: " + ", ".join(
+            f"{w} {x:.2f}x" for w, x in together.items()))
     _print_costs(console, step_costs, k)
     if json_path:
         from .plots import write_json
@@ -150,7 +175,7 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                                "max_new_tokens": max_new_tokens, "num_speculative_tokens": k,
                                "prompt_lookup_ngram": [engine.config.prompt_lookup_min_ngram or "auto", max_ngram],
                                "draft_model": draft_note, "rows": [asdict(r) for r in rows],
-                               "step_costs": step_costs})
+                               "step_costs": step_costs, "together_lookup_over_plain": together})
         console.print(f"wrote {json_path}")
     if plot_path:
         from .plots import plot_bars
@@ -171,6 +196,28 @@ def _run_alone(runner, request):
     if handle.error is not None:
         raise handle.error
     return handle.result
+
+
+def _run_together(runner, workload: str, system: str, refs: list[tuple[list[int], list[int] | None]],
+                  max_new_tokens: int, spec: str) -> list[Sample]:
+    """TOGETHER_COPIES requests of each of a workload's prompts, queued at once: the runner takes as many rows as
+    it holds and admits the rest as rows leave. The decode time, from the first token to the last row's end, is
+    shared evenly among the samples (so that a workload's tok/s is every row's decode tokens over that time)."""
+    engine = runner.engine
+    queued = [(engine.request(input_ids=ids, max_new_tokens=max_new_tokens, speculative=spec), ref)
+              for _ in range(TOGETHER_COPIES) for ids, ref in refs]
+    handles = [runner.add(request) for request, _ in queued]
+    while runner.has_work():
+        runner.step()
+    end = time.perf_counter()
+    for h in handles:
+        if h.error is not None:
+            raise h.error
+    results = [h.result for h in handles]
+    first = min(request.t_start + r.ttft_ms / 1e3 for (request, _), r in zip(queued, results))
+    wall_s = max(end - first, 1e-6)
+    return [Sample(workload, system, r.generated_tokens, wall_s / len(results), r.output_token_ids == ref,
+                   r.draft_tokens, r.accepted_tokens) for r, (_, ref) in zip(results, queued)]
 
 
 def _rows(samples: list[Sample], systems: tuple[str, ...] = SYSTEMS) -> list[Row]:
@@ -197,7 +244,8 @@ def _print(console: Console, rows: list[Row], draft_note: str) -> None:
     table = Table(title="Speculative decoding, greedy: decode tok/s per workload", caption=(
         "speedup = decode tok/s / KVBoost without speculation on the same prompts; identical = output tokens "
         f"equal to KVBoost without speculation; draft = {draft_note}; acceptance = kept / proposed drafts "
-        "(HF does not report it)"))
+        "(HF does not report it); together: each prompt queued "
+        f"{TOGETHER_COPIES} times into a runner of --per-workload rows, {TOGETHER_ROUNDS} rounds, tok/s of the batch"))
     for col in ("workload", "system", "prompts", "decode tok/s", "speedup", "acceptance", "identical"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -240,8 +288,8 @@ def bench_spec_command(
                                          help="Shortest n-gram prompt lookup matches (default: the engine's)."),
     max_ngram: int = typer.Option(3, "--prompt-lookup-max-ngram", min=1, help="Longest n-gram it tries first."),
     batch_runner: bool = typer.Option(False, "--batch-runner", help="Also run each prompt as a row of the "
-                                      "continuous-batching runner (a batching server's path), without and with "
-                                      "prompt lookup."),
+                                      "continuous-batching runner (a batching server's path), alone and with the "
+                                      "workload's other prompts at once, without and with prompt lookup."),
 ) -> None:
     """Decode tok/s, acceptance and identical outputs: no speculation, prompt lookup, a draft model, HF's."""
     run_spec_bench(model_choice(model, shape, device, dtype), max_new_tokens, per_workload, k, draft_model,

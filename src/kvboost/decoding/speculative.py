@@ -156,6 +156,41 @@ class StepCosts:
         s = self.verify_s(n_tokens)
         return None if s is None else 1e3 * s
 
+    def estimate_s(self, n_tokens: int) -> float:
+        """Seconds per verify of n_tokens, for choosing a length: as timed at that length; a length not timed yet
+        is taken to cost what the longest timed length below it did (optimistic, so that it gets tried and its own
+        time counts), or the fit's line when none below was timed. A length timed once only is not trusted above
+        that optimistic figure either: one slow outlier (a page fault, another process) would otherwise rule it
+        out for good. Needs a verify timed (base is not None)."""
+        timed = self.by_length
+        below = [n for n in timed if n < n_tokens]
+        optimistic = timed[max(below)] if below else self.verify_s(n_tokens)
+        if n_tokens in timed:
+            if self.samples.get(n_tokens, 0) >= 2 or optimistic is None:
+                return timed[n_tokens]
+            return min(timed[n_tokens], optimistic)
+        assert optimistic is not None
+        return optimistic
+
+    def record(self, n_tokens: int, seconds: float) -> None:
+        """A step of n_tokens took `seconds` (measured around a host sync): 1 is a plain step, more a verify."""
+        if n_tokens == 1:
+            self.t1 = seconds if self.t1 is None else 0.8 * self.t1 + 0.2 * seconds
+            return
+        old, count = self.by_length.get(n_tokens), self.samples.get(n_tokens, 0)
+        # The better of the first two timings (a first run may pay one-off costs), then a decaying mean.
+        self.by_length[n_tokens] = seconds if old is None else min(old, seconds) if count == 1 else \
+            0.8 * old + 0.2 * seconds
+        self.samples[n_tokens] = count + 1
+        w, sn, st, snn, snt = (0.8 * x for x in self.fit)
+        self.fit = [w + 1, sn + n_tokens, st + seconds, snn + n_tokens * n_tokens, snt + n_tokens * seconds]
+        w, sn, st, snn, snt = self.fit
+        spread = w * snn - sn * sn  # w^2 x the variance of the lengths timed
+        if spread > 0.25 * w * w:  # lengths that differ: the slope is measured (never negative)
+            self.extra = max(0.0, (w * snt - sn * st) / spread)
+        slope = self.extra or 0.0
+        self.base = max(0.0, st / w - slope * (sn / w - 2))
+
     def as_dict(self, lengths: tuple[int, ...] = tuple(range(2, MAX_SPECULATIVE_TOKENS + 2))) -> dict:
         """What the engine measured, in ms: a plain step, and verifies of a few lengths with their cost per
         verified token over a plain step's (below 1: verifying n tokens beats n plain steps)."""
@@ -203,6 +238,12 @@ class AdaptiveK:
     def acceptance(self) -> float:
         return self.kept / (self.kept + self.rejected)
 
+    @property
+    def judged_acceptance(self) -> float:
+        """The acceptance draft lengths are judged at: right after a proposal kept whole, a copied span tends to go
+        on (acceptance comes in bursts), so at least STREAK_ACCEPTANCE then."""
+        return max(self.acceptance, STREAK_ACCEPTANCE) if self.streak else self.acceptance
+
     def expected(self, k: int, acceptance: float | None = None) -> float:
         a = min(self.acceptance if acceptance is None else acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
@@ -220,26 +261,14 @@ class AdaptiveK:
         return self.costs.extra
 
     def verify_cost(self, n_tokens: int) -> float:
-        """Seconds per verify of n_tokens: as timed at that length; a length not timed yet is taken to cost what
-        the longest timed length below it did (optimistic, so that it gets tried and its own time counts), or
-        the fit's line when none below was timed. A length timed once only is not trusted above that optimistic
-        figure either: one slow outlier (a page fault, another process) would otherwise rule it out for good."""
-        timed = self.costs.by_length
-        below = [n for n in timed if n < n_tokens]
-        optimistic = timed[max(below)] if below else self.costs.verify_s(n_tokens)
-        if n_tokens in timed:
-            if self.costs.samples.get(n_tokens, 0) >= 2 or optimistic is None:
-                return timed[n_tokens]
-            return min(timed[n_tokens], optimistic)
-        assert optimistic is not None
-        return optimistic
+        return self.costs.estimate_s(n_tokens)
 
     def best_k(self) -> int:
         if self.base is None:  # what a verify costs is not measured yet: probe with a few
             return self.k_max if self.streak else min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
         # Right after a proposal kept whole, a copied span tends to go on (acceptance comes in bursts): the
         # lengths are judged at a high acceptance, which picks the longest whose cost does not jump.
-        a = max(self.acceptance, STREAK_ACCEPTANCE) if self.streak else self.acceptance
+        a = self.judged_acceptance
         rates = {0: 1.0 / self.t1} if self.t1 else {0: 0.0}
         rates.update({k: self.expected(k, a) / max(self.verify_cost(k + 1), 1e-12) for k in range(1, self.k_max + 1)})
         return max(rates, key=lambda k: (rates[k], -k))
@@ -261,23 +290,7 @@ class AdaptiveK:
 
     def timed(self, n_tokens: int, seconds: float) -> None:
         """A step of n_tokens took `seconds` (the caller measured it around a host sync)."""
-        c = self.costs
-        if n_tokens == 1:
-            c.t1 = seconds if c.t1 is None else 0.8 * c.t1 + 0.2 * seconds
-            return
-        old, count = c.by_length.get(n_tokens), c.samples.get(n_tokens, 0)
-        # The better of the first two timings (a first run may pay one-off costs), then a decaying mean.
-        c.by_length[n_tokens] = seconds if old is None else min(old, seconds) if count == 1 else \
-            0.8 * old + 0.2 * seconds
-        c.samples[n_tokens] = count + 1
-        w, sn, st, snn, snt = (0.8 * x for x in c.fit)
-        c.fit = [w + 1, sn + n_tokens, st + seconds, snn + n_tokens * n_tokens, snt + n_tokens * seconds]
-        w, sn, st, snn, snt = c.fit
-        spread = w * snn - sn * sn  # w^2 x the variance of the lengths timed
-        if spread > 0.25 * w * w:  # lengths that differ: the slope is measured (never negative)
-            c.extra = max(0.0, (w * snt - sn * st) / spread)
-        slope = c.extra or 0.0
-        c.base = max(0.0, st / w - slope * (sn / w - 2))
+        self.costs.record(n_tokens, seconds)
 
     def update(self, proposed: int, kept: int) -> None:
         if proposed <= 0:

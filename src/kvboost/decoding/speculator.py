@@ -77,28 +77,46 @@ class Speculator:
         of them, never more than `budget`). The K/V of `token` and the kept drafts is valid afterwards, i.e.
         positions [0, length + len(returned))."""
         t0 = time.perf_counter()  # the cost of a step includes proposing (a draft model's forwards)
-        k = self.adaptive.next_k(budget - 1)
+        drafts = self.drafts(self.adaptive.next_k(budget - 1))
+        logits = self.forward([token, *drafts], length)
+        out = self.pick(logits, drafts)
+        # pick() copied its tokens to the host, which waits for the forward: the time is the step's real cost.
+        self.adaptive.timed(1 + len(drafts), time.perf_counter() - t0)
+        self.account(drafts, out)
+        return out
+
+    def drafts(self, k: int) -> list[int]:
+        """Up to k drafts following the context, cut before the first one a grammar (if any) forbids: those could
+        never be kept, so they are not verified."""
         drafts = self.proposer.propose(k) if k > 0 else []
         constraint = self.sampler.constraint
-        if constraint is not None and drafts:  # drafts the grammar forbids can never be kept: do not verify them
+        if constraint is not None and drafts:
             drafts = drafts[:constraint.accepted_prefix(drafts)]
-        logits = self.forward([token, *drafts], length)
+        return drafts
+
+    def accept(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        """The tokens a verify of these drafts emits (logits [len(drafts) + 1, vocab], float32), counted and fed to
+        the proposer: a step whose forward the caller ran itself (a batch's ragged verify)."""
+        out = self.pick(logits, drafts)
+        self.account(drafts, out)
+        return out
+
+    def pick(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        """The kept drafts and the target's own next token, by the sampler's acceptance rule."""
         if not self.sampler.plain:
-            out = sample_through(self.sampler, logits, drafts)
-        elif self.sampler.params.greedy:
-            out = accept_greedy(logits, drafts)
-        elif drafts:
+            return sample_through(self.sampler, logits, drafts)
+        if self.sampler.params.greedy:
+            return accept_greedy(logits, drafts)
+        if drafts:
             probs = torch.stack([self.sampler.probabilities(row) for row in logits]).cpu()
-            out = accept_sampled(probs, drafts, self.sampler.generator)
-        else:  # no drafts: exactly the plain sampler's step (same generator draws)
-            out = [self.sampler(logits[-1])]
-        # Each branch copied its pick to the host, which waits for the forward: the time is the step's real cost.
-        self.adaptive.timed(1 + len(drafts), time.perf_counter() - t0)
+            return accept_sampled(probs, drafts, self.sampler.generator)
+        return [self.sampler(logits[-1])]  # no drafts: exactly the plain sampler's step (same generator draws)
+
+    def account(self, drafts: list[int], out: list[int]) -> None:
         if drafts:
             self.adaptive.update(len(drafts), len(out) - 1)
             self.counts.add(len(drafts), len(out) - 1)
         self.proposer.extend(out)
-        return out
 
     def close(self, emitted: Sequence[int]) -> None:
         self.proposer.close(emitted)

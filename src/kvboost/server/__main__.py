@@ -44,8 +44,8 @@ def serve_command(
     speculative: str | None = typer.Option(None, help="Speculative decoding for every request: prompt_lookup "
                                                       "(n-gram drafts from prompt + output), draft (needs "
                                                       "--draft-model; one request at a time: "
-                                                      "--max-batch-size 1) or off. With batching, a prompt-lookup "
-                                                      "request verifies drafts on the steps it runs alone."),
+                                                      "--max-batch-size 1) or off. With batching, prompt-lookup "
+                                                      "rows verify their drafts together in each step."),
     num_speculative_tokens: int = typer.Option(8, help="Most drafts verified per forward (1-15)."),
     draft_model: str | None = typer.Option(None, help="Draft model (path or hub id) sharing the tokenizer, for "
                                                       "--speculative draft."),
@@ -139,7 +139,7 @@ def check_speculative_flags(speculative: str | None, draft_model: str | None, ma
     if speculative == "draft" and max_batch_size > 1:
         raise ValueError("--speculative draft runs one request at a time (a draft model proposes through forwards "
                          "of its own per sequence, not in a batch): add --max-batch-size 1, or use --speculative "
-                         "prompt_lookup, whose rows speculate in the batch on the steps they run alone")
+                         "prompt_lookup, whose rows verify their drafts in the batch")
     if speculative == "draft" and draft_model is None:
         raise ValueError("--speculative draft needs --draft-model")
     if draft_model is not None and speculative != "draft":

@@ -1,0 +1,160 @@
+"""How many tokens each row of a busy batch verifies in one step: the width of a ragged verify.
+
+With several rows active, a step is one forward of q tokens per row: each prompt-lookup row's last token and up to
+q - 1 of its drafts, the other rows' token padded to q (padding positions are computed and never counted). A wider
+step costs every row, so the width is picked for the whole batch, to maximize tokens emitted per second:
+
+    rate(1) = n / plain(n)                                   n rows, one token each
+    rate(q) = sum over rows of E_i(min(q - 1, drafts_i)) / verify(n * q)
+
+E_i(k): the tokens a verify of k drafts is expected to emit for row i (its AdaptiveK's acceptance; 1 for a row
+without drafts). plain(n): measured per row count. verify(T): measured per total tokens T = n * q, as timed at T,
+else on the line fitted through the verifies timed so far, else (no slope yet) in proportion to T. On a CPU a
+forward's cost grows with its tokens (SmolLM2-135M, one thread: 2 rows x 2 tokens ~50 ms, 4 x 3 ~93 ms, 4 x 9
+~176 ms, a plain step of 4 rows ~50 ms), so a length not timed yet is not guessed cheap as the single path guesses:
+here a wrong guess costs every row.
+
+The first steps are plain (their time is the yardstick) and the first verify is a probe of PROBE_K drafts. A batch
+whose verifies stop paying pauses drafting and retries one draft when the pause ends, doubling the pause while it
+keeps losing (as AdaptiveK does for one sequence); a pause is never shorter than what keeps retries under
+RETRY_SHARE of the decode time (on a GPU a ragged verify runs eagerly while plain steps replay as CUDA graphs, so
+there pauses are long). Where no width could pay even if every draft
+were kept, rows do not even propose, bar one probe every REPROBE_STEPS. A new row's acceptance starts from what the
+batch's rows have had (`prior`): AdaptiveK's own prior (0.8) would have every fresh row of a chat batch look worth a
+wide verify until it had failed a few.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..decoding.speculative import MAX_SPECULATIVE_TOKENS, PROBE_K, AdaptiveK, StepCosts
+
+REPROBE_STEPS = 256  # where no verify can pay, one probe per this many steps re-measures (costs drift)
+RETRY_SHARE = 0.03  # the most of a batch's decode time that retries after a losing verify may cost
+
+
+@dataclass
+class RowDrafts:
+    """One row's proposal for this step: its drafts (possibly none) and the AdaptiveK whose acceptance they are
+    judged at (None: the row does not speculate)."""
+
+    drafts: list[int]
+    adaptive: AdaptiveK | None = None
+
+    def expected(self, width: int) -> float:
+        """Tokens this row emits from a step of `width` tokens per row (its token and up to width - 1 drafts)."""
+        k = min(width - 1, len(self.drafts))
+        if k <= 0 or self.adaptive is None:
+            return 1.0
+        return self.adaptive.expected(k, self.adaptive.judged_acceptance)
+
+
+@dataclass
+class BatchDrafting:
+    """The batch's measured step costs and its choice of verify width (1: a plain step)."""
+
+    max_pause: int = 32
+    plain_s: dict[int, float] = field(default_factory=dict)  # row count -> seconds of a plain step (decaying mean)
+    verify: StepCosts = field(default_factory=StepCosts)  # keyed by total tokens in the step: rows x width
+    pause: int = 4
+    wait: int = 0
+    verifies: int = 0  # ragged verify steps run
+    hopeless_steps: int = 0  # steps no verify could have paid for
+    retry_due: bool = False  # the next proposing step retries one draft (a pause after a loss ended)
+    # Drafts kept and proposals ending in a rejection, over every row's verifies (decaying): the rows' acceptance.
+    kept: float = 0.0
+    rejected: float = 0.0
+
+    def proposing(self, rows: int) -> bool:
+        """Whether this step's rows propose drafts at all: not before a plain step of this many rows is measured,
+        not while paused, and not where no verify could pay even if every draft were kept (a GPU whose plain steps
+        replay as CUDA graphs while a ragged verify runs eagerly): there, one probe every REPROBE_STEPS re-measures,
+        and the rows skip proposing (prompt lookup's search costs host time every step) until then."""
+        if rows not in self.plain_s:
+            return False
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        if self.verify.base is not None and self.hopeless(rows):
+            self.hopeless_steps += 1
+            return self.hopeless_steps % REPROBE_STEPS == 0
+        return True
+
+    def hopeless(self, rows: int) -> bool:
+        """No width beats a plain step even if every row kept all its drafts (needs a verify timed)."""
+        plain = rows / self.plain_s[rows]
+        return all(rows * q / max(self.verify_cost(rows * q), 1e-12) <= plain
+                   for q in range(2, MAX_SPECULATIVE_TOKENS + 2))
+
+    def width(self, proposals: Sequence[RowDrafts], limit: int) -> int:
+        """Tokens per row for this step (1 = plain), at most `limit` (the workspace's room past the longest row);
+        call when proposing() said so."""
+        n = len(proposals)
+        longest = max((len(p.drafts) for p in proposals), default=0)
+        limit = min(limit, longest + 1)
+        if limit <= 1 or n not in self.plain_s:  # nothing to verify, or the plain step is not measured yet
+            return 1
+        if self.verify.base is None or self.hopeless(n):  # a verify's cost is unknown (or a re-probe): a few drafts
+            return min(limit, PROBE_K + 1)
+        if self.retry_due:  # a pause just ended: one draft each, to re-measure the rows' acceptance
+            self.retry_due = False
+            return 2
+        rates = {1: n / self.plain_s[n]}
+        for q in range(2, limit + 1):
+            emitted = sum(p.expected(q) for p in proposals)
+            rates[q] = emitted / max(self.verify_cost(n * q), 1e-12)
+        best = max(rates, key=lambda q: (rates[q], -q))
+        if best == 1:  # drafting does not pay now: pause, then retry with one draft to re-measure
+            # A retry costs what a 2-wide verify costs over a plain step: pauses are long enough to keep retries
+            # under RETRY_SHARE of the decode time (on a GPU, where an eager verify costs several graph replays,
+            # longer than max_pause), and double while drafting keeps losing.
+            extra = max(0.0, self.verify_cost(2 * n) - self.plain_s[n])
+            shortest = math.ceil(extra / (RETRY_SHARE * self.plain_s[n]))
+            self.wait = max(self.pause, shortest)
+            self.pause = min(max(self.max_pause, shortest), self.wait * 2)
+            self.retry_due = True
+        return best
+
+    def verify_cost(self, total: int) -> float:
+        """Seconds of a verify of `total` tokens in all: as timed at that total, else on the fitted line; before two
+        totals far enough apart have given the line a slope, in proportion to the nearest total timed below it
+        (never cheaper than one timed above: a wider step costs at least as much). Cautious on purpose: a
+        flat guess would send the next step to the widest verify, which costs every row."""
+        c = self.verify
+        if total in c.by_length:
+            return c.by_length[total]
+        if c.extra is not None:
+            line = c.verify_s(total)
+            assert line is not None
+            return line
+        below = [t for t in c.by_length if t < total]
+        if below:
+            t = max(below)
+            return c.by_length[t] * total / t
+        return c.by_length[min(c.by_length)]
+
+    def observed(self, proposed: int, kept: int, decay: float = 0.85) -> None:
+        """A row's verify of `proposed` drafts kept `kept` of them (AdaptiveK counts the same way)."""
+        if proposed > 0:
+            self.kept = decay * self.kept + kept
+            self.rejected = decay * self.rejected + (0 if kept == proposed else 1)
+
+    def prior(self, adaptive: AdaptiveK, weight: float = 2.5, evidence: float = 3.0) -> None:
+        """Start a new row's acceptance at the rows' so far (AdaptiveK's prior weight), once there is evidence."""
+        if self.kept + self.rejected >= evidence:
+            a = self.kept / (self.kept + self.rejected)
+            adaptive.kept, adaptive.rejected = weight * a, weight * (1 - a)
+
+    def timed_plain(self, rows: int, seconds: float) -> None:
+        old = self.plain_s.get(rows)
+        self.plain_s[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def timed_verify(self, rows: int, width: int, seconds: float, kept_whole: bool) -> None:
+        """A ragged verify of `width` tokens per row took `seconds`; kept_whole: some row kept all its drafts
+        (drafting pays again: the pause starts short)."""
+        self.verify.record(rows * width, seconds)
+        self.verifies += 1
+        if kept_whole:
+            self.pause = 4
