@@ -63,6 +63,8 @@ def test_rows_verify_drafts_together_in_ragged_steps(engines, tokenizer):
     assert [r.output_token_ids for r in got] == want
     assert steps_together >= 5  # the short rows ran beside the long one
     assert runner.drafting.verifies > 0  # ...and verified drafts with it
+    if runner.steps is not None:  # fixed-shape steps: the runner's batched verify (CUDA graphs on a GPU)
+        assert any(key[0] == "rows_verify" for key in runner.steps.steps)
     assert got[1].draft_tokens > 0  # the shortest row drafted although it never ran alone
     stats = spec.cache_stats()["speculative"]
     assert stats["draft_tokens"] == sum(r.draft_tokens for r in got)
@@ -198,3 +200,27 @@ def test_draft_model_rows_run_apart(tokenizer):
         BatchRunner(engine).add(engine.request(REPEATED, 4))
     want = engine.generate(REPEATED, 10).output_token_ids
     assert engine.generate_batch([REPEATED, "hello"], 10)[0].output_token_ids == want
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_traffic_with_ragged_verifies_equals_plain_generation(tokenizer, seed):
+    """Rows of random prompts, budgets, stops and speculation on or off, joining as others leave (3 slots for 7
+    requests): every output equals plain generation's, and the batch verified drafts beside company."""
+    import random
+
+    rng = random.Random(seed)
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=16)
+    spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup", num_speculative_tokens=6)
+    words = REPEATED.split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 40))) for _ in range(7)]
+    options = [{"max_new_tokens": rng.randint(1, 40), "speculative": rng.choice(["prompt_lookup", "off"])}
+               for _ in prompts]
+    for o in options[::3]:
+        o["stop"] = [rng.choice(words)]
+    want = [plain.generate(p, **{k: v for k, v in o.items() if k != "speculative"}) for p, o in zip(prompts, options)]
+    runner = BatchRunner(spec, max_batch_size=3)
+    got = _run(runner, [runner.add(spec.request(p, **o)) for p, o in zip(prompts, options)])
+    assert [(g.output_token_ids, g.finish_reason) for g in got] == [(w.output_token_ids, w.finish_reason)
+                                                                    for w in want]
+    assert runner.drafting.verifies > 0

@@ -210,3 +210,44 @@ def test_compiled_decode_matches_the_ordinary_path_without_recompiling(tokenizer
     assert fast.cache_stats()["fast_path"]["mode"] == "compiled"
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # the C++ GEMM template's vector ISAs
         assert fast.cache_stats()["fast_path"]["decode_kernels"].startswith("packed GEMV")
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_a_batched_verify_step_gives_each_rows_own_logits(mode, tokenizer, device):
+    """verify_batch: rows of different lengths each run W tokens at their own positions, every token over its own
+    row's keys up to itself: the logits of one row run alone over the same K/V; a row count that is not a bucket
+    pads free slots, and the rows' K/V after the step are those of the tokens they ran."""
+    if mode == "graphs" and device.type != "cuda":
+        pytest.skip("CUDA graphs need --device cuda")
+    from kvboost.kv.workspace import KVWorkspace
+    from kvboost.model.forward import forward_tokens, probe_layer_shapes
+
+    model = make_tiny_model("llama", tokenizer, device=device)
+    shapes, dtype = probe_layer_shapes(model)
+    ws = KVWorkspace(shapes, dtype, device, batch_size=4, max_positions=256)
+    runner = ModelRunner(model, ws, mode=mode, backend={"graphs": "triton"}.get(mode, "sdpa"))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (9, 23, 14)]
+    ws.ensure_capacity(64, keep=0)
+    for row, ids in enumerate(prompts):  # each row's prompt K/V in its own slot
+        one = KVWorkspace(shapes, dtype, device, max_positions=256)
+        forward_tokens(model, ids, one.make_cache(0))
+        keys, values = one.read(0, len(ids))
+        ws.write(keys, values, 0, row=row)
+    tokens = [torch.randint(0, 1000, (4,), generator=gen).tolist() for _ in prompts]
+    with torch.inference_mode():
+        got = runner.verify_batch(tokens, [len(p) for p in prompts]).clone()
+    assert got.shape == (3, 4, model.config.vocab_size)
+    for row, (ids, toks) in enumerate(zip(prompts, tokens)):
+        alone = KVWorkspace(shapes, dtype, device, max_positions=256)
+        want = forward_tokens(model, ids + toks, alone.make_cache(0), logits_to_keep=4)[0]
+        torch.testing.assert_close(got[row], want, atol=2e-4, rtol=1e-4)
+        keys, _ = alone.read(0, len(ids) + 4)
+        torch.testing.assert_close(ws.buffers(0)[0][row, :, :len(ids) + 4], keys[0], atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="batched verify"):
+        runner.verify_batch([[1, 2, 3], [4, 5, 6]], [3, 3])  # 3 is not a verify width
+    # Widths round up to a step width, and past MAX_VERIFY_STEP_TOKENS in all down to the widest step (4 rows x 16)
+    assert [runner.verify_width(3, w) for w in (2, 3, 5, 9, 16)] == [2, 4, 8, 16, 16]
+    assert runner.verify_width(5, 3) is None  # 5 rows: no batch bucket in a 4-row workspace
+    wide = ModelRunner(model, KVWorkspace(shapes, dtype, device, batch_size=16, max_positions=64), mode="eager")
+    assert [wide.verify_width(9, w) for w in (2, 3, 9)] == [2, 4, 4]  # 16 rows x 4 = 64 tokens at most

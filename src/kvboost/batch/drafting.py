@@ -17,8 +17,8 @@ here a wrong guess costs every row.
 The first steps are plain (their time is the yardstick) and the first verify is a probe of PROBE_K drafts. A batch
 whose verifies stop paying pauses drafting and retries one draft when the pause ends, doubling the pause while it
 keeps losing (as AdaptiveK does for one sequence); a pause is never shorter than what keeps retries under
-RETRY_SHARE of the decode time (on a GPU a ragged verify runs eagerly while plain steps replay as CUDA graphs, so
-there pauses are long). Where no width could pay even if every draft
+RETRY_SHARE of the decode time (long where a verify costs several plain steps: on a GPU, a ragged step over a
+shared prefix runs eagerly while plain steps replay as CUDA graphs). Where no width could pay even if every draft
 were kept, rows do not even propose, bar one probe every REPROBE_STEPS. A new row's acceptance starts from what the
 batch's rows have had (`prior`): AdaptiveK's own prior (0.8) would have every fresh row of a chat batch look worth a
 wide verify until it had failed a few.
@@ -69,9 +69,9 @@ class BatchDrafting:
 
     def proposing(self, rows: int) -> bool:
         """Whether this step's rows propose drafts at all: not before a plain step of this many rows is measured,
-        not while paused, and not where no verify could pay even if every draft were kept (a GPU whose plain steps
-        replay as CUDA graphs while a ragged verify runs eagerly): there, one probe every REPROBE_STEPS re-measures,
-        and the rows skip proposing (prompt lookup's search costs host time every step) until then."""
+        not while paused, and not where no verify could pay even if every draft were kept (many rows on a CPU, where
+        a verify costs what its tokens do): there, one probe every REPROBE_STEPS re-measures, and the rows skip
+        proposing (prompt lookup's search costs host time every step) until then."""
         if rows not in self.plain_s:
             return False
         if self.wait > 0:
@@ -108,8 +108,8 @@ class BatchDrafting:
         best = max(rates, key=lambda q: (rates[q], -q))
         if best == 1:  # drafting does not pay now: pause, then retry with one draft to re-measure
             # A retry costs what a 2-wide verify costs over a plain step: pauses are long enough to keep retries
-            # under RETRY_SHARE of the decode time (on a GPU, where an eager verify costs several graph replays,
-            # longer than max_pause), and double while drafting keeps losing.
+            # under RETRY_SHARE of the decode time (where a verify costs several plain steps, longer than
+            # max_pause), and double while drafting keeps losing.
             extra = max(0.0, self.verify_cost(2 * n) - self.plain_s[n])
             shortest = math.ceil(extra / (RETRY_SHARE * self.plain_s[n]))
             self.wait = max(self.pause, shortest)

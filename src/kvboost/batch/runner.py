@@ -290,9 +290,10 @@ class BatchRunner:
         speculating = n > 1 and self.ragged_mask is not None and any(r.spec is not None for r in rows)
         proposals = self._proposals(rows) if speculating and self.drafting.proposing(n) else None
         if proposals is not None:
-            width = self.drafting.width(proposals, self.engine.max_context - max(r.length for r in rows))
+            room = self.engine.max_context - max(r.length for r in rows)
+            width = self.drafting.width(proposals, room)
             if width > 1:
-                return self._verify_rows(rows, proposals, width)
+                return self._verify_rows(rows, proposals, width, room)
         t0 = time.perf_counter()
         if n == 1:  # alone: the row's own forward, without the padding mask a ragged batch needs (as generate())
             logits = self._forward_alone([rows[0].next_token], rows[0].length)
@@ -372,14 +373,27 @@ class BatchRunner:
                                        row.spec.adaptive))
         return proposals
 
-    def _verify_rows(self, rows: list[Row], proposals: list[RowDrafts], width: int) -> None:
+    def _verify_rows(self, rows: list[Row], proposals: list[RowDrafts], width: int, room: int) -> None:
         """One forward of `width` tokens per row: each row's token, then its drafts (cut to width - 1), padded with
         its token; each speculating row keeps what its sampler accepts, the others sample their first position.
-        Padding and rejected drafts leave K/V past the row's length, which its next step overwrites."""
+        Padding and rejected drafts leave K/V past the row's length, which its next step overwrites. With a runner
+        (CUDA graphs) the step is its fixed-shape batched verify, the width rounded up to one of its widths (the
+        extra positions carry more drafts where rows have them: they cost nothing more there), or cut to the widest
+        step there is for that many rows."""
         t0 = time.perf_counter()
+        lengths = [r.length for r in rows]
+        steps = self.steps if self.prefix is None else None
+        fixed = steps.verify_width(len(rows), width) if steps is not None else None
+        if fixed is not None and fixed <= room:
+            width = fixed
+        else:
+            steps = None
         drafts = [p.drafts[:width - 1] for p in proposals]
         tokens = [[r.next_token, *d, *[r.next_token] * (width - 1 - len(d))] for r, d in zip(rows, drafts)]
-        logits = self._forward_ragged(tokens, [r.length for r in rows])  # [n, width, vocab]
+        if steps is not None:
+            logits = steps.verify_batch(tokens, lengths)  # [n, width, vocab]
+        else:
+            logits = self._forward_ragged(tokens, lengths)
         plain = [i for i, r in enumerate(rows) if r.spec is None]
         picks = dict(zip(plain, sample_rows([rows[i].sampler for i in plain], logits[plain, 0]))) if plain else {}
         outs = [[picks[i]] if row.spec is None else row.spec.accept(logits[i, :len(d) + 1], d)

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # rows of a batched decode step (continuous batching)
+VERIFY_WIDTHS = (2, 4, 8, 16)  # tokens per row of a batched verify step (each row's token and its drafts)
+# Tokens in all of a batched verify step (bucket rows x width): each captured step keeps float32 logits of every
+# token ([rows, width, vocab]: 16 x 16 x 152k = 155 MB for Qwen2.5), in a graph's private memory pool.
+MAX_VERIFY_STEP_TOKENS = 64
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
 RUNNER_MODES = ("graphs", "compiled", "eager")
@@ -96,10 +100,11 @@ class _Step:
 
     A prefill/decode step of one sequence: ids [1, T], positions [T] (the same columns for the row), ends [1],
     last [1] (index of the last real token), logits [vocab]. A batched decode step of B rows: ids [B, 1],
-    positions [B, 1] (each row's own column), ends [B], last None (one token per row), logits [B, vocab].
+    positions [B, 1] (each row's own column), ends [B], last None (one token per row), logits [B, vocab]. A batched
+    verify of B rows x W tokens: ids and positions [B, W] (each row's own columns), ends [B], logits [B, W, vocab].
     """
 
-    key: tuple[str, int]  # ("seq", tokens) or ("rows", rows)
+    key: tuple  # ("seq", tokens), ("verify", tokens), ("rows", rows) or ("rows_verify", rows, width)
     ids: torch.Tensor  # int64
     positions: torch.Tensor  # int64: where each token's K/V goes (and its RoPE position)
     ends: torch.Tensor  # int32: each row's valid keys after the write
@@ -203,6 +208,38 @@ class ModelRunner(GraphSteps):
         set_length(step.cache, max(lengths))
         return self._execute(step)[:n]
 
+    def verify_width(self, n_rows: int, width: int) -> int | None:
+        """The batched-verify width to run `width` tokens per row of n_rows rows at: the smallest step width that
+        holds them, else the widest step there is for that many rows (fewer drafts); None where the rows fit no
+        batch bucket."""
+        if not self.fits_batch(n_rows):
+            return None
+        rows = batch_bucket_for(n_rows, self.workspace.batch_size)
+        assert rows is not None
+        widths = [w for w in VERIFY_WIDTHS if rows * w <= MAX_VERIFY_STEP_TOKENS]
+        return next((w for w in widths if w >= width), widths[-1] if widths else None)
+
+    def verify_batch(self, tokens: Sequence[Sequence[int]], lengths: Sequence[int]) -> torch.Tensor:
+        """One verify step for rows 0..n-1 of the workspace: row i feeds tokens[i] (its last token and drafts, all
+        rows the same count W, a VERIFY_WIDTHS value) at positions [lengths[i], lengths[i] + W), each token seeing
+        its own row's keys up to itself. Returns float32 logits [n, W, vocab], overwritten by the next call. Rows
+        past n up to the bucket are free slots: they compute throwaway tokens at positions [0, W)."""
+        n, width = len(tokens), len(tokens[0])
+        rows = batch_bucket_for(n, self.workspace.batch_size) if self.workspace.base == 0 else None
+        if rows is None or width not in VERIFY_WIDTHS or rows * width > MAX_VERIFY_STEP_TOKENS \
+                or any(len(t) != width for t in tokens):
+            raise ValueError(f"{n} rows x {width} tokens do not fit a batched verify step of this workspace")
+        self._ensure_capacity(max(lengths) + width, keep=max(lengths))
+        step = self._step(("rows_verify", rows, width))
+        pad = rows - n
+        ids = [list(t) for t in tokens] + [[0] * width] * pad
+        step.ids.copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        starts = torch.tensor(list(lengths) + [0] * pad, dtype=torch.long).to(step.positions.device)
+        torch.add(starts[:, None], torch.arange(width, device=starts.device), out=step.positions)
+        step.ends.copy_(step.positions[:, -1] + 1)
+        set_length(step.cache, max(lengths))
+        return self._execute(step)[:n]
+
     def _run(self, step: _Step) -> torch.Tensor:
         position_ids = step.positions if step.last is None else step.positions[None]  # [B, tokens]
         keep = 0 if step.all_logits else (1 if step.last is None else step.last)  # 0: every position
@@ -218,7 +255,7 @@ class ModelRunner(GraphSteps):
             logits = forward(step.ids, position_ids, step.cache, None if compiled else step.ends,
                              keep)  # [B, kept, vocab]
         if step.all_logits:
-            return logits[0]  # [T, vocab]
+            return logits[0] if step.last is not None else logits  # [T, vocab], or [B, W, vocab] of rows
         logits = logits[:, -1]  # [B, vocab]
         return logits[0] if step.last is not None else logits
 
@@ -252,13 +289,17 @@ class ModelRunner(GraphSteps):
             self.generation = self.workspace.generation
         step = self.steps.get(key)
         if step is None:
-            kind, size = key
+            kind, size = key[0], key[1]
             device = self.workspace.device
 
             def zeros(*shape: int, dtype=torch.long) -> torch.Tensor:
                 return torch.zeros(*shape, dtype=dtype, device=device)
 
-            if kind in ("seq", "verify"):  # one row, `size` tokens
+            if kind == "rows_verify":  # `size` rows, key[2] tokens each
+                positions = zeros(size, key[2])
+                step = _Step(key, zeros(size, key[2]), positions, zeros(size, dtype=torch.int32), None,
+                             static_cache(self.workspace, positions, rows=size), all_logits=True)
+            elif kind in ("seq", "verify"):  # one row, `size` tokens
                 positions = zeros(size)
                 step = _Step(key, zeros(1, size), positions, zeros(1, dtype=torch.int32), zeros(1),
                              static_cache(self.workspace, positions), all_logits=kind == "verify")
