@@ -12,8 +12,8 @@ the prompt, extraction from a text, open chat):
 * with --batch-runner, batched / batched_prompt_lookup: the same request as a row of the continuous-batching runner
   (kvboost serve's batching worker), alone in it, without and with prompt lookup; and together /
   together_prompt_lookup: a workload's prompts as rows of one batch at once (a busy server: rows verify their drafts
-  in ragged steps): TOGETHER_COPIES requests of each prompt queued at once into a runner of --per-workload rows, so
-  rows join as others leave (continuous batching under load). Decode tok/s is the batch's: every row's decode
+  in ragged steps): TOGETHER_COPIES requests of each prompt queued at once into a runner of max(4, --per-workload)
+  rows, so rows join as others leave (continuous batching under load). Decode tok/s is the batch's: every row's decode
   tokens over the wall time from the first token to the last row's end (the joining rows' prefills included: the
   prompts are resident, and both systems pay the same). Run TOGETHER_ROUNDS times, alternating the two.
 
@@ -156,7 +156,8 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                     samples += _run_together(runner, workload, system, refs, max_new_tokens, spec)
             rates = {system: _rows([x for x in samples if x.workload == workload], ("kvboost", system))[1]
                      for system in TOGETHER_SYSTEMS}
-            console.print(f"{workload}, {len(refs)} rows together: " + ", ".join(
+            console.print(f"{workload}, {len(refs)} prompts x {TOGETHER_COPIES} through {runner.max_batch_size} "
+                          "rows: " + ", ".join(
                 f"{system} {row.decode_tok_s:.1f} tok/s" for system, row in rates.items()))
         step_costs[workload] = engine.cache_stats()["speculative"]["step_costs"]
     rows = _rows(samples, systems + (tuple(TOGETHER_SYSTEMS) if runner is not None else ()))
@@ -245,7 +246,8 @@ def _print(console: Console, rows: list[Row], draft_note: str) -> None:
         "speedup = decode tok/s / KVBoost without speculation on the same prompts; identical = output tokens "
         f"equal to KVBoost without speculation; draft = {draft_note}; acceptance = kept / proposed drafts "
         "(HF does not report it); together: each prompt queued "
-        f"{TOGETHER_COPIES} times into a runner of --per-workload rows, {TOGETHER_ROUNDS} rounds, tok/s of the batch"))
+        f"{TOGETHER_COPIES} times into a runner of max(4, --per-workload) rows, {TOGETHER_ROUNDS} rounds, tok/s of the "
+        "batch"))
     for col in ("workload", "system", "prompts", "decode tok/s", "speedup", "acceptance", "identical"):
         table.add_column(col, justify="right")
     for r in rows:
