@@ -68,6 +68,7 @@ def test_rows_verify_drafts_together_in_ragged_steps(engines, tokenizer):
     assert got[1].draft_tokens > 0  # the shortest row drafted although it never ran alone
     stats = spec.cache_stats()["speculative"]
     assert stats["draft_tokens"] == sum(r.draft_tokens for r in got)
+    assert 0 < stats["batched_proposals"] <= stats["proposals"]
 
 
 def test_a_row_without_speculation_rides_along_ragged_steps(engines, tokenizer):

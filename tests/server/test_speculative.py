@@ -30,7 +30,14 @@ def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_
     drafted = [line for line in metrics.splitlines() if line.startswith("kvboost_speculative_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
     assert "kvboost_speculative_acceptance_rate" in metrics
-    assert spec.cache_stats()["speculative"]["draft_tokens"] > 0
+    stats = spec.cache_stats()["speculative"]
+    assert stats["draft_tokens"] > 0
+    batched = [line for line in metrics.splitlines() if line.startswith("kvboost_speculative_batched_proposals")]
+    assert batched and float(batched[0].split()[-1]) == stats["batched_proposals"]
+    if max_batch_size > 1:  # the rows verified drafts beside each other, not only once alone
+        assert stats["batched_proposals"] > 0
+    else:
+        assert stats["batched_proposals"] == 0
 
 
 def test_flag_combinations_that_cannot_run_are_refused():

@@ -396,7 +396,7 @@ class BatchRunner:
             logits = self._forward_ragged(tokens, lengths)
         plain = [i for i, r in enumerate(rows) if r.spec is None]
         picks = dict(zip(plain, sample_rows([rows[i].sampler for i in plain], logits[plain, 0]))) if plain else {}
-        outs = [[picks[i]] if row.spec is None else row.spec.accept(logits[i, :len(d) + 1], d)
+        outs = [[picks[i]] if row.spec is None else row.spec.accept(logits[i, :len(d) + 1], d, batched=True)
                 for i, (row, d) in enumerate(zip(rows, drafts))]
         for d, out in zip(drafts, outs):
             self.drafting.observed(len(d), len(out) - 1)

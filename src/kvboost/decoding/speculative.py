@@ -309,21 +309,25 @@ class SpecCounts:
     proposals: int = 0  # verify forwards that carried drafts
     draft_tokens: int = 0  # drafts proposed and verified
     accepted_tokens: int = 0  # drafts kept
+    batched_proposals: int = 0  # of the proposals, those verified beside other rows (a batch's ragged step)
 
-    def add(self, proposed: int, kept: int) -> None:
+    def add(self, proposed: int, kept: int, batched: bool = False) -> None:
         self.proposals += 1
         self.draft_tokens += proposed
         self.accepted_tokens += kept
+        self.batched_proposals += batched
 
     def merge(self, other: SpecCounts) -> None:
         self.proposals += other.proposals
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
+        self.batched_proposals += other.batched_proposals
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {"proposals": self.proposals, "draft_tokens": self.draft_tokens,
+        return {"proposals": self.proposals, "batched_proposals": self.batched_proposals,
+                "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate}

@@ -94,11 +94,11 @@ class Speculator:
             drafts = drafts[:constraint.accepted_prefix(drafts)]
         return drafts
 
-    def accept(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    def accept(self, logits: torch.Tensor, drafts: list[int], batched: bool = False) -> list[int]:
         """The tokens a verify of these drafts emits (logits [len(drafts) + 1, vocab], float32), counted and fed to
-        the proposer: a step whose forward the caller ran itself (a batch's ragged verify)."""
+        the proposer: a step whose forward the caller ran itself (batched: a batch's ragged verify)."""
         out = self.pick(logits, drafts)
-        self.account(drafts, out)
+        self.account(drafts, out, batched)
         return out
 
     def pick(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
@@ -112,10 +112,10 @@ class Speculator:
             return accept_sampled(probs, drafts, self.sampler.generator)
         return [self.sampler(logits[-1])]  # no drafts: exactly the plain sampler's step (same generator draws)
 
-    def account(self, drafts: list[int], out: list[int]) -> None:
+    def account(self, drafts: list[int], out: list[int], batched: bool = False) -> None:
         if drafts:
             self.adaptive.update(len(drafts), len(out) - 1)
-            self.counts.add(len(drafts), len(out) - 1)
+            self.counts.add(len(drafts), len(out) - 1, batched)
         self.proposer.extend(out)
 
     def close(self, emitted: Sequence[int]) -> None:

@@ -64,7 +64,8 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
                                        tokenizer_lock=lock)
     metrics = ServerMetrics(scheduler.queue_depth, scheduler.active_count,
                             lambda: _cache_stats(engine).get("reuse_ratio", 0.0),
-                            lambda: _cache_stats(engine).get("speculative", {}).get("acceptance_rate", 0.0))
+                            lambda: _cache_stats(engine).get("speculative", {}).get("acceptance_rate", 0.0),
+                            lambda: _cache_stats(engine).get("speculative", {}).get("batched_proposals", 0))
     state = ServerState(engine, settings, scheduler, metrics, lock, int(time.time()))
 
     @asynccontextmanager

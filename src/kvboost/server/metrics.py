@@ -14,7 +14,8 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, queue_depth: Callable[[], float], active: Callable[[], float],
-                 reuse_ratio: Callable[[], float], acceptance: Callable[[], float] = lambda: 0.0):
+                 reuse_ratio: Callable[[], float], acceptance: Callable[[], float] = lambda: 0.0,
+                 batched_proposals: Callable[[], float] = lambda: 0.0):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvboost_requests", "HTTP requests by route and status code",
                                 ["route", "status"], registry=r)
@@ -39,6 +40,8 @@ class ServerMetrics:
                                        registry=r)
         Gauge("kvboost_speculative_acceptance_rate", "Accepted / drafted tokens since start (engine.cache_stats)",
               registry=r).set_function(_safe(acceptance))
+        Gauge("kvboost_speculative_batched_proposals", "Draft proposals verified beside other rows of a batch, since "
+              "start (engine.cache_stats)", registry=r).set_function(_safe(batched_proposals))
 
     def observe_result(self, endpoint: str, result: GenerationResult) -> None:
         self.prompt_tokens.inc(result.prompt_tokens)
