@@ -60,6 +60,16 @@ def test_a_wide_step_is_not_guessed_cheap_before_its_cost_is_known():
     assert d.width(rows, 100) <= 3
 
 
+def test_a_width_timed_once_slowly_is_not_ruled_out():
+    """Its first run captured a graph (10x its real cost): until timed again it costs no more than the totals
+    below it say, so it can be chosen again and its real time count."""
+    d = _measured(0.05, {8: 0.06}, rows=4)
+    d.verify.record(16, 0.6)
+    assert d.verify_cost(16) == pytest.approx(0.12)
+    d.verify.record(16, 0.07)
+    assert d.verify_cost(16) == pytest.approx(0.07)  # the better of its first two timings
+
+
 def test_drafts_that_do_not_pay_pause_then_retry_one():
     d = _measured(0.1, {4: 0.11, 6: 0.16, 32: 0.8})  # a verify costs about half a plain step per token
     bad = [_row(8, kept=0.1, rejected=5.0), _row(8, kept=0.1, rejected=5.0)]

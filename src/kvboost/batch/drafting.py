@@ -124,7 +124,13 @@ class BatchDrafting:
         flat guess would send the next step to the widest verify, which costs every row."""
         c = self.verify
         if total in c.by_length:
-            return c.by_length[total]
+            timed = c.by_length[total]
+            if c.samples.get(total, 0) >= 2:
+                return timed
+            # Timed once: not trusted above what the totals below it say (a first run may have captured a CUDA
+            # graph or paged memory in; left as it is, it would never be chosen, hence never timed again).
+            below = [t for t in c.by_length if t < total]
+            return min(timed, c.by_length[max(below)] * total / max(below)) if below else timed
         if c.extra is not None:
             line = c.verify_s(total)
             assert line is not None
