@@ -23,8 +23,15 @@ def _measured(plain_s: float = 0.1, verify: dict[int, float] | None = None, rows
     d.timed_plain(rows, plain_s)
     for total, seconds in (verify or {}).items():
         for _ in range(2):
-            d.verify.record(total, seconds)
+            d.record_verify(total, seconds)
     return d
+
+
+def test_expected_tokens_per_width():
+    row = _row(3, kept=1, rejected=1)  # acceptance 1/2, three drafts
+    assert row.expected_by_width(6) == pytest.approx([1, 1, 1.5, 1.75, 1.875, 1.875, 1.875])
+    assert [row.expected(w) for w in (1, 2, 4, 6)] == pytest.approx([1, 1.5, 1.875, 1.875])
+    assert RowDrafts([5, 6]).expected_by_width(3) == [1, 1, 1, 1]  # a row that does not speculate
 
 
 def test_plain_until_the_plain_step_is_measured_then_a_probe():
@@ -64,9 +71,9 @@ def test_a_width_timed_once_slowly_is_not_ruled_out():
     """Its first run captured a graph (10x its real cost): until timed again it costs no more than the totals
     below it say, so it can be chosen again and its real time count."""
     d = _measured(0.05, {8: 0.06}, rows=4)
-    d.verify.record(16, 0.6)
+    d.record_verify(16, 0.6)
     assert d.verify_cost(16) == pytest.approx(0.12)
-    d.verify.record(16, 0.07)
+    d.record_verify(16, 0.07)
     assert d.verify_cost(16) == pytest.approx(0.07)  # the better of its first two timings
 
 
@@ -105,8 +112,8 @@ def test_where_no_verify_can_pay_rows_do_not_propose_but_a_probe_comes_back():
     asked = [d.proposing(4) for _ in range(2 * REPROBE_STEPS)]
     assert asked.count(True) == 2 and asked[REPROBE_STEPS - 1]
     assert d.width([_row(8) for _ in range(4)], 100) == PROBE_K + 1  # the probe
-    d.verify.record(64, 0.01)
-    d.verify.record(64, 0.01)  # the verify got cheap (a kernel warmed up, a longer context): drafting pays again
+    d.record_verify(64, 0.01)
+    d.record_verify(64, 0.01)  # the verify got cheap (a kernel warmed up, a longer context): drafting pays again
     assert not d.hopeless(4) and d.proposing(4)
 
 

@@ -45,10 +45,18 @@ class RowDrafts:
 
     def expected(self, width: int) -> float:
         """Tokens this row emits from a step of `width` tokens per row (its token and up to width - 1 drafts)."""
-        k = min(width - 1, len(self.drafts))
-        if k <= 0 or self.adaptive is None:
-            return 1.0
-        return self.adaptive.expected(k, self.adaptive.judged_acceptance)
+        return self.expected_by_width(width)[width]
+
+    def expected_by_width(self, limit: int) -> list[float]:
+        """expected(w) for w in 0..limit (index 0 and 1: one token), in one pass: E(k) = 1 + a + ... + a^k."""
+        out, total, term = [1.0, 1.0], 1.0, 1.0
+        a = min(self.adaptive.judged_acceptance, 0.999) if self.adaptive is not None else 0.0
+        for k in range(1, limit):
+            if k <= len(self.drafts) and self.adaptive is not None:
+                term *= a
+                total += term
+            out.append(total)
+        return out
 
 
 @dataclass
@@ -66,6 +74,12 @@ class BatchDrafting:
     # Drafts kept and proposals ending in a rejection, over every row's verifies (decaying): the rows' acceptance.
     kept: float = 0.0
     rejected: float = 0.0
+    _hopeless: dict[int, bool] = field(default_factory=dict, init=False, repr=False)  # rows -> hopeless(), until timed
+
+    def record_verify(self, total: int, seconds: float) -> None:
+        """A verify of `total` tokens in all took `seconds`."""
+        self.verify.record(total, seconds)
+        self._hopeless.clear()
 
     def proposing(self, rows: int) -> bool:
         """Whether this step's rows propose drafts at all: not before a plain step of this many rows is measured,
@@ -83,10 +97,13 @@ class BatchDrafting:
         return True
 
     def hopeless(self, rows: int) -> bool:
-        """No width beats a plain step even if every row kept all its drafts (needs a verify timed)."""
-        plain = rows / self.plain_s[rows]
-        return all(rows * q / max(self.verify_cost(rows * q), 1e-12) <= plain
-                   for q in range(2, MAX_SPECULATIVE_TOKENS + 2))
+        """No width beats a plain step even if every row kept all its drafts (needs a verify timed). Asked every
+        step: remembered until a step is timed again."""
+        if rows not in self._hopeless:
+            plain = rows / self.plain_s[rows]
+            self._hopeless[rows] = all(rows * q / max(self.verify_cost(rows * q), 1e-12) <= plain
+                                       for q in range(2, MAX_SPECULATIVE_TOKENS + 2))
+        return self._hopeless[rows]
 
     def width(self, proposals: Sequence[RowDrafts], limit: int) -> int:
         """Tokens per row for this step (1 = plain), at most `limit` (the workspace's room past the longest row);
@@ -102,9 +119,9 @@ class BatchDrafting:
             self.retry_due = False
             return 2
         rates = {1: n / self.plain_s[n]}
+        emitted = [sum(col) for col in zip(*(p.expected_by_width(limit) for p in proposals))]  # per width
         for q in range(2, limit + 1):
-            emitted = sum(p.expected(q) for p in proposals)
-            rates[q] = emitted / max(self.verify_cost(n * q), 1e-12)
+            rates[q] = emitted[q] / max(self.verify_cost(n * q), 1e-12)
         best = max(rates, key=lambda q: (rates[q], -q))
         if best == 1:  # drafting does not pay now: pause, then retry with one draft to re-measure
             # A retry costs what a 2-wide verify costs over a plain step: pauses are long enough to keep retries
@@ -156,11 +173,12 @@ class BatchDrafting:
     def timed_plain(self, rows: int, seconds: float) -> None:
         old = self.plain_s.get(rows)
         self.plain_s[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._hopeless.pop(rows, None)
 
     def timed_verify(self, rows: int, width: int, seconds: float, kept_whole: bool) -> None:
         """A ragged verify of `width` tokens per row took `seconds`; kept_whole: some row kept all its drafts
         (drafting pays again: the pause starts short)."""
-        self.verify.record(rows * width, seconds)
+        self.record_verify(rows * width, seconds)
         self.verifies += 1
         if kept_whole:
             self.pause = 4
