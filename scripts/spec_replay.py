@@ -35,6 +35,7 @@ from kvboost.decoding.speculative import AdaptiveK, StepCosts, lookup_min_ngram
 PROFILES = {
     "cpu_linear-1t": (34.9, 35.9, 45.4, 39.2, 64.3, 65.4, 73.0, 67.8, 75.5, 75.8),
     "cpu_linear-2t": (22.9, 24.2, 28.3, 25.5, 33.5, 38.5, 43.7, 44.3, 51.1, 60.5),
+    "compiled-1t": (19.0, 19.7, 23.5, 22.8, 43.9, 43.9, 46.1, 43.9, 52.7, 52.3),
     "session7": (107.0, *(195.0 + 28.0 * i / 7 for i in range(8)), 244.0),
 }
 PROFILE = PROFILES["cpu_linear-1t"]

@@ -111,7 +111,7 @@ class InferenceEngine:
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
         self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.workspace,
-                                                         self.attention)
+                                                         self.attention, verifies=self.config.speculative is not None)
         self.table_runner = make_table_runner(self.runner, model, self.kv.blocks.pool) if self.table_forward else None
         # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
         self.lock = threading.RLock()

@@ -40,6 +40,7 @@ def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one
     assert all(r.identical_rate == 1.0 for r in rows)  # greedy: every system's tokens equal no speculation's
     data = json.loads(js.read_text())
     assert data["prompt_lookup_ngram"] == [1, 4]  # the engine ran with the n-grams asked for
+    assert data["fast_path"]["mode"] == "off"  # the engine's default on a CPU (auto), recorded with its reason
     assert set(data["step_costs"]) == {"rag", "code", "extract", "chat"}
     last = data["step_costs"]["chat"]
     assert set(last) <= {"prompt_lookup", "draft"} and last  # what the engine measured, per method
@@ -64,3 +65,12 @@ def test_batch_runner_rows_are_identical_and_draft(one_thread):
     for system in ("batched", "together"):
         assert all(s["draft_tokens"] == 0 for r in batched if r.system == system for s in r.samples)
         assert sum(s["draft_tokens"] for r in batched if r.system == f"{system}_prompt_lookup" for s in r.samples)
+
+
+def test_a_fast_path_that_does_not_exist_is_a_usage_error():
+    from typer.testing import CliRunner
+
+    from kvboost.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "spec", "--fast-path", "turbo"], env={"COLUMNS": "200"})
+    assert out.exit_code == 2 and "expected one of auto, graphs, compiled, eager, off" in out.output

@@ -117,6 +117,13 @@ def test_graph_warm_up_captures_every_bucket(tokenizer, device):
     assert counts["captures"] == 1 + len(engine.runner.buckets)
     engine.generate("Hello there", max_new_tokens=5)
     assert counts["captures"] == 1 + len(engine.runner.buckets)  # the request met no capture
+    # An engine that speculates captures its verify bucket at load too: a speculative request meets no capture.
+    spec = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="graphs",
+                   attention_backend="triton", speculative="prompt_lookup")
+    counts = spec.runner.stats.counts
+    assert counts["captures"] == 2 + len(spec.runner.buckets)
+    spec.generate("Copy: a b c d e f g. Copy: a b c d e f g. Copy: a b c", max_new_tokens=12)
+    assert counts["captures"] == 2 + len(spec.runner.buckets)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graphs"])

@@ -97,7 +97,7 @@ def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple
 def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: int = 8,
                    draft_model: str | None = None, json_path: str | None = None, plot_path: str | None = None,
                    console: Console | None = None, min_ngram: int | None = None, max_ngram: int = 3,
-                   batch_runner: bool = False) -> list[Row]:
+                   batch_runner: bool = False, fast_path: str | None = None) -> list[Row]:
     import torch
 
     from ..batch import BatchRunner
@@ -105,8 +105,13 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
     from .workloads import load_spec_tasks
 
     console = console or bench_console()
+    # Every request below names its own speculation; the engine's default makes its runner ready a verify step at
+    # load (captured with graphs, compiled with fast_path="compiled"), as a speculating server's engine is.
     engine = load_engine(choice, num_speculative_tokens=k, prompt_lookup_max_ngram=max_ngram,
-                         prompt_lookup_min_ngram=min_ngram)
+                         prompt_lookup_min_ngram=min_ngram, speculative="prompt_lookup",
+                         **({"fast_path": fast_path} if fast_path else {}))
+    fast = engine.cache_stats()["fast_path"]
+    console.print(f"fast path: {fast['mode']} ({fast['reason']})")
     param = next(engine.model.parameters())
     draft_note = draft_model or "tiny random 2-layer Llama sharing the tokenizer (exactness and cost only)"
     draft = draft_model or tiny_random_draft(engine.tokenizer, param.device, param.dtype)
@@ -173,6 +178,7 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
         from .plots import write_json
 
         write_json(json_path, {"benchmark": "spec", **choice.record(engine), "threads": torch.get_num_threads(),
+                               "fast_path": {key: fast[key] for key in ("mode", "reason", "compiled_steps")},
                                "max_new_tokens": max_new_tokens, "num_speculative_tokens": k,
                                "prompt_lookup_ngram": [engine.config.prompt_lookup_min_ngram or "auto", max_ngram],
                                "draft_model": draft_note, "rows": [asdict(r) for r in rows],
@@ -183,8 +189,8 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
 
         bars = {w: {r.system: r.speedup for r in rows if r.workload == w} for w in dict.fromkeys(r.workload
                                                                                                for r in rows)}
-        plot_bars(bars, "Decode speed vs KVBoost without speculation (greedy)", "workload", "x decode tok/s",
-                  plot_path)
+        plot_bars(bars, f"Decode speed vs KVBoost without speculation (greedy, fast path {fast['mode']})",
+                  "workload", "x decode tok/s", plot_path)
         console.print(f"wrote {plot_path}")
     return rows
 
@@ -292,7 +298,14 @@ def bench_spec_command(
     batch_runner: bool = typer.Option(False, "--batch-runner", help="Also run each prompt as a row of the "
                                       "continuous-batching runner (a batching server's path), alone and with the "
                                       "workload's other prompts at once, without and with prompt lookup."),
+    fast_path: str | None = typer.Option(None, "--fast-path", help="The engine's fast_path (auto, graphs, "
+                                         "compiled, eager, off; default: the engine's, auto)."),
 ) -> None:
     """Decode tok/s, acceptance and identical outputs: no speculation, prompt lookup, a draft model, HF's."""
+    from ..model.runner import FAST_PATHS
+
+    if fast_path is not None and fast_path not in FAST_PATHS:
+        raise typer.BadParameter(f"{fast_path!r}: expected one of {', '.join(FAST_PATHS)}", param_hint="--fast-path")
     run_spec_bench(model_choice(model, shape, device, dtype), max_new_tokens, per_workload, k, draft_model,
-                   json_path, plot_path, min_ngram=min_ngram, max_ngram=max_ngram, batch_runner=batch_runner)
+                   json_path, plot_path, min_ngram=min_ngram, max_ngram=max_ngram, batch_runner=batch_runner,
+                   fast_path=fast_path)

@@ -110,12 +110,14 @@ def uninstall_cpu_linear(model: nn.Module) -> None:
 @contextmanager
 def model_own_products(model: nn.Module) -> Iterator[None]:
     """The model's own Linear products inside the block (e.g. a plain-transformers baseline on the same model
-    object), the engine's choice again after it."""
-    installed = [m for m in model.modules() if getattr(m, _MARK, False)]
+    object), the engine's choice again after it: the same forward objects, because a compiled step
+    (fast_path="compiled") guards on their identity - new ones would drop every compiled step of the model, each
+    compiled again (a minute or more) on its next call."""
+    installed = {m: m.forward for m in model.modules() if getattr(m, _MARK, False)}
     uninstall_cpu_linear(model)
     try:
         yield
     finally:
-        for module in installed:
-            module.forward = functools.partial(_forward, module)
+        for module, forward in installed.items():
+            module.forward = forward
             setattr(module, _MARK, True)

@@ -17,7 +17,9 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
 * mode "compiled": the decode step (batch 1) runs under torch.compile, the others as in eager: CPU, where
   the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; the compiled step
   reads its weights through inductor's packed GEMV kernels (compiled_step.py), the eager steps through ATen's,
-  each weight shape laid out in the memory order those stream fastest in on this machine (layout.py);
+  each weight shape laid out in the memory order those stream fastest in on this machine (layout.py). With
+  compile_verify (an engine that speculates), speculative verifies are compiled too: one graph whose token axis
+  is dynamic, run at the exact draft count (no bucket padding);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
@@ -53,8 +55,12 @@ MAX_VERIFY_STEP_TOKENS = 64
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
 RUNNER_MODES = ("graphs", "compiled", "eager")
-# Compiled mode compiles the batch-1 decode step only: it is the launch-bound one on CPU, and each further
-# bucket would cost another compile (tens of seconds on a small CPU). Other steps run the same path eagerly.
+# Compiled mode compiles the batch-1 decode step: it is the launch-bound one on CPU, and each further bucket
+# would cost another compile (tens of seconds on a small CPU). Other steps run the same path eagerly, except a
+# speculative verify where the runner is asked to compile it (compile_verify): an eager verify is padded to the
+# 16-token bucket and reads the weights through ATen's products, ~5x a compiled decode step on SmolLM2 (98 against
+# 18 ms at one thread), so drafts could never pay; compiled at the exact token count it costs 1.2-1.3x one for
+# 2-4 tokens and 2.5-3.1x for 5-10 (scripts/compiled_verify_timing.py).
 COMPILED_STEPS = {("seq", 1)}
 # Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
 # reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
@@ -120,7 +126,7 @@ class ModelRunner(GraphSteps):
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False, packed_gemv: bool = True,
-                 unpacked_reason: str | None = None):
+                 unpacked_reason: str | None = None, verifies: bool = False):
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
         if mode == "graphs" and workspace.device.type != "cuda":
@@ -132,6 +138,10 @@ class ModelRunner(GraphSteps):
         self.generation = workspace.generation
         self.stats = RunnerStats()
         self.failure: str | None = None  # why graphs were given up (auto mode): the steps then run eagerly
+        # verifies: the engine speculates, so its verify step is made ready at load (captured in graph mode); in
+        # compiled mode it is also compiled, at the exact token count, rather than run eagerly in a padded bucket.
+        self.verifies = verifies
+        self.compile_verify = verifies and mode == "compiled"
         # Compiled mode: the decode step's forward under torch.compile (inductor), its capacity axis dynamic so
         # a growing workspace does not recompile, its weights frozen into packed GEMV kernels (compiled_step.py).
         self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason) \
@@ -141,6 +151,16 @@ class ModelRunner(GraphSteps):
     def decode_kernels(self) -> str | None:
         """Compiled mode: which GEMV kernels the compiled decode step runs (packed, or ATen's and why)."""
         return self._compiled.description if self._compiled is not None else None
+
+    @property
+    def compiled_steps(self) -> list[str]:
+        """Compiled mode: which kinds of step run compiled ("decode", and "verify" with compile_verify)."""
+        if self._compiled is None:
+            return []
+        return ["decode", "verify"] if self.compile_verify else ["decode"]
+
+    def _runs_compiled(self, key: tuple) -> bool:
+        return self.mode == "compiled" and (key in COMPILED_STEPS or (self.compile_verify and key[0] == "verify"))
 
     @property
     def max_tokens(self) -> int:
@@ -174,9 +194,11 @@ class ModelRunner(GraphSteps):
     def verify(self, tokens: Sequence[int], start: int) -> torch.Tensor:
         """Like forward(), but returns float32 logits [n, vocab] of every token: a speculative step verifies the
         last sampled token and its drafts in one step (its own bucket kind, so the prefill steps keep computing
-        one row of logits)."""
+        one row of logits). A compiled verify runs the exact count (its token axis is dynamic): nothing padded."""
         n = len(tokens)
         size = bucket_for(max(n, 2), self.buckets)  # never the 1-token decode bucket: that one keeps 1 row
+        if self.compile_verify and size is not None:
+            size = max(n, 2)
         if size is None:
             raise ValueError(f"{n} tokens: more than the largest bucket ({self.max_tokens})")
         self._ensure_capacity(start + size, keep=start)
@@ -185,6 +207,7 @@ class ModelRunner(GraphSteps):
         torch.arange(start, start + size, out=step.positions)
         step.ends.fill_(start + size)
         set_length(step.cache, start)
+        step.end = start + size
         return self._execute(step)[:n]
 
     def fits_batch(self, n_rows: int) -> bool:
@@ -243,7 +266,7 @@ class ModelRunner(GraphSteps):
     def _run(self, step: _Step) -> torch.Tensor:
         position_ids = step.positions if step.last is None else step.positions[None]  # [B, tokens]
         keep = 0 if step.all_logits else (1 if step.last is None else step.last)  # 0: every position
-        compiled = self.mode == "compiled" and step.key in COMPILED_STEPS
+        compiled = self._runs_compiled(step.key)
         if compiled:
             # The compiled decode step attends over views of exactly the valid keys (no mask, no reading past the
             # end); its length axis is dynamic, but a length of 1 would compile another graph (torch specializes
@@ -311,6 +334,9 @@ class ModelRunner(GraphSteps):
                 for layer in step.cache.layers:
                     torch._dynamo.mark_dynamic(layer.keys, 2)
                     torch._dynamo.mark_dynamic(layer.values, 2)
+                if self._runs_compiled(key) and kind == "verify":  # ... and one for every draft count
+                    torch._dynamo.maybe_mark_dynamic(step.ids, 1)
+                    torch._dynamo.maybe_mark_dynamic(step.positions, 0)
             self.steps[key] = step
         return step
 
@@ -325,9 +351,11 @@ class ModelRunner(GraphSteps):
         self._ensure_capacity(max(cap, self.max_tokens), keep=0)
         for size in (1, *self.buckets):
             self.forward([0] * size, 1 if size == 1 else 0)  # decode after one position, as every real one is
+        if self.verifies:  # one verify (compiled: the dynamic graph every draft count runs; graphs: the
+            self.verify([0] * 2, 1)  # smallest bucket, which holds the most drafts a request may ask for)
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
-        return 1 + len(self.buckets)
+        return 1 + len(self.buckets) + int(self.verifies)
 
 
 def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str,
@@ -335,18 +363,20 @@ def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str,
     """cache_stats()["fast_path"]: the runner's mode, why, its step counts, and the table runner's (paged_attention
     ="table": model/table_runner.py) under "table"."""
     fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
-            "decode_kernels": runner.decode_kernels if runner else None, "cpu_linear": cpu_linear,
+            "decode_kernels": runner.decode_kernels if runner else None,
+            "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
             **(runner.stats.as_dict() if runner else {})}
     if table_runner is not None:
         fast["table"] = dict(table_runner.stats.as_dict(), mode=table_runner.mode, failure=table_runner.failure)
     return fast
 
 
-def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
-                attention: str) -> tuple[ModelRunner | None, str]:
+def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,
+                verifies: bool = False) -> tuple[ModelRunner | None, str]:
     """The engine's runner for EngineConfig.fast_path, and why. "auto": CUDA graphs on CUDA when the engine
     attends with the Triton kernels and the model runs over a static cache, else the ordinary eager path
-    ("off"). "graphs" and "eager" raise ValueError where they cannot run."""
+    ("off"). "graphs" and "eager" raise ValueError where they cannot run. verifies: the engine speculates (its
+    verify step is made ready at load, and compiled in compiled mode)."""
     if choice not in FAST_PATHS:
         raise ValueError(f"fast_path must be one of {', '.join(FAST_PATHS)}, got {choice!r}")
     if choice == "off":
@@ -360,7 +390,8 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
             return None, f"off: the engine attends with {attention!r}, graphs need the Triton kernels"
         if reason is not None:
             return None, f"off: {reason}"
-        return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=True), \
+        return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=True,
+                           verifies=verifies), \
             "CUDA graphs per bucket (auto)"
     if reason is not None:
         raise ValueError(f"fast_path={choice!r}: {reason}")
@@ -370,7 +401,8 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
         if attention != "triton":
             raise ValueError("fast_path='graphs' needs attention_backend='triton' (the kernels read each row's "
                              f"valid length from device memory); the engine attends with {attention!r}")
-        return ModelRunner(model, workspace, mode="graphs", backend="triton"), "CUDA graphs per bucket"
+        return ModelRunner(model, workspace, mode="graphs", backend="triton", verifies=verifies), \
+            "CUDA graphs per bucket"
     backend = attention if attention in ("sdpa", "triton") else None
     if choice == "compiled":
         if device.type != "cpu":
@@ -381,8 +413,9 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace,
         input_major = sum(layouts.values())
         refusal = packing_refusal(model)
         kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
+        steps = "decode and verify steps" if verifies else "decode steps"
         return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
-                           unpacked_reason=refusal), \
-            f"static cache, decode steps under torch.compile over {kernels}; weights laid out by measurement " \
+                           unpacked_reason=refusal, verifies=verifies), \
+            f"static cache, {steps} under torch.compile over {kernels}; weights laid out by measurement " \
             f"({input_major} of {len(layouts)} shapes input-major)"
-    return ModelRunner(model, workspace, mode="eager", backend=backend), "static cache, eager"
+    return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"

@@ -1,0 +1,105 @@
+"""fast_path="compiled" with speculation (model/runner.py, compile_verify): the verify step compiles once, at load,
+as one graph whose token axis is dynamic, and every draft count then runs it unpadded, with the ordinary path's
+logits and tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost import KVBoost
+from kvboost.model.forward import forward_tokens
+
+from ..tiny_models import make_tiny_model
+
+GROUNDED = "Copy this line exactly: the quick brown fox jumps over the lazy dog and runs home. " * 5
+
+
+def _unique_graphs() -> int:
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def compiled_engines(tokenizer, device):
+    """(plain engine, compiled speculating engine, graphs compiled while building it): built once for the module,
+    since the compile costs tens of seconds even for a tiny model; each test checks what it compiles itself."""
+    if device.type != "cpu":
+        pytest.skip("fast_path='compiled' is the CPU path (CUDA runs graphs)")
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def model():
+        return make_tiny_model("llama", tokenizer, device=device, max_position_embeddings=4096)
+
+    plain = KVBoost(model(), tokenizer, fast_path="off", chunk_size=16)
+    before = _unique_graphs()
+    fast = KVBoost(model(), tokenizer, fast_path="compiled", chunk_size=16, speculative="prompt_lookup")
+    return plain, fast, _unique_graphs() - before
+
+
+def test_a_speculating_engine_compiles_its_verify_step_at_load(compiled_engines):
+    plain, fast, compiled_at_load = compiled_engines
+    assert compiled_at_load == 2  # the decode step and the verify step, nothing else
+    stats = fast.cache_stats()["fast_path"]
+    assert stats["compiled_steps"] == ["decode", "verify"] and "decode and verify steps" in stats["reason"]
+    graphs = _unique_graphs()
+    for text in [GROUNDED, "Tell me a story about a fox", "Essay: " + "words and more words " * 40]:
+        want = plain.generate(text, max_new_tokens=20, speculative="off")
+        got = fast.generate(text, max_new_tokens=20)  # the engine's default: prompt lookup
+        assert got.output_token_ids == want.output_token_ids, text[:30]
+    assert fast.cache_stats()["speculative"]["proposals"] > 0
+    assert _unique_graphs() == graphs  # every draft count ran the graph compiled at load
+
+
+def test_compiled_verifies_of_any_length_give_the_ordinary_logits(compiled_engines, tokenizer):
+    """runner.verify at 2..16 tokens (the exact count, nothing padded) against one ordinary forward of the prompt and
+    the tokens together: the same logits up to float rounding, and no step compiled again."""
+    _, fast, _ = compiled_engines
+    runner = fast.runner
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, len(tokenizer), (40,), generator=gen).tolist()
+    graphs = _unique_graphs()
+    with torch.inference_mode():
+        runner.forward(prompt, 0)  # the prompt's K/V into the workspace (a prefill bucket)
+        for n in (2, 3, 5, 9, 16):
+            tokens = torch.randint(0, len(tokenizer), (n,), generator=gen).tolist()
+            got = runner.verify(tokens, len(prompt)).clone()  # [n, vocab]
+            assert got.shape[0] == n
+            want = forward_tokens(fast.model, prompt + tokens, fast.workspace.make_cache(0), logits_to_keep=n)[0]
+            torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
+            runner.forward(prompt, 0)  # the ordinary forward wrote the workspace too: the prompt's K/V again
+    assert _unique_graphs() == graphs
+
+
+def test_without_speculation_on_the_engine_verifies_stay_eager(tokenizer, device):
+    """A compiled engine that does not speculate compiles no verify step; a request that asks for speculation runs
+    its verifies eagerly (padded to a bucket), with the same tokens."""
+    if device.type != "cpu":
+        pytest.skip("fast_path='compiled' is the CPU path (CUDA runs graphs)")
+    before = _unique_graphs()
+    fast = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="compiled",
+                   chunk_size=16)
+    assert _unique_graphs() - before == 1 and fast.cache_stats()["fast_path"]["compiled_steps"] == ["decode"]
+    plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16)
+    got = fast.generate(GROUNDED, max_new_tokens=16, speculative="prompt_lookup")
+    assert got.output_token_ids == plain.generate(GROUNDED, max_new_tokens=16).output_token_ids
+    assert got.draft_tokens > 0
+    assert _unique_graphs() - before == 1
+
+
+def test_plain_transformers_on_the_same_model_keeps_the_compiled_steps(compiled_engines, tokenizer):
+    """A baseline run with the model's own products (model_own_products, as the benches run HF generate on the
+    engine's model) puts the same Linear forwards back after it: no compiled step is dropped and compiled again."""
+    from kvboost.model.cpu_linear import model_own_products
+
+    plain, fast, _ = compiled_engines
+    want = plain.generate(GROUNDED, max_new_tokens=12, speculative="off").output_token_ids
+    assert fast.generate(GROUNDED, max_new_tokens=12).output_token_ids == want
+    graphs = _unique_graphs()
+    ids = torch.tensor([fast.encode(GROUNDED)])
+    with torch.inference_mode(), model_own_products(fast.model):
+        fast.model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert fast.generate(GROUNDED, max_new_tokens=12).output_token_ids == want
+    assert _unique_graphs() == graphs
