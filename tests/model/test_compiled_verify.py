@@ -10,6 +10,7 @@ from kvboost import KVBoost
 from kvboost.model.forward import forward_tokens
 
 from ..tiny_models import make_tiny_model
+from .compiled_engines import plain_and_compiled
 
 GROUNDED = "Copy this line exactly: the quick brown fox jumps over the lazy dog and runs home. " * 5
 
@@ -24,18 +25,8 @@ def _unique_graphs() -> int:
 def compiled_engines(tokenizer, device):
     """(plain engine, compiled speculating engine, graphs compiled while building it): built once for the module,
     since the compile costs tens of seconds even for a tiny model; each test checks what it compiles itself."""
-    if device.type != "cpu":
-        pytest.skip("fast_path='compiled' is the CPU path (CUDA runs graphs)")
-    import torch._dynamo
-
-    torch._dynamo.reset()
-
-    def model():
-        return make_tiny_model("llama", tokenizer, device=device, max_position_embeddings=4096)
-
-    plain = KVBoost(model(), tokenizer, fast_path="off", chunk_size=16)
-    before = _unique_graphs()
-    fast = KVBoost(model(), tokenizer, fast_path="compiled", chunk_size=16, speculative="prompt_lookup")
+    before = _unique_graphs()  # the plain engine compiles nothing: counted from here, only the compiled one
+    plain, fast = plain_and_compiled(tokenizer, device, speculative="prompt_lookup")
     return plain, fast, _unique_graphs() - before
 
 

@@ -11,6 +11,7 @@ from kvboost import KVBoost
 from kvboost.model.runner import ModelRunner, bucket_for, make_runner, static_path_unsupported_reason
 
 from ..tiny_models import make_tiny_model
+from .compiled_engines import plain_and_compiled
 
 STATIC_ARCHS = ["llama", "qwen2", "phi3"]
 
@@ -187,14 +188,7 @@ def test_compiled_decode_matches_the_ordinary_path_without_recompiling(tokenizer
     load, and neither a new position nor a workspace that grows past its capacity compiles it again."""
     import torch._dynamo
 
-    if device.type != "cpu":
-        pytest.skip("fast_path='compiled' is the CPU path (CUDA runs graphs)")
-    torch._dynamo.reset()
-    def model():
-        return make_tiny_model("llama", tokenizer, device=device, max_position_embeddings=4096)
-
-    plain = KVBoost(model(), tokenizer, fast_path="off", chunk_size=16)
-    fast = KVBoost(model(), tokenizer, fast_path="compiled", chunk_size=16)
+    plain, fast = plain_and_compiled(tokenizer, device)
     assert fast.runner is not None and fast.runner.mode == "compiled"
     compiled_at_load = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled_at_load >= 1  # the warm-up compiled the decode step

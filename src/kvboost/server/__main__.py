@@ -93,8 +93,9 @@ def serve_command(
         warm_messages = [read_warm_file(path) for path in warm or []]
         t0 = time.perf_counter()
         if config.fast_path == "compiled":  # minutes without output otherwise
-            typer.echo("kvboost serve: loading the model and compiling its decode step (--fast-path compiled: "
-                       "1-2 minutes on a small CPU)")
+            steps = "decode and verify steps" if config.speculative else "decode step"
+            typer.echo(f"kvboost serve: loading the model and compiling its {steps} (--fast-path compiled: "
+                       f"{'2-3' if config.speculative else '1-2'} minutes on a small CPU)")
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
         load_s = time.perf_counter() - t0
         sock = bind_socket(host, port)
