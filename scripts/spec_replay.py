@@ -6,6 +6,8 @@ step by step over it, with each forward of n tokens charged a fixed cost from a 
 
 * cpu_linear-1t / cpu_linear-2t (default: 1t): SmolLM2-135M over ~300 cached tokens with `cpu_linear` (session 12,
   median of 7 forwards of n tokens at 1 / 2 torch threads);
+* compiled-1t: fast_path="compiled" with its verify step compiled (session 18, 1 thread, medians of 15 forwards
+  of n tokens over ~300 cached tokens; scripts/compiled_verify_timing.py measures the same);
 * session7: the same model before `cpu_linear`, 1 thread (1 token 107 ms, 2-9 tokens 195-223 ms, more 244 ms).
 
 The estimated speed-up is (tokens x a plain step's cost) / the charged total, per workload. Deterministic, so
