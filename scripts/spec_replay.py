@@ -6,7 +6,8 @@ step by step over it, with each forward of n tokens charged a fixed cost from a 
 
 * cpu_linear-1t / cpu_linear-2t (default: 1t): SmolLM2-135M over ~300 cached tokens with `cpu_linear` (session 12,
   median of 7 forwards of n tokens at 1 / 2 torch threads);
-* compiled-1t: fast_path="compiled" with its verify step compiled (session 18, 1 thread, medians of 15 forwards
+* compiled-1t / compiled-2t: fast_path="compiled" with its verify step compiled (session 18, 1 / 2 threads,
+  medians of 15 forwards
   of n tokens over ~300 cached tokens; scripts/compiled_verify_timing.py measures the same);
 * session7: the same model before `cpu_linear`, 1 thread (1 token 107 ms, 2-9 tokens 195-223 ms, more 244 ms).
 
@@ -38,6 +39,7 @@ PROFILES = {
     "cpu_linear-1t": (34.9, 35.9, 45.4, 39.2, 64.3, 65.4, 73.0, 67.8, 75.5, 75.8),
     "cpu_linear-2t": (22.9, 24.2, 28.3, 25.5, 33.5, 38.5, 43.7, 44.3, 51.1, 60.5),
     "compiled-1t": (19.0, 19.7, 23.5, 22.8, 43.9, 43.9, 46.1, 43.9, 52.7, 52.3),
+    "compiled-2t": (14.8, 16.0, 17.4, 16.4, 23.0, 25.0, 25.0, 27.0, 29.8, 30.1),
     "session7": (107.0, *(195.0 + 28.0 * i / 7 for i in range(8)), 244.0),
 }
 PROFILE = PROFILES["cpu_linear-1t"]
