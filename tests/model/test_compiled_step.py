@@ -18,11 +18,15 @@ def _cpu_only(device: torch.device) -> None:
         pytest.skip("the compiled decode step is the CPU path (CUDA runs graphs)")
 
 
-def test_packed_kernels_compute_the_eager_products(device):
-    _cpu_only(device)
+def _needs_cpp_template() -> None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip(f"inductor's C++ GEMM template needs AVX2 or AVX-512 (this CPU: "
                     f"{torch.backends.cpu.get_cpu_capability()})")
+
+
+def test_packed_kernels_compute_the_eager_products(device):
+    _cpu_only(device)
+    _needs_cpp_template()
     torch._dynamo.reset()
     model = _chain()
     step = CompiledStep(lambda x: model(x))
@@ -95,3 +99,43 @@ def test_the_engine_reports_atens_kernels_when_packing_is_refused(monkeypatch, t
     runner, reason = make_runner("compiled", model, KVWorkspace(shapes, dtype, device), "sdpa")
     assert runner.decode_kernels == "ATen GEMV (packing needs ~9 GiB, 1 GiB available)"
     assert "over ATen GEMV" in reason
+
+
+class _Doubler:
+    """Two instances' steps compile the same method: one code object, unless CompiledStep gives each its own."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x) * 2
+
+
+def test_each_step_compiles_its_own_graphs_against_its_own_limit(device):
+    """Dynamo keeps graphs and counts recompile_limit per code object. A packed step freezes its model's weights
+    into its graph, so two models need two graphs: with one shared code object, the second would find the limit
+    (1 here) reached and not compile."""
+    _cpu_only(device)
+    _needs_cpp_template()
+    torch._dynamo.reset()
+    models = [_chain(), _chain()]
+    x = torch.randn(1, 1, 64)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(recompile_limit=1), torch.inference_mode():
+        steps = [CompiledStep(_Doubler(m).run) for m in models]
+        for step, model in zip(steps, models):
+            torch.testing.assert_close(step(x), model(x) * 2, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_a_step_past_its_recompile_limit_raises_step_not_compiled(device):
+    _cpu_only(device)
+    from kvboost.model.compiled_step import StepNotCompiled
+
+    torch._dynamo.reset()
+    model = _chain()
+    step = CompiledStep(_Doubler(model).run, packed=False)
+    with torch._dynamo.config.patch(recompile_limit=1), torch.inference_mode():
+        step(torch.randn(1, 1, 64))
+        with pytest.raises(StepNotCompiled, match="recompile_limit"):
+            step(torch.randn(1, 1, 64, dtype=torch.float64))  # another dtype: a second graph, past the limit

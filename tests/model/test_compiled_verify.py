@@ -94,3 +94,21 @@ def test_plain_transformers_on_the_same_model_keeps_the_compiled_steps(compiled_
         fast.model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert fast.generate(GROUNDED, max_new_tokens=12).output_token_ids == want
     assert _unique_graphs() == graphs
+
+
+def test_a_step_dynamo_will_not_compile_runs_eagerly_and_says_so(tokenizer, device):
+    """At recompile_limit 1 the verify step (a second graph of the runner's function) is refused at load: verifies
+    then run eagerly with the same tokens, and cache_stats() says which steps are compiled and why not the other;
+    nothing is reported compiled that is not."""
+    if device.type != "cpu":
+        pytest.skip("fast_path='compiled' is the CPU path (CUDA runs graphs)")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        fast = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="compiled",
+                       chunk_size=16, speculative="prompt_lookup")
+        stats = fast.cache_stats()["fast_path"]
+        assert stats["compiled_steps"] == ["decode"] and stats["compile_refusals"] == 1
+        assert stats["failure"].startswith("verify steps run eagerly") and "recompile_limit (1)" in stats["failure"]
+        plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16)
+        got = fast.generate(GROUNDED, max_new_tokens=16)
+        assert got.output_token_ids == plain.generate(GROUNDED, max_new_tokens=16).output_token_ids
+        assert got.draft_tokens > 0 and fast.cache_stats()["fast_path"]["compile_refusals"] == 1

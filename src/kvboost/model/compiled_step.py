@@ -19,11 +19,21 @@ Dynamo reads `freezing` while it traces (to keep parameters as attributes, not i
 `options` are applied, so the flag is set around every call of the step - a recompile is frozen too - rather than
 for the whole process. Where the template cannot compile (a CPU without the vector ISA it needs, a dtype it does
 not take), the step is compiled again over ATen's kernels and the reason is kept in `fallback`.
+
+Dynamo keeps compiled graphs per *code object* and lets each hold `recompile_limit` of them (8 in torch 2.13); past
+that it runs the function eagerly and only logs. Every runner compiles the same method (ModelRunner._logits), so
+with one shared code object a fifth speculating engine in a process (2 graphs each) ran its steps eagerly while
+reporting them compiled. Each CompiledStep therefore compiles a copy of the function with a code object of its own
+(`own_code`): its graphs are its own, counted against its own limit, and freed with it. A limit hit inside one
+step is still possible (a step recompiled for many shapes): it raises StepNotCompiled, which the runner turns into
+an eager run of that kind of step, counted and reported.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import types
 from collections.abc import Callable
 
 import torch
@@ -67,9 +77,24 @@ def packing_refusal(model: torch.nn.Module, available: int | None = None) -> str
     return None
 
 
+class StepNotCompiled(RuntimeError):
+    """Dynamo would not compile this call (its code object hit torch._dynamo.config.recompile_limit): run it
+    eagerly. Raised before anything ran, so the call has no effect yet."""
+
+
+def own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` (a function or bound method) with a copy of its code object: dynamo's compiled graphs, and its
+    recompile limit, are per code object, so the copy's are this caller's alone."""
+    func = fn.__func__ if inspect.ismethod(fn) else fn
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return types.MethodType(copy, fn.__self__) if inspect.ismethod(fn) else copy
+
+
 class CompiledStep:
     def __init__(self, fn: Callable[..., torch.Tensor], packed: bool = True, unpacked_reason: str | None = None):
-        self._fn = fn
+        self._fn = own_code(fn)
         self.packed = packed
         self.fallback: str | None = None  # why the packed kernels failed to compile (None: they did, or not tried)
         self.unpacked_reason = unpacked_reason  # why they were not asked for
@@ -81,6 +106,18 @@ class CompiledStep:
         return torch.compile(self._fn, dynamic=None)
 
     def __call__(self, *args) -> torch.Tensor:
+        """The compiled function's result; StepNotCompiled where dynamo would run it eagerly instead."""
+        from torch._dynamo import config as dynamo_config
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
+        try:
+            with dynamo_config.patch(fail_on_recompile_limit_hit=True):
+                return self._call(*args)
+        except FailOnRecompileLimitHit as exc:
+            raise StepNotCompiled(f"this runner's steps hold torch._dynamo.config.recompile_limit "
+                                  f"({dynamo_config.recompile_limit}) compiled graphs already") from exc
+
+    def _call(self, *args) -> torch.Tensor:
         if not self.packed:
             return self._compiled(*args)
         from torch._dynamo.exc import BackendCompilerFailed

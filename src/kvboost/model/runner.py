@@ -27,6 +27,7 @@ and recaptured on next use. Longer prefills stay on the ordinary eager path (the
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,12 +39,14 @@ from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
-from .compiled_step import CompiledStep, packing_refusal
+from .compiled_step import CompiledStep, StepNotCompiled, packing_refusal
 from .graphs import GraphSteps, RunnerStats
 from .layout import fastest_linear_layouts
 
 if TYPE_CHECKING:
     from .table_runner import TableRunner
+
+log = logging.getLogger(__name__)
 
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
@@ -146,6 +149,7 @@ class ModelRunner(GraphSteps):
         # a growing workspace does not recompile, its weights frozen into packed GEMV kernels (compiled_step.py).
         self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason) \
             if mode == "compiled" else None
+        self.uncompiled: dict[str, str] = {}  # compiled mode: kinds of step dynamo refused to compile, and why
 
     @property
     def decode_kernels(self) -> str | None:
@@ -157,10 +161,12 @@ class ModelRunner(GraphSteps):
         """Compiled mode: which kinds of step run compiled ("decode", and "verify" with compile_verify)."""
         if self._compiled is None:
             return []
-        return ["decode", "verify"] if self.compile_verify else ["decode"]
+        kinds = {"seq": "decode", "verify": "verify"}
+        return [kinds[k] for k in (("seq", "verify") if self.compile_verify else ("seq",)) if k not in self.uncompiled]
 
     def _runs_compiled(self, key: tuple) -> bool:
-        return self.mode == "compiled" and (key in COMPILED_STEPS or (self.compile_verify and key[0] == "verify"))
+        return self.mode == "compiled" and key[0] not in self.uncompiled \
+            and (key in COMPILED_STEPS or (self.compile_verify and key[0] == "verify"))
 
     @property
     def max_tokens(self) -> int:
@@ -273,14 +279,27 @@ class ModelRunner(GraphSteps):
             # sizes 0 and 1), so that one step - a 1-token prompt with nothing cached - runs eagerly instead.
             compiled = step.end >= 2
             set_views(step.cache, self.workspace, step.end if compiled else None)
-        forward = self._compiled if compiled else self._logits
         with static_attention(self.model):
-            logits = forward(step.ids, position_ids, step.cache, None if compiled else step.ends,
-                             keep)  # [B, kept, vocab]
+            logits = self._compiled_logits(step, position_ids, keep) if compiled else \
+                self._logits(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
         if step.all_logits:
             return logits[0] if step.last is not None else logits  # [T, vocab], or [B, W, vocab] of rows
         logits = logits[:, -1]  # [B, vocab]
         return logits[0] if step.last is not None else logits
+
+    def _compiled_logits(self, step: _Step, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """The step's compiled forward; where dynamo refuses to compile it (StepNotCompiled), this kind of step
+        runs eagerly from now on, counted in stats and said in `failure` - never silently."""
+        assert self._compiled is not None
+        try:
+            return self._compiled(step.ids, position_ids, step.cache, None, keep)
+        except StepNotCompiled as exc:
+            self.uncompiled[step.key[0]] = str(exc)
+            self.stats.counts["compile_refusals"] += 1
+            self.failure = f"{'decode' if step.key[0] == 'seq' else step.key[0]} steps run eagerly: {exc}"
+            log.warning("kvboost: %s", self.failure)
+            set_views(step.cache, self.workspace, None)  # the eager step reads the whole buffer, masked by ends
+            return self._logits(step.ids, position_ids, step.cache, step.ends, keep)
 
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor,
                 keep: int | torch.Tensor) -> torch.Tensor:
