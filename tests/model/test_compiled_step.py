@@ -139,3 +139,18 @@ def test_a_step_past_its_recompile_limit_raises_step_not_compiled(device):
         step(torch.randn(1, 1, 64))
         with pytest.raises(StepNotCompiled, match="recompile_limit"):
             step(torch.randn(1, 1, 64, dtype=torch.float64))  # another dtype: a second graph, past the limit
+
+
+def test_steps_over_the_same_model_share_its_graphs(device):
+    """An engine created again on the same model (or a batch runner's steps) reuses the graphs its weights were
+    frozen into rather than compiling them again; another model never does."""
+    _cpu_only(device)
+    _needs_cpp_template()
+    torch._dynamo.reset()
+    model, other = _chain(), _chain()
+    x = torch.randn(1, 1, 64)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for m in (model, model, other):
+            torch.testing.assert_close(CompiledStep(_Doubler(m).run, owner=m)(x), m(x) * 2, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2

@@ -23,8 +23,10 @@ not take), the step is compiled again over ATen's kernels and the reason is kept
 Dynamo keeps compiled graphs per *code object* and lets each hold `recompile_limit` of them (8 in torch 2.13); past
 that it runs the function eagerly and only logs. Every runner compiles the same method (ModelRunner._logits), so
 with one shared code object a fifth speculating engine in a process (2 graphs each) ran its steps eagerly while
-reporting them compiled. Each CompiledStep therefore compiles a copy of the function with a code object of its own
-(`own_code`): its graphs are its own, counted against its own limit, and freed with it. A limit hit inside one
+reporting them compiled. So the steps of each model compile a copy of the function with a code object of the model's
+own (`own_code`): its graphs are that model's, counted against their own limit, and freed with the model. Steps
+over the same model (an engine created again on it, a batch runner's) keep sharing one code object, whose graphs
+they can reuse: the frozen weights are the same. A limit hit inside one
 step is still possible (a step recompiled for many shapes): it raises StepNotCompiled, which the runner turns into
 an eager run of that kind of step, counted and reported.
 """
@@ -34,6 +36,7 @@ import inspect
 import logging
 import os
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -82,19 +85,30 @@ class StepNotCompiled(RuntimeError):
     eagerly. Raised before anything ran, so the call has no effect yet."""
 
 
-def own_code(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` (a function or bound method) with a copy of its code object: dynamo's compiled graphs, and its
-    recompile limit, are per code object, so the copy's are this caller's alone."""
+# owner (a model) -> the code object its steps compile: dynamo's graphs and recompile limit are per code object
+_CODE_OF_OWNER: weakref.WeakKeyDictionary[object, dict[types.CodeType, types.CodeType]] = weakref.WeakKeyDictionary()
+
+
+def own_code(fn: Callable[..., torch.Tensor], owner: object | None = None) -> Callable[..., torch.Tensor]:
+    """`fn` (a function or bound method) over a copy of its code object, so that dynamo's compiled graphs and
+    recompile limit are this caller's alone; with `owner` (weakly held), every caller passing the same owner
+    gets the same copy (and so shares its graphs)."""
     func = fn.__func__ if inspect.ismethod(fn) else fn
-    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                              func.__closure__)
+    if owner is None:
+        code = func.__code__.replace()
+    else:
+        code = _CODE_OF_OWNER.setdefault(owner, {}).setdefault(func.__code__, func.__code__.replace())
+    copy = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
     return types.MethodType(copy, fn.__self__) if inspect.ismethod(fn) else copy
 
 
 class CompiledStep:
-    def __init__(self, fn: Callable[..., torch.Tensor], packed: bool = True, unpacked_reason: str | None = None):
-        self._fn = own_code(fn)
+    def __init__(self, fn: Callable[..., torch.Tensor], packed: bool = True, unpacked_reason: str | None = None,
+                 owner: object | None = None):
+        """owner: what the compiled graphs belong to (the model whose weights they freeze): steps with the same
+        owner share one code object, others never do (None: this step's alone)."""
+        self._fn = own_code(fn, owner)
         self.packed = packed
         self.fallback: str | None = None  # why the packed kernels failed to compile (None: they did, or not tried)
         self.unpacked_reason = unpacked_reason  # why they were not asked for

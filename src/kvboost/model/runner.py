@@ -147,8 +147,8 @@ class ModelRunner(GraphSteps):
         self.compile_verify = verifies and mode == "compiled"
         # Compiled mode: the decode step's forward under torch.compile (inductor), its capacity axis dynamic so
         # a growing workspace does not recompile, its weights frozen into packed GEMV kernels (compiled_step.py).
-        self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason) \
-            if mode == "compiled" else None
+        self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason,
+                                      owner=model) if mode == "compiled" else None
         self.uncompiled: dict[str, str] = {}  # compiled mode: kinds of step dynamo refused to compile, and why
 
     @property
