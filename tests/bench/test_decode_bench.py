@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -26,23 +27,26 @@ def _systems(device: torch.device) -> list[str]:
     return ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled"]
 
 
-def test_decode_bench_measures_every_mode_beside_hf(tmp_path, device):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_bench_measures_every_mode_beside_hf(tmp_path, device, batch):
+    """Batch 1, and 3 prompts decoded together (KVBoost's generate_batch: on CPU the compiled mode's rows step)."""
     threads = torch.get_num_threads()
     js = tmp_path / "decode.json"
     options = _run_options(device)
     try:
         out = CliRunner().invoke(app, ["bench", "decode", "--shape", "tiny", *options, "--prompt", "32",
-                                       "--repeats", "1", "--threads", "1", "--json", str(js)])
+                                       "--repeats", "1", "--threads", "1", "--batch", str(batch), "--json", str(js)])
     finally:
         torch.set_num_threads(threads)
     assert out.exit_code == 0, out.output
     data = json.loads(js.read_text())
     assert data["benchmark"] == "decode" and data["threads"] == 1 and data["shape"] == "tiny"
+    assert data["batch"] == batch
     assert [r["system"] for r in data["rows"]] == _systems(device)
     new_tokens = int(options[options.index("--new-tokens") + 1])
     for row in data["rows"]:
         assert row["identical_to_hf_generate"], row
-        assert row["decode_tokens"] == new_tokens - 1 and row["decode_tok_s"] > 0
+        assert row["decode_tokens"] == (new_tokens - 1) * batch and row["decode_tok_s"] > 0
     assert next(r for r in data["rows"] if r["system"] == "kvboost off")["over_kvboost_off"] == 1.0
     kernels = {r["system"]: r.get("decode_kernels") for r in data["rows"]}
     assert kernels["kvboost eager"] is None

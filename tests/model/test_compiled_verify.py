@@ -34,7 +34,8 @@ def test_a_speculating_engine_compiles_its_verify_step_at_load(compiled_engines)
     plain, fast, compiled_at_load = compiled_engines
     assert compiled_at_load == 2  # the decode step and the verify step, nothing else
     stats = fast.cache_stats()["fast_path"]
-    assert stats["compiled_steps"] == ["decode", "verify"] and "decode and verify steps" in stats["reason"]
+    assert stats["compiled_steps"] == ["decode", "rows", "verify"]
+    assert "decode (one request's and a batch's) and verify steps" in stats["reason"]
     graphs = _unique_graphs()
     for text in [GROUNDED, "Tell me a story about a fox", "Essay: " + "words and more words " * 40]:
         want = plain.generate(text, max_new_tokens=20, speculative="off")
@@ -72,7 +73,7 @@ def test_without_speculation_on_the_engine_verifies_stay_eager(tokenizer, device
     before = _unique_graphs()
     fast = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="compiled",
                    chunk_size=16)
-    assert _unique_graphs() - before == 1 and fast.cache_stats()["fast_path"]["compiled_steps"] == ["decode"]
+    assert _unique_graphs() - before == 1 and fast.cache_stats()["fast_path"]["compiled_steps"] == ["decode", "rows"]
     plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16)
     got = fast.generate(GROUNDED, max_new_tokens=16, speculative="prompt_lookup")
     assert got.output_token_ids == plain.generate(GROUNDED, max_new_tokens=16).output_token_ids
@@ -106,9 +107,24 @@ def test_a_step_dynamo_will_not_compile_runs_eagerly_and_says_so(tokenizer, devi
         fast = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="compiled",
                        chunk_size=16, speculative="prompt_lookup")
         stats = fast.cache_stats()["fast_path"]
-        assert stats["compiled_steps"] == ["decode"] and stats["compile_refusals"] == 1
+        assert stats["compiled_steps"] == ["decode", "rows"] and stats["compile_refusals"] == 1
         assert stats["failure"].startswith("verify steps run eagerly") and "recompile_limit (1)" in stats["failure"]
         plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16)
         got = fast.generate(GROUNDED, max_new_tokens=16)
         assert got.output_token_ids == plain.generate(GROUNDED, max_new_tokens=16).output_token_ids
         assert got.draft_tokens > 0 and fast.cache_stats()["fast_path"]["compile_refusals"] == 1
+
+
+def test_batches_of_a_speculating_compiled_engine_reuse_its_verify_graph(compiled_engines):
+    """A batch runner's steps share the model's graphs: a lone row verifying its drafts runs the verify graph
+    compiled at load, and the batch's decode steps compile the rows graph once."""
+    plain, fast, _ = compiled_engines
+    prompts = [GROUNDED, "Tell me a story about a fox", GROUNDED[:90]]
+    want = [plain.generate(p, max_new_tokens=16, speculative="off").output_token_ids for p in prompts]
+    graphs = _unique_graphs()
+    proposals = fast.cache_stats()["speculative"]["proposals"]
+    for picked in ([0], [0, 1, 2]):
+        got = fast.generate_batch([prompts[i] for i in picked], max_new_tokens=16)
+        assert [r.output_token_ids for r in got] == [want[i] for i in picked]
+    assert fast.cache_stats()["speculative"]["proposals"] > proposals
+    assert _unique_graphs() - graphs <= 1  # the rows graph (unless an earlier test compiled it); no other

@@ -133,8 +133,7 @@ def test_warm_files_are_stored_before_listening(tiny_model_dir, tmp_path):
                                            "chunk_boundary_window"),
                                           (["--warm", "/nonexistent/system.txt"], "/nonexistent/system.txt"),
                                           (["--warm", "BADJSON"], "messages"),
-                                          (["--fast-path", "fast"], "fast_path"),
-                                          (["--fast-path", "compiled"], "--max-batch-size 1")])
+                                          (["--fast-path", "fast"], "fast_path")])
 def test_bad_flags_exit_with_a_message(tiny_model_dir, tmp_path, flags, named):
     if "BADJSON" in flags:
         bad = tmp_path / "bad.json"

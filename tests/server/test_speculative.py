@@ -2,6 +2,8 @@
 reports drafts and acceptance; flag combinations that cannot run are refused before anything loads."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from typer.testing import CliRunner
 
@@ -104,16 +106,29 @@ def test_predicted_outputs_draft_from_the_prediction_and_change_nothing(tokenize
         assert live.scheduler.snapshot()["run_apart"] == 0  # a row of the batch, drafting from the prediction
 
 
-def test_a_compiled_fast_path_server_answers_as_the_default_one(tokenizer, tiny_model_dir, device):
-    """kvboost serve --fast-path compiled --max-batch-size 1: the decode step runs compiled, replies unchanged."""
+@pytest.mark.parametrize("max_batch_size", [1, 4])
+def test_a_compiled_fast_path_server_answers_as_the_default_one(tokenizer, tiny_model_dir, device, max_batch_size):
+    """kvboost serve --fast-path compiled: one request at a time, its decode steps compiled; or batching, concurrent
+    requests decoded together in the compiled rows step. Replies unchanged either way."""
     if device.type != "cpu":
         pytest.skip("fast_path='compiled' is the CPU path")
+    import torch._dynamo.utils
+
     plain = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
     fast = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, fast_path="compiled")
-    messages = [{"role": "user", "content": "river stone lantern quiet orbit " * 4}]
-    want = plain.generate(messages=messages, max_new_tokens=12).output_text
-    with live_server(fast, model=str(tiny_model_dir), max_batch_size=1) as live:
-        r = live.client().chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12,
-                                                  temperature=0)
-    assert r.choices[0].message.content == want
-    assert fast.runner.stats.counts["steps"] > 0  # the decode steps went through the compiled runner
+    conversations = [[{"role": "user", "content": f"river stone lantern quiet orbit {i} " * (2 + i)}]
+                     for i in range(3 if max_batch_size > 1 else 1)]
+    want = [plain.generate(messages=m, max_new_tokens=12).output_text for m in conversations]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with live_server(fast, model=str(tiny_model_dir), max_batch_size=max_batch_size) as live, \
+            ThreadPoolExecutor(len(conversations)) as pool:
+        client = live.client()
+        replies = list(pool.map(lambda m: client.chat.completions.create(
+            model="tiny-llama", messages=m, max_tokens=12, temperature=0).choices[0].message.content, conversations))
+    assert replies == want
+    if max_batch_size == 1:
+        assert fast.runner.stats.counts["steps"] > 0  # the decode steps went through the compiled runner
+    else:  # the batch's decode steps compiled (one graph for every row count), nothing refused
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+        assert fast.cache_stats()["fast_path"]["compiled_steps"] == ["decode", "rows"]
+        assert "compile_refusals" not in fast.cache_stats()["fast_path"]

@@ -85,16 +85,18 @@ class BatchRunner:
         # Where the engine has a runner (CUDA graphs on a GPU), decode steps run through one over this batch's
         # workspace, whose rows are rounded up to a batch bucket so that every row count has a step.
         rows = max_batch_size
-        if engine.runner is not None:
-            rows = next((b for b in BATCH_BUCKETS if b >= max_batch_size), max_batch_size)
+        if engine.runner is not None:  # (compiled steps take 2 rows or more: a lone row runs beside a free slot)
+            rows = next((b for b in BATCH_BUCKETS if b >= max(max_batch_size, engine.runner.least_rows)),
+                        max_batch_size)
         self.ws = KVWorkspace(shapes, engine.kv_dtype, engine.device, batch_size=rows,
                               max_positions=engine.max_context)
         self.steps: ModelRunner | None = None
         if engine.runner is not None:
             # One verify bucket: a row alone verifies its drafts through it (k + 1 <= 16 tokens).
             self.steps = ModelRunner(engine.model, self.ws, mode=engine.runner.mode, backend=engine.runner.backend,
-                                     buckets=(MAX_SPECULATIVE_TOKENS + 1,),
-                                     fallback_on_failure=engine.runner.fallback_on_failure)
+                                     buckets=(MAX_SPECULATIVE_TOKENS + 1,), verifies=engine.runner.verifies,
+                                     fallback_on_failure=engine.runner.fallback_on_failure,
+                                     reports_to=engine.runner)
         # What a plain step and a verify cost here, per method, for the rows' AdaptiveK (this runner's steps are
         # not the engine's single-request ones, so they are measured apart).
         self.spec_costs: dict[str, StepCosts] = {}

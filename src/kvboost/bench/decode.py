@@ -1,7 +1,8 @@
-"""`kvboost bench decode`: batch-1 decode tokens/s of KVBoost's runner modes beside plain transformers, in one run.
+"""`kvboost bench decode`: decode tokens/s of KVBoost's runner modes beside plain transformers, in one run.
 
-One prompt (a ~1,000-token prefix and a short question, the rows of `kvboost bench gpu`'s decode section),
-greedy, on the same weights:
+One prompt (a ~1,000-token prefix and a short question, the rows of `kvboost bench gpu`'s decode section), or with
+--batch N that many prompts of the same length decoded together (KVBoost's generate_batch, HF generate over the
+batch), greedy, on the same weights:
   hf generate        model.generate with its default DynamicCache
   hf static          model.generate over a StaticCache (not compiled; --compile-hf compiles it, minutes on a CPU)
   kvboost off        fast_path="off": the eager forward over a growing DynamicCache (the CPU default)
@@ -28,24 +29,32 @@ def _runner_modes(device_type: str) -> tuple[str, ...]:
     return ("eager", "compiled") if device_type == "cpu" else ("eager", "graphs")
 
 
-def _hf_call(model, ids: list[int], pad: int, outputs: dict, name: str, static: bool, compiled: bool) -> Callable:
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """A row's tokens up to its first EOS (HF pads a batch's finished rows; KVBoost's rows stop there)."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end]
+
+
+def _hf_call(model, rows: list[list[int]], pad: int, eos: set[int], outputs: dict, name: str, static: bool,
+             compiled: bool) -> Callable:
+    """HF generate over `rows` (all the same length: no padding) -> tokens generated in all."""
     import torch
 
     from ..model.cpu_linear import model_own_products
 
-    x = torch.tensor([ids], device=model.device)
+    x = torch.tensor(rows, device=model.device)
 
     def call(n: int) -> int:
         kwargs = {}
         if static:
             from transformers import StaticCache
 
-            kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=len(ids) + n)
+            kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=x.shape[1] + n)
         with model_own_products(model):  # plain transformers as users run it, not the engine's CPU products
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                  do_sample=False, pad_token_id=pad, disable_compile=not compiled, **kwargs)
-        outputs[name] = out[0, len(ids):].tolist()
-        return out.shape[1] - len(ids)
+        outputs[name] = [_until_eos(row, eos) for row in out[:, x.shape[1]:].tolist()]
+        return sum(len(row) for row in outputs[name])
     return call
 
 
@@ -56,16 +65,20 @@ def _own_products(model, call: Callable, n: int) -> int:
         return call(n)
 
 
-def _kvboost_call(engine, ids: list[int], outputs: dict, name: str) -> Callable:
+def _kvboost_call(engine, rows: list[list[int]], outputs: dict, name: str) -> Callable:
+    """generate for one row, generate_batch for more -> tokens generated in all."""
     def call(n: int) -> int:
-        result = engine.generate(input_ids=ids, max_new_tokens=n)
-        outputs[name] = list(result.output_token_ids)
-        return result.generated_tokens
+        if len(rows) == 1:
+            results = [engine.generate(input_ids=rows[0], max_new_tokens=n)]
+        else:
+            results = engine.generate_batch(input_ids=rows, max_new_tokens=n)
+        outputs[name] = [list(r.output_token_ids) for r in results]
+        return sum(r.generated_tokens for r in results)
     return call
 
 
 def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, repeats: int, compile_hf: bool,
-                     json_path: str | None = None, plot_path: str | None = None) -> dict:
+                     json_path: str | None = None, plot_path: str | None = None, batch: int = 1) -> dict:
     import torch
 
     from .gpu.decode import decode_rows, measure
@@ -75,8 +88,8 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
     device = torch.device(choice.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     outputs: dict[str, list[int]] = {}
     rows: list[dict] = []
-    report: dict = {"benchmark": "decode", "prompt_tokens": None, "new_tokens": new_tokens, "repeats": repeats,
-                    "threads": torch.get_num_threads(), "rows": rows}
+    report: dict = {"benchmark": "decode", "prompt_tokens": None, "batch": batch, "new_tokens": new_tokens,
+                    "repeats": repeats, "threads": torch.get_num_threads(), "rows": rows}
 
     def add(name: str, call: Callable, load_s: float = 0.0) -> None:
         with console.status(f"{name}: decoding"), torch.inference_mode():
@@ -90,26 +103,29 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
         engine = load_engine(choice, fast_path="off")
     report.update(choice.record(engine))
     tok, model = engine.tokenizer, engine.model
-    ids = decode_rows(tok, prompt_tokens, 1)[0]
-    report["prompt_tokens"] = len(ids)
+    prompts = decode_rows(tok, prompt_tokens, batch)
+    report["prompt_tokens"] = len(prompts[0])
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    add("hf generate", _hf_call(model, ids, pad, outputs, "hf generate", static=False, compiled=False))
+    eos = set(engine.eos_token_ids)
+    add("hf generate", _hf_call(model, prompts, pad, eos, outputs, "hf generate", static=False, compiled=False))
     add("hf static" + ("+compile" if compile_hf else ""),
-        _hf_call(model, ids, pad, outputs, "hf static", static=True, compiled=compile_hf))
-    add("kvboost off", _kvboost_call(engine, ids, outputs, "kvboost off"))
+        _hf_call(model, prompts, pad, eos, outputs, "hf static", static=True, compiled=compile_hf))
+    add("kvboost off", _kvboost_call(engine, prompts, outputs, "kvboost off"))
     if engine.cpu_linear.startswith("W @ x^T"):  # the same engine with the model's own Linear products: the A/B
         name = "kvboost off, cpu_linear off"
-        own = _kvboost_call(engine, ids, outputs, name)
+        own = _kvboost_call(engine, prompts, outputs, name)
         add(name, lambda n, m=model: _own_products(m, own, n))
     del engine, model
     gc.collect()
     for mode in _runner_modes(device.type):
         t0 = time.perf_counter()
         note = " (the warm-up compiles the decode step)" if mode == "compiled" else ""
+        if mode == "compiled" and batch > 1:
+            note = " (the warm-up compiles the decode step; the untimed first batch, the batched one)"
         with console.status(f"loading kvboost {mode}{note}"):
             engine = load_engine(choice, fast_path=mode)
         name = f"kvboost {mode}"
-        add(name, _kvboost_call(engine, ids, outputs, name), time.perf_counter() - t0)
+        add(name, _kvboost_call(engine, prompts, outputs, name), time.perf_counter() - t0)
         rows[-1]["decode_kernels"] = engine.cache_stats()["fast_path"].get("decode_kernels")
         del engine
         gc.collect()
@@ -127,7 +143,7 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
         from .plots import plot_bars
 
         plot_bars({r["system"]: r["decode_tok_s"] for r in rows},
-                  f"Decode, batch 1, {report['prompt_tokens']}-token prompt ({device.type}, "
+                  f"Decode, batch {batch}, {report['prompt_tokens']}-token prompts ({device.type}, "
                   f"{report['threads']} threads)", "", "tokens/s", plot_path)
         console.print(f"wrote {plot_path}")
     return report
@@ -136,8 +152,8 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
 def _print(console, report: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"decode, batch 1, {report['prompt_tokens']}-token prompt, {report['new_tokens']} greedy "
-                        f"tokens, {report['threads']} threads")
+    table = Table(title=f"decode, batch {report['batch']}, {report['prompt_tokens']}-token prompts, "
+                        f"{report['new_tokens']} greedy tokens per row, {report['threads']} threads")
     for col in ("system", "decode tok/s", "ms/token", "vs kvboost off", "same tokens as HF", "load s"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in report["rows"]:
@@ -146,8 +162,9 @@ def _print(console, report: dict) -> None:
                       f"{r['over_kvboost_off']:.2f}x", "yes" if r["identical_to_hf_generate"] else "NO",
                       f"{r['load_s']:.0f}" if r["load_s"] else "")
     console.print(table)
-    console.print("decode rate from two runs that differ only in the number of steps (prefill cancels out); "
-                  "load s: engine build and warm-up, including torch.compile for the compiled mode")
+    console.print("decode rate (tokens of every row) from two runs that differ only in the number of steps "
+                  "(prefill cancels out); load s: engine build and warm-up, including torch.compile for the "
+                  "compiled mode")
 
 
 def bench_decode_command(
@@ -155,6 +172,8 @@ def bench_decode_command(
     prompt: Annotated[int, typer.Option("--prompt", min=16, help="Prompt length in tokens (prefix part).")] = 1000,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Greedy tokens in the long run.")] = 64,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed runs of each length (median).")] = 3,
+    batch: Annotated[int, typer.Option("--batch", min=1, max=16, help="Prompts decoded together (KVBoost: "
+                                                                     "generate_batch).")] = 1,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="torch.set_num_threads for the run "
                                                                            "(default: torch's own).")] = None,
     compile_hf: Annotated[bool, typer.Option("--compile-hf", help="Compile HF's static-cache generate too "
@@ -162,12 +181,13 @@ def bench_decode_command(
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG of tokens/s per system.")] = None,
 ) -> None:
-    """Batch-1 decode tokens/s: KVBoost's runner modes (off, eager, compiled or graphs) beside HF generate."""
+    """Decode tokens/s: KVBoost's runner modes (off, eager, compiled or graphs) beside HF generate, batch 1 or
+    --batch N prompts together."""
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
     report = run_decode_bench(model_choice(model, shape, device, dtype), prompt, new_tokens, repeats, compile_hf,
-                              json_path, plot_path)
+                              json_path, plot_path, batch)
     same = all(r["identical_to_hf_generate"] for r in report["rows"])
     raise typer.Exit(0 if same else 1)

@@ -65,12 +65,16 @@ def set_length(cache: Cache, length: int) -> None:
         layer.length = length
 
 
-def set_views(cache: Cache, workspace: KVWorkspace, end: int | None) -> None:
-    """Point every layer of a one-row static cache at its workspace buffers' first `end` columns, [1, kv_heads,
-    end, d] (None: all of them): attention then reads exactly the valid keys, with no mask (the compiled CPU
-    decode step, whose length axis is dynamic: a new `end` each step compiles nothing)."""
+def set_views(cache: Cache, workspace: KVWorkspace, end: int | None, rows: int = 1) -> None:
+    """Point every layer of a static cache of `rows` rows at its workspace buffers' first `end` columns, [rows,
+    kv_heads, end, d] (None: all of them). One row: attention then reads exactly the valid keys, with no mask (the
+    compiled CPU decode step, whose length axis is dynamic: a new `end` each step compiles nothing). More rows
+    (the compiled rows step): `end` is the longest row's, each row still masked to its own end; the row axis is
+    dynamic too."""
     for i, layer in enumerate(cache.layers):
         k, v = workspace.buffers(i)
-        layer.keys, layer.values = k[:1, :, :end], v[:1, :, :end]
-        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
-        torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+        layer.keys, layer.values = k[:rows, :, :end], v[:rows, :, :end]
+        for view in (layer.keys, layer.values):
+            torch._dynamo.maybe_mark_dynamic(view, 2)
+            if rows > 1:
+                torch._dynamo.maybe_mark_dynamic(view, 0)

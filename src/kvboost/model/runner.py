@@ -14,12 +14,14 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
 
 * mode "graphs" (CUDA): each bucket is captured as a CUDA graph the first time it runs over the current
   workspace buffers (or at warm-up) and replayed afterwards: one launch per step;
-* mode "compiled": the decode step (batch 1) runs under torch.compile, the others as in eager: CPU, where
-  the eager forward's ~10 small ops per layer cost as much as its matrix-vector products; the compiled step
-  reads its weights through inductor's packed GEMV kernels (compiled_step.py), the eager steps through ATen's,
-  each weight shape laid out in the memory order those stream fastest in on this machine (layout.py). With
-  compile_verify (an engine that speculates), speculative verifies are compiled too: one graph whose token axis
-  is dynamic, run at the exact draft count (no bucket padding);
+* mode "compiled": the decode step (batch 1) and the batched decode step (rows) run under torch.compile, the
+  others as in eager: CPU, where the eager forward's ~10 small ops per layer cost as much as its matrix-vector
+  products; the compiled steps read their weights through inductor's packed GEMV kernels (compiled_step.py), the
+  eager steps through ATen's, each weight shape laid out in the memory order those stream fastest in on this
+  machine (layout.py). The rows step is one graph whose row and length axes are dynamic (2-16 rows: a lone row
+  runs beside a free slot, since torch would specialize a size of 1), compiled the first time a batch runner of
+  the model steps. With compile_verify (an engine that speculates), speculative verifies are compiled too: one
+  graph whose token axis is dynamic, run at the exact draft count (no bucket padding);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
@@ -56,6 +58,7 @@ VERIFY_WIDTHS = (2, 4, 8, 16)  # tokens per row of a batched verify step (each r
 # token ([rows, width, vocab]: 16 x 16 x 152k = 155 MB for Qwen2.5), in a graph's private memory pool.
 MAX_VERIFY_STEP_TOKENS = 64
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+_KIND_NAMES = {"seq": "decode", "rows": "rows", "verify": "verify"}  # compiled step kinds as cache_stats() says them
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
 RUNNER_MODES = ("graphs", "compiled", "eager")
 # Compiled mode compiles the batch-1 decode step: it is the launch-bound one on CPU, and each further bucket
@@ -65,6 +68,10 @@ RUNNER_MODES = ("graphs", "compiled", "eager")
 # 18 ms at one thread), so drafts could never pay; compiled at the exact token count it costs 1.2-1.3x one for
 # 2-4 tokens and 2.5-3.1x for 5-10 (scripts/compiled_verify_timing.py).
 COMPILED_STEPS = {("seq", 1)}
+# ... and the batched decode step, one graph for every row count from COMPILED_MIN_ROWS: measured on SmolLM2 at one
+# thread (scripts/compiled_rows_timing.py), a step of 2 / 4 / 8 rows costs 24 / 30 / 67 ms against 42 / 59 / 107 ms
+# eagerly, one compile (~90 s) at the model's first batched step.
+COMPILED_MIN_ROWS = 2
 # Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
 # reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
 CAPACITY_STEP = 1024
@@ -129,7 +136,9 @@ class ModelRunner(GraphSteps):
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False, packed_gemv: bool = True,
-                 unpacked_reason: str | None = None, verifies: bool = False):
+                 unpacked_reason: str | None = None, verifies: bool = False, reports_to: ModelRunner | None = None):
+        """reports_to: the engine's runner, for a batch runner's (a step dynamo refuses is recorded there too, so
+        cache_stats() says it)."""
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
         if mode == "graphs" and workspace.device.type != "cuda":
@@ -150,6 +159,8 @@ class ModelRunner(GraphSteps):
         self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason,
                                       owner=model) if mode == "compiled" else None
         self.uncompiled: dict[str, str] = {}  # compiled mode: kinds of step dynamo refused to compile, and why
+        self.reports_to = reports_to
+        self.least_rows = COMPILED_MIN_ROWS if mode == "compiled" else 1  # the smallest batched decode step
 
     @property
     def decode_kernels(self) -> str | None:
@@ -158,15 +169,16 @@ class ModelRunner(GraphSteps):
 
     @property
     def compiled_steps(self) -> list[str]:
-        """Compiled mode: which kinds of step run compiled ("decode", and "verify" with compile_verify)."""
+        """Compiled mode: which kinds of step run compiled ("decode", "rows": a batch runner's decode step over
+        this model, and "verify" with compile_verify)."""
         if self._compiled is None:
             return []
-        kinds = {"seq": "decode", "verify": "verify"}
-        return [kinds[k] for k in (("seq", "verify") if self.compile_verify else ("seq",)) if k not in self.uncompiled]
+        kinds = ("seq", "rows", "verify") if self.compile_verify else ("seq", "rows")
+        return [_KIND_NAMES[k] for k in kinds if k not in self.uncompiled]
 
     def _runs_compiled(self, key: tuple) -> bool:
         return self.mode == "compiled" and key[0] not in self.uncompiled \
-            and (key in COMPILED_STEPS or (self.compile_verify and key[0] == "verify"))
+            and (key in COMPILED_STEPS or key[0] == "rows" or (self.compile_verify and key[0] == "verify"))
 
     @property
     def max_tokens(self) -> int:
@@ -220,12 +232,17 @@ class ModelRunner(GraphSteps):
         ws = self.workspace
         return ws.base == 0 and batch_bucket_for(n_rows, ws.batch_size) is not None
 
+    def _decode_rows(self, n_rows: int) -> int | None:
+        """The batched decode step that runs n_rows rows (at least least_rows), or None."""
+        ws = self.workspace
+        return batch_bucket_for(max(n_rows, self.least_rows), ws.batch_size) if ws.base == 0 else None
+
     def decode_batch(self, tokens: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """One decode step for rows 0..n-1 of the workspace: row i feeds tokens[i] at position lengths[i] (the
         K/V of its positions [0, lengths[i]) is in place). Returns float32 logits [n, vocab], overwritten by the
         next call. Rows past n up to the bucket are free slots: they compute a throwaway token at position 0."""
         n = len(tokens)
-        rows = batch_bucket_for(n, self.workspace.batch_size) if self.workspace.base == 0 else None
+        rows = self._decode_rows(n)
         if rows is None:
             raise ValueError(f"{n} rows do not fit a batch bucket of this workspace; use the eager path")
         self._ensure_capacity(max(lengths) + 1, keep=max(lengths))
@@ -235,6 +252,7 @@ class ModelRunner(GraphSteps):
         step.positions[:, 0].copy_(torch.tensor(list(lengths) + [0] * pad, dtype=torch.long), non_blocking=True)
         step.ends.copy_(step.positions[:, 0] + 1)
         set_length(step.cache, max(lengths))
+        step.end = max(lengths) + 1
         return self._execute(step)[:n]
 
     def verify_width(self, n_rows: int, width: int) -> int | None:
@@ -276,9 +294,10 @@ class ModelRunner(GraphSteps):
         if compiled:
             # The compiled decode step attends over views of exactly the valid keys (no mask, no reading past the
             # end); its length axis is dynamic, but a length of 1 would compile another graph (torch specializes
-            # sizes 0 and 1), so that one step - a 1-token prompt with nothing cached - runs eagerly instead.
+            # sizes 0 and 1), so that one step - a 1-token prompt with nothing cached - runs eagerly instead. The
+            # rows step's views end at its longest row, each row masked to its own end.
             compiled = step.end >= 2
-            set_views(step.cache, self.workspace, step.end if compiled else None)
+            set_views(step.cache, self.workspace, step.end if compiled else None, rows=self._view_rows(step))
         with static_attention(self.model):
             logits = self._compiled_logits(step, position_ids, keep) if compiled else \
                 self._logits(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
@@ -291,18 +310,27 @@ class ModelRunner(GraphSteps):
         """The step's compiled forward; where dynamo refuses to compile it (StepNotCompiled), this kind of step
         runs eagerly from now on, counted in stats and said in `failure` - never silently."""
         assert self._compiled is not None
+        ends = step.ends if step.key[0] == "rows" else None  # rows of different lengths: masked to their ends
         try:
-            return self._compiled(step.ids, position_ids, step.cache, None, keep)
+            return self._compiled(step.ids, position_ids, step.cache, ends, keep)
         except StepNotCompiled as exc:
-            self.uncompiled[step.key[0]] = str(exc)
-            self.stats.counts["compile_refusals"] += 1
-            self.failure = f"{'decode' if step.key[0] == 'seq' else step.key[0]} steps run eagerly: {exc}"
-            log.warning("kvboost: %s", self.failure)
-            set_views(step.cache, self.workspace, None)  # the eager step reads the whole buffer, masked by ends
+            failure = f"{_KIND_NAMES[step.key[0]]} steps run eagerly: {exc}"
+            for runner in (self, self.reports_to) if self.reports_to is not None else (self,):
+                runner.uncompiled[step.key[0]] = str(exc)
+                runner.stats.counts["compile_refusals"] += 1
+                runner.failure = failure
+            log.warning("kvboost: %s", failure)
+            # the eager step reads the whole buffer, masked by ends
+            set_views(step.cache, self.workspace, None, rows=self._view_rows(step))
             return self._logits(step.ids, position_ids, step.cache, step.ends, keep)
 
-    def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor,
+    @staticmethod
+    def _view_rows(step: _Step) -> int:
+        return step.key[1] if step.key[0] == "rows" else 1
+
+    def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor | None,
                 keep: int | torch.Tensor) -> torch.Tensor:
+        """ends None: the cache's views hold exactly the valid keys (the compiled decode and verify steps)."""
         out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=keep, kvboost_ends=ends, kvboost_exact_views=ends is None,
                          kvboost_backend=self.backend)
@@ -349,6 +377,9 @@ class ModelRunner(GraphSteps):
                 positions = zeros(size, 1)
                 step = _Step(key, zeros(size, 1), positions, zeros(size, dtype=torch.int32), None,
                              static_cache(self.workspace, positions, rows=size))
+                if self._runs_compiled(key):  # one graph for every row count
+                    for tensor in (step.ids, step.positions, step.ends):
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
             if self.mode == "compiled":  # one graph for every capacity, not one per workspace size
                 for layer in step.cache.layers:
                     torch._dynamo.mark_dynamic(layer.keys, 2)
@@ -432,7 +463,8 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
         input_major = sum(layouts.values())
         refusal = packing_refusal(model)
         kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
-        steps = "decode and verify steps" if verifies else "decode steps"
+        steps = "decode (one request's and a batch's) and verify steps" if verifies else \
+            "decode steps (one request's and a batch's)"
         return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
                            unpacked_reason=refusal, verifies=verifies), \
             f"static cache, {steps} under torch.compile over {kernels}; weights laid out by measurement " \

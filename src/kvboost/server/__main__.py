@@ -51,8 +51,8 @@ def serve_command(
                                                       "--speculative draft."),
     fast_path: str = typer.Option("auto", help="Short forwards over a static cache: auto (CUDA graphs on a GPU "
                                                "with the Triton kernels, off elsewhere), graphs, compiled (CPU: "
-                                               "the decode step under torch.compile; needs --max-batch-size 1), "
-                                               "eager or off."),
+                                               "the decode steps, one request's and the batch's, under "
+                                               "torch.compile), eager or off."),
     paged_kv: bool = typer.Option(False, help="Stored chunks live in a block pool (zero-copy hits; docs/paged-kv.md)."),
     device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="With --paged-kv: stored K/V kept on the "
                                                       "device; colder chunks move to host memory (default on CUDA: "
@@ -89,13 +89,13 @@ def serve_command(
                        device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens)
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)
-        check_fast_path_flag(config.fast_path, max_batch_size)
         warm_messages = [read_warm_file(path) for path in warm or []]
         t0 = time.perf_counter()
         if config.fast_path == "compiled":  # minutes without output otherwise
-            steps = "decode and verify steps" if config.speculative else "decode step"
-            typer.echo(f"kvboost serve: loading the model and compiling its {steps} (--fast-path compiled: "
-                       f"{'2-3' if config.speculative else '1-2'} minutes on a small CPU)")
+            steps = ["decode"] + (["verify"] if config.speculative else []) + (["batched decode"]
+                                                                                  if max_batch_size > 1 else [])
+            typer.echo(f"kvboost serve: loading the model and compiling its {', '.join(steps)} steps "
+                       f"(--fast-path compiled: about a minute each on a small CPU)")
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
         load_s = time.perf_counter() - t0
         sock = bind_socket(host, port)
@@ -145,14 +145,6 @@ def check_speculative_flags(speculative: str | None, draft_model: str | None, ma
         raise ValueError("--speculative draft needs --draft-model")
     if draft_model is not None and speculative != "draft":
         raise ValueError("--draft-model is used only with --speculative draft")
-
-
-def check_fast_path_flag(fast_path: str, max_batch_size: int) -> None:
-    """--fast-path compiled compiles the batch-1 decode step only; batched rows would run the same static path
-    uncompiled, slower than the default on a CPU. So it needs a server that runs one request at a time."""
-    if fast_path == "compiled" and max_batch_size > 1:
-        raise ValueError("--fast-path compiled speeds up one request at a time (batched rows are not compiled): "
-                         "add --max-batch-size 1")
 
 
 def read_warm_file(path: str) -> list[dict]:

@@ -1,0 +1,56 @@
+"""What a batched decode step (a batch runner's "rows" step) costs with fast_path="compiled" against the same step
+run eagerly (fast_path="eager": the same static path, not compiled).
+
+Times BatchRunner steps (model/runner.py decode_batch) over rows ~300 tokens long at 1-8 rows: the first call
+(the compiled runner compiles its one rows graph there) and the median of 9 after it.
+
+    OMP_NUM_THREADS=1 python scripts/compiled_rows_timing.py [--threads 1] [--model PATH]
+
+Session 19 (SmolLM2-135M fp32, 1 thread, 2-core AMD EPYC VM): 2 / 3 / 4 / 8 rows 23.8 / 29.5 / 29.7 / 66.8 ms
+compiled against 41.7 / 60.7 / 59.3 / 107.0 ms eagerly; the compile took 86 s, and no later row count compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def time_rows(model: str | None, mode: str, row_counts: list[int]) -> None:
+    from kvboost import KVBoost
+    from kvboost.batch import BatchRunner
+
+    engine = KVBoost.from_pretrained(model, fast_path=mode)
+    steps = BatchRunner(engine, max_batch_size=max(row_counts)).steps
+    assert steps is not None
+    with torch.inference_mode():
+        for rows in row_counts:
+            lengths = [300 + 7 * i for i in range(rows)]  # K/V content does not change the cost: left as it is
+            t0 = time.perf_counter()
+            steps.decode_batch([5] * rows, lengths)
+            first = time.perf_counter() - t0
+            times = []
+            for j in range(9):
+                t0 = time.perf_counter()
+                steps.decode_batch([5] * rows, [n + j + 1 for n in lengths])
+                times.append((time.perf_counter() - t0) * 1e3)
+            print(f"{mode:>8}: {rows} rows  first call {first:6.1f} s  median {statistics.median(times):6.1f} ms",
+                  flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 3, 4, 8, 1])
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for mode in ("eager", "compiled"):
+        time_rows(args.model, mode, args.rows)
+
+
+if __name__ == "__main__":
+    main()
