@@ -23,8 +23,10 @@ def time_rows(model: str | None, mode: str, row_counts: list[int]) -> None:
     from kvboost.batch import BatchRunner
 
     engine = KVBoost.from_pretrained(model, fast_path=mode)
-    steps = BatchRunner(engine, max_batch_size=max(row_counts)).steps
+    runner = BatchRunner(engine, max_batch_size=max(row_counts))
+    steps = runner.steps
     assert steps is not None
+    runner.ws.ensure_capacity(1024, keep=0)  # room for the rows' positions (a batch's prefill would make it)
     with torch.inference_mode():
         for rows in row_counts:
             lengths = [300 + 7 * i for i in range(rows)]  # K/V content does not change the cost: left as it is

@@ -23,6 +23,10 @@ def _unique_graphs() -> int:
 def test_batches_decode_through_one_compiled_rows_graph(tokenizer, device):
     plain, fast = plain_and_compiled(tokenizer, device)
     assert fast.cache_stats()["fast_path"]["compiled_steps"] == ["decode", "rows"]
+    if fast.runner.decode_kernels.startswith("packed"):  # the packed kernels read their own copy: the eager
+        # forwards' products keep nn.Linear's order (W @ x^T over input-major weights ran 4-15x slower)
+        assert "weights in nn.Linear's order" in fast.cache_stats()["fast_path"]["reason"]
+        assert all(m.weight.is_contiguous() for m in fast.model.modules() if isinstance(m, torch.nn.Linear))
     want = [plain.generate(p, max_new_tokens=12).output_token_ids for p in PROMPTS]
     graphs = _unique_graphs()
     for picked in ([0, 1, 3], [0, 1, 2, 3, 4], [3], [1, 4]):  # a batch runner each: 3, 5 (bucket 8), 1 and 2 rows

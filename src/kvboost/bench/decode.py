@@ -30,8 +30,9 @@ def _runner_modes(device_type: str) -> tuple[str, ...]:
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    """A row's tokens up to its first EOS (HF pads a batch's finished rows; KVBoost's rows stop there)."""
-    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    """A row's tokens before its first EOS: what KVBoost reports as output tokens (HF keeps the EOS, and pads a
+    finished row of a batch until every row has finished)."""
+    end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokens[:end]
 
 

@@ -43,7 +43,7 @@ from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
 from .compiled_step import CompiledStep, StepNotCompiled, packing_refusal
 from .graphs import GraphSteps, RunnerStats
-from .layout import fastest_linear_layouts
+from .layout import fastest_linear_layouts, relay_linears
 
 if TYPE_CHECKING:
     from .table_runner import TableRunner
@@ -62,7 +62,7 @@ _KIND_NAMES = {"seq": "decode", "rows": "rows", "verify": "verify"}  # compiled 
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
 RUNNER_MODES = ("graphs", "compiled", "eager")
 # Compiled mode compiles the batch-1 decode step: it is the launch-bound one on CPU, and each further bucket
-# would cost another compile (tens of seconds on a small CPU). Other steps run the same path eagerly, except a
+# would cost another compile (tens of seconds on a small CPU). Prefill buckets run the same path eagerly; so does a
 # speculative verify where the runner is asked to compile it (compile_verify): an eager verify is padded to the
 # 16-token bucket and reads the weights through ATen's products, ~5x a compiled decode step on SmolLM2 (98 against
 # 18 ms at one thread), so drafts could never pay; compiled at the exact token count it costs 1.2-1.3x one for
@@ -457,16 +457,21 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
     if choice == "compiled":
         if device.type != "cpu":
             raise ValueError(f"fast_path='compiled' is the CPU path; on {device.type} use 'graphs' (or 'auto')")
-        # Each weight shape in the memory order this machine's GEMV streams fastest (layout.py), measured once
-        # here: before anything is compiled, since a weight's strides are part of the compiled step's guards.
-        layouts = fastest_linear_layouts(model)
-        input_major = sum(layouts.values())
         refusal = packing_refusal(model)
+        # Set before anything is compiled, since a weight's strides are part of the compiled steps' guards. The
+        # packed kernels read a copy of their own, so the model's weights stay in nn.Linear's order, in which the
+        # eager forwards' products (cpu_linear's W @ x^T) run fastest. Over ATen's kernels, each weight shape in
+        # the memory order this machine's GEMV streams fastest (layout.py), measured once here.
+        if refusal is None:
+            relay_linears(model, lambda shape: False)
+            layout = "weights in nn.Linear's order"
+        else:
+            layouts = fastest_linear_layouts(model)
+            layout = f"weights laid out by measurement ({sum(layouts.values())} of {len(layouts)} shapes input-major)"
         kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
         steps = "decode (one request's and a batch's) and verify steps" if verifies else \
             "decode steps (one request's and a batch's)"
         return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
                            unpacked_reason=refusal, verifies=verifies), \
-            f"static cache, {steps} under torch.compile over {kernels}; weights laid out by measurement " \
-            f"({input_major} of {len(layouts)} shapes input-major)"
+            f"static cache, {steps} under torch.compile over {kernels}; {layout}"
     return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"
