@@ -4,7 +4,8 @@ run eagerly (fast_path="eager": the same static path, not compiled).
 Times BatchRunner steps (model/runner.py decode_batch) over rows ~300 tokens long at 1-8 rows: the first call
 (the compiled runner compiles its one rows graph there) and the median of 9 after it.
 
-    OMP_NUM_THREADS=1 python scripts/compiled_rows_timing.py [--threads 1] [--model PATH]
+    OMP_NUM_THREADS=1 python scripts/compiled_rows_timing.py [--threads 1] [--model PATH] [--length 300]
+                                                             [--rows 2 3 4 8 1] [--modes eager compiled]
 
 Session 19 (SmolLM2-135M fp32, 1 thread, 2-core AMD EPYC VM): 2 / 3 / 4 / 8 rows 23.8 / 29.5 / 29.7 / 66.8 ms
 compiled against 41.7 / 60.7 / 59.3 / 107.0 ms eagerly; the compile took 86 s, and no later row count compiled.
@@ -18,7 +19,7 @@ import time
 import torch
 
 
-def time_rows(model: str | None, mode: str, row_counts: list[int]) -> None:
+def time_rows(model: str | None, mode: str, row_counts: list[int], length: int) -> None:
     from kvboost import KVBoost
     from kvboost.batch import BatchRunner
 
@@ -26,10 +27,10 @@ def time_rows(model: str | None, mode: str, row_counts: list[int]) -> None:
     runner = BatchRunner(engine, max_batch_size=max(row_counts))
     steps = runner.steps
     assert steps is not None
-    runner.ws.ensure_capacity(1024, keep=0)  # room for the rows' positions (a batch's prefill would make it)
+    runner.ws.ensure_capacity(length + 1024, keep=0)  # room for the rows' positions (a prefill would make it)
     with torch.inference_mode():
         for rows in row_counts:
-            lengths = [300 + 7 * i for i in range(rows)]  # K/V content does not change the cost: left as it is
+            lengths = [length + 7 * i for i in range(rows)]  # K/V content does not change the cost: left as is
             t0 = time.perf_counter()
             steps.decode_batch([5] * rows, lengths)
             first = time.perf_counter() - t0
@@ -47,11 +48,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 3, 4, 8, 1])
+    parser.add_argument("--length", type=int, default=300, help="tokens before each row's step")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    for mode in ("eager", "compiled"):
-        time_rows(args.model, mode, args.rows)
+    for mode in args.modes:
+        time_rows(args.model, mode, args.rows, args.length)
 
 
 if __name__ == "__main__":

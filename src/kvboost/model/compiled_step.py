@@ -23,12 +23,12 @@ not take), the step is compiled again over ATen's kernels and the reason is kept
 Dynamo keeps compiled graphs per *code object* and lets each hold `recompile_limit` of them (8 in torch 2.13); past
 that it runs the function eagerly and only logs. Every runner compiles the same method (ModelRunner._logits), so
 with one shared code object a fifth speculating engine in a process (2 graphs each) ran its steps eagerly while
-reporting them compiled. So the steps of each model compile a copy of the function with a code object of the model's
-own (`own_code`): its graphs are that model's, counted against their own limit, and freed with the model. Steps
-over the same model (an engine created again on it, a batch runner's) keep sharing one code object, whose graphs
-they can reuse: the frozen weights are the same. A limit hit inside one
-step is still possible (a step recompiled for many shapes): it raises StepNotCompiled, which the runner turns into
-an eager run of that kind of step, counted and reported.
+reporting them compiled. So the steps of each model compile a copy of the function with a code object of the
+model's own (`own_code`): its graphs are that model's, counted against their own limit, and freed with the model.
+Steps over the same model (an engine created again on it, a batch runner's) share that code object and reuse its
+graphs: the frozen weights are the same. The limit can still be reached by one model's steps (a step recompiled
+for many shapes): the call then raises StepNotCompiled, which the runner turns into an eager run of that kind of
+step, counted and reported.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class CompiledStep:
             with dynamo_config.patch(fail_on_recompile_limit_hit=True):
                 return self._call(*args)
         except FailOnRecompileLimitHit as exc:
-            raise StepNotCompiled(f"this runner's steps hold torch._dynamo.config.recompile_limit "
+            raise StepNotCompiled(f"this model's steps hold torch._dynamo.config.recompile_limit "
                                   f"({dynamo_config.recompile_limit}) compiled graphs already") from exc
 
     def _call(self, *args) -> torch.Tensor:
