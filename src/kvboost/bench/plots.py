@@ -114,7 +114,10 @@ def plot_bars(bars: Mapping[str, float] | Mapping[str, Mapping[str, float]], tit
         rects = ax.bar(xs, ys, width=width, label=name or None)
         if annotate:
             ax.bar_label(rects, fmt=_bar_label, fontsize="x-small", padding=2)
-    ax.set_xticks(range(len(categories)), categories)
+    # Long names would run into each other: slanted, anchored at their ends under their bars.
+    slanted = max(len(c) for c in categories) * len(categories) > 70
+    ax.set_xticks(range(len(categories)), categories, rotation=20 if slanted else 0,
+                  ha="right" if slanted else "center")
     return _finish(fig, ax, title, xlabel, ylabel, path, legend=grouped)
 
 

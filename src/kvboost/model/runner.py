@@ -233,9 +233,15 @@ class ModelRunner(GraphSteps):
         return ws.base == 0 and batch_bucket_for(n_rows, ws.batch_size) is not None
 
     def _decode_rows(self, n_rows: int) -> int | None:
-        """The batched decode step that runs n_rows rows (at least least_rows), or None."""
+        """The batched decode step that runs n_rows rows, or None. Compiled: exactly n_rows (at least least_rows),
+        since its one graph takes any row count - 5 rows padded to the 8-row bucket would compute 3 for nothing."""
         ws = self.workspace
-        return batch_bucket_for(max(n_rows, self.least_rows), ws.batch_size) if ws.base == 0 else None
+        if ws.base != 0:
+            return None
+        if self.mode == "compiled":
+            rows = max(n_rows, self.least_rows)
+            return rows if rows <= ws.batch_size else None
+        return batch_bucket_for(n_rows, ws.batch_size)
 
     def decode_batch(self, tokens: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """One decode step for rows 0..n-1 of the workspace: row i feeds tokens[i] at position lengths[i] (the
