@@ -94,7 +94,8 @@ def serve_command(
         if config.fast_path == "compiled":  # minutes without output otherwise
             steps = ["decode"] + (["verify"] if config.speculative else []) + (["batched decode"]
                                                                                   if max_batch_size > 1 else [])
-            typer.echo(f"kvboost serve: loading the model and compiling its {', '.join(steps)} steps "
+            named = ", ".join(steps[:-1]) + " and " + steps[-1] if len(steps) > 1 else steps[0]
+            typer.echo(f"kvboost serve: loading the model and compiling its {named} steps "
                        f"(--fast-path compiled: about a minute each on a small CPU)")
         engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
         load_s = time.perf_counter() - t0
