@@ -16,11 +16,12 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
   workspace buffers (or at warm-up) and replayed afterwards: one launch per step;
 * mode "compiled": the decode step (batch 1) and the batched decode step (rows) run under torch.compile, the
   others as in eager: CPU, where the eager forward's ~10 small ops per layer cost as much as its matrix-vector
-  products; the compiled steps read their weights through inductor's packed GEMV kernels (compiled_step.py), the
-  eager steps through ATen's, each weight shape laid out in the memory order those stream fastest in on this
-  machine (layout.py). The rows step is one graph whose row and length axes are dynamic (2-16 rows: a lone row
-  runs beside a free slot, since torch would specialize a size of 1), compiled the first time a batch runner of
-  the model steps. With compile_verify (an engine that speculates), speculative verifies are compiled too: one
+  products; the compiled steps read their weights through inductor's packed GEMV kernels (compiled_step.py), a
+  copy of their own, and the eager steps the model's weights in nn.Linear's order through ATen's (or, where
+  packing is refused, every step ATen's, each weight shape laid out in the memory order this machine's GEMV
+  streams fastest in: layout.py). The rows step is one graph whose row and length axes are dynamic (2-16 rows,
+  run at the exact count; a lone row runs beside a free slot, since torch would specialize a size of 1), compiled
+  the first time a batch runner of the model steps. With compile_verify (an engine that speculates), speculative verifies are compiled too: one
   graph whose token axis is dynamic, run at the exact draft count (no bucket padding);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
