@@ -21,8 +21,9 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
   packing is refused, every step ATen's, each weight shape laid out in the memory order this machine's GEMV
   streams fastest in: layout.py). The rows step is one graph whose row and length axes are dynamic (2-16 rows,
   run at the exact count; a lone row runs beside a free slot, since torch would specialize a size of 1), compiled
-  the first time a batch runner of the model steps. With compile_verify (an engine that speculates), speculative verifies are compiled too: one
-  graph whose token axis is dynamic, run at the exact draft count (no bucket padding);
+  the first time a batch runner of the model steps. With compile_verify (an engine that speculates), speculative
+  verifies are compiled too: one graph whose token axis is dynamic, run at the exact draft count (no bucket
+  padding);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
