@@ -7,8 +7,14 @@ Times BatchRunner steps (model/runner.py decode_batch) over rows ~300 tokens lon
     OMP_NUM_THREADS=1 python scripts/compiled_rows_timing.py [--threads 1] [--model PATH] [--length 300]
                                                              [--rows 2 3 4 8 1] [--modes eager compiled]
 
-Session 19 (SmolLM2-135M fp32, 1 thread, 2-core AMD EPYC VM): 2 / 3 / 4 / 8 rows 23.8 / 29.5 / 29.7 / 66.8 ms
-compiled against 41.7 / 60.7 / 59.3 / 107.0 ms eagerly; the compile took 86 s, and no later row count compiled.
+Session 19 (SmolLM2-135M fp32, 1 thread, 2-core AMD EPYC VM): 2 / 3 / 4 / 5 / 8 rows 22.3 / 26.8 / 28.0 / 52.8 /
+67.1 ms compiled (at the exact row count); eagerly 2 / 3 / 4 / 8 rows took 41.7-52.3 / 60.7 / 59.3-66.7 /
+107.0-120.5 ms in two runs (3 rows in the 4-row bucket). The compile took 86-95 s, and no later row count
+compiled. At 2 threads with rows ~1,000 tokens long (--length 1000), 4 rows took 30 ms compiled.
+
+The jump from 4 to 5 rows is the packed GEMM's: inductor's C++ template over SmolLM2's weight shapes alone
+measured 5.2 ms at 1-4 rows and 11-19 ms at 5-8 (1 thread), and at 2 threads 3.7-4.2 ms at 1-4, 9-10 ms at 5-8
+and 7.4-8.2 ms at 9-12 rows: cheaper at 9-12 rows than at 5-8, so it is the template's blocking, not the bytes.
 """
 from __future__ import annotations
 
