@@ -24,6 +24,7 @@ from functools import cached_property
 import torch
 
 from ..errors import KVBoostError
+from .pinned import pinned_empty
 from .workspace import LayerShape
 
 
@@ -105,8 +106,16 @@ class BlockPool:
         # Empty (a large pool commits memory only as blocks are first written); allocate() zeroes what it hands
         # out: attention over a block's unwritten tail is masked, but masked NaN garbage would still poison a
         # softmax (0 * NaN = NaN) in a gather-then-mask path.
-        self.storage = torch.empty(num_blocks, *layout.block_shape, dtype=layout.dtype, device=self.device,
-                                   pin_memory=pin_memory)
+        # pin_memory: page-locked at its exact size (pinned.py: torch's own pinning would lock the next power of
+        # two), or pageable where that cannot be had (`unpinned_reason` says why).
+        self.unpinned_reason: str | None = None
+        if pin_memory and self.device.type == "cpu":
+            self.storage, self.unpinned_reason = pinned_empty((num_blocks, *layout.block_shape), layout.dtype)
+        else:
+            if pin_memory:
+                self.unpinned_reason = f"a {self.device.type} pool is not host memory"
+            self.storage = torch.empty(num_blocks, *layout.block_shape, dtype=layout.dtype, device=self.device)
+        self.pinned = pin_memory and self.unpinned_reason is None
         self._refs = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._lock = threading.Lock()

@@ -6,36 +6,17 @@ blocks b..b+k-1 is k equal rows `stride(0)` bytes apart: one strided copy for th
 torch (`copy_` of a non-contiguous host tensor first gathers it on the CPU). Measured on an H100 (Qwen2.5-3B
 shape, 32k context, 24k positions streamed): ~6,800 block copies per decode step cost 118 ms of launches against
 16 ms of bytes. The CUDA runtime that torch loaded has the strided copy (cudaMemcpy2DAsync); it is called through
-ctypes. Its first use in a process is checked against per-block copies; a missing runtime, an error code or a
-mismatch keeps per-block copies (`status` says why) and never changes a value.
+ctypes (cuda_runtime.py). Its first use in a process is checked against per-block copies; a missing runtime, an
+error code (cleared from the runtime's error state) or a mismatch keeps per-block copies (`status` says why) and
+never changes a value.
 """
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 
 import torch
 
-_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
-
-
-def _load_memcpy2d_async():
-    """cudaMemcpy2DAsync of the CUDA runtime library already loaded in this process (torch's)."""
-    path = None
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            name = line.rsplit(None, 1)[-1]
-            if os.path.basename(name).startswith("libcudart.so"):
-                path = name
-                break
-    if path is None:
-        raise OSError("no CUDA runtime library (libcudart) is loaded in this process")
-    fn = ctypes.CDLL(path).cudaMemcpy2DAsync
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                   ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+from .cuda_runtime import HOST_TO_DEVICE, cuda_runtime
 
 
 class RowCopier:
@@ -50,9 +31,9 @@ class RowCopier:
         if not strided:
             return
         try:
-            self._fn = _load_memcpy2d_async()
+            self._fn = cuda_runtime().memcpy2d_async
             self.status = "one cudaMemcpy2DAsync per run of blocks"
-        except (OSError, AttributeError) as exc:
+        except OSError as exc:
             self.status = f"one copy per block: {exc}"
 
     @classmethod
@@ -72,8 +53,8 @@ class RowCopier:
         width = dst[0].numel() * dst.element_size()
         stream = torch.cuda.current_stream(dst.device).cuda_stream
         rc = self._fn(dst.data_ptr(), width, src.data_ptr(), src.stride(0) * src.element_size(), width,
-                      src.shape[0], _HOST_TO_DEVICE, stream)
-        if rc != 0:
+                      src.shape[0], HOST_TO_DEVICE, stream)
+        if rc != 0:  # cleared from the runtime's error state (cuda_runtime.py): torch's next op must not see it
             self._give_up(f"cudaMemcpy2DAsync returned error {rc}")
             return False
         if not self._verified:

@@ -39,6 +39,7 @@ class OffloadStats:
     bytes: int = 0
     budget_bytes: int = 0
     pinned: bool = False
+    unpinned_reason: str | None = None  # why a pool asked to be page-locked is pageable (its copies block)
     offloaded: int = 0  # chunks moved device -> host
     adopted: int = 0  # chunks a streamed sequence wrote, kept in its host blocks (no copy)
     restored: int = 0  # chunks moved host -> device on a hit
@@ -62,7 +63,7 @@ class HostOffload:
         self._policy: LfuAging[str] = LfuAging()
         self._lock = threading.RLock()
         self._stats = OffloadStats(budget_bytes=self.budget_blocks * host.layout.block_nbytes,
-                                   pinned=host.storage.is_pinned())
+                                   pinned=host.pinned, unpinned_reason=host.unpinned_reason)
         host.set_evictor(self._free_blocks)  # a streamed sequence's reservation may push cold chunks out
 
     def contains(self, key: str) -> bool:
@@ -248,8 +249,8 @@ class HostOffload:
 
 def host_pool_for(device: BlockPool, budget_bytes: int, extra_blocks: int = 0) -> BlockPool | None:
     """A host pool with the device pool's layout for `budget_bytes` of stored chunks and `extra_blocks` more (a
-    streamed sequence's own), None when that is not one block: pinned memory when the device is CUDA (pageable if
-    pinning fails)."""
+    streamed sequence's own), None when that is not one block: page-locked at its exact size when the device is
+    CUDA (pageable where that fails: `unpinned_reason`)."""
     n = budget_bytes // device.layout.block_nbytes + extra_blocks
     if n <= 0:
         return None

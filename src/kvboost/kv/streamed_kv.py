@@ -143,6 +143,10 @@ class StreamedKV:
             bs = self.pool.layout.block_size
             for j, block in enumerate(hit.blocks[:self.pool.layout.blocks_for(n)]):
                 self.pool.copy_from(self.paged.pool, block, table.blocks[start // bs + j])
+            if self.paged.pool.device.type == "cuda":
+                # Device -> pinned host copies are asynchronous, and the host blocks may next be read on the CPU
+                # (write-back's snapshot for disk / Redis, with no forward in between: a warm that reused it all).
+                torch.cuda.current_stream(self.paged.pool.device).synchronize()
         finally:
             self.paged.pool.decref(hit.blocks[:self.pool.layout.blocks_for(n)])
         self.stats.copied_chunks += 1

@@ -4,7 +4,8 @@ tables (table_runner.py).
 A step is first run for real on a side stream (it compiles kernels and sets up cuBLAS; an error there is the
 model's own and propagates), then captured. The real run computes exactly what the replay that follows
 recomputes, so capturing mid-request is safe. A capture that cannot be made raises CaptureFailed, and the caller
-decides: run eagerly from now on (auto mode) or raise.
+decides: run eagerly from now on (auto mode) or raise. A capture refused for want of device memory (CaptureRefused)
+is only this step's: it runs eagerly (auto mode) and a later step captures.
 """
 from __future__ import annotations
 
@@ -25,41 +26,74 @@ CAPTURE_MIN_FREE_BYTES = 256 << 20
 
 
 class CaptureFailed(RuntimeError):
-    """A step could not be captured: `cause` says why (a refusal, or the capture's own error)."""
+    """A step could not be captured: `cause` says why (the capture's own error, or a refusal)."""
 
     def __init__(self, cause: Exception):
         super().__init__(str(cause))
         self.cause = cause
 
 
+class CaptureRefused(CaptureFailed):
+    """Too little device memory to capture now: nothing was run or captured, and a later capture may succeed."""
+
+
+def capture_room(device: torch.device) -> int:
+    """Device memory a capture can have: what the driver has free, and what torch's allocator holds cached but
+    unused (a capture empties that cache first)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def capture_refusal(device: torch.device) -> str | None:
     """Why a CUDA graph must not be captured on `device` now (None: it may)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < CAPTURE_MIN_FREE_BYTES:
-        return (f"{free >> 20} MiB of device memory free, under the {CAPTURE_MIN_FREE_BYTES >> 20} MiB a capture "
+    room = capture_room(device)
+    if room < CAPTURE_MIN_FREE_BYTES:
+        return (f"{room >> 20} MiB of device memory free, under the {CAPTURE_MIN_FREE_BYTES >> 20} MiB a capture "
                 "needs")
     return None
 
 
 def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
-    """(graph, what run() returned inside it): replaying the graph recomputes that output in place."""
+    """(graph, what run() returned inside it): replaying the graph recomputes that output in place.
+
+    The capture runs on `device` (whatever the current device is) on a stream of its own, in thread-local mode: the
+    store's write-behind thread may be copying K/V off the device meanwhile, which a global-mode capture would
+    forbid (failing that thread's copy or the capture)."""
     refusal = capture_refusal(device)
     if refusal is not None:
-        raise CaptureFailed(RuntimeError(refusal))
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        run()  # an error here is the model's own: it propagates
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
+        raise CaptureRefused(RuntimeError(refusal))
+    with torch.cuda.device(device):
+        main = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            run()  # an error here is the model's own: it propagates
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
         # A private memory pool per graph: graphs are dropped and recaptured when the workspace grows, and
         # pools shared across such generations trip the caching allocator's bookkeeping (torch 2.11).
-        with torch.cuda.graph(graph):
-            out = run()
-    except Exception as exc:  # an op that cannot be captured (a host sync somewhere in the model)
-        raise CaptureFailed(exc) from exc
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                out = run()
+        except Exception as exc:  # an op that cannot be captured (a host sync somewhere in the model)
+            abandon_capture(device, main, pool)
+            raise CaptureFailed(exc) from exc
     return graph, out
+
+
+def abandon_capture(device: torch.device, stream: torch.cuda.Stream, pool: Any) -> None:
+    """Undo what torch's graph context leaves behind when its capture fails. Its exit ends the capture before it
+    restores the stream and before the allocator stops routing the capture's allocations to the graph's pool; when
+    ending fails (it does, after any error inside the capture) neither happens. The thread would then run all
+    later work on the capture stream, unordered with other threads' work on the default stream, and the allocator,
+    still seeing a capture underway, would stop recycling memory used across streams."""
+    torch.cuda.set_stream(stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)  # noqa: SLF001 - the only handle on this torch state
+    except (RuntimeError, AttributeError):
+        pass  # the capture had ended (or never began) in the allocator already
 
 
 @dataclass
@@ -73,8 +107,9 @@ class RunnerStats:
 class GraphSteps:
     """What the runners share: a fixed-shape step runs eagerly, or replays its graph (captured on first use); a
     capture that fails gives graphs up for good (auto mode: the steps run eagerly, counted, `failure` says why) or
-    raises. Subclasses set mode, fallback_on_failure, stats and failure, and define _run, _device and
-    _forget_graphs; a step has `graph` and `logits`."""
+    raises; one refused for want of memory runs that step eagerly (auto mode, counted) or raises. Subclasses set
+    mode, fallback_on_failure, stats and failure, and define _run, _device and _forget_graphs; a step has `graph`
+    and `logits`."""
 
     mode: str
     fallback_on_failure: bool
@@ -93,17 +128,25 @@ class GraphSteps:
     def _execute(self, step: Any) -> torch.Tensor:
         self.stats.counts["steps"] += 1
         if self.mode == "graphs" and step.graph is None:
-            try:
-                step.graph, step.logits = capture_step(lambda: self._run(step), self._device())
-                self.stats.counts["captures"] += 1
-            except CaptureFailed as failed:
-                self._give_up_graphs(failed.cause)
-        if self.mode != "graphs":
+            self._capture(step)
+        if self.mode != "graphs" or step.graph is None:
             step.logits = self._run(step)
         else:
             step.graph.replay()
             self.stats.counts["replays"] += 1
         return step.logits
+
+    def _capture(self, step: Any) -> None:
+        try:
+            step.graph, step.logits = capture_step(lambda: self._run(step), self._device())
+            self.stats.counts["captures"] += 1
+        except CaptureRefused as refused:  # the device is short of memory now: this step runs eagerly, the next
+            if not self.fallback_on_failure:  # tries to capture again
+                raise refused.cause from None
+            self.stats.counts["capture_refusals"] += 1
+            log.warning("kvboost: CUDA graph capture refused (%s); this step runs eagerly", refused.cause)
+        except CaptureFailed as failed:
+            self._give_up_graphs(failed.cause)
 
     def _give_up_graphs(self, exc: Exception) -> None:
         if not self.fallback_on_failure:

@@ -1,0 +1,105 @@
+"""The few CUDA runtime calls torch does not expose the way KVBoost needs them, made through the runtime library
+torch itself loaded (so they act on torch's context, streams and error state).
+
+* cudaMemcpy2DAsync: one strided copy for a run of host blocks (host_copy.py);
+* cudaHostRegister / cudaHostUnregister: page-lock host memory of exactly the size asked for (pinned.py);
+* cudaGetLastError: a call that failed leaves its error in the runtime's per-thread state, where torch's next
+  kernel launch check (which calls cudaGetLastError) would report it against an unrelated op: every failure is
+  cleared here before the caller falls back.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from functools import cached_property
+
+HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+
+
+def loaded_cudart_path() -> str:
+    """The path of the CUDA runtime library already loaded in this process (torch's); OSError where none is."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rsplit(None, 1)[-1]
+            if os.path.basename(name).startswith("libcudart.so"):
+                return name
+    raise OSError("no CUDA runtime library (libcudart) is loaded in this process")
+
+
+class CudaRuntime:
+    """ctypes entry points of one libcudart; every call returns its cudaError_t (0: success), a failed one cleared
+    from the thread's error state."""
+
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+
+    @cached_property
+    def _memcpy2d_async(self):
+        fn = self.lib.cudaMemcpy2DAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+
+    @cached_property
+    def _host_register(self):
+        fn = self.lib.cudaHostRegister
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+
+    @cached_property
+    def _host_unregister(self):
+        fn = self.lib.cudaHostUnregister
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+
+    @cached_property
+    def _get_last_error(self):
+        fn = self.lib.cudaGetLastError
+        fn.argtypes = []
+        fn.restype = ctypes.c_int
+        return fn
+
+    def check_symbols(self) -> None:
+        """AttributeError now (not at first use) where the library lacks one of the calls."""
+        for name in ("_memcpy2d_async", "_host_register", "_host_unregister", "_get_last_error"):
+            getattr(self, name)
+
+    def _cleared(self, rc: int) -> int:
+        if rc != 0:
+            self._get_last_error()
+        return rc
+
+    def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                       stream: int) -> int:
+        return self._cleared(self._memcpy2d_async(dst, dpitch, src, spitch, width, height, kind, stream))
+
+    def host_register(self, ptr: int, nbytes: int) -> int:
+        return self._cleared(self._host_register(ptr, nbytes, 0))  # 0: cudaHostRegisterDefault
+
+    def host_unregister(self, ptr: int) -> int:
+        return self._cleared(self._host_unregister(ptr))
+
+
+_runtime: CudaRuntime | None = None
+_runtime_error: str | None = None
+_lock = threading.Lock()
+
+
+def cuda_runtime() -> CudaRuntime:
+    """The process's runtime (looked up once); OSError / AttributeError where it cannot be had."""
+    global _runtime, _runtime_error
+    with _lock:
+        if _runtime is None and _runtime_error is None:
+            try:
+                runtime = CudaRuntime(loaded_cudart_path())
+                runtime.check_symbols()
+                _runtime = runtime
+            except (OSError, AttributeError) as exc:
+                _runtime_error = f"{type(exc).__name__}: {exc}"
+        if _runtime is None:
+            raise OSError(_runtime_error)
+        return _runtime
