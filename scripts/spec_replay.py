@@ -19,6 +19,13 @@ replay estimated rag / code / extract / chat 1.27 / 2.23 / 3.10 / 1.01x at 1 thr
     python scripts/spec_replay.py [--refs /tmp/kvboost_spec_refs.json] [--min-ngram auto 1 2 3] [--cold]
                                   [--profile cpu_linear-1t] [--oracle 8 15]
 
+Where the bench reads lower than the replay (session 18: compiled, 1 thread, extract 2.69x against 2.86x), the
+profile is the difference, not the policy: replayed with the step costs the engine measured in a bench-like run
+(session 20: plain 21.0 ms, verifies of 2-9 tokens 23.4 / 27.0 / 26.1 / 41.9 / 42.5 / 53.1 / 53.8 / 60.4 ms, over
+~1,000 cached tokens where the profiles have ~300), the replay took 65 verifies of 216 drafts keeping 184, the
+engine 68 of 215 keeping 182, and estimated 2.67x against the run's 2.55x, whose times include the 4 prefills
+(2.63x without them).
+
 --oracle K prints an upper bound for any prompt-lookup policy (perfect choice among every earlier occurrence of
 the last token, drafts of up to K tokens, none rejected) on the same outputs and costs.
 
