@@ -32,8 +32,8 @@ from .kv.workspace import KVWorkspace
 from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.cpu_linear import install_cpu_linear
+from .model.fast_path import fast_path_stats, make_runner
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
-from .model.runner import fast_path_stats, make_runner
 from .model.streamed_sequence import StreamedSequence
 from .model.table_runner import make_table_runner
 from .model.table_sequence import TableSequence, use_table_forward

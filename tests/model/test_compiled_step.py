@@ -87,13 +87,13 @@ def test_the_engine_reports_atens_kernels_when_packing_is_refused(monkeypatch, t
     """make_runner asks packing_refusal; a refusal reaches cache_stats() (the step is not compiled to see it)."""
     _cpu_only(device)
     from kvboost.kv.workspace import KVWorkspace
-    from kvboost.model import runner as runner_module
+    from kvboost.model import fast_path as fast_path_module
+    from kvboost.model.fast_path import make_runner
     from kvboost.model.forward import probe_layer_shapes
-    from kvboost.model.runner import make_runner
 
     from ..tiny_models import make_tiny_model
 
-    monkeypatch.setattr(runner_module, "packing_refusal", lambda model: "packing needs ~9 GiB, 1 GiB available")
+    monkeypatch.setattr(fast_path_module, "packing_refusal", lambda model: "packing needs ~9 GiB, 1 GiB available")
     model = make_tiny_model("llama", tokenizer, device=device)
     shapes, dtype = probe_layer_shapes(model)
     runner, reason = make_runner("compiled", model, KVWorkspace(shapes, dtype, device), "sdpa")

@@ -1,6 +1,7 @@
 """fast_path="compiled" with speculation (model/runner.py, compile_verify): the verify step compiles once, at load,
 as one graph whose token axis is dynamic, and every draft count then runs it unpadded, with the ordinary path's
-logits and tokens."""
+logits and tokens; a batch's ragged verify compiles once per model (before its first row), as one graph whose row
+and token axes are dynamic."""
 from __future__ import annotations
 
 import pytest
@@ -34,7 +35,7 @@ def test_a_speculating_engine_compiles_its_verify_step_at_load(compiled_engines)
     plain, fast, compiled_at_load = compiled_engines
     assert compiled_at_load == 2  # the decode step and the verify step, nothing else
     stats = fast.cache_stats()["fast_path"]
-    assert stats["compiled_steps"] == ["decode", "rows", "verify"]
+    assert stats["compiled_steps"] == ["decode", "rows", "verify", "rows_verify"]
     assert "decode (one request's and a batch's) and verify steps" in stats["reason"]
     graphs = _unique_graphs()
     for text in [GROUNDED, "Tell me a story about a fox", "Essay: " + "words and more words " * 40]:
@@ -63,6 +64,49 @@ def test_compiled_verifies_of_any_length_give_the_ordinary_logits(compiled_engin
             torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-4)
             runner.forward(prompt, 0)  # the ordinary forward wrote the workspace too: the prompt's K/V again
     assert _unique_graphs() == graphs
+
+
+def test_compiled_batched_verifies_give_each_rows_ordinary_logits(compiled_engines, tokenizer):
+    """verify_batch over rows of different lengths (each row's tokens causal among themselves, after its own keys),
+    at row counts and widths run exactly (not the eager steps' 2/4/8/16 widths): each row's logits equal one
+    ordinary forward of that row's tokens, and one graph serves every shape."""
+    from kvboost.batch import BatchRunner
+
+    _, fast, _ = compiled_engines
+    steps = BatchRunner(fast, max_batch_size=4).steps
+    gen = torch.Generator().manual_seed(2)
+    graphs = None
+    with torch.inference_mode():
+        steps.prepare_batched_verify()  # compiled here, or by an earlier test's batch: nothing compiles after it
+        graphs = _unique_graphs()
+        for rows, width, kept in ((3, 3, [8, 5, 7]), (2, 5, [8, 2]), (4, 2, [3, 8, 6, 1])):
+            first = torch.randint(0, len(tokenizer), (rows, 8), generator=gen).tolist()
+            steps.verify_batch(first, [0] * rows)  # every row's first 8 tokens' K/V
+            tokens = torch.randint(0, len(tokenizer), (rows, width), generator=gen).tolist()
+            got = steps.verify_batch(tokens, kept).clone()  # rows kept different numbers of the first tokens
+            assert got.shape[:2] == (rows, width) and ("rows_verify", rows, width) in steps.steps
+            for i in range(rows):
+                ids = first[i][:kept[i]] + tokens[i]
+                want = forward_tokens(fast.model, ids, fast.workspace.make_cache(0), logits_to_keep=width)[0]
+                torch.testing.assert_close(got[i], want.float(), rtol=1e-4, atol=1e-4)
+    assert _unique_graphs() == graphs
+    assert "compile_refusals" not in fast.cache_stats()["fast_path"]
+
+
+def test_rows_verify_drafts_together_through_the_compiled_step(compiled_engines, tokenizer):
+    """generate_batch of grounded prompts on the speculating compiled engine: ragged verifies run compiled, and every
+    row's tokens equal plain generation's."""
+    from ..prompts import text_with_tokens
+
+    plain, fast, _ = compiled_engines
+    prompts = [GROUNDED, text_with_tokens(tokenizer, 30, seed=3) + " " + GROUNDED, GROUNDED[:90]]
+    want = [plain.generate(p, max_new_tokens=24, speculative="off").output_token_ids for p in prompts]
+    before = fast.cache_stats()["speculative"]["batched_proposals"]
+    graphs = _unique_graphs()
+    got = fast.generate_batch(prompts, max_new_tokens=24)
+    assert [r.output_token_ids for r in got] == want
+    assert fast.cache_stats()["speculative"]["batched_proposals"] > before  # rows drafted beside each other
+    assert _unique_graphs() - graphs <= 2  # at most the rows step and the batched verify, if no test compiled them
 
 
 def test_without_speculation_on_the_engine_verifies_stay_eager(tokenizer, device):
@@ -107,7 +151,7 @@ def test_a_step_dynamo_will_not_compile_runs_eagerly_and_says_so(tokenizer, devi
         fast = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="compiled",
                        chunk_size=16, speculative="prompt_lookup")
         stats = fast.cache_stats()["fast_path"]
-        assert stats["compiled_steps"] == ["decode", "rows"] and stats["compile_refusals"] == 1
+        assert stats["compiled_steps"] == ["decode", "rows", "rows_verify"] and stats["compile_refusals"] == 1
         assert stats["failure"].startswith("verify steps run eagerly") and "recompile_limit (1)" in stats["failure"]
         plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16)
         got = fast.generate(GROUNDED, max_new_tokens=16)
@@ -127,4 +171,5 @@ def test_batches_of_a_speculating_compiled_engine_reuse_its_verify_graph(compile
         got = fast.generate_batch([prompts[i] for i in picked], max_new_tokens=16)
         assert [r.output_token_ids for r in got] == [want[i] for i in picked]
     assert fast.cache_stats()["speculative"]["proposals"] > proposals
-    assert _unique_graphs() - graphs <= 1  # the rows graph (unless an earlier test compiled it); no other
+    assert _unique_graphs() - graphs <= 2  # the rows graph and the batched verify (unless an earlier test compiled
+    # them); no other

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.model.runner import ModelRunner, bucket_for, make_runner, static_path_unsupported_reason
+from kvboost.model.fast_path import make_runner
+from kvboost.model.runner import ModelRunner, bucket_for, static_path_unsupported_reason
 
 from ..tiny_models import make_tiny_model
 from .compiled_engines import plain_and_compiled

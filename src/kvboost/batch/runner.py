@@ -152,6 +152,8 @@ class BatchRunner:
     def step(self) -> None:
         with self.engine.lock, torch.inference_mode():
             self._drop_cancelled()
+            if not self._active and self.steps is not None:  # (its scratch step needs the workspace unused)
+                self.steps.prepare_batched_verify()  # compiled once per model, before any row's step is timed
             self._admit()
             if self._active:
                 self._decode()

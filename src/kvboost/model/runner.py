@@ -32,6 +32,7 @@ and recaptured on next use. Longer prefills stay on the ordinary eager path (the
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,12 +44,11 @@ from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
-from .compiled_step import CompiledStep, StepNotCompiled, packing_refusal
+from .compiled_step import CompiledStep, StepNotCompiled
 from .graphs import GraphSteps, RunnerStats
-from .layout import fastest_linear_layouts, relay_linears
 
 if TYPE_CHECKING:
-    from .table_runner import TableRunner
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ VERIFY_WIDTHS = (2, 4, 8, 16)  # tokens per row of a batched verify step (each r
 # token ([rows, width, vocab]: 16 x 16 x 152k = 155 MB for Qwen2.5), in a graph's private memory pool.
 MAX_VERIFY_STEP_TOKENS = 64
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-_KIND_NAMES = {"seq": "decode", "rows": "rows", "verify": "verify"}  # compiled step kinds as cache_stats() says them
+# compiled step kinds as cache_stats() says them
+_KIND_NAMES = {"seq": "decode", "rows": "rows", "verify": "verify", "rows_verify": "rows_verify"}
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
 RUNNER_MODES = ("graphs", "compiled", "eager")
 # Compiled mode compiles the batch-1 decode step: it is the launch-bound one on CPU, and each further bucket
@@ -74,6 +75,9 @@ COMPILED_STEPS = {("seq", 1)}
 # thread (scripts/compiled_rows_timing.py), a step of 2 / 4 / 8 rows costs 24 / 30 / 67 ms against 42 / 59 / 107 ms
 # eagerly, one compile (~90 s) at the model's first batched step.
 COMPILED_MIN_ROWS = 2
+# Models whose compiled batched verify has compiled (prepare_batched_verify): the graph is the model's, shared by
+# every batch runner over it (compiled_step.own_code).
+_BATCHED_VERIFY_READY: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
 # reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
 CAPACITY_STEP = 1024
@@ -175,12 +179,12 @@ class ModelRunner(GraphSteps):
         this model, and "verify" with compile_verify)."""
         if self._compiled is None:
             return []
-        kinds = ("seq", "rows", "verify") if self.compile_verify else ("seq", "rows")
+        kinds = ("seq", "rows", "verify", "rows_verify") if self.compile_verify else ("seq", "rows")
         return [_KIND_NAMES[k] for k in kinds if k not in self.uncompiled]
 
     def _runs_compiled(self, key: tuple) -> bool:
         return self.mode == "compiled" and key[0] not in self.uncompiled \
-            and (key in COMPILED_STEPS or key[0] == "rows" or (self.compile_verify and key[0] == "verify"))
+            and (key in COMPILED_STEPS or key[0] == "rows" or (self.compile_verify and "verify" in key[0]))
 
     @property
     def max_tokens(self) -> int:
@@ -263,15 +267,21 @@ class ModelRunner(GraphSteps):
         step.end = max(lengths) + 1
         return self._execute(step)[:n]
 
+    def _verify_rows(self, n_rows: int) -> int | None:
+        """The rows a batched verify of n_rows rows runs (compiled: exactly, like _decode_rows), or None."""
+        if self.compile_verify:
+            return self._decode_rows(n_rows)
+        return batch_bucket_for(n_rows, self.workspace.batch_size) if self.workspace.base == 0 else None
+
     def verify_width(self, n_rows: int, width: int) -> int | None:
         """The batched-verify width to run `width` tokens per row of n_rows rows at: the smallest step width that
         holds them, else the widest step there is for that many rows (fewer drafts); None where the rows fit no
-        batch bucket."""
-        if not self.fits_batch(n_rows):
+        batch bucket. A compiled verify runs any width of 2-16 as it is (its token axis is dynamic)."""
+        rows = self._verify_rows(n_rows)
+        if rows is None:
             return None
-        rows = batch_bucket_for(n_rows, self.workspace.batch_size)
-        assert rows is not None
-        widths = [w for w in VERIFY_WIDTHS if rows * w <= MAX_VERIFY_STEP_TOKENS]
+        widths = [w for w in (range(2, VERIFY_WIDTHS[-1] + 1) if self.compile_verify else VERIFY_WIDTHS)
+                  if rows * w <= MAX_VERIFY_STEP_TOKENS]
         return next((w for w in widths if w >= width), widths[-1] if widths else None)
 
     def verify_batch(self, tokens: Sequence[Sequence[int]], lengths: Sequence[int]) -> torch.Tensor:
@@ -280,9 +290,8 @@ class ModelRunner(GraphSteps):
         its own row's keys up to itself. Returns float32 logits [n, W, vocab], overwritten by the next call. Rows
         past n up to the bucket are free slots: they compute throwaway tokens at positions [0, W)."""
         n, width = len(tokens), len(tokens[0])
-        rows = batch_bucket_for(n, self.workspace.batch_size) if self.workspace.base == 0 else None
-        if rows is None or width not in VERIFY_WIDTHS or rows * width > MAX_VERIFY_STEP_TOKENS \
-                or any(len(t) != width for t in tokens):
+        rows = self._verify_rows(n)
+        if rows is None or self.verify_width(n, width) != width or any(len(t) != width for t in tokens):
             raise ValueError(f"{n} rows x {width} tokens do not fit a batched verify step of this workspace")
         self._ensure_capacity(max(lengths) + width, keep=max(lengths))
         step = self._step(("rows_verify", rows, width))
@@ -293,6 +302,7 @@ class ModelRunner(GraphSteps):
         torch.add(starts[:, None], torch.arange(width, device=starts.device), out=step.positions)
         step.ends.copy_(step.positions[:, -1] + 1)
         set_length(step.cache, max(lengths))
+        step.end = max(lengths) + width
         return self._execute(step)[:n]
 
     def _run(self, step: _Step) -> torch.Tensor:
@@ -318,7 +328,8 @@ class ModelRunner(GraphSteps):
         """The step's compiled forward; where dynamo refuses to compile it (StepNotCompiled), this kind of step
         runs eagerly from now on, counted in stats and said in `failure` - never silently."""
         assert self._compiled is not None
-        ends = step.ends if step.key[0] == "rows" else None  # rows of different lengths: masked to their ends
+        ends = step.ends if step.key[0].startswith("rows") else None  # rows of different lengths: masked to their
+        # ends (and each row's verified tokens causal among themselves: the ends align them bottom-right)
         try:
             return self._compiled(step.ids, position_ids, step.cache, ends, keep)
         except StepNotCompiled as exc:
@@ -334,7 +345,7 @@ class ModelRunner(GraphSteps):
 
     @staticmethod
     def _view_rows(step: _Step) -> int:
-        return step.key[1] if step.key[0] == "rows" else 1
+        return step.key[1] if step.key[0].startswith("rows") else 1
 
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor | None,
                 keep: int | torch.Tensor) -> torch.Tensor:
@@ -377,6 +388,10 @@ class ModelRunner(GraphSteps):
                 positions = zeros(size, key[2])
                 step = _Step(key, zeros(size, key[2]), positions, zeros(size, dtype=torch.int32), None,
                              static_cache(self.workspace, positions, rows=size), all_logits=True)
+                if self._runs_compiled(key):  # one graph for every row count and width
+                    for tensor in (step.ids, step.positions, step.ends):
+                        for dim in range(tensor.dim()):
+                            torch._dynamo.maybe_mark_dynamic(tensor, dim)
             elif kind in ("seq", "verify"):  # one row, `size` tokens
                 positions = zeros(size)
                 step = _Step(key, zeros(1, size), positions, zeros(1, dtype=torch.int32), zeros(1),
@@ -398,6 +413,16 @@ class ModelRunner(GraphSteps):
             self.steps[key] = step
         return step
 
+    def prepare_batched_verify(self) -> None:
+        """Compiled mode, on a speculating engine: compile the batched verify now, with a scratch step of 2 rows x 2
+        tokens at positions [0, 2), so that no row's step pays the compile (about a minute on a small CPU) and the
+        drafting policy never times it. The caller has no rows in the workspace yet. Once per model."""
+        if not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY \
+                or self._decode_rows(2) is None:
+            return
+        self.verify_batch([[0, 0], [0, 0]], [0, 0])
+        _BATCHED_VERIFY_READY.add(self.model)
+
     def warm_up(self, capacity: int = WARM_CAPACITY) -> int:
         """Size the workspace and capture every bucket now, so the first request meets no capture or compile.
         Writes scratch K/V at the first positions: the caller forgets the workspace's resident prefix.
@@ -414,72 +439,3 @@ class ModelRunner(GraphSteps):
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
         return 1 + len(self.buckets) + int(self.verifies)
-
-
-def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str,
-                    table_runner: TableRunner | None = None) -> dict:
-    """cache_stats()["fast_path"]: the runner's mode, why, its step counts, and the table runner's (paged_attention
-    ="table": model/table_runner.py) under "table"."""
-    fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
-            "decode_kernels": runner.decode_kernels if runner else None,
-            "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
-            **(runner.stats.as_dict() if runner else {})}
-    if table_runner is not None:
-        fast["table"] = dict(table_runner.stats.as_dict(), mode=table_runner.mode, failure=table_runner.failure)
-    return fast
-
-
-def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,
-                verifies: bool = False) -> tuple[ModelRunner | None, str]:
-    """The engine's runner for EngineConfig.fast_path, and why. "auto": CUDA graphs on CUDA when the engine
-    attends with the Triton kernels and the model runs over a static cache, else the ordinary eager path
-    ("off"). "graphs" and "eager" raise ValueError where they cannot run. verifies: the engine speculates (its
-    verify step is made ready at load, and compiled in compiled mode)."""
-    if choice not in FAST_PATHS:
-        raise ValueError(f"fast_path must be one of {', '.join(FAST_PATHS)}, got {choice!r}")
-    if choice == "off":
-        return None, "off"
-    device = workspace.device
-    reason = static_path_unsupported_reason(model)
-    if choice == "auto":
-        if device.type != "cuda":
-            return None, f"off: auto on {device.type} (CUDA graphs need a GPU)"
-        if attention != "triton":
-            return None, f"off: the engine attends with {attention!r}, graphs need the Triton kernels"
-        if reason is not None:
-            return None, f"off: {reason}"
-        return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=True,
-                           verifies=verifies), \
-            "CUDA graphs per bucket (auto)"
-    if reason is not None:
-        raise ValueError(f"fast_path={choice!r}: {reason}")
-    if choice == "graphs":
-        if device.type != "cuda":
-            raise ValueError(f"fast_path='graphs' needs a CUDA device, the model is on {device.type}")
-        if attention != "triton":
-            raise ValueError("fast_path='graphs' needs attention_backend='triton' (the kernels read each row's "
-                             f"valid length from device memory); the engine attends with {attention!r}")
-        return ModelRunner(model, workspace, mode="graphs", backend="triton", verifies=verifies), \
-            "CUDA graphs per bucket"
-    backend = attention if attention in ("sdpa", "triton") else None
-    if choice == "compiled":
-        if device.type != "cpu":
-            raise ValueError(f"fast_path='compiled' is the CPU path; on {device.type} use 'graphs' (or 'auto')")
-        refusal = packing_refusal(model)
-        # Set before anything is compiled, since a weight's strides are part of the compiled steps' guards. The
-        # packed kernels read a copy of their own, so the model's weights stay in nn.Linear's order, in which the
-        # eager forwards' products (cpu_linear's W @ x^T) run fastest. Over ATen's kernels, each weight shape in
-        # the memory order this machine's GEMV streams fastest (layout.py), measured once here.
-        if refusal is None:
-            relay_linears(model, lambda shape: False)
-            layout = "weights in nn.Linear's order"
-        else:
-            layouts = fastest_linear_layouts(model)
-            layout = f"weights laid out by measurement ({sum(layouts.values())} of {len(layouts)} shapes input-major)"
-        kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
-        steps = "decode (one request's and a batch's) and verify steps" if verifies else \
-            "decode steps (one request's and a batch's)"
-        return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
-                           unpacked_reason=refusal, verifies=verifies), \
-            f"static cache, {steps} under torch.compile over {kernels}; {layout}"
-    return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"

@@ -1,0 +1,84 @@
+"""How an engine's fast path is chosen (EngineConfig.fast_path -> a ModelRunner and why) and reported
+(cache_stats()["fast_path"])."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kv.workspace import KVWorkspace
+from .compiled_step import packing_refusal
+from .layout import fastest_linear_layouts, relay_linears
+from .runner import FAST_PATHS, ModelRunner, static_path_unsupported_reason
+
+if TYPE_CHECKING:
+    from .table_runner import TableRunner
+
+
+def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str,
+                    table_runner: TableRunner | None = None) -> dict:
+    """cache_stats()["fast_path"]: the runner's mode, why, its step counts, and the table runner's (paged_attention
+    ="table": model/table_runner.py) under "table"."""
+    fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
+            "decode_kernels": runner.decode_kernels if runner else None,
+            "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
+            **(runner.stats.as_dict() if runner else {})}
+    if table_runner is not None:
+        fast["table"] = dict(table_runner.stats.as_dict(), mode=table_runner.mode, failure=table_runner.failure)
+    return fast
+
+
+def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,
+                verifies: bool = False) -> tuple[ModelRunner | None, str]:
+    """The engine's runner for EngineConfig.fast_path, and why. "auto": CUDA graphs on CUDA when the engine
+    attends with the Triton kernels and the model runs over a static cache, else the ordinary eager path
+    ("off"). "graphs" and "eager" raise ValueError where they cannot run. verifies: the engine speculates (its
+    verify step is made ready at load, and compiled in compiled mode)."""
+    if choice not in FAST_PATHS:
+        raise ValueError(f"fast_path must be one of {', '.join(FAST_PATHS)}, got {choice!r}")
+    if choice == "off":
+        return None, "off"
+    device = workspace.device
+    reason = static_path_unsupported_reason(model)
+    if choice == "auto":
+        if device.type != "cuda":
+            return None, f"off: auto on {device.type} (CUDA graphs need a GPU)"
+        if attention != "triton":
+            return None, f"off: the engine attends with {attention!r}, graphs need the Triton kernels"
+        if reason is not None:
+            return None, f"off: {reason}"
+        return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=True,
+                           verifies=verifies), \
+            "CUDA graphs per bucket (auto)"
+    if reason is not None:
+        raise ValueError(f"fast_path={choice!r}: {reason}")
+    if choice == "graphs":
+        if device.type != "cuda":
+            raise ValueError(f"fast_path='graphs' needs a CUDA device, the model is on {device.type}")
+        if attention != "triton":
+            raise ValueError("fast_path='graphs' needs attention_backend='triton' (the kernels read each row's "
+                             f"valid length from device memory); the engine attends with {attention!r}")
+        return ModelRunner(model, workspace, mode="graphs", backend="triton", verifies=verifies), \
+            "CUDA graphs per bucket"
+    backend = attention if attention in ("sdpa", "triton") else None
+    if choice == "compiled":
+        if device.type != "cpu":
+            raise ValueError(f"fast_path='compiled' is the CPU path; on {device.type} use 'graphs' (or 'auto')")
+        refusal = packing_refusal(model)
+        # Set before anything is compiled, since a weight's strides are part of the compiled steps' guards. The
+        # packed kernels read a copy of their own, so the model's weights stay in nn.Linear's order, in which the
+        # eager forwards' products (cpu_linear's W @ x^T) run fastest. Over ATen's kernels, each weight shape in
+        # the memory order this machine's GEMV streams fastest (layout.py), measured once here.
+        if refusal is None:
+            relay_linears(model, lambda shape: False)
+            layout = "weights in nn.Linear's order"
+        else:
+            layouts = fastest_linear_layouts(model)
+            layout = f"weights laid out by measurement ({sum(layouts.values())} of {len(layouts)} shapes input-major)"
+        kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
+        steps = "decode (one request's and a batch's) and verify steps" if verifies else \
+            "decode steps (one request's and a batch's)"
+        return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
+                           unpacked_reason=refusal, verifies=verifies), \
+            f"static cache, {steps} under torch.compile over {kernels}; {layout}"
+    return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"
