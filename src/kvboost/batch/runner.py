@@ -152,8 +152,8 @@ class BatchRunner:
     def step(self) -> None:
         with self.engine.lock, torch.inference_mode():
             self._drop_cancelled()
-            if not self._active and self.steps is not None:  # (its scratch step needs the workspace unused)
-                self.steps.prepare_batched_verify()  # compiled once per model, before any row's step is timed
+            if not self._active and self.steps is not None and self.max_batch_size > 1:
+                self.steps.prepare_batched_verify()  # compiled before any step is timed (a scratch step: no rows)
             self._admit()
             if self._active:
                 self._decode()

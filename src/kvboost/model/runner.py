@@ -23,7 +23,8 @@ K/V land past the prompt and are overwritten by the next step. Nothing in a step
   run at the exact count; a lone row runs beside a free slot, since torch would specialize a size of 1), compiled
   the first time a batch runner of the model steps. With compile_verify (an engine that speculates), speculative
   verifies are compiled too: one graph whose token axis is dynamic, run at the exact draft count (no bucket
-  padding);
+  padding), and a batch's ragged verify ("rows_verify"): one graph whose row and token axes are dynamic, run at
+  the exact rows and width, compiled before a batch runner's first row (prepare_batched_verify);
 * mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
 
 A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped

@@ -92,8 +92,8 @@ def serve_command(
         warm_messages = [read_warm_file(path) for path in warm or []]
         t0 = time.perf_counter()
         if config.fast_path == "compiled":  # minutes without output otherwise
-            steps = ["decode"] + (["verify"] if config.speculative else []) + (["batched decode"]
-                                                                                  if max_batch_size > 1 else [])
+            batched = ["batched decode"] + (["batched verify"] if config.speculative else [])
+            steps = ["decode"] + (["verify"] if config.speculative else []) + (batched if max_batch_size > 1 else [])
             named = ", ".join(steps[:-1]) + " and " + steps[-1] if len(steps) > 1 else steps[0]
             typer.echo(f"kvboost serve: loading the model and compiling its {named} steps "
                        f"(--fast-path compiled: about a minute each on a small CPU)")
