@@ -9,7 +9,7 @@ row count and width choice put back to what they were (instance patches, below).
 
 Session 20 (SmolLM2-135M fp32, 2 threads, 2-core VM), batch tok/s with prompt lookup, new / old: extract 205.1 /
 154.6 (1.33x), code 183.7 / 162.9 (1.13x), rag 122.4 / 123.4, chat 162.6 / 161.4; over the same batches without
-speculation (old runner's): 1.26x / 1.01x / 0.97x / 0.97x new, 0.94x / 0.90x / 0.98x / 0.97x old.
+speculation through the same runner: 1.26x / 1.11x / 0.97x / 0.97x new, 0.94x / 0.90x / 0.98x / 0.97x old.
 """
 from __future__ import annotations
 
