@@ -36,7 +36,6 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
@@ -47,9 +46,6 @@ from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
 from .compiled_step import CompiledStep, StepNotCompiled
 from .graphs import GraphSteps, RunnerStats
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +173,7 @@ class ModelRunner(GraphSteps):
     @property
     def compiled_steps(self) -> list[str]:
         """Compiled mode: which kinds of step run compiled ("decode", "rows": a batch runner's decode step over
-        this model, and "verify" with compile_verify)."""
+        this model, and with compile_verify "verify" and "rows_verify", a batch's ragged verify)."""
         if self._compiled is None:
             return []
         kinds = ("seq", "rows", "verify", "rows_verify") if self.compile_verify else ("seq", "rows")
