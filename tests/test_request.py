@@ -54,12 +54,12 @@ def test_prompt_plus_max_new_tokens_over_the_context_is_refused_everywhere(engin
 
 
 def test_batch_runner_checks_a_request_built_elsewhere(engine):
-    from kvboost.batch import BatchRunner
+    from kvboost.scheduler import Scheduler
 
     ids = engine.encode("word " * 10)
     request = Request(ids, SamplingParams(max_new_tokens=engine.max_context), "w")
     with pytest.raises(ContextLengthError):
-        BatchRunner(engine).add(request)
+        Scheduler(engine).add(request)
 
 
 def test_results_are_built_the_same_way_in_every_path(engine):

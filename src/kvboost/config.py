@@ -46,6 +46,8 @@ class EngineConfig:
     # Batched rows that share a stored prefix attend to one copy of its K/V (cascade attention) instead of
     # each holding its own; off: every row copies the prefix into its slot.
     shared_prefix_attention: bool = True
+    # The most requests the engine's loop runs together (rows of one step); more wait their turn.
+    max_batch_size: int = 16
     # The engine's own forwards: "auto" (the Triton kernels on CUDA where they run, else torch SDPA without cuDNN;
     # the model's own attention elsewhere),
     # "model", "sdpa", or "triton" (KVBoost's kernels; CUDA + triton). See model.forward.resolve_attention.
@@ -126,6 +128,8 @@ class EngineConfig:
         self.speculative = parse_method(self.speculative)
         check_speculative_numbers(self.num_speculative_tokens, self.prompt_lookup_max_ngram,
                                   self.prompt_lookup_min_ngram)
+        _require(isinstance(self.max_batch_size, int) and not isinstance(self.max_batch_size, bool)
+                 and self.max_batch_size >= 1, f"max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
         _require(isinstance(self.paged_kv, bool), f"paged_kv must be a bool, got {self.paged_kv!r}")

@@ -1,77 +1,93 @@
-"""InferenceEngine (exported as KVBoost): the request lifecycle, short enough to read in one screen.
+"""InferenceEngine (exported as KVBoost): the public API over one step loop.
 
-    request(...)  -> Request           the keyword API, validated once (request.py)
-    prefill(req)                       kv.lookup -> kv.place -> forward (or repair) over the workspace
-    decode loop                        sample, feed the tracker, one forward per token
-    finish                             kv.write_back of the exact part, kv.record, req.result(...)
+    request(...)  -> Request           the keyword API, validated once (request_factory.py)
+    scheduler.add(request)             every request is a row of the engine's scheduler (scheduler.py)
+    scheduler.step()                   admit (prefill through the KV-cache manager) -> one forward for all rows ->
+                                       sample, emit, finish (write-back)
 
-Batches and the server run the same steps through batch.BatchRunner, over the same KV-cache manager.
+generate() is a batch of one that drains the loop; generate_stream() drains it as its caller reads; generate_batch()
+and generate_many() submit many rows; warm() prefills into a free workspace row and stores the chunks; the server
+submits to the same loop from its worker thread.
 """
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
 
 # Imported for their registrations in transformers' attention interfaces before the runner compiles a step: compile
 # guards on that registry's size, and a later registration (first batch / paged forward) would compile it again.
 from .batch import cascade as _cascade  # noqa: F401
+from .batch.rows import SequenceHandle
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
 from .compat import check_model_compatibility
 from .config import EngineConfig
-from .decoding.factory import make_draft_engine, make_speculator, speculation_stats
+from .decoding.factory import make_draft_engine, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.build import build_kv_manager
-from .kv.manager import Plan
-from .kv.workspace import KVWorkspace
+from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
 from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.cpu_linear import install_cpu_linear
 from .model.fast_path import fast_path_stats, make_runner
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
-from .model.streamed_sequence import StreamedSequence
 from .model.table_runner import make_table_runner
-from .model.table_sequence import TableSequence, use_table_forward
+from .model.table_sequence import use_table_forward
+from .paged_path import generate_paged, runs_paged
 from .prompting import Messages
 from .request import Request
 from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
-from .streaming import finish_streamed, streamed_prefill, streamed_warm
-
-
-@dataclass
-class Prefill:
-    """The prompt's K/V is in the engine's workspace (or, paged_attention="table", the plan's block table): `cache`
-    holds it, `logits` pick the first new token."""
-
-    plan: Plan
-    cache: Cache | TableSequence
-    logits: torch.Tensor  # [vocab] float32, last prompt position
+from .scheduler import Scheduler
+from .streaming import streamed_warm
 
 
 class TextStream:
-    """Iterate for text deltas; afterwards `.result` holds the GenerationResult. close() stops generation."""
+    """Iterate for text deltas; afterwards `.result` holds the GenerationResult. close() stops generation (what was
+    computed is still stored). Each read steps the engine's loop until this request has new text."""
 
-    def __init__(self) -> None:
-        self._events: Iterator[str] = iter(())
+    def __init__(self, engine: InferenceEngine, handle: SequenceHandle | None = None,
+                 events: Iterator[str | GenerationResult] | None = None):
+        self.engine, self.handle, self._events = engine, handle, events
         self.result: GenerationResult | None = None
+        if handle is not None:  # abandoned unread: the row is cancelled rather than left running
+            self._finalizer = weakref.finalize(self, handle.cancel)
 
     def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
-        return next(self._events)
+        if self._events is not None:  # a request outside the scheduler (paged_path.py)
+            event = next(self._events)
+            if isinstance(event, GenerationResult):
+                self.result = event
+                raise StopIteration
+            return event
+        handle = self.handle
+        while True:
+            deltas = handle.take_deltas()
+            if deltas:
+                return "".join(deltas)
+            if handle.finished:
+                if handle.error is not None:
+                    raise handle.error
+                self.result = handle.result
+                raise StopIteration
+            self.engine.step()
 
     def close(self) -> None:
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
+        if self._events is not None:
+            close = getattr(self._events, "close", None)
+            if close is not None:
+                close()
+        elif not self.handle.finished:
+            self.handle.cancel()
+            self.engine.step()  # the row leaves now (its K/V is stored), not at some later step
 
 
 class InferenceEngine:
@@ -89,33 +105,35 @@ class InferenceEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        shapes, kv_dtype = probe_layer_shapes(model)
-        self.kv_dtype = kv_dtype
+        self.workspace_shapes, self.kv_dtype = probe_layer_shapes(model)
         self.attention, self.attention_reason = resolve_attention(self.config.attention_backend, model)
         self.cpu_linear = install_cpu_linear(self.config.cpu_linear, model)  # before any timed forward
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
         self.fingerprint = model_fingerprint(model)
-        self.namespace = make_namespace(self.fingerprint, kv_dtype, self.config.chunk_size,
+        self.namespace = make_namespace(self.fingerprint, self.kv_dtype, self.config.chunk_size,
                                         self.config.kv_cache_bits, self.config.chunk_boundary_window)
         window = self.config.chunk_boundary_window
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
-        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model, shapes, kv_dtype, self.device,
-                                   self.max_context)
-        # paged_attention="table": single requests run over their block table, not the workspace (table_sequence).
+        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model, self.workspace_shapes,
+                                   self.kv_dtype, self.device, self.max_context)
+        # paged_attention="table": requests run over their block table, not the workspace (paged_path.py).
         self.table_forward = use_table_forward(self.config.paged_attention, model)
-        self.workspace = KVWorkspace(shapes, kv_dtype, self.device, max_positions=self.max_context)
+        # The K/V of every running request: one row each (slot.py), rows added as requests run together.
+        self.kv_workspace = KVWorkspace(self.workspace_shapes, self.kv_dtype, self.device,
+                                        max_positions=self.max_context)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
-        self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.workspace,
+        self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.kv_workspace,
                                                          self.attention, verifies=self.config.speculative is not None)
         self.table_runner = make_table_runner(self.runner, model, self.kv.blocks.pool) if self.table_forward else None
-        # Serializes every forward over the model and the workspaces (single requests, batch steps, warm).
+        # Serializes every forward over the model and the workspace (steps of the loop, warm).
         self.lock = threading.RLock()
         self._warm_up()
+        self.scheduler = Scheduler(self, self.config.max_batch_size, workspace=self.kv_workspace, runner=self.runner)
         # Speculative decoding with a draft model: the draft runs in an engine of its own (its own workspace and
         # prefix reuse), used only under this engine's lock.
         self.draft = make_draft_engine(self, draft_model) if draft_model is not None else None
@@ -139,7 +157,12 @@ class InferenceEngine:
                 self.runner.warm_up()
                 if self.table_runner is not None and self.table_runner.mode == "graphs":
                     self.table_runner.warm_up()
-            self.workspace.resident_ids, self.workspace.resident_tag = [], None  # scratch K/V, nothing resident
+            self.kv_workspace.forget_residents()  # scratch K/V, nothing resident
+
+    @property
+    def workspace(self) -> RowView:
+        """The workspace's first row: what a request running alone holds (and leaves resident for the next)."""
+        return self.kv_workspace.row(0)
 
     @property
     def paged_backend(self) -> str | None:
@@ -207,7 +230,7 @@ class InferenceEngine:
         response_format, regex, grammar, logprobs, speculative, num_speculative_tokens, prompt_lookup_*_ngram."""
         return self.requests.request(prompt, max_new_tokens, **options)
 
-    # ---- generation ---------------------------------------------------------------------------
+    # ---- generation: submit to the loop, drain it ---------------------------------------------------
     def generate(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> GenerationResult:
         """Generate for one prompt; options as request() (RequestFactory.request lists them all)."""
         return self.run(self.request(prompt, max_new_tokens, **options))
@@ -229,145 +252,19 @@ class InferenceEngine:
         return stream.result
 
     def stream(self, request: Request) -> TextStream:
-        stream = TextStream()
-        stream._events = self._generate(request, stream)
-        return stream
+        if runs_paged(self, request):
+            return TextStream(self, events=generate_paged(self, request))
+        return TextStream(self, self.submit(request))
 
-    def _generate(self, request: Request, stream: TextStream) -> Iterator[str]:
-        sampler = request.sampler(self.device)
-        tracker = request.tracker(self.tokenizer, self.eos_token_ids)
-        with self.lock, torch.inference_mode():
-            pre = self.prefill(request)
-            plan, cache = pre.plan, pre.cache
-            first_logits = pre.logits.clone() if request.return_logits else None
-            burst = [sampler(pre.logits)]  # tokens sampled and not yet shown; the last one has no K/V yet
-            ttft_ms = (time.perf_counter() - request.t_start) * 1e3
-            length = len(request.ids)  # tokens whose K/V the workspace holds: it grows only after a forward
-            spec = None
-            try:
-                if request.speculative is not None:
-                    spec = make_speculator(self, request, sampler, cache, request.ids + burst)
-                while True:
-                    delta = "".join(_feed(tracker, burst))
-                    if delta:
-                        yield delta  # a speculative step's kept tokens arrive as one burst
-                    if tracker.finished:
-                        break
-                    if spec is None:
-                        burst = [sampler(self._decode_step(burst[-1], cache, length))]
-                    else:
-                        burst = spec.step(burst[-1], length, tracker.max_new_tokens - len(tracker.tokens))
-                    length += len(burst)  # the fed token and the kept drafts; rejected drafts' K/V is past it
-            finally:
-                # The cache learns its length (the runner wrote decode K/V behind it; a verify wrote rejected
-                # drafts past it; a forward that raised part-way left layers longer): K/V exists for exactly
-                # the prompt and each output token run to produce the next one.
-                self.set_cache_length(cache, length)
-                fed = (request.ids + tracker.tokens)[:length]
-                self.finish(request, plan, fed)
-                if isinstance(cache, StreamedSequence):
-                    finish_streamed(self.kv, cache)
-                if spec is not None:
-                    spec.close(request.ids + tracker.tokens)
-        self.kv.record(request.mode, len(request.ids), plan)
-        if spec is not None:
-            self.spec_counts.merge(spec.counts)
-        stream.result = request.result(plan, tracker, ttft_ms, first_logits, sampler, spec.counts if spec else None)
+    def submit(self, request: Request, max_rows: int | None = None) -> SequenceHandle:
+        """Queue a request as a row of the loop; whoever steps the loop (step(), a stream's reader, the server's
+        worker) runs it. max_rows: run it only in steps of at most that many rows."""
+        return self.scheduler.add(request, max_rows=max_rows)
 
-    def prefill(self, request: Request) -> Prefill:
-        """Put the prompt's K/V into the engine's workspace: reuse what the plan finds, prefill (or repair) the
-        rest. The caller holds self.lock under torch.inference_mode()."""
-        ids, ws = request.ids, self.workspace
-        if self.kv.streams(len(ids) + request.params.max_new_tokens):  # longer than the device holds
-            plan, seq, logits = streamed_prefill(self.kv, self.model, self.attention, ids, request.salt,
-                                                 request.mode, request.approximate, request.params.max_new_tokens)
-            return Prefill(plan, seq, logits)
-        if self.table_forward:  # the stored prefix stays in its blocks; the workspace is not touched
-            plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate)
-            seq = TableSequence(self.model, self.kv.sequence_table(plan), self.paged_backend, self.table_runner)
-            return Prefill(plan, seq, seq.forward(ids[plan.reuse_len:], plan.reuse_len))
-        plan = self.kv.lookup(ids, request.salt, request.mode, request.approximate, self._resident(request.salt))
-        # From here until the forward succeeds the workspace holds no trustworthy prefix: writes past the plan's
-        # resident part may overwrite what the previous request left.
-        ws.resident_tag = None
-        ws.ensure_capacity(len(ids) + request.params.max_new_tokens, keep=plan.resident)
-        self.kv.place(plan, ws, ids)
-        if plan.needs_repair:
-            from .reuse.repair import repair_forward
-
-            cfg = self.config
-            assert plan.assembly is not None
-            repaired = repair_forward(self.model, ws, ids, plan.reuse_len, plan.assembly.mask(len(ids)),
-                                      plan.assembly.seams, cfg.recompute_strategy, cfg.recompute_ratio,
-                                      cfg.recompute_overlap)
-            logits, plan.recomputed_tokens = repaired.logits, repaired.recomputed
-            cache = ws.make_cache(len(ids))
-        elif self.runner is not None and self.runner.fits(len(ids) - plan.reuse_len):
-            logits = self.runner.forward(ids[plan.reuse_len:], plan.reuse_len).clone()
-            cache = ws.make_cache(len(ids))
-        else:
-            cache = ws.make_cache(plan.reuse_len)
-            logits = forward_tokens(self.model, ids[plan.reuse_len:], cache, attention=self.attention)[0, -1]
-        self._claim(request, plan, ids)
-        return Prefill(plan, cache, logits)
-
-    def _decode_step(self, token: int, cache: Cache, length: int) -> torch.Tensor:
-        """Logits [vocab] after feeding `token` at position `length` (the runner's captured step when there is
-        one; the cache's layer lengths then catch up once, when decoding ends)."""
-        if isinstance(cache, TableSequence):
-            return cache.forward([token], length)
-        if self.runner is not None:
-            return self.runner.forward([token], length)
-        return forward_tokens(self.model, [token], cache, attention=self.attention)[0, -1]
-
-    def forward_at(self, tokens: list[int], cache: Cache, start: int, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens at positions [start, start + n) after the K/V of [0, start): float32 logits [vocab] of the
-        last token, or [n, vocab] of every one (all_logits: a speculative verify), overwriting what lay past start.
-        The caller holds the lock; the cache's length is right only after set_cache_length (the runner's isn't)."""
-        if isinstance(cache, TableSequence):
-            return cache.forward(tokens, start, all_logits)
-        if self.runner is not None and self.runner.fits(len(tokens)):
-            if all_logits and len(tokens) > 1:  # one token (no drafts) is the decode step: verify pads to 16
-                return self.runner.verify(tokens, start)
-            return self.runner.forward(tokens, start)[None] if all_logits else self.runner.forward(tokens, start)
-        self.set_cache_length(cache, start)
-        logits = forward_tokens(self.model, tokens, cache, logits_to_keep=len(tokens) if all_logits else 1,
-                                attention=self.attention)[0]
-        return logits if all_logits else logits[-1]
-
-    @staticmethod
-    def set_cache_length(cache: Cache | TableSequence, length: int) -> None:
-        """Every layer of a workspace cache holds `length` positions (rolls back what lies past it)."""
-        if isinstance(cache, TableSequence):
-            return cache.set_length(length)
-        for layer in cache.layers:
-            layer.set_length(length)
-
-    def _resident(self, salt: str | None) -> list[int]:
-        ws = self.workspace
-        return ws.resident_ids if ws.resident_tag == self.kv.tag(salt) else []
-
-    def _claim(self, request: Request, plan: Plan, fed: list[int]) -> None:
-        """Record which exact K/V the workspace now holds: after a placed (approximate) position every later
-        token attended to approximate K/V, so only the exact prefix may be trusted by the next request."""
-        exact = fed[: plan.reuse_len] if plan.needs_repair else fed
-        self.workspace.resident_ids, self.workspace.resident_tag = list(exact), self.kv.tag(request.salt)
-
-    def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
-        """The workspace holds the K/V of `fed` (prompt + output) for `request`: claim it, write back its chunks.
-        (paged_attention="table": the plan's table holds it; its blocks become stored chunks, nothing is copied.)"""
-        if plan.streamed:  # its host blocks become host chunks
-            if request.uses_cache and self.config.write_back:
-                assert plan.table is not None
-                self.kv.write_back_streamed(plan.table, fed, request.salt)
-            return
-        if self.table_forward:
-            if request.uses_cache and self.config.write_back:
-                self.kv.write_back_table(self.kv.sequence_table(plan), fed, request.salt)
-            return
-        self._claim(request, plan, fed)
-        if request.uses_cache and self.config.write_back:
-            self.kv.write_back(self.workspace.resident_ids, request.salt, self.workspace)
+    def step(self) -> None:
+        """One step of the loop: admit waiting rows, one forward for every running row."""
+        with self.lock:
+            self.scheduler.step()
 
     # ---- storing ahead of requests ------------------------------------------------------------------
     def warm(self, text: str | None = None, position_offset: int = 0, *, messages: Messages | None = None,
@@ -397,17 +294,11 @@ class InferenceEngine:
         with self.lock, torch.inference_mode():
             if self.kv.streams(len(ids) + 1):  # longer than the device holds: kept in host blocks
                 return streamed_warm(self.kv, self.model, self.attention, ids, salt)
-            ws = self.workspace
-            # One more position than ids, so that every id may be reused (the last one needs no logits here).
-            plan = self.kv.lookup(ids + [0], salt, GenerationMode.CHUNK_KV_REUSE, resident=self._resident(salt))
-            ws.resident_tag = None
-            ws.ensure_capacity(len(ids) + 1, keep=plan.resident)
-            self.kv.place(plan, ws, ids)
-            cache = ws.make_cache(plan.reuse_len)
-            if plan.reuse_len < len(ids):
-                forward_tokens(self.model, ids[plan.reuse_len:], cache, attention=self.attention)
-            ws.resident_ids, ws.resident_tag = ids, self.kv.tag(salt)
-            return self.kv.write_back(ids, salt, ws, cut_ids=cut_ids)
+            slot = self.scheduler.lease()  # a free row: running rows are not disturbed
+            try:
+                return slot.warm(ids, salt, cut_ids)
+            finally:
+                self.scheduler.release(slot)
 
     # ---- batches ------------------------------------------------------------------------------
     def generate_batch(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,
@@ -439,33 +330,30 @@ class InferenceEngine:
         return results  # type: ignore[return-value]
 
     def run_batch(self, requests: list[Request], max_batch_size: int | None = None) -> list[GenerationResult]:
-        """Run requests together through the continuous-batching runner until all are done. Speculative requests
-        (a verify is per sequence) and contexts longer than device_kv_max_tokens (streamed from host memory) run
-        apart, one at a time through the single-request path; results keep order."""
-        from .batch import BatchRunner, runs_apart
-
-        plain = [r for r in requests if runs_apart(self, r) is None]
-        runner = BatchRunner(self, max_batch_size=max_batch_size or max(1, len(plain)))
-        handles = {id(r): runner.add(r) for r in plain}
-        while runner.has_work():
-            runner.step()
+        """Run requests together as rows of the loop until all are done; results keep order. Requests over block
+        tables or streamed from host memory run one at a time first (paged_path.py)."""
+        results: dict[int, GenerationResult] = {i: self.run(r) for i, r in enumerate(requests) if runs_paged(self, r)}
+        handles = {i: self.submit(r, max_batch_size) for i, r in enumerate(requests) if i not in results}
+        while not all(h.finished for h in handles.values()):
+            self.step()
         for h in handles.values():
             if h.error is not None:
                 raise h.error
-        return [handles[id(r)].result if id(r) in handles else self.run(r) for r in requests]
+        results.update({i: h.result for i, h in handles.items()})
+        return [results[i] for i in range(len(requests))]
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear, self.table_runner)
-        return dict(self.kv.stats(), workspace_bytes=self.workspace.nbytes, fast_path=fast,
+        return dict(self.kv.stats(), workspace_bytes=self.kv_workspace.nbytes, fast_path=fast,
                     paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,
                     speculative=speculation_stats(self.config, self.spec_counts, self.spec_costs))
 
     def clear_cache(self) -> None:
-        """Forget every stored chunk and the workspace's resident prefix."""
+        """Forget every stored chunk and what the workspace rows hold resident."""
         with self.lock:
             self.kv.clear()
-            self.workspace.resident_ids, self.workspace.resident_tag = [], None
+            self.kv_workspace.forget_residents()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until chunks written behind to the disk / Redis tiers have landed (bounded; False on timeout).
@@ -478,9 +366,9 @@ class InferenceEngine:
         return self.kv.close(timeout_s)
 
     def forget_workspace(self) -> None:
-        """Make the next request load its reuse from the store instead of the resident workspace prefix."""
+        """Make the next request load its reuse from the store instead of what a workspace row holds resident."""
         with self.lock:
-            self.workspace.resident_ids, self.workspace.resident_tag = [], None
+            self.kv_workspace.forget_residents()
 
     def verify_correctness(self, prompts: Sequence[str] | None = None, max_new_tokens: int = 32, *,
                            approximate: bool = False):
@@ -490,9 +378,4 @@ class InferenceEngine:
         return verify_correctness(self, prompts, max_new_tokens, approximate=approximate)
 
 
-def _feed(tracker, tokens: list[int]) -> Iterator[str]:
-    """Text deltas of tokens fed in order, up to the one that finishes the output (the rest are dropped)."""
-    for token in tokens:
-        yield tracker.feed(token)
-        if tracker.finished:
-            return
+__all__ = ["InferenceEngine", "TextStream", "GenerationMode"]

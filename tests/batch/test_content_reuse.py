@@ -1,12 +1,12 @@
-"""content_reuse is honoured in every path: generate, generate_batch, generate_many and BatchRunner rows give
+"""content_reuse is honoured in every path: generate, generate_batch, generate_many and Scheduler rows give
 the same tokens and the same exact / approximate / recomputed counts, given the same stored chunks."""
 from __future__ import annotations
 
 import pytest
 
 from kvboost import GenerationMode, KVBoost
-from kvboost.batch import BatchRunner
 from kvboost.sampling import SamplingParams
+from kvboost.scheduler import Scheduler
 
 from ..reuse._rag import CHUNK, documents, rag_prompt
 from ..tiny_models import make_tiny_model
@@ -72,7 +72,7 @@ def test_a_content_row_decodes_beside_exact_rows(model_and_tokenizer, singles):
     engine = _engine(model, tokenizer)
     exact_prompt = INTRO + "Question: what is a river?"
     exact_alone = _engine(model, tokenizer).generate(exact_prompt, 6)
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     plain = runner.add(engine.encode(exact_prompt), SamplingParams(max_new_tokens=6), exact_prompt)
     runner.step()
     rag = runner.add(engine.encode(prompts[0]), SamplingParams(max_new_tokens=6), prompts[0], content_reuse=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from kvboost import KVBoost
-from kvboost.batch import BatchRunner
 from kvboost.batch.drafting import REPROBE_STEPS, RETRY_SHARE, BatchDrafting, RowDrafts
-from kvboost.batch.runner import ragged_mask_kind
+from kvboost.batch.forwards import ragged_mask_kind
 from kvboost.decoding.speculative import PROBE_K, AdaptiveK
+from kvboost.scheduler import Scheduler
 
 from ..tiny_models import make_tiny_model
 
@@ -138,20 +138,20 @@ def test_ragged_steps_through_the_models_own_attention_equal_plain_generation(to
     spec = KVBoost(model, tokenizer, chunk_size=16, attention_backend="model", speculative="prompt_lookup")
     prompts = ["river stone lantern quiet orbit " * 6, "orbit quiet river lantern stone " * 5]
     want = [plain.generate(p, 30).output_token_ids for p in prompts]
-    runner = BatchRunner(spec, max_batch_size=2)
+    runner = Scheduler(spec, max_batch_size=2)
     handles = [runner.add(spec.request(p, 30)) for p in prompts]
     while runner.has_work():
         runner.step()
     assert [h.result.output_token_ids for h in handles] == want
-    assert runner.drafting.verifies > 0
+    assert runner.speculation.drafting.verifies > 0
 
 
 def test_no_ragged_step_where_the_attention_takes_no_mask(tokenizer):
     model = make_tiny_model("llama", tokenizer)
     spec = KVBoost(model, tokenizer, chunk_size=16, attention_backend="model", speculative="prompt_lookup")
-    runner = BatchRunner(spec, max_batch_size=2)
-    runner.ragged_mask = None  # what flash attention gets: rows decode plainly beside each other
+    runner = Scheduler(spec, max_batch_size=2)
+    runner.forwards.ragged_mask = None  # what flash attention gets: rows decode plainly beside each other
     handles = [runner.add(spec.request("river stone lantern quiet orbit " * 6, 20)) for _ in range(2)]
     while runner.has_work():
         runner.step()
-    assert runner.drafting.verifies == 0 and all(h.result.generated_tokens == 20 for h in handles)
+    assert runner.speculation.drafting.verifies == 0 and all(h.result.generated_tokens == 20 for h in handles)

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from kvboost import InvalidRequestError, KVBoost
-from kvboost.batch import BatchRunner, broadcast_kv, find_common_chunk_prefix, group_by_prefix
+from kvboost.batch import broadcast_kv, find_common_chunk_prefix, group_by_prefix
 from kvboost.compat import has_sliding_layers
 from kvboost.sampling import SamplingParams
+from kvboost.scheduler import Scheduler
 
 from ..hf_reference import hf_greedy
 from ..prompts import text_with_tokens, words
@@ -54,7 +55,7 @@ def test_generate_batch_matches_single_generation(arch, tokenizer):
 def test_rows_join_and_leave_mid_flight(tokenizer):
     model = make_tiny_model("llama", tokenizer)
     engine = KVBoost(model, tokenizer, chunk_size=CHUNK)
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     prompts = [text_with_tokens(tokenizer, 20 + 7 * i, seed=20 + i) for i in range(5)]
     budgets = [3, 12, 6, 9, 4]
     handles = [runner.add(engine.encode(prompts[0]), SamplingParams(max_new_tokens=budgets[0]), prompts[0])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvboost import KVBoost
-from kvboost.batch import BatchRunner, runs_apart
+from kvboost.scheduler import Scheduler
 
 from ..prompts import text_with_tokens
 from ..tiny_models import make_tiny_model
@@ -15,7 +15,7 @@ from ..tiny_models import make_tiny_model
 REPEATED = "river stone lantern quiet orbit " * 6
 
 
-def _run(runner: BatchRunner, handles) -> list:
+def _run(runner: Scheduler, handles) -> list:
     while runner.has_work():
         runner.step()
     for h in handles:
@@ -36,7 +36,7 @@ def engines(request, tokenizer):
 def test_a_row_alone_verifies_drafts_and_equals_plain_generation(engines):
     plain, spec = engines
     want = plain.generate(REPEATED, 40)
-    runner = BatchRunner(spec, max_batch_size=4)
+    runner = Scheduler(spec, max_batch_size=4)
     [got] = _run(runner, [runner.add(spec.request(REPEATED, 40))])
     assert got.output_token_ids == want.output_token_ids and got.output_text == want.output_text
     assert got.speculative == "prompt_lookup"
@@ -53,7 +53,7 @@ def test_rows_verify_drafts_together_in_ragged_steps(engines, tokenizer):
     prompts = [REPEATED, text_with_tokens(tokenizer, 30, seed=3) + " " + REPEATED, text_with_tokens(tokenizer, 20)]
     lengths = [48, 8, 12]
     want = [plain.generate(p, n).output_token_ids for p, n in zip(prompts, lengths)]
-    runner = BatchRunner(spec, max_batch_size=4)
+    runner = Scheduler(spec, max_batch_size=4)
     handles = [runner.add(spec.request(p, n)) for p, n in zip(prompts, lengths)]
     steps_together = 0
     while runner.has_work():
@@ -62,9 +62,9 @@ def test_rows_verify_drafts_together_in_ragged_steps(engines, tokenizer):
     got = [h.result for h in handles]
     assert [r.output_token_ids for r in got] == want
     assert steps_together >= 5  # the short rows ran beside the long one
-    assert runner.drafting.verifies > 0  # ...and verified drafts with it
-    if runner.steps is not None:  # fixed-shape steps: the runner's batched verify (CUDA graphs on a GPU)
-        assert any(key[0] == "rows_verify" for key in runner.steps.steps)
+    assert runner.speculation.drafting.verifies > 0  # ...and verified drafts with it
+    if runner.runner is not None:  # fixed-shape steps: the runner's batched verify (CUDA graphs on a GPU)
+        assert any(key[0] == "rows_verify" for key in runner.runner.steps)
     assert got[1].draft_tokens > 0  # the shortest row drafted although it never ran alone
     stats = spec.cache_stats()["speculative"]
     assert stats["draft_tokens"] == sum(r.draft_tokens for r in got)
@@ -76,12 +76,12 @@ def test_a_row_without_speculation_rides_along_ragged_steps(engines, tokenizer):
     plain, spec = engines
     prompts = [REPEATED, text_with_tokens(tokenizer, 24, seed=5), REPEATED + " lantern"]
     want = [plain.generate(p, 24).output_token_ids for p in prompts]
-    runner = BatchRunner(spec, max_batch_size=4)
+    runner = Scheduler(spec, max_batch_size=4)
     handles = [runner.add(spec.request(p, 24, speculative=s)) for p, s in zip(prompts, ("prompt_lookup", "off",
                                                                                           "prompt_lookup"))]
     got = _run(runner, handles)
     assert [r.output_token_ids for r in got] == want
-    assert runner.drafting.verifies > 0
+    assert runner.speculation.drafting.verifies > 0
     assert got[1].draft_tokens == 0 and got[1].speculative is None
 
 
@@ -94,7 +94,7 @@ def test_stops_inside_a_burst_and_the_stored_chunks_are_plain_generations(engine
     for options in ({"stop": [stop]}, {}):
         for n in (9, 23):
             want = plain.generate(REPEATED, n, **options)
-            runner = BatchRunner(spec, max_batch_size=2)
+            runner = Scheduler(spec, max_batch_size=2)
             [got] = _run(runner, [runner.add(spec.request(REPEATED, n, **options))])
             assert (got.output_text, got.finish_reason) == (want.output_text, want.finish_reason)
     # The same inside ragged steps, beside a row that drafts too.
@@ -102,11 +102,11 @@ def test_stops_inside_a_burst_and_the_stored_chunks_are_plain_generations(engine
     verifies = 0
     for options in ({"stop": [stop]}, {}):
         want = [plain.generate(REPEATED, 23, **options), plain.generate(companion, 30)]
-        runner = BatchRunner(spec, max_batch_size=2)
+        runner = Scheduler(spec, max_batch_size=2)
         got = _run(runner, [runner.add(spec.request(REPEATED, 23, **options)), runner.add(spec.request(companion,
                                                                                                        30))])
         assert [(g.output_text, g.finish_reason) for g in got] == [(w.output_text, w.finish_reason) for w in want]
-        verifies += runner.drafting.verifies
+        verifies += runner.speculation.drafting.verifies
     assert verifies > 0
     follow = REPEATED + base + " and then"
     plain.clear_cache()
@@ -124,7 +124,7 @@ def test_a_shared_prefix_row_speculates_over_the_cascade(tokenizer):
     lengths = [40, 6]
     want = [plain.generate(p, n).output_token_ids for p, n in zip(prompts, lengths)]
     spec.warm(shared)
-    runner = BatchRunner(spec, max_batch_size=2)
+    runner = Scheduler(spec, max_batch_size=2)
     handles = [runner.add(spec.request(p, n)) for p, n in zip(prompts, lengths)]
     runner.step()
     assert runner.prefix is not None and runner.prefix.length >= 48  # the rows read one shared prefix
@@ -135,13 +135,13 @@ def test_a_shared_prefix_row_speculates_over_the_cascade(tokenizer):
     lengths = [30, 30]
     prompts[1] = shared + " " + REPEATED + " orbit"
     want = [plain.generate(p, n).output_token_ids for p, n in zip(prompts, lengths)]
-    runner = BatchRunner(spec, max_batch_size=2)
+    runner = Scheduler(spec, max_batch_size=2)
     handles = [runner.add(spec.request(p, n)) for p, n in zip(prompts, lengths)]
     runner.step()
     assert runner.prefix is not None
     got = _run(runner, handles)
     assert [r.output_token_ids for r in got] == want
-    assert runner.drafting.verifies > 0
+    assert runner.speculation.drafting.verifies > 0
 
 
 @pytest.mark.parametrize("options", [{"regex": r"(river|stone|lantern|quiet|orbit| )+"},
@@ -155,14 +155,13 @@ def test_masked_penalized_and_sampled_rows_speculate_like_generate(tokenizer, op
     plain = KVBoost(model, tokenizer, chunk_size=16)
     spec = KVBoost(model, tokenizer, chunk_size=16, speculative="prompt_lookup")
     request = spec.request(REPEATED, 30, **options)
-    assert runs_apart(spec, request) is None
-    runner = BatchRunner(spec, max_batch_size=2)
+    runner = Scheduler(spec, max_batch_size=2)
     [got] = _run(runner, [runner.add(request)])
     # Beside a greedy row that drafts too: the same row verifies in ragged steps.
-    runner = BatchRunner(spec, max_batch_size=2)
+    runner = Scheduler(spec, max_batch_size=2)
     together = _run(runner, [runner.add(spec.request(REPEATED, 30, **options)), runner.add(spec.request(REPEATED,
                                                                                                         30))])
-    assert runner.drafting.verifies > 0
+    assert runner.speculation.drafting.verifies > 0
     assert together[1].output_token_ids == plain.generate(REPEATED, 30).output_token_ids
     if "temperature" in options:
         assert got.generated_tokens == 30 or got.finish_reason == "stop"
@@ -178,29 +177,37 @@ def test_masked_penalized_and_sampled_rows_speculate_like_generate(tokenizer, op
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
 
 
-def test_requests_that_still_run_apart(tokenizer):
+def test_seeded_sampled_rows_speculate_and_draw_what_plain_sampling_draws(tokenizer):
+    """A sampled row's sampler draws once per emitted token whatever was drafted: a seeded speculative row gives
+    the seeded non-speculative output, alone (generate) and verified beside other rows (generate_batch)."""
     spec = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, speculative="prompt_lookup")
-    assert runs_apart(spec, spec.request(REPEATED, 4)) is None
-    seeded = runs_apart(spec, spec.request(REPEATED, 4, temperature=0.7, seed=3))
-    assert seeded is not None and seeded.param == "seed"
-    assert runs_apart(spec, spec.request(REPEATED, 4, temperature=0.7, seed=3, speculative="off")) is None
-    # generate_batch runs the seeded one apart: its draws are generate()'s
-    want = spec.generate(REPEATED, 12, temperature=0.7, seed=3).output_token_ids
-    assert spec.generate_batch([REPEATED, "hello"], 12, temperature=0.7, seed=3)[0].output_token_ids == want
+    options = dict(temperature=0.7, seed=3)
+    plain = spec.generate(REPEATED, 24, speculative="off", **options).output_token_ids
+    alone = spec.generate(REPEATED, 24, **options)
+    assert alone.output_token_ids == plain and alone.speculative == "prompt_lookup"
+    runner = Scheduler(spec, max_batch_size=3)
+    got = _run(runner, [runner.add(spec.request(REPEATED, 24, **options)),
+                        runner.add(spec.request(REPEATED + " orbit", 24, temperature=0.9, seed=5)),
+                        runner.add(spec.request(REPEATED, 24))])
+    assert got[0].output_token_ids == plain
+    assert got[1].output_token_ids == spec.generate(REPEATED + " orbit", 24, temperature=0.9, seed=5,
+                                                    speculative="off").output_token_ids
+    assert got[0].draft_tokens + got[1].draft_tokens > 0  # they did draft
 
 
-def test_draft_model_rows_run_apart(tokenizer):
-    from kvboost.errors import InvalidRequestError
-
+def test_draft_model_rows_join_batches(tokenizer):
+    """A draft model's rows are rows like any other: each holds a draft sequence in a row of the draft engine's
+    workspace; outputs equal plain generation's."""
     target = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(target, tokenizer, chunk_size=16)
     engine = KVBoost(target, tokenizer, chunk_size=16, draft_model=make_tiny_model("llama", tokenizer, seed=1),
                      speculative="draft")
-    apart = runs_apart(engine, engine.request(REPEATED, 4))
-    assert apart is not None and apart.param == "speculative"
-    with pytest.raises(InvalidRequestError, match="draft model"):
-        BatchRunner(engine).add(engine.request(REPEATED, 4))
-    want = engine.generate(REPEATED, 10).output_token_ids
-    assert engine.generate_batch([REPEATED, "hello"], 10)[0].output_token_ids == want
+    prompts = [REPEATED, "hello there, river stone", REPEATED + " lantern"]
+    want = [plain.generate(p, 10).output_token_ids for p in prompts]
+    got = engine.generate_batch(prompts, 10)
+    assert [g.output_token_ids for g in got] == want
+    assert all(g.speculative == "draft" for g in got) and sum(g.draft_tokens for g in got) > 0
+    assert engine.generate(REPEATED, 10).output_token_ids == want[0]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -220,8 +227,8 @@ def test_random_traffic_with_ragged_verifies_equals_plain_generation(tokenizer, 
     for o in options[::3]:
         o["stop"] = [rng.choice(words)]
     want = [plain.generate(p, **{k: v for k, v in o.items() if k != "speculative"}) for p, o in zip(prompts, options)]
-    runner = BatchRunner(spec, max_batch_size=3)
+    runner = Scheduler(spec, max_batch_size=3)
     got = _run(runner, [runner.add(spec.request(p, **o)) for p, o in zip(prompts, options)])
     assert [(g.output_token_ids, g.finish_reason) for g in got] == [(w.output_token_ids, w.finish_reason)
                                                                     for w in want]
-    assert runner.drafting.verifies > 0
+    assert runner.speculation.drafting.verifies > 0

@@ -341,7 +341,7 @@ def test_static_runner_verify_path_is_identical(tokenizer, monkeypatch):
     _script(monkeypatch, plain.output_token_ids, 0.5)
     r = engine.generate(prompt, 30, speculative="prompt_lookup")
     assert r.output_token_ids == plain.output_token_ids and r.accepted_tokens > 0
-    assert any(key[0] == "verify" for key in engine.runner.steps)
+    assert any(key[0] == "verify" for key in engine.runner.runner)
 
 
 def test_bad_values_are_typed_errors(tokenizer):
@@ -364,16 +364,13 @@ def test_bad_values_are_typed_errors(tokenizer):
     assert on.generate("hello there", 4, speculative=None).speculative is None
 
 
-def test_batches_take_prompt_lookup_rows_and_the_runner_refuses_seeded_sampled_ones(tokenizer):
-    from kvboost.batch import BatchRunner
-
+def test_batches_take_prompt_lookup_rows_and_seeded_sampled_ones(tokenizer):
     engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16)
     prompts = [text_with_tokens(tokenizer, 30, seed=s) for s in (11, 12)]
     plain = engine.generate_batch(prompts, 20)
     spec = engine.generate_batch(prompts, 20, speculative="prompt_lookup")
     assert [r.output_token_ids for r in spec] == [r.output_token_ids for r in plain]
     assert all(r.speculative == "prompt_lookup" for r in spec) and all(r.speculative is None for r in plain)
-    request = engine.request(prompts[0], 4, speculative="prompt_lookup", temperature=0.7, seed=1)
-    with pytest.raises(InvalidRequestError, match="seeded sampling with speculation") as info:
-        BatchRunner(engine).add(request)
-    assert info.value.param == "seed"
+    seeded = engine.generate_batch(prompts, 12, speculative="prompt_lookup", temperature=0.7, seed=1)
+    assert [r.output_token_ids for r in seeded] == [engine.generate(p, 12, temperature=0.7, seed=1).output_token_ids
+                                                    for p in prompts]

@@ -39,13 +39,13 @@ def test_batches_decode_through_one_compiled_rows_graph(tokenizer, device):
 def test_a_lone_row_runs_beside_a_free_slot(tokenizer, device):
     """torch specializes a size of 1, so a 1-row step would be another graph: a compiled runner's smallest batched
     step is 2 rows, and a batch runner's workspace has at least 2."""
-    from kvboost.batch import BatchRunner
+    from kvboost.scheduler import Scheduler
 
     _, fast = plain_and_compiled(tokenizer, device)
-    runner = BatchRunner(fast, max_batch_size=1)
-    assert runner.ws.batch_size == 2 and runner.steps is not None and runner.steps.least_rows == 2
+    runner = Scheduler(fast, max_batch_size=1)
+    assert runner.ws.batch_size == 2 and runner.runner is not None and runner.runner.least_rows == 2
     eager = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="eager")
-    assert eager.runner.least_rows == 1 and BatchRunner(eager, max_batch_size=1).ws.batch_size == 1
+    assert eager.runner.least_rows == 1 and Scheduler(eager, max_batch_size=1).ws.batch_size == 1
 
 
 def test_a_rows_step_dynamo_refuses_runs_eagerly_and_the_engine_says_so(tokenizer, device):

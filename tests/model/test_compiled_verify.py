@@ -70,10 +70,10 @@ def test_compiled_batched_verifies_give_each_rows_ordinary_logits(compiled_engin
     """verify_batch over rows of different lengths (each row's tokens causal among themselves, after its own keys),
     at row counts and widths run exactly (not the eager steps' 2/4/8/16 widths): each row's logits equal one
     ordinary forward of that row's tokens, and one graph serves every shape."""
-    from kvboost.batch import BatchRunner
+    from kvboost.scheduler import Scheduler
 
     _, fast, _ = compiled_engines
-    steps = BatchRunner(fast, max_batch_size=4).steps
+    steps = Scheduler(fast, max_batch_size=4).runner
     gen = torch.Generator().manual_seed(2)
     graphs = None
     with torch.inference_mode():

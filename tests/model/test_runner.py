@@ -134,8 +134,8 @@ def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
     not a bucket (padded with free slots), rows joining and leaving - the same tokens as hf generate."""
     if mode == "graphs" and device.type != "cuda":
         pytest.skip("CUDA graphs need --device cuda")
-    from kvboost.batch import BatchRunner
     from kvboost.sampling import SamplingParams
+    from kvboost.scheduler import Scheduler
 
     from ..hf_reference import hf_greedy
     from ..prompts import text_with_tokens
@@ -143,8 +143,8 @@ def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
     model = make_tiny_model("qwen2", tokenizer, device=device)
     backend = {"graphs": "triton"}.get(mode, "auto")
     engine = KVBoost(model, tokenizer, chunk_size=16, fast_path=mode, attention_backend=backend)
-    runner = BatchRunner(engine, max_batch_size=3)  # a workspace of 4 rows: bucket 4 pads a row
-    assert runner.steps is not None and runner.ws.batch_size == 4
+    runner = Scheduler(engine, max_batch_size=3)  # a workspace of 4 rows: bucket 4 pads a row
+    assert runner.runner is not None and runner.ws.batch_size == 4
     prompts = [text_with_tokens(tokenizer, 20 + 9 * i, seed=40 + i) for i in range(4)]
     budgets = [4, 11, 7, 9]
     handles = [runner.add(engine.encode(p), SamplingParams(max_new_tokens=n), p) for p, n in zip(prompts, budgets)]
@@ -153,14 +153,14 @@ def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
     for prompt, n, handle in zip(prompts, budgets, handles):
         assert handle.error is None
         assert handle.result.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), n)
-    counts = runner.steps.stats.counts
+    counts = runner.runner.stats.counts
     assert counts["steps"] > 0
     if mode == "graphs":
         assert counts["replays"] == counts["steps"] and counts["captures"] >= 2
 
 
 def test_short_shared_prefixes_are_copied_per_row_when_steps_run_through_the_runner(tokenizer, device):
-    from kvboost.batch.runner import CASCADE_MIN_TOKENS
+    from kvboost.scheduler import CASCADE_MIN_TOKENS
 
     from ..prompts import text_with_tokens, words
 
@@ -169,10 +169,10 @@ def test_short_shared_prefixes_are_copied_per_row_when_steps_run_through_the_run
     prompts = [system + " " + words(n, seed=n) for n in (3, 9, 5)]
     plain = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, chunk_size=16, fast_path="off")
     expected = [r.output_token_ids for r in plain.generate_batch(prompts, max_new_tokens=8)]
-    from kvboost.batch import BatchRunner
     from kvboost.sampling import SamplingParams
+    from kvboost.scheduler import Scheduler
 
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     handles = [runner.add(engine.encode(p), SamplingParams(max_new_tokens=8), p) for p in prompts]
     shared = []
     while runner.has_work():
@@ -180,7 +180,7 @@ def test_short_shared_prefixes_are_copied_per_row_when_steps_run_through_the_run
         shared.append(runner.prefix)
     assert [h.result.output_token_ids for h in handles] == expected
     assert 64 < CASCADE_MIN_TOKENS and all(p is None for p in shared)  # copied per row, no cascade
-    assert runner.steps.stats.counts["steps"] >= 7
+    assert runner.runner.stats.counts["steps"] >= 7
     assert all(h.result.cached_tokens >= 48 for h in handles)  # the system prompt's chunks still reused
 
 

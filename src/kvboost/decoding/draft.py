@@ -5,8 +5,8 @@ KVBoost's reuse too: a prompt whose prefix the draft has seen (resident in its w
 prefilled again. Greedy draft proposals are point masses, so the acceptance rule of speculative.py keeps the
 target's distribution when sampling as well.
 
-The draft engine is private to its target engine and used only under the target's lock, one sequence at a
-time: its workspace holds exactly one sequence's K/V.
+The draft engine is private to its target engine and used only under the target's lock: each speculating row's
+draft sequence holds one row of the draft engine's workspace while the row runs.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def _vocab_size(model) -> int:
 
 
 class DraftProposer:
-    """One sequence's draft K/V in the draft engine's workspace; proposes greedily."""
+    """One sequence's draft K/V in a row of the draft engine's workspace (the first one when free, where the draft's
+    runner steps run: CUDA graphs, the compiled CPU step); proposes greedily."""
 
     def __init__(self, draft_engine, request: Request, context: Sequence[int]):
         self.engine = draft_engine
@@ -60,9 +61,13 @@ class DraftProposer:
         params = SamplingParams(max_new_tokens=request.params.max_new_tokens)
         self.request = draft_engine.make_request(request.ids, params, mode=request.mode, cache_salt=request.salt,
                                                  speculative=None)
-        with draft_engine.lock:
-            pre = draft_engine.prefill(self.request)
-        self.plan, self.cache = pre.plan, pre.cache
+        with draft_engine.lock, torch.inference_mode():
+            self.slot = draft_engine.scheduler.lease()
+            try:
+                self.plan = self.slot.prefill(self.request).plan
+            except BaseException:
+                draft_engine.scheduler.release(self.slot)
+                raise
         # The draft K/V sits at positions [0, base + len(tail)): context[:base] and then `tail` (drafts it ran
         # that the target may have rejected). The context only grows, so context[:base] never needs checking.
         self.base, self.tail = len(request.ids), []
@@ -75,14 +80,14 @@ class DraftProposer:
             return []
         n = self._synced(self.context)
         drafts: list[int] = []
-        with self.engine.lock:
+        with self.engine.lock, torch.inference_mode():
             pos = len(self.context)
-            logits = self.engine.forward_at(self.context[n:], self.cache, n)
+            logits = self.slot.forward(self.context[n:], n)
             for i in range(k):
                 drafts.append(int(torch.argmax(logits)))
                 if i == k - 1:
                     break
-                logits = self.engine.forward_at([drafts[-1]], self.cache, pos)
+                logits = self.slot.forward([drafts[-1]], pos)
                 pos += 1
         self.base, self.tail = len(self.context), drafts[:-1]
         return drafts
@@ -94,11 +99,14 @@ class DraftProposer:
         return self.base + _common_prefix(self.tail, tokens[self.base:])
 
     def close(self, emitted: Sequence[int]) -> None:
-        """Store the draft's exact K/V (the prompt and the kept output it ran) in the draft engine's cache."""
+        """Store the draft's exact K/V (the prompt and the kept output it ran) in the draft engine's cache; the row
+        goes back to the draft engine."""
         n = self._synced(emitted)
         with self.engine.lock, torch.inference_mode():
-            self.engine.set_cache_length(self.cache, n)
-            self.engine.finish(self.request, self.plan, list(emitted[:n]))
+            try:
+                self.slot.finish(self.request, self.plan, list(emitted[:n]))
+            finally:
+                self.engine.scheduler.release(self.slot)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

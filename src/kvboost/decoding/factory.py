@@ -7,14 +7,11 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequestError
 from .speculative import SpecCounts, SpeculativeParams, StepCosts, lookup_min_ngram, parse_method
-from .speculator import LookupProposer, Proposer, Speculator
+from .speculator import LookupProposer, Proposer
 
 if TYPE_CHECKING:
-    from transformers.cache_utils import Cache
-
     from ..config import EngineConfig
     from ..request import Request
-    from ..sampling import Sampler
 
 
 def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str | None = "default",
@@ -73,17 +70,6 @@ def make_proposer(engine, request: Request, context: Sequence[int], costs: StepC
             raise InvalidRequestError("speculative='draft' needs an engine loaded with draft_model=", "speculative")
         return DraftProposer(engine.draft, request, context)
     return LookupProposer(context, params, capacity=request.params.max_new_tokens + params.num_tokens, costs=costs)
-
-
-def make_speculator(engine, request: Request, sampler: Sampler, cache: Cache, context: Sequence[int]) -> Speculator:
-    """A Speculator verifying over the engine's workspace (through `cache`)."""
-    assert request.speculative is not None
-
-    def forward(tokens: list[int], start: int):
-        return engine.forward_at(tokens, cache, start, all_logits=True)
-
-    costs = engine.spec_costs.setdefault(request.speculative.method, StepCosts())  # one per engine and method
-    return Speculator(make_proposer(engine, request, context, costs), sampler, request.speculative, forward, costs)
 
 
 def make_draft_engine(engine, draft_model):

@@ -10,7 +10,8 @@ distributions p0..pk. This module decides how many drafts to keep and which toke
 * sampling: drafts are deterministic proposals (q is a point mass on d), so the standard rule (Leviathan et
   al. 2023, Chen et al. 2023) reads: keep d_{i+1} with probability min(1, p_i(d)/q(d)) = p_i(d); on the first
   rejection sample from the residual max(0, p_i - q), i.e. p_i with d removed, renormalized; after k kept
-  drafts sample the bonus from p_k. Each emitted token is then distributed exactly as p.
+  drafts sample the bonus from p_k. Drawing t ~ p_i and keeping d_{i+1} while t equals it has exactly that
+  distribution, and draws once per emitted token (speculator.sample_through): that is how it is done.
 
 AdaptiveK sizes the next proposal from measured acceptance, so text the proposer cannot predict does not pay
 for verifying long drafts that get rejected.
@@ -102,28 +103,6 @@ def accept_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
             break
         out.append(d)
     out.append(picks[len(out)])
-    return out
-
-
-def accept_sampled(probs: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None) -> list[int]:
-    """probs [k + 1, vocab] (the target's sampling distributions after t0, d1..dk, on the CPU) and point-mass
-    drafts: the speculative-sampling rule. Returns the kept drafts and one sampled token after them."""
-    out: list[int] = []
-    uniforms = torch.rand(len(drafts), generator=generator).tolist()
-    for i, d in enumerate(drafts):
-        p_d = float(probs[i, d])
-        if uniforms[i] < p_d:  # accept with probability min(1, p(d) / q(d)), q(d) = 1
-            out.append(d)
-            continue
-        residual = probs[i].clone()
-        residual[d] = 0.0  # max(0, p - q) for a point mass q on d
-        total = float(residual.sum())
-        if total <= 0.0:  # p was a point mass on d itself: rejection had probability 0; keep d
-            out.append(d)
-            continue
-        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
     return out
 
 

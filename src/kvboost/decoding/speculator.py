@@ -22,7 +22,6 @@ from .speculative import (
     SpeculativeParams,
     StepCosts,
     accept_greedy,
-    accept_sampled,
     lookup_min_ngram,
 )
 
@@ -102,15 +101,15 @@ class Speculator:
         return out
 
     def pick(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
-        """The kept drafts and the target's own next token, by the sampler's acceptance rule."""
-        if not self.sampler.plain:
-            return sample_through(self.sampler, logits, drafts)
-        if self.sampler.params.greedy:
+        """The kept drafts and the target's own next token. Greedy: every argmax at once. Otherwise the sampler picks
+        each position in turn and a draft is kept while it equals the pick (sample_through): for point-mass drafts
+        that keeps each draft with probability p(d) and replaces a rejected one by a draw from p without d - the
+        speculative-sampling rule's distribution - while the sampler draws exactly once per emitted token, as it
+        does without speculation. A seeded request's output is therefore its non-speculative output, whatever
+        drafts were proposed and whichever rows it was verified beside."""
+        if self.sampler.plain and self.sampler.params.greedy:
             return accept_greedy(logits, drafts)
-        if drafts:
-            probs = torch.stack([self.sampler.probabilities(row) for row in logits]).cpu()
-            return accept_sampled(probs, drafts, self.sampler.generator)
-        return [self.sampler(logits[-1])]  # no drafts: exactly the plain sampler's step (same generator draws)
+        return sample_through(self.sampler, logits, drafts)
 
     def account(self, drafts: list[int], out: list[int], batched: bool = False) -> None:
         if drafts:

@@ -9,7 +9,7 @@ the previous one (a chat's next turn, a repeated system prompt) finds that K/V a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -108,11 +108,49 @@ class KVWorkspace:
         self._v: list[torch.Tensor] = []
         self.base = 0
         self.capacity = 0  # positions [0, capacity) are addressable; [base, capacity) are allocated
-        # Token ids whose K/V (computed in full context, under `resident_tag`) sit at positions [0, len).
-        self.resident_ids: list[int] = []
-        self.resident_tag: str | None = None
+        # Per row: token ids whose K/V (computed in full context, under the tag) sit at its positions [0, len):
+        # what a finished request left there, which the next request given that row may reuse without a copy.
+        self.residents: list[Resident] = [Resident() for _ in range(batch_size)]
         self.generation = 0  # bumped each time the buffers are reallocated
         self._allocate(0)
+
+    # The workspace's first row as the single-sequence API called it (the engine's primary row).
+    @property
+    def resident_ids(self) -> list[int]:
+        return self.residents[0].ids
+
+    @resident_ids.setter
+    def resident_ids(self, ids: list[int]) -> None:
+        self.residents[0].ids = ids
+
+    @property
+    def resident_tag(self) -> str | None:
+        return self.residents[0].tag
+
+    @resident_tag.setter
+    def resident_tag(self, tag: str | None) -> None:
+        self.residents[0].tag = tag
+
+    def row(self, index: int) -> RowView:
+        """Row `index` as a one-row workspace (its buffers are views of this one's)."""
+        if not 0 <= index < self.batch_size:
+            raise IndexError(f"row {index} of a {self.batch_size}-row workspace")
+        return RowView(self, index)
+
+    def ensure_rows(self, rows: int) -> None:
+        """At least `rows` rows, every row's contents (and what each holds resident) kept."""
+        if rows > self.batch_size:
+            old_k, old_v, old_rows = self._k, self._v, self.batch_size
+            self.batch_size = rows
+            self._allocate(self.capacity, keep=0)
+            for i in range(len(self.shapes)):
+                self._k[i][:old_rows].copy_(old_k[i])
+                self._v[i][:old_rows].copy_(old_v[i])
+            self.residents += [Resident() for _ in range(rows - old_rows)]
+
+    def forget_residents(self) -> None:
+        for resident in self.residents:
+            resident.clear()
 
     # ---- buffers ------------------------------------------------------------------------------
     def _allocate(self, capacity: int, keep: int = 0, base: int | None = None) -> None:
@@ -139,9 +177,11 @@ class KVWorkspace:
 
     def rebase(self, base: int, keep: int = 0) -> None:
         """Make column 0 hold position `base`; positions [max(base, old base), keep) keep their contents.
-        Positions [base, old base) start zeroed: the caller fills them (e.g. from a shared prefix it drops)."""
+        Positions [base, old base) start zeroed: the caller fills them (e.g. from a shared prefix it drops).
+        Rows no longer hold a prefix from position 0: nothing stays resident."""
         if base != self.base:
             self._allocate(max(self.capacity, keep), keep=keep, base=base)
+            self.forget_residents()
 
     def _grown(self, needed: int) -> int:
         # Grow the allocated columns (not the positions below base, which take no memory) by half, in steps.
@@ -151,9 +191,12 @@ class KVWorkspace:
             target = max(needed, min(target, self.max_positions))
         return target
 
-    def ensure_capacity(self, needed: int, keep: int) -> None:
+    def ensure_capacity(self, needed: int, keep: int = 0) -> None:
+        """Room for positions [0, needed). Growing keeps every row's columns up to `keep` and anything rows hold
+        resident (a later request may reuse it)."""
         if needed > self.capacity:
-            self._allocate(self._grown(needed), keep=keep)
+            resident = max((len(r.ids) for r in self.residents), default=0)
+            self._allocate(self._grown(needed), keep=min(max(keep, resident), self.capacity))
 
     def ensure_layer_capacity(self, layer_idx: int, needed: int) -> None:
         # Growth during a forward (decode past the planned length): grow every layer together, keeping
@@ -167,7 +210,7 @@ class KVWorkspace:
     def release(self) -> None:
         """Give the buffers' memory back (the next request reallocates)."""
         self._allocate(0, base=0)
-        self.resident_ids, self.resident_tag = [], None
+        self.forget_residents()
 
     # ---- contents -----------------------------------------------------------------------------
     def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
@@ -233,3 +276,102 @@ class KVWorkspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._k + self._v)
+
+
+@dataclass
+class Resident:
+    """What one workspace row holds at positions [0, len(ids)): exact K/V of `ids` under `tag` (model namespace and
+    tenant), left by a finished request."""
+
+    ids: list[int] = field(default_factory=list)
+    tag: str | None = None
+
+    def clear(self) -> None:
+        self.ids, self.tag = [], None
+
+
+class RowView:
+    """One row of a KVWorkspace with the workspace's own surface (buffers [1, kv_heads, columns, d] are views of
+    the parent's row): single-sequence code - prefill, repair, placement, write-back - runs on any row of the
+    engine's workspace unchanged. Growth goes to the parent, which keeps every row's contents."""
+
+    batch_size = 1
+
+    def __init__(self, parent: KVWorkspace, index: int):
+        self.parent, self.index = parent, index
+
+    @property
+    def shapes(self) -> list[LayerShape]:
+        return self.parent.shapes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parent.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parent.device
+
+    @property
+    def base(self) -> int:
+        return self.parent.base
+
+    @property
+    def capacity(self) -> int:
+        return self.parent.capacity
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.parent.max_positions
+
+    @property
+    def generation(self) -> int:
+        return self.parent.generation
+
+    @property
+    def resident(self) -> Resident:
+        return self.parent.residents[self.index]
+
+    @property
+    def resident_ids(self) -> list[int]:
+        return self.resident.ids
+
+    @resident_ids.setter
+    def resident_ids(self, ids: list[int]) -> None:
+        self.resident.ids = ids
+
+    @property
+    def resident_tag(self) -> str | None:
+        return self.resident.tag
+
+    @resident_tag.setter
+    def resident_tag(self, tag: str | None) -> None:
+        self.resident.tag = tag
+
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.parent.buffers(layer_idx)
+        return k[self.index:self.index + 1], v[self.index:self.index + 1]
+
+    def ensure_capacity(self, needed: int, keep: int = 0) -> None:
+        self.parent.ensure_capacity(needed, keep=self.parent.capacity)  # other rows' columns are not ours to drop
+
+    def ensure_layer_capacity(self, layer_idx: int, needed: int) -> None:
+        self.parent.ensure_layer_capacity(layer_idx, needed)
+
+    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
+              n_tokens: int | None = None, row: int | None = None) -> None:
+        self.parent.write(layer_keys, layer_values, start, n_tokens, row=self.index)
+
+    def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                    row: int | None = None) -> None:
+        self.parent.write_layer(layer_idx, keys, values, start, row=self.index)
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.parent.read(start, end, row=self.index)
+
+    def make_cache(self, length: int) -> Cache:
+        return Cache(layers=[InPlaceLayer(self, i, length) for i in range(len(self.shapes))])
+
+    @property
+    def nbytes(self) -> int:
+        return self.parent.nbytes // max(1, self.parent.batch_size)

@@ -1,21 +1,13 @@
-"""The one worker thread that runs every request, and the bounded queue that feeds it.
+"""The one worker thread that steps the engine's loop for the server, and the bounded queue that feeds it.
 
-torch and the engine's KV workspace are not for concurrent use, so all engine work happens on a single
-worker thread. Requests enter a bounded queue (full → QueueFullError → HTTP 429); the worker pushes
-each request's events (text deltas, then the result or an error) back to the asyncio side with
-`loop.call_soon_threadsafe`.
-
-Two ways to run:
-* batched (`kvboost.batch.BatchRunner`, max_batch_size > 1): an idle worker waits up to the batch
-  window for more requests, adds them together (rows sharing prefix chunks prefill against one copy of
-  the shared K/V), then steps the runner; between steps, newly queued requests join the running batch
-  and finished or cancelled rows leave (continuous batching). A request the runner cannot batch
-  (`batch.runs_apart`: draft-model or seeded sampled speculation, a context streamed from host memory)
-  runs on its own: the worker stops admitting, lets the running rows finish, runs it (and any others
-  waiting apart) through engine.stream, then batches again - in arrival order, so a stream of such
-  requests cannot starve.
-* single (max_batch_size == 1): one request at a time via engine.stream; consecutive requests sharing a
-  prefix still reuse it from the workspace/store.
+torch and the engine's KV workspace are not for concurrent use, so all engine work happens on a single worker
+thread. Requests enter a bounded queue (full -> QueueFullError -> HTTP 429); the worker submits them to the engine's
+step loop (scheduler.py) as rows - up to max_batch_size at once, the rest wait here in arrival order - steps the loop,
+and pushes each request's events (text deltas, then the result or an error) back to the asyncio side with
+`loop.call_soon_threadsafe`. An idle worker waits up to the batch window for more requests, so that requests arriving
+together prefill together (rows sharing prefix chunks prefill against one copy of the shared K/V); between steps,
+newly queued requests join the running rows and finished or cancelled rows leave (continuous batching). With
+max_batch_size 1 requests run one at a time through the same loop.
 
 A request's failure is delivered to that request only; the worker survives everything.
 """
@@ -26,11 +18,11 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..paged_path import runs_paged
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
 
@@ -38,7 +30,6 @@ log = logging.getLogger("kvboost.server")
 
 Event = (tuple[Literal["delta"], str] | tuple[Literal["done"], GenerationResult]
          | tuple[Literal["error"], BaseException])
-RunnerFactory = Callable[..., Any]
 
 
 class QueueFullError(Exception):
@@ -106,40 +97,30 @@ class SchedulerStats:
     failed: int = 0
     cancelled: int = 0
     rejected: int = 0
-    batches: int = 0  # batch mode: runner.step() calls that prefilled or decoded something
-    max_rows: int = 0  # batch mode: the most rows seen in one step
-    run_apart: int = 0  # batch mode: requests the runner cannot batch, run on their own between batches
-
-
-def default_runner_factory() -> RunnerFactory:
-    from ..batch import BatchRunner
-
-    return BatchRunner
+    batches: int = 0  # steps of the engine's loop that prefilled or decoded something
+    max_rows: int = 0  # the most rows seen in one step
 
 
 class Scheduler:
     def __init__(self, engine, max_batch_size: int = 16, batch_window_ms: float = 20.0, max_queue: int = 256,
-                 runner_factory: RunnerFactory | None | Literal["auto"] = "auto",
                  tokenizer_lock: threading.Lock | None = None):
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_ms / 1e3
         self.max_queue = max_queue
-        self.runner_factory = default_runner_factory() if runner_factory == "auto" else runner_factory
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.stats = SchedulerStats()
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._active = 0
-        self._rows: dict[Job, Any] = {}  # batch mode: admitted jobs → their runner handles
-        self._apart: deque[tuple[Job, Any]] = deque()  # batch mode: (job, Request) to run alone once rows drain
+        self._rows: dict[Job, Any] = {}  # submitted jobs -> their handles in the engine's loop
         self._start_lock = threading.Lock()
 
     # ---- control, from any thread ----------------------------------------------------------------
     @property
     def batched(self) -> bool:
-        return self.runner_factory is not None and self.max_batch_size > 1
+        return self.max_batch_size > 1
 
     @property
     def mode_name(self) -> str:
@@ -192,24 +173,20 @@ class Scheduler:
                 "queued": self.queue_depth(), "active": self.active_count(), "max_queue": self.max_queue,
                 "max_batch_size": self.max_batch_size, "batch_window_ms": self.batch_window_s * 1e3,
                 "completed": s.completed, "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
-                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows, "run_apart": s.run_apart,
-                "waiting_apart": len(self._apart)}
+                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows}
 
     # ---- the worker thread ---------------------------------------------------------------------------
     def _main(self) -> None:
         while not self._stop.is_set():
             try:
-                if self.batched:
-                    self._batch_loop()
-                else:
-                    self._single_loop()
+                self._loop()
             except Exception as exc:  # a bug in the loop itself: fail what it held, log, keep serving
                 log.exception("scheduler worker loop failed; restarting it")
-                for job in [*self._rows, *(job for job, _ in self._apart)]:
+                for job, handle in self._rows.items():
+                    handle.cancel()
                     self.stats.failed += 1
                     job.emit("error", exc)
                 self._rows = {}
-                self._apart.clear()
                 self._active = 0
                 time.sleep(0.05)
 
@@ -225,84 +202,42 @@ class Scheduler:
                 return job
             self.stats.cancelled += 1
 
-    # single: one request at a time through engine.generate_stream
-    def _single_loop(self) -> None:
-        while not self._stop.is_set():
-            job = self._next(0.1)
-            if job is not None:
-                self._active = 1
-                try:
-                    self._run_one(job)
-                finally:
-                    self._active = 0
-
-    def _run_one(self, job: Job, request: Any = None) -> None:
-        try:
-            # The ids the request was validated and counted with: never tokenized a second time.
-            stream = self.engine.stream(request if request is not None else self._request(job))
-            for delta in stream:
-                if job.cancelled or self._stop.is_set():
-                    stream.close()
-                    self.stats.cancelled += 1
-                    return
-                job.emit("delta", delta)
-        except Exception as exc:  # this request fails; the worker goes on
-            self.stats.failed += 1
-            job.emit("error", exc)
-            return
-        self.stats.completed += 1
-        job.emit("done", stream.result)
-
-    # batched: continuous batching over BatchRunner
-    def _batch_loop(self) -> None:
-        assert self.runner_factory is not None
-        runner = self.runner_factory(self.engine, max_batch_size=self.max_batch_size)
+    def _loop(self) -> None:
         rows = self._rows = {}
-        apart = self._apart
         while not self._stop.is_set():
-            new: list[Job] = []  # admitted in this iteration: the runner prefills them in the next step
-            if not rows and not runner.has_work() and apart:  # the batch has drained: run what waits apart
-                self._run_apart(*apart.popleft())
-                continue
-            if not rows and not runner.has_work():
+            new: list[Job] = []  # submitted in this iteration: the loop prefills them in the next step
+            if not rows:
                 job = self._next(0.1)
                 if job is None:
                     continue
-                self._admit(runner, job, rows, new)
+                self._admit(job, rows, new)
                 # The batch window: requests arriving now prefill together (shared prefix K/V loaded once).
                 deadline = time.perf_counter() + self.batch_window_s
-                while len(rows) < self.max_batch_size and not apart:
+                while len(rows) < self.max_batch_size and self.batched:
                     job = self._next(max(0.0, deadline - time.perf_counter()))
                     if job is None:
                         break
-                    self._admit(runner, job, rows, new)
-            else:  # running: whatever queued meanwhile joins the next step (unless a request waits apart)
-                while len(rows) < self.max_batch_size and not apart:
+                    self._admit(job, rows, new)
+            else:  # running: whatever queued meanwhile joins the next step
+                while len(rows) < self.max_batch_size:
                     job = self._next()
                     if job is None:
                         break
-                    self._admit(runner, job, rows, new)
+                    self._admit(job, rows, new)
             for job, handle in rows.items():
                 if job.cancelled:
                     handle.cancel()
             self._active = len(rows)
-            if not rows and not runner.has_work():
+            if not rows:
                 continue
             try:
                 if len(new) > 1:  # their prefills run one after another inside this step
                     with _FirstTokenPump([(job, rows[job]) for job in new if job in rows]):
-                        runner.step()
+                        self.engine.step()
                 else:
-                    runner.step()
-            except Exception as exc:  # the batch is lost, the worker is not: fail its rows, start afresh
-                log.exception("batch step failed; failing %d request(s)", len(rows))
-                for job in rows:
-                    self.stats.failed += 1
-                    job.emit("error", exc)
-                rows.clear()
-                self._active = 0
-                runner = self.runner_factory(self.engine, max_batch_size=self.max_batch_size)
-                continue
+                    self.engine.step()
+            except Exception:  # the loop failed its rows (each handle has the error); the worker goes on
+                log.exception("a step of the engine's loop failed; failing %d request(s)", len(rows))
             self.stats.batches += 1
             self.stats.max_rows = max(self.stats.max_rows, len(rows))
             self._deliver(rows)
@@ -310,36 +245,34 @@ class Scheduler:
         for job, handle in rows.items():  # shutting down
             handle.cancel()
             job.emit("error", ShuttingDownError("the server is shutting down"))
-        while apart:
-            apart.popleft()[0].emit("error", ShuttingDownError("the server is shutting down"))
         self._active = 0
 
-    def _admit(self, runner, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
+    def _admit(self, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:
             request = self._request(job)
-            if runner.runs_apart(request) is not None:
-                self._apart.append((job, request))  # admission pauses until it has run
-                return
-            rows[job] = runner.add(request)
+            if runs_paged(self.engine, request):  # over blocks, outside the loop's workspace: run it now
+                return self._run_paged(job, request)
+            rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
             return
         new.append(job)
 
-    def _run_apart(self, job: Job, request: Any) -> None:
-        if job.cancelled:
-            self.stats.cancelled += 1
-            return
-        self._active = 1
-        self.stats.run_apart += 1
-        try:
-            self._run_one(job, request)
-        finally:
-            self._active = 0
+    def _run_paged(self, job: Job, request: Any) -> None:
+        stream = self.engine.stream(request)
+        for delta in stream:
+            if job.cancelled or self._stop.is_set():
+                stream.close()
+                self.stats.cancelled += 1
+                return
+            job.emit("delta", delta)
+        self.stats.completed += 1
+        job.emit("done", stream.result)
 
     def _request(self, job: Job):
-        """The job as the engine's Request: the same lifecycle (and the same options) on either worker."""
+        """The job as the engine's Request (validated and counted with the ids it came with: never tokenized
+        again)."""
         return self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
                                         cache_salt=job.cache_salt, content_reuse=job.content_reuse,
                                         t_start=job.t_start, output_format=job.output_format,

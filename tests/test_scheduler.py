@@ -1,4 +1,4 @@
-"""BatchRunner with a shared prefix: one prefix K/V for all rows, never copied into slots, exact outputs."""
+"""Scheduler with a shared prefix: one prefix K/V for all rows, never copied into slots, exact outputs."""
 from __future__ import annotations
 
 import random
@@ -8,13 +8,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvboost import KVBoost
-from kvboost.batch import BatchRunner, cascade
-from kvboost.batch.runner import CASCADE_MIN_TOKENS
+from kvboost.batch import cascade
+from kvboost.scheduler import CASCADE_MIN_TOKENS
 from kvboost.sampling import SamplingParams
+from kvboost.scheduler import Scheduler
 
-from ..hf_reference import hf_greedy
-from ..prompts import text_with_tokens, words
-from ..tiny_models import make_tiny_model
+from .hf_reference import hf_greedy
+from .prompts import text_with_tokens, words
+from .tiny_models import make_tiny_model
 
 CHUNK = 16
 
@@ -38,7 +39,7 @@ def prefix_reads(monkeypatch):
     return calls
 
 
-def _prefix_columns_untouched(runner: BatchRunner) -> bool:
+def _prefix_columns_untouched(runner: Scheduler) -> bool:
     """Rows neither hold nor allocate the shared prefix: the workspace's first column is position P."""
     p, ws = runner.prefix.length, runner.ws
     for i in range(len(ws.shapes)):
@@ -50,7 +51,7 @@ def _prefix_columns_untouched(runner: BatchRunner) -> bool:
 
 def _cascade_engine(model, tokenizer, **options) -> KVBoost:
     """An engine whose batches share prefixes through cascade attention on every device. With a runner (CUDA
-    graphs: fast_path "auto" on CUDA) a BatchRunner copies prefixes shorter than CASCADE_MIN_TOKENS per row
+    graphs: fast_path "auto" on CUDA) a Scheduler copies prefixes shorter than CASCADE_MIN_TOKENS per row
     instead, so these tests of the shared-prefix path turn the fast path off."""
     engine = KVBoost(model, tokenizer, fast_path="off", **options)
     assert engine.runner is None
@@ -77,7 +78,7 @@ def test_rows_sharing_a_prefix_read_one_copy_and_match_sequential(arch, tokenize
     engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = text_with_tokens(tokenizer, 3 * CHUNK + 5, seed=1)
     prompts = [system + " " + words(n, seed=n) for n in (3, 9, 17, 5)]
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     handles = [_add(runner, engine.encode(p), 10) for p in prompts]
     runner.step()
     assert runner.prefix is not None and runner.prefix.length >= 3 * CHUNK
@@ -106,7 +107,7 @@ def test_rows_joining_with_the_same_prefix_keep_it(tokenizer, prefix_reads):
     system = _ids(3 * CHUNK, seed=1)
     prompts = [system + _ids(n, seed=n) for n in (4, 11, 7, 20)]
     budgets = [12, 5, 9, 6]
-    handles = [_add(runner := BatchRunner(engine, max_batch_size=4), prompts[0], budgets[0]),
+    handles = [_add(runner := Scheduler(engine, max_batch_size=4), prompts[0], budgets[0]),
                _add(runner, prompts[1], budgets[1])]
     runner.step()
     shared = runner.prefix
@@ -125,7 +126,7 @@ def test_a_row_with_another_prefix_shrinks_the_shared_part(tokenizer):
     engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = _ids(3 * CHUNK, seed=1)
     prompts = [system + _ids(n, seed=n) for n in (5, 9, 13)]
-    runner = BatchRunner(engine, max_batch_size=6)
+    runner = Scheduler(engine, max_batch_size=6)
     handles = [_add(runner, ids, 14) for ids in prompts]
     runner.step()
     assert runner.prefix.length == 3 * CHUNK
@@ -156,7 +157,7 @@ def test_cancel_and_release_move_only_a_rows_own_columns(tokenizer):
     system = _ids(2 * CHUNK, seed=3)
     prompts = [system + _ids(n, seed=10 + n) for n in (3, 8, 5, 12, 6)]
     budgets = [3, 14, 6, 11, 9]
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     handles = [_add(runner, ids, n) for ids, n in zip(prompts, budgets)]  # the fifth waits for a free slot
     runner.step()
     runner.step()
@@ -181,7 +182,7 @@ def test_every_row_keeps_a_token_after_the_prefix(tokenizer):
     engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = _ids(3 * CHUNK, seed=5)
     prompts = [system, system + _ids(9, seed=6)]  # the first is exactly the 3-chunk prefix
-    runner = BatchRunner(engine, max_batch_size=2)
+    runner = Scheduler(engine, max_batch_size=2)
     handles = [_add(runner, ids, 6) for ids in prompts]
     runner.step()
     assert runner.prefix.length == 2 * CHUNK
@@ -195,7 +196,7 @@ def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
     engine = _cascade_engine(model, tokenizer, chunk_size=CHUNK)
     system = text_with_tokens(tokenizer, 2 * CHUNK + 3, seed=8)
     prompts = [system + " " + words(n, seed=40 + n) for n in (6, 13)]
-    runner = BatchRunner(engine, max_batch_size=2)
+    runner = Scheduler(engine, max_batch_size=2)
     handles = [_add(runner, engine.encode(p), 20) for p in prompts]
     runner.step()
     assert runner.prefix.length == 2 * CHUNK
@@ -228,15 +229,15 @@ def test_with_a_runner_rows_copy_a_short_prefix_and_match_sequential(tokenizer, 
     system = _ids(3 * CHUNK, seed=1)
     assert len(system) < CASCADE_MIN_TOKENS
     prompts = [system + _ids(n, seed=n) for n in (4, 11, 7)]
-    runner = BatchRunner(engine, max_batch_size=4)
-    assert runner.shared_prefix_attention and runner.steps is not None
+    runner = Scheduler(engine, max_batch_size=4)
+    assert runner.shared_prefix_attention and runner.runner is not None
     handles = [_add(runner, ids, 8) for ids in prompts]
     runner.step()
     assert runner.prefix is None and runner.ws.base == 0
     k0, _ = runner.ws.buffers(0)
     assert all(k0[r.slot, :, :len(system)].abs().sum() > 0 for r in runner._active)  # every row holds the prefix
     _drain(runner, lambda: runner.prefix is None or pytest.fail("shared a short prefix"))
-    assert runner.steps.stats.counts["steps"] > 0  # the decode steps ran through the runner
+    assert runner.runner.stats.counts["steps"] > 0  # the decode steps ran through the runner
     for ids, h in zip(prompts, handles):
         assert h.error is None and h.result.cached_tokens >= 3 * CHUNK
         assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 8)
@@ -247,8 +248,8 @@ def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
     engine = KVBoost(model, tokenizer, chunk_size=CHUNK, shared_prefix_attention=False)
     system = _ids(2 * CHUNK, seed=9)
     prompts = [system + _ids(n, seed=n) for n in (4, 7)]
-    for runner in (BatchRunner(engine, max_batch_size=2),
-                   BatchRunner(KVBoost(model, tokenizer, chunk_size=CHUNK), 2, shared_prefix_attention=False)):
+    for runner in (Scheduler(engine, max_batch_size=2),
+                   Scheduler(KVBoost(model, tokenizer, chunk_size=CHUNK), 2, shared_prefix_attention=False)):
         assert not runner.shared_prefix_attention and runner.shared_prefix_off_reason == "disabled"
         handles = [_add(runner, ids, 5) for ids in prompts]
         runner.step()
@@ -259,16 +260,16 @@ def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
         for ids, h in zip(prompts, handles):
             assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 5)
     assert not prefix_reads
-    assert BatchRunner(KVBoost(model, tokenizer, chunk_size=CHUNK)).shared_prefix_attention
+    assert Scheduler(KVBoost(model, tokenizer, chunk_size=CHUNK)).shared_prefix_attention
     with pytest.raises(TypeError):
-        BatchRunner(engine, shared_prefix_attention="yes")
+        Scheduler(engine, shared_prefix_attention="yes")
     with pytest.raises(ValueError, match="shared_prefix_attention"):
         KVBoost(model, tokenizer, shared_prefix_attention=1)
 
 
 def test_sliding_window_models_keep_the_per_row_path(tokenizer):
     engine = KVBoost(make_tiny_model("gemma3", tokenizer), tokenizer, chunk_size=CHUNK)
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     assert not runner.shared_prefix_attention and "sliding" in runner.shared_prefix_off_reason
 
 
@@ -279,7 +280,7 @@ def test_smollm2_rows_sharing_a_system_prompt(smol):
     engine = _cascade_engine(model, tokenizer, chunk_size=chunk)
     system = text_with_tokens(tokenizer, 2 * chunk + 10, seed=11)
     prompts = [system + " Question: " + words(n, seed=60 + n) + "?" for n in (4, 9, 6, 12)]
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     handles = [_add(runner, engine.encode(p), 8) for p in prompts]
     runner.step()
     assert runner.prefix is not None and runner.prefix.length >= 2 * chunk and _prefix_columns_untouched(runner)
@@ -304,7 +305,7 @@ def test_boundary_window_shared_prefix_ends_on_every_rows_cut(arch, tokenizer):
     assert shared >= 3 * CHUNK and shared % CHUNK != 0
     for ids in encoded:
         assert shared in {c.end for c in engine.chunker.split(ids) if c.complete}
-    runner = BatchRunner(engine, max_batch_size=4)
+    runner = Scheduler(engine, max_batch_size=4)
     handles = [_add(runner, ids, 8) for ids in encoded]
     runner.step()
     assert runner.prefix is not None and runner.prefix.length == shared and _prefix_columns_untouched(runner)
@@ -336,7 +337,7 @@ def test_boundary_window_rows_cut_differently_right_after_the_shared_tokens(case
         shared = [word] * 10 + [dot] + [word] * 10 + [dot] + [word] * 14
         rows, expected = [shared + [dot] + tails[0], shared + [word, word, dot] + tails[1]], 22
     assert find_common_chunk_prefix([ids[:-1] for ids in rows], CHUNK, engine.chunker) == expected
-    runner = BatchRunner(engine, max_batch_size=2)
+    runner = Scheduler(engine, max_batch_size=2)
     handles = [_add(runner, ids, 8) for ids in rows]
     runner.step()
     assert runner.prefix is not None and runner.prefix.length == expected

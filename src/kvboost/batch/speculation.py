@@ -1,0 +1,123 @@
+"""Speculation for the scheduler's rows: one implementation, per row.
+
+A speculating row (prompt lookup, a draft model) holds a Speculator: its proposer and its sampler's acceptance rule.
+Alone, the row verifies its drafts as one sequence always did: one forward of its token and up to k drafts over its
+slot (the runner's verify step where there is one), k sized by its AdaptiveK from the engine's measured step costs.
+Beside other rows, a step verifies every row's drafts at once: a ragged step of q tokens per row (each row's token,
+then its own drafts, padded to q), under a mask that keeps each query to its own row's columns up to itself. Each row
+keeps what its sampler accepts and its length moves by that; padding and rejected drafts leave K/V past the length,
+which the next step overwrites. The width q is the batch's (drafting.py: the expected tokens emitted per second, from
+every row's acceptance and the measured step costs), so a batch whose drafts do not pay decodes plainly.
+
+A sampled row's sampler draws once per emitted token whatever was drafted (Speculator.pick), so a seeded row's output
+is its non-speculative output, alone or beside any rows.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..decoding.factory import make_proposer
+from ..decoding.speculative import StepCosts
+from ..decoding.speculator import Speculator
+from ..sampling import sample_rows
+from .drafting import BatchDrafting, RowDrafts
+from .rows import Row
+
+if TYPE_CHECKING:
+    from ..scheduler import Scheduler
+
+
+class RowSpeculation:
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.drafting = BatchDrafting()
+
+    def speculator(self, row: Row) -> Speculator | None:
+        """The row's Speculator (None: it decodes plainly), after its prefill."""
+        request = row.request
+        params = request.speculative
+        if params is None:
+            return None
+        engine = self.scheduler.engine
+        costs = engine.spec_costs.setdefault(params.method, StepCosts())  # one per engine and method
+        proposer = make_proposer(engine, request, row.ids + [row.next_token], costs)
+        # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
+        # row's plan alive until the garbage collector ran.
+        spec = Speculator(proposer, row.sampler, params, self.scheduler.forward_alone, costs)
+        self.drafting.prior(spec.adaptive)
+        return spec
+
+    # ---- alone: the row's own verify --------------------------------------------------------------------------
+    def alone(self, row: Row) -> None:
+        assert row.spec is not None
+        drafted, kept = row.spec.counts.draft_tokens, row.spec.counts.accepted_tokens
+        out = row.spec.step(row.next_token, row.length, row.tracker.max_new_tokens - len(row.tracker.tokens))
+        self.drafting.observed(row.spec.counts.draft_tokens - drafted, row.spec.counts.accepted_tokens - kept)
+        row.length += len(out)  # the fed token and the kept drafts; rejected drafts' K/V lies past it
+        row.next_token = out[-1]
+        row.emit(out)
+        if row.tracker.finished:
+            self.scheduler.finish(row)
+
+    # ---- beside other rows: ragged verify steps ---------------------------------------------------------------
+    def verify_together(self, rows: list[Row]) -> bool:
+        """Verify the rows' drafts in one ragged step if drafting pays now; False: the caller runs a plain step."""
+        scheduler = self.scheduler
+        if scheduler.forwards.ragged_mask is None or not any(r.spec is not None for r in rows):
+            return False
+        if not self.drafting.proposing(len(rows)):
+            return False
+        proposals = [RowDrafts([]) if row.spec is None else
+                     RowDrafts(row.spec.drafts(min(row.spec.params.num_tokens,
+                                                   row.tracker.max_new_tokens - len(row.tracker.tokens) - 1)),
+                               row.spec.adaptive) for row in rows]
+        room = scheduler.engine.max_context - max(r.length for r in rows) if scheduler.engine.max_context else 1 << 30
+        width = self.drafting.width(proposals, room)
+        if width <= 1:
+            return False
+        self._verify_rows(rows, proposals, width, room)
+        return True
+
+    def timed_plain(self, rows: list[Row], t0: float) -> None:
+        """A plain step of these rows, started at t0, is done (its tokens reached the host): its time is the
+        yardstick the batch's verify widths are judged against."""
+        if len(rows) > 1 and any(r.spec is not None for r in rows):
+            self.drafting.timed_plain(len(rows), time.perf_counter() - t0)
+
+    def _verify_rows(self, rows: list[Row], proposals: list[RowDrafts], width: int, room: int) -> None:
+        """One forward of `width` tokens per row: each row's token, then its drafts (cut to width - 1), padded with
+        its token; each speculating row keeps what its sampler accepts, the others sample their first position.
+        With a runner (CUDA graphs, compiled steps) the step is its fixed-shape batched verify, the width rounded up
+        to one of its widths (the extra positions carry more drafts where rows have them: they cost nothing more
+        there), or cut to the widest step there is for that many rows."""
+        scheduler = self.scheduler
+        t0 = time.perf_counter()
+        lengths = [r.length for r in rows]
+        runner = scheduler.runner if scheduler.prefix is None else None
+        fixed = runner.verify_width(len(rows), width) if runner is not None else None
+        if fixed is not None and fixed <= room:
+            width = fixed
+        else:
+            runner = None
+        drafts = [p.drafts[:width - 1] for p in proposals]
+        tokens = [[r.next_token, *d, *[r.next_token] * (width - 1 - len(d))] for r, d in zip(rows, drafts)]
+        if runner is not None:
+            logits = runner.verify_batch(tokens, lengths)  # [n, width, vocab]
+        else:
+            logits = scheduler.forwards.ragged(tokens, lengths)
+        plain = [i for i, r in enumerate(rows) if r.spec is None]
+        picks = dict(zip(plain, sample_rows([rows[i].sampler for i in plain], logits[plain, 0]))) if plain else {}
+        outs = [[picks[i]] if row.spec is None else row.spec.accept(logits[i, :len(d) + 1], d, batched=True)
+                for i, (row, d) in enumerate(zip(rows, drafts))]
+        for d, out in zip(drafts, outs):
+            self.drafting.observed(len(d), len(out) - 1)
+        kept_whole = any(d and len(out) == len(d) + 1 for d, out in zip(drafts, outs))
+        self.drafting.timed_verify(len(rows), width, time.perf_counter() - t0, kept_whole)
+        for row, out in zip(rows, outs):  # every length first: a row leaving moves the last row's columns up to it
+            row.length += len(out)
+            row.next_token = out[-1]
+        for row, out in list(zip(rows, outs)):
+            row.emit(out)
+            if row.tracker.finished:
+                scheduler.finish(row)

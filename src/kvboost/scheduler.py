@@ -1,0 +1,405 @@
+"""Scheduler: every request is a row of one step loop.
+
+    add(request)  -> handle        queued; any thread
+    step()                         admit waiting rows (prefill) -> one forward for every row -> sample, emit, finish
+
+generate() is a batch of one that drains the loop; generate_stream() drains it as its caller reads; generate_batch(),
+warm() and the server submit to the same loop (engine.py). Rows join at any step and leave when done (continuous
+batching). Each row owns one row ("slot") of the engine's KV workspace (slot.py): its prefill, and its forwards while
+it runs alone, go through the engine's runner (CUDA graphs, the compiled CPU step) exactly as one request always
+did; rows running together are stepped in one batched forward (the runner's fixed-shape rows step, else
+batch/forwards.py).
+
+Shared prefix (batch/cascade.py): when every row starts with the same stored chunk-aligned prefix of P tokens, its
+K/V is loaded once into a SharedPrefix and rows hold only positions [P, length) in their slots (KVWorkspace.base =
+P). A row that arrives without that prefix shrinks it to what all rows still share: the dropped part is copied into
+every active row. The prefix never grows while rows are active and is dropped when the batch empties. A lone row
+never reads one (it keeps the runner's steps).
+
+Speculation (prompt lookup, a draft model; speculative= on the request or the engine): a row alone verifies its
+drafts in one forward of its token and up to k drafts; beside other rows, a step verifies every row's drafts at once
+in a ragged step (batch/speculation.py); a seeded row's output is the seed's alone, whatever it was verified beside.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from .batch.cascade import unsupported_reason
+from .batch.forwards import RowForwards
+from .batch.prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
+from .batch.rows import Row, SequenceHandle
+from .batch.speculation import RowSpeculation
+from .compat import has_sliding_layers
+from .kv.workspace import KVWorkspace
+from .model.runner import BATCH_BUCKETS, ModelRunner
+from .request import Request
+from .results import GenerationMode
+from .sampling import SamplingParams, sample_rows
+from .slot import Slot
+
+# With a runner (CUDA graphs), rows share a prefix through cascade attention only from this length on: a
+# shorter one is copied per row so that decode steps replay as graphs. At 1k shared tokens x 16 rows of a 3B
+# model the copies add ~0.2 ms of reads per step to ~2 ms of weights, while a graph removes ~30 ms of launches.
+CASCADE_MIN_TOKENS = 2048
+
+
+class Scheduler:
+    def __init__(self, engine, max_batch_size: int = 16, shared_prefix_attention: bool | None = None,
+                 workspace: KVWorkspace | None = None, runner: ModelRunner | None = None):
+        """workspace / runner: the engine's own (its scheduler); None builds a separate pair (a scheduler of its own
+        beside the engine's, e.g. a test's). shared_prefix_attention: None follows the engine's config; models for
+        which it cannot be exact keep the per-row path, and `shared_prefix_off_reason` says why."""
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if shared_prefix_attention is None:
+            shared_prefix_attention = engine.config.shared_prefix_attention
+        if not isinstance(shared_prefix_attention, bool):
+            raise TypeError(f"shared_prefix_attention must be a bool or None, got {shared_prefix_attention!r}")
+        self.engine = engine
+        self.kv = engine.kv
+        reason = unsupported_reason(engine.model) if shared_prefix_attention else "disabled"
+        self.shared_prefix_attention = reason is None
+        self.shared_prefix_off_reason = reason
+        # Ragged rows share one query offset in the mask; a sliding window computed from it would be wrong
+        # for the shorter rows, so models with sliding-window layers decode one row at a time.
+        self.max_batch_size = 1 if has_sliding_layers(engine.model) else max_batch_size
+        if workspace is None:
+            workspace = KVWorkspace(engine.workspace_shapes, engine.kv_dtype, engine.device,
+                                    max_positions=engine.max_context)
+            if engine.runner is not None:
+                runner = ModelRunner(engine.model, workspace, mode=engine.runner.mode, backend=engine.runner.backend,
+                                     verifies=engine.runner.verifies,
+                                     fallback_on_failure=engine.runner.fallback_on_failure, reports_to=engine.runner)
+        self.ws, self.runner = workspace, runner
+        self.forwards = RowForwards(engine, self.ws)
+        self.speculation = RowSpeculation(self)
+        self._pending: list[Row] = []
+        self._active: list[Row] = []  # _active[i].slot == i
+        self._leased: set[int] = set()  # rows lent to a draft sequence or a warm (lease())
+        self._lock = threading.Lock()
+
+    @property
+    def prefix(self) -> SharedPrefix | None:
+        """The batch's shared prefix K/V, when there is one."""
+        return self.forwards.prefix
+
+    @prefix.setter
+    def prefix(self, prefix: SharedPrefix | None) -> None:
+        self.forwards.prefix = prefix
+
+    # ---- public -------------------------------------------------------------------------------
+    def add(self, request: Request | list[int], params: SamplingParams | None = None, prompt_text: str | None = None,
+            *, max_rows: int | None = None, **options) -> SequenceHandle:
+        """Queue a Request (built by engine.request / engine.make_request); token ids, SamplingParams and
+        make_request's options are accepted as a shorthand. max_rows: run it only in steps of at most that many
+        rows (generate_batch's max_batch_size)."""
+        if not isinstance(request, Request):
+            request = self.engine.make_request(request, params if params is not None else SamplingParams(),
+                                               prompt_text, **options)
+        request.check_context(self.engine.max_context)
+        handle = SequenceHandle(request.prompt_text, len(request.ids))
+        row = Row(handle, request, request.sampler(self.engine.device),
+                  request.tracker(self.engine.tokenizer, self.engine.eos_token_ids), max_rows=max_rows)
+        with self._lock:
+            self._pending.append(row)
+        return handle
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._pending or self._active)
+
+    def active_count(self) -> int:
+        return len(self._active)
+
+    def kv_bytes(self) -> dict[str, int]:
+        """K/V bytes live now: `shared` (the prefix, once), `rows` (each row's own columns), and `allocated`
+        (the workspace buffers: every slot's columns from the prefix's end to the capacity, used or not)."""
+        per_token = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in self.ws.shapes) * self.ws.dtype.itemsize
+        p = self.prefix.length if self.prefix is not None else 0
+        return {"shared": self.prefix.nbytes if self.prefix is not None else 0,
+                "rows": sum(r.length - p for r in self._active) * per_token, "allocated": self.ws.nbytes}
+
+    def step(self) -> None:
+        """Admit waiting rows, then one forward for every active row. A step that raises fails the rows it was
+        running (each handle gets the error) and re-raises; the loop itself stays usable."""
+        with self.engine.lock, torch.inference_mode():
+            self._drop_cancelled()
+            if not self._active and self.runner is not None and self.max_batch_size > 1:
+                self.runner.prepare_batched_verify()  # compiled before any step is timed (a scratch step: no rows)
+            self._admit()
+            try:
+                if self._active:
+                    self._decode()
+            except Exception as exc:
+                for row in list(self._active):
+                    self._fail(row, exc)
+                raise
+            finally:
+                if not self._active:
+                    self.prefix = None
+
+    def slot(self, index: int) -> Slot:
+        return Slot(self.engine, self.ws.row(index), self.runner)
+
+    def lease(self) -> Slot:
+        """A row no request uses, lent until release(): a draft model's sequence, a warm. The first row when it is
+        free (the runner's steps run over it), else the next free one (the workspace grows a row if need be)."""
+        if self.ws.base:  # rows share a prefix now (no row holds positions from 0): a private one-row workspace
+            return Slot(self.engine, self._private_workspace())
+        busy = set(range(len(self._active))) | self._leased
+        index = next(i for i in range(len(busy) + 1) if i not in busy)
+        self.ws.ensure_rows(index + 1)
+        self._leased.add(index)
+        return self.slot(index)
+
+    def _private_workspace(self) -> KVWorkspace:
+        return KVWorkspace(self.ws.shapes, self.ws.dtype, self.ws.device, max_positions=self.ws.max_positions)
+
+    def release(self, slot: Slot) -> None:
+        self._leased.discard(slot.index)
+
+    # ---- admission: prefill new rows ------------------------------------------------------------
+    def _admit(self) -> None:
+        with self._lock:
+            room = self.max_batch_size - len(self._active)
+            waiting = list(self._pending)
+            new: list[Row] = []
+            for row in self._pending:
+                if len(new) >= room:
+                    break
+                cap = min([r.max_rows for r in (*self._active, *new, row) if r.max_rows is not None], default=room)
+                if len(self._active) + len(new) + 1 > cap:
+                    break  # in arrival order: a row that cannot join now waits, and so do the ones behind it
+                new.append(row)
+            self._pending = self._pending[len(new):]
+        if not new:
+            return
+        if self._leased & set(range(len(self._active) + len(new))):
+            raise RuntimeError("a leased workspace row is in use by a draft sequence or a warm; rows cannot be "
+                               "admitted over it")
+        self._compute_shared_prefixes(waiting)
+        self._share_prefix(new)
+        self._ensure_rows(len(self._active) + len(new))
+        need = max([r.length for r in self._active] + [len(r.ids) + r.tracker.max_new_tokens for r in new])
+        self.ws.ensure_capacity(need, keep=max([r.length for r in self._active], default=0))
+        for row in new:
+            row.slot = len(self._active)
+            try:
+                self._prefill(row)
+            except Exception as exc:  # one bad row must not take the batch down
+                self._fail(row, exc)
+                continue
+            self._active.append(row)
+            row.spec = self.speculation.speculator(row)
+            self._after_sample(row)
+
+    def _ensure_rows(self, n: int) -> None:
+        """Workspace rows for n active rows: a batch bucket's worth where the runner steps rows (the compiled rows
+        step takes two at least: a lone row then runs the runner's single-row step anyway)."""
+        if self.runner is not None and n > 1:
+            n = next((b for b in BATCH_BUCKETS if b >= max(n, self.runner.least_rows)), n)
+        self.ws.ensure_rows(n)
+
+    def _compute_shared_prefixes(self, rows: list[Row]) -> None:
+        """A prefix that several new rows share but the store lacks is computed once, not once per row."""
+        engine = self.engine
+        size = engine.config.chunk_size
+        groups: dict[tuple, list[Row]] = {}
+        for r in rows:
+            if r.mode is not GenerationMode.BASELINE and len(r.ids) > size:
+                groups.setdefault((r.salt, tuple(r.ids[:size])), []).append(r)
+        for group in groups.values():
+            if len(group) >= 2:
+                common = find_common_chunk_prefix([r.ids for r in group], size, engine.chunker)
+                if common:
+                    # Cut as part of the full prompt, so the stored chunks are the ones its rows look up (with a
+                    # boundary window, ids[:common] alone could be cut differently near its end).
+                    engine.warm_ids(group[0].ids[:common], group[0].salt, cut_ids=group[0].ids)
+
+    # ---- the shared prefix ----------------------------------------------------------------------
+    def _share_prefix(self, new: list[Row]) -> None:
+        """Make self.prefix the longest stored chunk-aligned prefix that every active and new row shares."""
+        if not self._active:
+            self.prefix = None
+        target = self._shared_length(new)
+        if self.prefix is not None and target < self.prefix.length:
+            self._shrink_prefix(target)
+        if self.prefix is None and target > 0:
+            self.prefix = self._load_prefix(new[0], target)
+        # Rows hold positions from the prefix's end on; below it they read the prefix.
+        self.ws.rebase(self.prefix.length if self.prefix is not None else 0,
+                       keep=max([r.length for r in self._active], default=0))
+
+    def _shared_length(self, new: list[Row]) -> int:
+        rows = self._active + new
+        if not self.shared_prefix_attention or len(rows) < 2:  # a lone row keeps the runner's own steps
+            return 0
+        if any(r.mode is GenerationMode.BASELINE for r in rows) or len({r.salt for r in rows}) != 1:
+            return 0
+        # ids[:-1]: every row keeps at least its last prompt token after the prefix for its own prefill.
+        # With a boundary window, n is a cut of every row (its cuts below len - 1 are cuts of its full ids too),
+        # which _prefill relies on: it looks up the row's chunks from the first one starting at n.
+        n = find_common_chunk_prefix([r.ids[:-1] for r in rows], self.engine.config.chunk_size, self.engine.chunker)
+        if self.runner is not None and n < CASCADE_MIN_TOKENS:
+            return 0  # rows copy a short prefix, so their decode steps run through the runner (graphs)
+        # Never grows while rows rely on it (their columns below a larger P were never written).
+        return min(n, self.prefix.length) if self.prefix is not None else n
+
+    def _load_prefix(self, row: Row, target: int) -> SharedPrefix | None:
+        """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
+        # The row's own chunks (cut as in its full ids: split(ids[:target]) could cut its last chunks elsewhere
+        # under a boundary window), whole chunks only, so n is a cut of every row too.
+        plan = self.kv.lookup(row.ids, row.salt, GenerationMode.PREFIX_CACHE)
+        n = min(target, plan.reuse_len)
+        return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments, self.engine.device) if n else None
+
+    def _shrink_prefix(self, n: int) -> None:
+        """Keep the first n prefix tokens shared; every active row gets its own copy of the rest."""
+        prefix = self.prefix
+        assert prefix is not None
+        self.ws.rebase(n, keep=max([r.length for r in self._active], default=0))
+        dropped_k = [k[0, :, n:] for k in prefix.keys]
+        dropped_v = [v[0, :, n:] for v in prefix.values]
+        for row in self._active:
+            self.ws.write(dropped_k, dropped_v, n, row=row.slot)
+        self.prefix = prefix.truncated(n)
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def _prefill(self, row: Row) -> None:
+        request = row.request
+        if self.prefix is None:  # the row's own slot, from position 0: resident reuse, placement, repair, runner
+            pre = self.slot(row.slot).prefill(request)
+            plan, logits = pre.plan, pre.logits
+        else:
+            plan, logits = self._prefill_over_prefix(row)
+        row.plan = plan
+        row.length = len(request.ids)
+        if request.return_logits:
+            row.first_logits = logits.float().clone()
+        row.next_token = row.sampler(logits.float())
+        row.ttft_ms = (time.perf_counter() - request.t_start) * 1e3
+
+    def _prefill_over_prefix(self, row: Row):
+        """A row whose positions below the batch's shared prefix are read from it: only its own chunks after the
+        prefix are looked up and placed into its slot."""
+        request, shared = row.request, self.prefix.length
+        plan = self.kv.lookup(request.ids, request.salt, request.mode, request.approximate, skip_before=shared)
+        if plan.has_content:
+            # Content placed at new positions is repaired over one contiguous sequence from position 0: a private
+            # one-row workspace does exactly what a lone row does; the row's own positions are copied over.
+            scratch = Slot(self.engine, self._private_workspace())
+            pre = scratch.prefill(request)
+            keys, values = scratch.ws.read(shared, len(request.ids))
+            self.ws.write(keys, values, shared, row=row.slot)
+            return pre.plan, pre.logits
+        self.kv.place(plan, self.ws, request.ids, row=row.slot)
+        return plan, self.forwards.prefill(row.slot, request.ids[plan.reuse_len:], plan.reuse_len)
+
+    # ---- decode: one token (or a verify) for every active row ---------------------------------------------
+    def _decode(self) -> None:
+        rows = self._active
+        n = len(rows)
+        if n == 1 and rows[0].spec is not None:
+            return self.speculation.alone(rows[0])
+        if n > 1 and self.speculation.verify_together(rows):
+            return
+        t0 = time.perf_counter()
+        if n == 1:  # alone: the row's own step, without the padding mask a batch needs (the runner's, when it has one)
+            logits = self.forward_alone([rows[0].next_token], rows[0].length)
+        elif self.prefix is None and self.runner is not None and self.runner.fits_batch(n):
+            logits = self.runner.decode_batch([r.next_token for r in rows], [r.length for r in rows])
+        else:
+            logits = self.forwards.decode([r.next_token for r in rows], [r.length for r in rows])
+        for row, token in zip(rows, sample_rows([r.sampler for r in rows], logits)):
+            row.length += 1
+            row.next_token = token
+            if row.spec is not None:
+                row.spec.proposer.extend([token])
+        self.speculation.timed_plain(rows, t0)
+        for row in list(rows):
+            self._after_sample(row)
+
+    def forward_alone(self, tokens: list[int], start: int) -> torch.Tensor:
+        """float32 logits [n, vocab] of tokens run at positions [start, start + n) of the only row (slot 0) after the
+        K/V of its [0, start): a verify, or without drafts the row's plain step."""
+        assert len(self._active) == 1 and self._active[0].slot == 0
+        if self.prefix is None:
+            return self.slot(0).forward(tokens, start, all_logits=True).float()
+        return self.forwards.alone(tokens, start)
+
+    def _after_sample(self, row: Row) -> None:
+        row.emit([row.next_token])
+        if row.tracker.finished:
+            self.finish(row)
+
+    # ---- leaving ---------------------------------------------------------------------------------
+    def finish(self, row: Row) -> None:
+        """The row's output is complete: store its K/V, build its result, free its slot."""
+        request, plan = row.request, row.plan
+        assert plan is not None
+        self._store(row)
+        self.kv.record(request.mode, len(request.ids), plan)
+        spec = row.spec
+        if spec is not None:
+            spec.close(request.ids + row.tracker.tokens)
+            self.engine.spec_counts.merge(spec.counts)
+        row.handle.result = request.result(plan, row.tracker, row.ttft_ms, row.first_logits, sampler=row.sampler,
+                                           spec=spec.counts if spec is not None else None)
+        self._release(row)
+        row.handle.finished = True
+
+    def _fail(self, row: Row, exc: Exception) -> None:
+        row.handle.error = exc
+        if row in self._active:
+            self._release(row)
+        self.slot(row.slot).forget()  # whatever the row wrote is not a finished request's K/V
+        row.handle.finished = True
+
+    def _store(self, row: Row) -> None:
+        """Write back the K/V the row computed (prompt and the output fed so far)."""
+        request, plan = row.request, row.plan
+        assert plan is not None
+        fed = (request.ids + row.tracker.tokens)[: row.length]
+        if self.prefix is None:  # the slot holds it all from position 0: it stays resident for the next request
+            self.slot(row.slot).finish(request, plan, fed)
+        elif request.uses_cache and self.engine.config.write_back:
+            # Only the exact part may be stored under prefix-chain keys (after placed content, every later token
+            # attended to approximate K/V). The slot holds no columns below the shared prefix: PrefixedRows reads
+            # those from the prefix.
+            exact = fed[: plan.reuse_len] if plan.needs_repair else fed
+            self.kv.write_back(exact, request.salt, PrefixedRows(self.ws, self.prefix), row=row.slot)
+
+    def _drop_cancelled(self) -> None:
+        """Cancelled rows leave: a waiting one at once, a running one after storing what it computed."""
+        with self._lock:
+            for row in [r for r in self._pending if r.handle.cancelled]:
+                self._pending.remove(row)
+                row.handle.finished = True
+        for row in [r for r in self._active if r.handle.cancelled]:
+            self._store(row)
+            if row.spec is not None:
+                row.spec.close(row.request.ids + row.tracker.tokens)
+            self._release(row)
+            row.handle.finished = True
+
+    def _release(self, row: Row) -> None:
+        """Free the row's slot; the last active row moves into it so active slots stay 0..n-1 (only its own
+        columns move: those below the shared prefix are not the row's). The row lets go of its plan here, and with
+        it the plan's holds on stored blocks, whoever still holds the row (a caller's handle never does)."""
+        row.plan, row.spec = None, None
+        idx = self._active.index(row)
+        last = self._active[-1]
+        end = last.length - self.ws.base  # columns hold positions from the shared prefix's end on
+        if last is not row:
+            for i in range(len(self.ws.shapes)):
+                k_buf, v_buf = self.ws.buffers(i)
+                k_buf[idx, :, :end].copy_(k_buf[last.slot, :, :end])
+                v_buf[idx, :, :end].copy_(v_buf[last.slot, :, :end])
+            self.slot(idx).forget()  # overwritten by the moved row, which is still running
+            self.slot(last.slot).forget()
+            last.slot = idx
+            self._active[idx] = last
+        self._active.pop()
