@@ -11,7 +11,7 @@ from kvboost import KVBoost
 from kvboost.kv.host_transfer import copy_heads, strided_copy_status
 from kvboost.kv.host_workspace import HostWorkspace
 from kvboost.kv.workspace import KVWorkspace, LayerShape
-from kvboost.model.forward import forward_tokens, probe_layer_shapes
+from kvboost.model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from kvboost.model.streamed_forward import streamed_forward
 from kvboost.results import GenerationMode
 
@@ -42,8 +42,8 @@ def _per_position(shapes: list[LayerShape], dtype: torch.dtype) -> int:
 class Resident:
     """The reference: the same forwards over a KVWorkspace (the engine's resident path)."""
 
-    def __init__(self, model, capacity: int):
-        self.model = model
+    def __init__(self, model, capacity: int, attention: str = "model"):
+        self.model, self.attention = model, attention
         shapes, dtype = probe_layer_shapes(model)
         self.ws = KVWorkspace(shapes, dtype, next(model.parameters()).device)
         self.ws.ensure_capacity(capacity, keep=0)
@@ -52,7 +52,7 @@ class Resident:
         n = len(tokens)
         with torch.no_grad():  # as streamed_forward (and the engine)
             logits = forward_tokens(self.model, tokens, self.ws.make_cache(start),
-                                    logits_to_keep=n if all_logits else 1)
+                                    logits_to_keep=n if all_logits else 1, attention=self.attention)
         return logits[0] if all_logits else logits[0, -1]
 
 
@@ -169,7 +169,13 @@ def test_a_forward_that_raises_midway_leaves_the_sequence_at_its_old_length(toke
     model = make_tiny_model("llama", tokenizer)
     ids = _ids(tokenizer, 20, seed=7)
     host, resident = _host(model, mode), Resident(model, 64)
-    streamed_forward(model, host, ids, 0)
+    # The prompt's K/V is placed (not computed here): no position is on the device yet, so the failing forward
+    # brings them all and keeps them on the device in the layers that ran before the failure.
+    donor = _host(model, "staged")
+    streamed_forward(model, donor, ids, 0)
+    host.ensure_capacity(64, keep=0)
+    host.write(*donor.read(0, len(ids)), start=0)
+    host.set_length(len(ids))
     resident.forward(ids, 0)
     layer = model.model.layers[1]
 
@@ -180,9 +186,9 @@ def test_a_forward_that_raises_midway_leaves_the_sequence_at_its_old_length(toke
     with pytest.raises(RuntimeError, match="layer 1 failed"):  # layer 0 wrote this step's K/V, layer 1 raised
         streamed_forward(model, host, [17, 18, 19], len(ids))
     monkeypatch.undo()
-    assert host.length == len(ids) and host.stats.forwards == 1
+    assert host.length == len(ids) and host.stats.forwards == 0
     if mode == "staged+resident":
-        assert host.resident.filled == len(ids)
+        assert host.resident.filled == 0  # layers 1 and 2 kept nothing
     pos = len(ids)
     for tokens in ([5], [6, 7], [8]):  # other tokens at the failed step's positions
         _same(streamed_forward(model, host, tokens, pos), resident.forward(tokens, pos))
@@ -288,3 +294,15 @@ def test_positions_placed_into_a_reused_host_workspace_replace_its_device_copies
     resident = Resident(model, 64)
     resident.forward(new, 0)  # the K/V the donor computed (a 30-token prefill would round differently)
     _same(streamed_forward(model, host, new[30:], 30), resident.forward(new[30:], 30))
+
+
+@pytest.mark.parametrize("mode", ["host", "staged"])
+def test_the_engines_attention_backend_runs_over_the_stream(tokenizer, device, mode):
+    model = make_tiny_model("llama", tokenizer)
+    attention, _ = resolve_attention("sdpa", model)
+    ids = _ids(tokenizer, 30, seed=12)
+    host, resident = _host(model, mode), Resident(model, 64, attention)
+    _same(streamed_forward(model, host, ids, 0, attention=attention), resident.forward(ids, 0))
+    drafts = _ids(tokenizer, 4, seed=13)
+    _same(streamed_forward(model, host, drafts, 30, all_logits=True, attention=attention),
+          resident.forward(drafts, 30, all_logits=True))

@@ -55,12 +55,15 @@ def strided_copy_status() -> str:
 
 def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src, both [kv_heads, n, d] with every head's [n, d] contiguous; enqueued on the current stream. Between
-    host and CUDA memory one strided copy (asynchronous when the host side is pinned); elsewhere one copy per head."""
+    host and CUDA memory one strided copy (asynchronous when the host side is pinned); elsewhere one copy per head
+    (asynchronous only where CUDA orders it: another device's non-blocking copy to the host may land after the host
+    reads it)."""
     if dst.shape[1] == 0:
         return
     if not _copy_2d(dst, src):
+        non_blocking = "cuda" in (dst.device.type, src.device.type)
         for h in range(dst.shape[0]):
-            dst[h].copy_(src[h], non_blocking=True)
+            dst[h].copy_(src[h], non_blocking=non_blocking)
 
 
 def _copy_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
