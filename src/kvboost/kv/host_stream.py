@@ -111,6 +111,7 @@ class StagedFeed:
 
     def take(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if i not in self.ready:  # layers run in order, but nothing breaks if one does not
+            self.copies.after_compute()
             self._prefetch(i)
         self.copies.wait(self.ready.pop(i))
         keys, values = self.scratch.views(i, self.end)
