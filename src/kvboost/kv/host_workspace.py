@@ -1,0 +1,266 @@
+"""One sequence's K/V in host memory, for contexts longer than the device holds (device_kv_max_tokens).
+
+HostWorkspace is a KVWorkspace whose buffers live in host memory: per layer K and V [1, kv_heads, capacity, d],
+contiguous, page-locked at their exact size when the model runs on CUDA (kv/pinned.py), growing like a
+KVWorkspace. It has the surface the KV manager uses on a workspace (`shapes`, `ensure_capacity`, `write_layer`,
+`write`, `read`), so `KVCacheManager.place(plan, host_ws, ids)` fills it from stored chunks and
+`write_back(seq, salt, host_ws)` stores from it unchanged. Forwards over it run through kv/host_stream.py, which
+brings each layer's K/V to the device as that layer runs.
+
+What a staged forward (a device that is not the host) needs on the device also lives here, since it outlives one
+forward: `scratch` (two alternating layer-sized K/V buffers) and `resident` (the first positions of every layer,
+kept on the device within a byte budget so they are not copied again each forward).
+
+Positions [0, length) hold the sequence's K/V. Positions past `length` may hold anything (a rejected draft's K/V,
+a failed forward's partial writes): they are never read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .host_transfer import CudaCopies, InlineCopies, copies_for
+from .pinned import pinned_empty
+from .workspace import LayerShape
+
+_GROW_STEP = 256  # as KVWorkspace: grow by half, in steps of this many positions
+
+
+class _Pending(Protocol):
+    def synchronize(self) -> None: ...
+
+
+@dataclass
+class HostStreamStats:
+    forwards: int = 0  # forwards completed
+    bytes_to_device: int = 0  # K/V of earlier positions brought from host memory (staged forwards)
+    bytes_to_host: int = 0  # the steps' own K/V written back to host memory (staged forwards)
+
+
+def _grown(needed: int, capacity: int, max_positions: int | None) -> int:
+    target = -(-max(needed, int(capacity * 1.5)) // _GROW_STEP) * _GROW_STEP
+    return max(needed, min(target, max_positions)) if max_positions else target
+
+
+class DeviceResident:
+    """Positions [0, filled) of every layer kept on the compute device, [1, kv_heads, capacity, d] per layer:
+    `capacity` is what the byte budget affords. Allocated at the first staged forward."""
+
+    def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, budget_bytes: int):
+        per_position = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.capacity = budget_bytes // per_position
+        self.filled = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.keys:
+            for s in self.shapes:
+                self.keys.append(torch.empty(1, s.kv_heads, self.capacity, s.head_dim_k, dtype=self.dtype,
+                                             device=self.device))
+                self.values.append(torch.empty(1, s.kv_heads, self.capacity, s.head_dim_v, dtype=self.dtype,
+                                               device=self.device))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def invalidate_from(self, position: int) -> None:
+        """The host's K/V from `position` on changed: the device copy of those positions is stale."""
+        self.filled = min(self.filled, position)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class Scratch:
+    """Two pairs of device K/V buffers that layers take in turn (layer i: pair i % 2), so layer i + 1's positions
+    are copied into one while layer i's attention reads the other. One flat buffer per pair and K/V, viewed as each
+    layer's [1, kv_heads, columns, d]; reused by every forward (grown when a forward needs more columns)."""
+
+    def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device):
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.columns = 0
+        self.flat: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def ensure(self, n: int) -> None:
+        """Room for n positions. Called before a forward's first copy (no copy in flight reads the old buffers)."""
+        if n > self.columns:
+            self.columns = _grown(n, self.columns, None)
+            k_width = max(s.kv_heads * s.head_dim_k for s in self.shapes)
+            v_width = max(s.kv_heads * s.head_dim_v for s in self.shapes)
+            self.flat = [(torch.empty(self.columns * k_width, dtype=self.dtype, device=self.device),
+                          torch.empty(self.columns * v_width, dtype=self.dtype, device=self.device)) for _ in range(2)]
+
+    def views(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's K and V [1, kv_heads, n, d] (strided: a head is `columns` positions apart)."""
+        s, (k, v) = self.shapes[layer_idx], self.flat[layer_idx % 2]
+        cols = self.columns
+        keys = k[:s.kv_heads * cols * s.head_dim_k].view(1, s.kv_heads, cols, s.head_dim_k)
+        values = v[:s.kv_heads * cols * s.head_dim_v].view(1, s.kv_heads, cols, s.head_dim_v)
+        return keys[:, :, :n], values[:, :, :n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.flat for t in pair)
+
+
+class HostWorkspace:
+    """Per-layer K/V of one sequence in host memory (see the module docstring).
+
+    shapes, dtype: the model's cached K/V (model/forward.py: probe_layer_shapes). compute_device: where the model
+    runs. resident_bytes: device memory for keeping the sequence's first positions there (staged forwards only).
+    staged: None (default) stages K/V through device buffers when the compute device is not the host; True on a
+    CPU runs that same path with copies that complete as issued (tests); False: attention reads host memory.
+    """
+
+    batch_size = 1
+    base = 0  # column c holds position c (KVWorkspace's base: a host workspace never skips a shared prefix)
+
+    def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, compute_device: torch.device | str,
+                 resident_bytes: int = 0, staged: bool | None = None, max_positions: int | None = None):
+        self.shapes, self.dtype = shapes, dtype
+        self.device = torch.device("cpu")  # where the buffers live (what place() and read() copy to and from)
+        self.compute_device = torch.device(compute_device)
+        self.staged = self.compute_device.type != "cpu" if staged is None else staged
+        self.max_positions = max_positions
+        self.capacity = 0
+        self.length = 0
+        self.pinned = False
+        self.pageable_reason: str | None = None  # why the buffers are not page-locked (CUDA), if they are not
+        self.stats = HostStreamStats()
+        self.copies: CudaCopies | InlineCopies | None = copies_for(self.compute_device) if self.staged else None
+        self.scratch = Scratch(shapes, dtype, self.compute_device) if self.staged else None
+        self.resident = (DeviceResident(shapes, dtype, self.compute_device, resident_bytes)
+                         if self.staged and resident_bytes > 0 else None)
+        self.pending: _Pending | None = None  # copies to/from the buffers still in flight (CUDA)
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+
+    # ---- buffers -------------------------------------------------------------------------------------
+    def _host_empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.compute_device.type != "cuda":
+            return torch.empty(shape, dtype=self.dtype)
+        tensor, why_not = pinned_empty(shape, self.dtype)
+        if why_not is not None and why_not != "empty" and self.pageable_reason is None:
+            self.pageable_reason = why_not
+        return tensor
+
+    def _allocate(self, capacity: int, keep: int) -> None:
+        self.sync()
+        keep = min(keep, self.capacity)
+        self.pageable_reason = None
+        new_k, new_v = [], []
+        for i, s in enumerate(self.shapes):
+            k = self._host_empty((1, s.kv_heads, capacity, s.head_dim_k))
+            v = self._host_empty((1, s.kv_heads, capacity, s.head_dim_v))
+            if keep:
+                k[:, :, :keep].copy_(self._k[i][:, :, :keep])
+                v[:, :, :keep].copy_(self._v[i][:, :, :keep])
+            new_k.append(k)
+            new_v.append(v)
+        self._k, self._v, self.capacity = new_k, new_v, capacity
+        self.length = min(self.length, keep)
+        if self.resident is not None:
+            self.resident.invalidate_from(keep)
+        self.pinned = self.compute_device.type == "cuda" and capacity > 0 and self.pageable_reason is None
+
+    def ensure_capacity(self, needed: int, keep: int | None = None) -> None:
+        """Room for positions [0, needed); positions [0, keep) (default: all held) keep their K/V on growth."""
+        if needed > self.capacity:
+            if self.max_positions and needed > self.max_positions:
+                raise ValueError(f"{needed} positions exceed this host workspace's {self.max_positions}")
+            self._allocate(_grown(needed, self.capacity, self.max_positions),
+                           self.capacity if keep is None else keep)
+
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx's host K and V [1, kv_heads, capacity, d]."""
+        return self._k[layer_idx], self._v[layer_idx]
+
+    def set_length(self, length: int) -> None:
+        """The sequence holds positions [0, length): a rollback (a verify's rejected drafts), or positions placed
+        from stored chunks."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length {length} is outside this host workspace's {self.capacity} positions")
+        self.length = length
+        if self.resident is not None:
+            self.resident.invalidate_from(length)
+
+    def sync(self) -> None:
+        """Wait for copies in flight to or from the host buffers (before the CPU reads or writes them)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+            self.pending = None
+
+    def release(self) -> None:
+        """Give every buffer back (host, and the device's scratch and resident copies)."""
+        self.sync()
+        self._k, self._v, self.capacity, self.length = [], [], 0, 0
+        if self.scratch is not None:
+            self.scratch = Scratch(self.shapes, self.dtype, self.compute_device)
+        if self.resident is not None:
+            self.resident.keys, self.resident.values, self.resident.filled = [], [], 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held."""
+        return sum(t.numel() * t.element_size() for t in self._k + self._v)
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device memory held (staged forwards' scratch and resident positions)."""
+        return ((self.scratch.nbytes if self.scratch is not None else 0)
+                + (self.resident.nbytes if self.resident is not None else 0))
+
+    # ---- contents (KVCacheManager's workspace surface) ---------------------------------------------------
+    def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
+                    row: int | None = None) -> None:
+        """Consecutive pieces of one layer's K/V ([kv_heads, n_i, d] each, any device) to positions start..."""
+        _check_row(row)
+        n = sum(p.shape[-2] for p in keys)
+        if n == 0:
+            return
+        if start + n > self.capacity:
+            raise ValueError(f"positions [{start}, {start + n}) exceed this host workspace's {self.capacity}")
+        self.sync()
+        k_buf, v_buf = self.buffers(layer_idx)
+        _concat_into(keys, k_buf[0, :, start:start + n])
+        _concat_into(values, v_buf[0, :, start:start + n])
+        if self.resident is not None:
+            self.resident.invalidate_from(start)
+
+    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
+              n_tokens: int | None = None, row: int | None = None) -> None:
+        """One chunk's per-layer K/V ([kv_heads, n, d] or [1, kv_heads, n, d]) to positions start..."""
+        for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
+            k, v = (k[0], v[0]) if k.dim() == 4 else (k, v)
+            n = k.shape[-2] if n_tokens is None else n_tokens
+            self.write_layer(i, [k[:, :n]], [v[:, :n]], start, row=row)
+
+    def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Owned host copies [kv_heads, end - start, d] of positions [start, end), every layer."""
+        _check_row(row)
+        if end > self.capacity:
+            raise ValueError(f"positions [{start}, {end}) exceed this host workspace's {self.capacity}")
+        self.sync()
+        return ([k[0, :, start:end].clone() for k in self._k], [v[0, :, start:end].clone() for v in self._v])
+
+
+def _check_row(row: int | None) -> None:
+    if row not in (None, 0):
+        raise ValueError(f"a host workspace holds one sequence (row 0); got row {row}")
+
+
+def _concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
+    """dst [kv_heads, n, d] (host) <- the pieces concatenated along positions. Pieces from a device (a device tier's
+    records) are concatenated there first: one transfer instead of one per piece."""
+    devices = {p.device for p in pieces}
+    if len(pieces) > 1 and len(devices) == 1 and dst.device not in devices:
+        dst.copy_(torch.cat(pieces, dim=-2))
+        return
+    offset = 0
+    for p in pieces:
+        n = p.shape[-2]
+        dst[:, offset:offset + n].copy_(p)
+        offset += n
