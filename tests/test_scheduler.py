@@ -9,9 +9,8 @@ from transformers.cache_utils import DynamicCache
 
 from kvboost import KVBoost
 from kvboost.batch import cascade
-from kvboost.scheduler import CASCADE_MIN_TOKENS
 from kvboost.sampling import SamplingParams
-from kvboost.scheduler import Scheduler
+from kvboost.scheduler import CASCADE_MIN_TOKENS, Scheduler
 
 from .hf_reference import hf_greedy
 from .prompts import text_with_tokens, words

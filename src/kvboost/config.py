@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, fields
 
 from .results import RecomputeStrategy
@@ -61,29 +62,15 @@ class EngineConfig:
     # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
     # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
     fast_path: str = "auto"
-    # Exact chunks live in a block pool (kv/paged_kv.py, docs/paged-kv.md): a hit maps stored blocks without
-    # copying them, write-back keeps blocks; disk / Redis tiers sit behind the blocks. Off by default while the
-    # block path is being wired; for now it needs fixed cuts and full precision (refused otherwise). Content reuse
-    # finds chunks in blocks (device or host) and re-rotates them into the workspace.
-    paged_kv: bool = False
-    kv_block_size: int | None = None  # tokens per block: None = chunk_size; else a divisor of it
-    # What a single request's forwards run over with paged_kv: "workspace" (stored blocks are placed into the
-    # contiguous workspace, where the fast path's graphs run), "table" (no workspace: attention reads the block
-    # table - the paged Triton kernel on CUDA, a gather elsewhere - so a stored prefix is never copied; forwards are
-    # eager), or "auto" (= "workspace" until the fast path captures over tables). Batches use the workspace.
-    paged_attention: str = "auto"
-    # paged_kv's stored chunks on the model's device: over this budget the coldest move to a host pool of
-    # memory_budget_bytes (pinned on CUDA) and come back on a hit, instead of being dropped (host offload).
-    # None: on CUDA 30% of the device memory free at load; elsewhere no offload (the device is host memory: one
-    # pool of memory_budget_bytes). Needs paged_kv.
+    # On a GPU, stored chunks kept on the device: over this budget the coldest move to host memory (a tier of
+    # memory_budget_bytes, page-locked) instead of being dropped, and come back on a hit. None: on CUDA 30% of the
+    # device memory free at load; elsewhere no separate budget (the device is host memory: one memory tier).
     device_kv_budget_bytes: int | None = None
-    # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host blocks (host offload's
-    # pool, which then has room for one such sequence) and each forward brings it to the device one layer at a
-    # time (prefetched a layer ahead on CUDA): it runs, identically, instead of running out of device memory.
-    # None: elsewhere than CUDA no limit; on CUDA none while the stored chunks' budget and two sequences of the
-    # model's longest context fit in 60% of the device memory free at load, else what 15% of it holds. Single
-    # requests only (batches run a longer row on its own; the batching server refuses it). Needs paged_kv and
-    # host offload (on CPU: device_kv_budget_bytes set).
+    # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host memory and each forward
+    # brings it to the device one layer at a time (the first device_kv_max_tokens positions stay on the device): it
+    # runs, identically, instead of running out of device memory. None: elsewhere than CUDA no limit; on CUDA none
+    # while the stored chunks' budget and two sequences of the model's longest context fit in 60% of the device
+    # memory free at load, else what 15% of it holds. Exact reuse only for such a sequence.
     device_kv_max_tokens: int | None = None
     # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
     # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.
@@ -132,10 +119,6 @@ class EngineConfig:
                  and self.max_batch_size >= 1, f"max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
         _require(isinstance(self.shared_prefix_attention, bool),
                  f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
-        _require(isinstance(self.paged_kv, bool), f"paged_kv must be a bool, got {self.paged_kv!r}")
-        _require(self.kv_block_size is None or (isinstance(self.kv_block_size, int) and self.kv_block_size > 0
-                                                and self.chunk_size % self.kv_block_size == 0),
-                 f"kv_block_size must be None or a positive divisor of chunk_size, got {self.kv_block_size!r}")
         _require(self.device_kv_budget_bytes is None or (
             isinstance(self.device_kv_budget_bytes, int) and self.device_kv_budget_bytes >= 0),
                  f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
@@ -143,33 +126,31 @@ class EngineConfig:
             isinstance(self.device_kv_max_tokens, int) and not isinstance(self.device_kv_max_tokens, bool)
             and self.device_kv_max_tokens > 0),
                  f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
-        _require(self.device_kv_max_tokens is None or self.paged_kv,
-                 "device_kv_max_tokens (streaming long contexts from host memory) needs paged_kv=True")
-        _require(self.paged_attention in ("auto", "workspace", "table"),
-                 f"paged_attention must be auto, workspace or table, got {self.paged_attention!r}")
-        _require(self.paged_attention != "table" or self.paged_kv, "paged_attention='table' needs paged_kv=True")
-        _require(self.device_kv_budget_bytes is None or self.paged_kv,
-                 "device_kv_budget_bytes (host offload) needs paged_kv=True")
-        if self.paged_kv:
-            # kv_cache_bits 8/4 with paged_kv: disk and Redis records are quantized and dequantized into blocks on
-            # load; device and host blocks keep the model's dtype (a hit from memory stays exact). Without a slow
-            # tier the option would change nothing: refused rather than ignored.
-            _require(self.kv_cache_bits == 16 or bool(self.disk_cache_dir or self.redis_url),
-                     f"kv_cache_bits={self.kv_cache_bits} with paged_kv quantizes the disk and Redis records only "
-                     "(blocks in memory keep the model's dtype): set disk_cache_dir or redis_url, or paged_kv=False "
-                     "to quantize the memory tier")
-            _require(self.chunk_boundary_window == 0, "paged_kv does not support chunk_boundary_window yet")
-            _require(not (self.content_reuse and self.paged_attention == "table"),
-                     "content_reuse needs paged_attention 'auto' or 'workspace' (a chunk moved to another position "
-                     "is re-rotated into the workspace), not 'table'")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
+        for name in sorted(set(kwargs) & set(DEPRECATED)):
+            value = kwargs.pop(name)
+            if name not in _warned:
+                _warned.add(name)
+                warnings.warn(f"{name}={value!r} is deprecated and ignored: {DEPRECATED[name]}", FutureWarning,
+                              stacklevel=3)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+# Options of removed designs: accepted (with one warning per process and name) and ignored.
+DEPRECATED = {
+    "paged_kv": "the engine has one KV design, the contiguous workspace (docs/architecture.md); stored chunks spill "
+                "to host memory with device_kv_budget_bytes and long contexts stream with device_kv_max_tokens "
+                "without it",
+    "kv_block_size": "there are no KV blocks: chunks are the unit of reuse (chunk_size)",
+    "paged_attention": "there are no block tables: every request runs over a workspace row",
+}
+_warned: set[str] = set()
 
 
 def _require(condition: bool, message: str) -> None:

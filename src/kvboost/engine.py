@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,45 +29,34 @@ from .decoding.factory import make_draft_engine, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.build import build_kv_manager
+from .kv.long_context import LongContexts, device_kv_budget, device_max_tokens
 from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
-from .model.attention import paged_hf as _paged_hf  # noqa: F401  (registration, see above)
 from .model.cpu_linear import install_cpu_linear
 from .model.fast_path import fast_path_stats, make_runner
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
-from .model.table_runner import make_table_runner
-from .model.table_sequence import use_table_forward
-from .paged_path import generate_paged, runs_paged
 from .prompting import Messages
 from .request import Request
 from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .streaming import streamed_warm
+from .slot import HostSlot
 
 
 class TextStream:
     """Iterate for text deltas; afterwards `.result` holds the GenerationResult. close() stops generation (what was
     computed is still stored). Each read steps the engine's loop until this request has new text."""
 
-    def __init__(self, engine: InferenceEngine, handle: SequenceHandle | None = None,
-                 events: Iterator[str | GenerationResult] | None = None):
-        self.engine, self.handle, self._events = engine, handle, events
+    def __init__(self, engine: InferenceEngine, handle: SequenceHandle):
+        self.engine, self.handle = engine, handle
         self.result: GenerationResult | None = None
-        if handle is not None:  # abandoned unread: the row is cancelled rather than left running
-            self._finalizer = weakref.finalize(self, handle.cancel)
+        self._finalizer = weakref.finalize(self, handle.cancel)  # abandoned unread: cancelled, not left running
 
     def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
-        if self._events is not None:  # a request outside the scheduler (paged_path.py)
-            event = next(self._events)
-            if isinstance(event, GenerationResult):
-                self.result = event
-                raise StopIteration
-            return event
         handle = self.handle
         while True:
             deltas = handle.take_deltas()
@@ -81,11 +70,7 @@ class TextStream:
             self.engine.step()
 
     def close(self) -> None:
-        if self._events is not None:
-            close = getattr(self._events, "close", None)
-            if close is not None:
-                close()
-        elif not self.handle.finished:
+        if not self.handle.finished:
             self.handle.cancel()
             self.engine.step()  # the row leaves now (its K/V is stored), not at some later step
 
@@ -117,10 +102,13 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
-        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model, self.workspace_shapes,
-                                   self.kv_dtype, self.device, self.max_context)
-        # paged_attention="table": requests run over their block table, not the workspace (paged_path.py).
-        self.table_forward = use_table_forward(self.config.paged_attention, model)
+        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model)
+        # Contexts longer than the device holds keep their K/V in host memory (kv/long_context.py).
+        max_tokens = device_max_tokens(self.config.device_kv_max_tokens, self.device,
+                                       device_kv_budget(self.config.device_kv_budget_bytes, self.device),
+                                       self.workspace_shapes, self.kv_dtype, self.max_context)
+        self.long_contexts = LongContexts(max_tokens, self.workspace_shapes, self.kv_dtype, self.device,
+                                          self.max_context)
         # The K/V of every running request: one row each (slot.py), rows added as requests run together.
         self.kv_workspace = KVWorkspace(self.workspace_shapes, self.kv_dtype, self.device,
                                         max_positions=self.max_context)
@@ -129,7 +117,6 @@ class InferenceEngine:
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
         self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.kv_workspace,
                                                          self.attention, verifies=self.config.speculative is not None)
-        self.table_runner = make_table_runner(self.runner, model, self.kv.blocks.pool) if self.table_forward else None
         # Serializes every forward over the model and the workspace (steps of the loop, warm).
         self.lock = threading.RLock()
         self._warm_up()
@@ -155,19 +142,12 @@ class InferenceEngine:
                 forward_tokens(self.model, [0] * n, self.workspace.make_cache(0), attention=self.attention)
             if ahead:
                 self.runner.warm_up()
-                if self.table_runner is not None and self.table_runner.mode == "graphs":
-                    self.table_runner.warm_up()
             self.kv_workspace.forget_residents()  # scratch K/V, nothing resident
 
     @property
     def workspace(self) -> RowView:
         """The workspace's first row: what a request running alone holds (and leaves resident for the next)."""
         return self.kv_workspace.row(0)
-
-    @property
-    def paged_backend(self) -> str | None:
-        """The attention preference of forwards over a block table: the engine's Triton choice, else automatic."""
-        return "triton" if self.attention == "triton" else ("sdpa" if self.attention == "sdpa" else None)
 
     @property
     def draft(self) -> InferenceEngine | None:
@@ -252,8 +232,6 @@ class InferenceEngine:
         return stream.result
 
     def stream(self, request: Request) -> TextStream:
-        if runs_paged(self, request):
-            return TextStream(self, events=generate_paged(self, request))
         return TextStream(self, self.submit(request))
 
     def submit(self, request: Request, max_rows: int | None = None) -> SequenceHandle:
@@ -292,8 +270,12 @@ class InferenceEngine:
         longer sequence that starts with ids, whose chunks these are (see KVCacheManager.write_back)."""
         ids = list(ids)
         with self.lock, torch.inference_mode():
-            if self.kv.streams(len(ids) + 1):  # longer than the device holds: kept in host blocks
-                return streamed_warm(self.kv, self.model, self.attention, ids, salt)
+            if self.long_contexts.streams(len(ids) + 1):  # longer than the device holds: run from host memory
+                slot = HostSlot(self, self.long_contexts.host_workspace())
+                try:
+                    return slot.warm(ids, salt, cut_ids)
+                finally:
+                    slot.forget()
             slot = self.scheduler.lease()  # a free row: running rows are not disturbed
             try:
                 return slot.warm(ids, salt, cut_ids)
@@ -330,23 +312,20 @@ class InferenceEngine:
         return results  # type: ignore[return-value]
 
     def run_batch(self, requests: list[Request], max_batch_size: int | None = None) -> list[GenerationResult]:
-        """Run requests together as rows of the loop until all are done; results keep order. Requests over block
-        tables or streamed from host memory run one at a time first (paged_path.py)."""
-        results: dict[int, GenerationResult] = {i: self.run(r) for i, r in enumerate(requests) if runs_paged(self, r)}
-        handles = {i: self.submit(r, max_batch_size) for i, r in enumerate(requests) if i not in results}
-        while not all(h.finished for h in handles.values()):
+        """Run requests together as rows of the loop until all are done; results keep order."""
+        handles = [self.submit(r, max_batch_size) for r in requests]
+        while not all(h.finished for h in handles):
             self.step()
-        for h in handles.values():
+        for h in handles:
             if h.error is not None:
                 raise h.error
-        results.update({i: h.result for i, h in handles.items()})
-        return [results[i] for i in range(len(requests))]
+        return [h.result for h in handles]
 
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear, self.table_runner)
+        fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear)
         return dict(self.kv.stats(), workspace_bytes=self.kv_workspace.nbytes, fast_path=fast,
-                    paged_attention=("table" if self.table_forward else "workspace") if self.kv.blocks else None,
+                    streamed=self.long_contexts.as_dict(),
                     speculative=speculation_stats(self.config, self.spec_counts, self.spec_costs))
 
     def clear_cache(self) -> None:

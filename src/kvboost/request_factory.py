@@ -63,10 +63,6 @@ class RequestFactory:
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         self.check_logit_bias(params)
-        if content_reuse and self.config.paged_kv and self.config.paged_attention == "table":
-            raise InvalidRequestError("content_reuse is not supported with paged_attention='table' (a stored chunk "
-                                      "moved to another position is re-rotated into a workspace; use the default "
-                                      "paged_attention)", "content_reuse")
         request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
                           self.config.content_reuse if content_reuse is None else content_reuse, return_logits,
                           time.perf_counter() if t_start is None else t_start,

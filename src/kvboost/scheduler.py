@@ -38,7 +38,7 @@ from .model.runner import BATCH_BUCKETS, ModelRunner
 from .request import Request
 from .results import GenerationMode
 from .sampling import SamplingParams, sample_rows
-from .slot import Slot
+from .slot import HostSlot, Slot
 
 # With a runner (CUDA graphs), rows share a prefix through cascade attention only from this length on: a
 # shorter one is copied per row so that decode steps replay as graphs. At 1k shared tokens x 16 rows of a 3B
@@ -77,7 +77,8 @@ class Scheduler:
         self.forwards = RowForwards(engine, self.ws)
         self.speculation = RowSpeculation(self)
         self._pending: list[Row] = []
-        self._active: list[Row] = []  # _active[i].slot == i
+        self._active: list[Row] = []  # rows in the workspace: _active[i].slot == i
+        self._streamed: list[Row] = []  # rows whose K/V lives in host memory (longer than the device holds)
         self._leased: set[int] = set()  # rows lent to a draft sequence or a warm (lease())
         self._lock = threading.Lock()
 
@@ -109,10 +110,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._pending or self._active)
+            return bool(self._pending or self._active or self._streamed)
 
     def active_count(self) -> int:
-        return len(self._active)
+        return len(self._active) + len(self._streamed)
 
     def kv_bytes(self) -> dict[str, int]:
         """K/V bytes live now: `shared` (the prefix, once), `rows` (each row's own columns), and `allocated`
@@ -131,10 +132,12 @@ class Scheduler:
                 self.runner.prepare_batched_verify()  # compiled before any step is timed (a scratch step: no rows)
             self._admit()
             try:
+                for row in list(self._streamed):
+                    self._step_streamed(row)
                 if self._active:
                     self._decode()
             except Exception as exc:
-                for row in list(self._active):
+                for row in [*self._streamed, *self._active]:
                     self._fail(row, exc)
                 raise
             finally:
@@ -164,17 +167,25 @@ class Scheduler:
     # ---- admission: prefill new rows ------------------------------------------------------------
     def _admit(self) -> None:
         with self._lock:
-            room = self.max_batch_size - len(self._active)
+            room = self.max_batch_size - len(self._active) - len(self._streamed)
             waiting = list(self._pending)
             new: list[Row] = []
             for row in self._pending:
                 if len(new) >= room:
                     break
-                cap = min([r.max_rows for r in (*self._active, *new, row) if r.max_rows is not None], default=room)
-                if len(self._active) + len(new) + 1 > cap:
+                running = [*self._active, *self._streamed, *new]
+                cap = min([r.max_rows for r in (*running, row) if r.max_rows is not None], default=room)
+                if len(running) + 1 > cap:
                     break  # in arrival order: a row that cannot join now waits, and so do the ones behind it
                 new.append(row)
             self._pending = self._pending[len(new):]
+        if not new:
+            return
+        streamed = [r for r in new if self.engine.long_contexts.streams(len(r.ids) + r.tracker.max_new_tokens)]
+        for row in streamed:
+            row.host = HostSlot(self.engine, self.engine.long_contexts.host_workspace())
+            self._start(row, self._streamed)
+        new = [r for r in new if r.host is None]
         if not new:
             return
         if self._leased & set(range(len(self._active) + len(new))):
@@ -187,14 +198,18 @@ class Scheduler:
         self.ws.ensure_capacity(need, keep=max([r.length for r in self._active], default=0))
         for row in new:
             row.slot = len(self._active)
-            try:
-                self._prefill(row)
-            except Exception as exc:  # one bad row must not take the batch down
-                self._fail(row, exc)
-                continue
-            self._active.append(row)
-            row.spec = self.speculation.speculator(row)
-            self._after_sample(row)
+            self._start(row, self._active)
+
+    def _start(self, row: Row, rows: list[Row]) -> None:
+        """Prefill a new row, join it to `rows`, emit its first token."""
+        try:
+            self._prefill(row)
+        except Exception as exc:  # one bad row must not take the batch down
+            self._fail(row, exc)
+            return
+        rows.append(row)
+        row.spec = self.speculation.speculator(row)
+        self._after_sample(row)
 
     def _ensure_rows(self, n: int) -> None:
         """Workspace rows for n active rows: a batch bucket's worth where the runner steps rows (the compiled rows
@@ -270,7 +285,10 @@ class Scheduler:
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: Row) -> None:
         request = row.request
-        if self.prefix is None:  # the row's own slot, from position 0: resident reuse, placement, repair, runner
+        if row.host is not None:  # its K/V in host memory
+            pre = row.host.prefill(request)
+            plan, logits = pre.plan, pre.logits
+        elif self.prefix is None:  # the row's own slot, from position 0: resident reuse, placement, repair, runner
             pre = self.slot(row.slot).prefill(request)
             plan, logits = pre.plan, pre.logits
         else:
@@ -322,6 +340,16 @@ class Scheduler:
         for row in list(rows):
             self._after_sample(row)
 
+    def _step_streamed(self, row: Row) -> None:
+        """A row whose K/V lives in host memory runs its own forward (speculating alone, if it speculates)."""
+        if row.spec is not None:
+            return self.speculation.alone(row)
+        assert row.host is not None
+        logits = row.host.forward([row.next_token], row.length)
+        row.length += 1
+        row.next_token = row.sampler(logits)
+        self._after_sample(row)
+
     def forward_alone(self, tokens: list[int], start: int) -> torch.Tensor:
         """float32 logits [n, vocab] of tokens run at positions [start, start + n) of the only row (slot 0) after the
         K/V of its [0, start): a verify, or without drafts the row's plain step."""
@@ -353,9 +381,10 @@ class Scheduler:
 
     def _fail(self, row: Row, exc: Exception) -> None:
         row.handle.error = exc
-        if row in self._active:
+        if row in self._active or row in self._streamed:
             self._release(row)
-        self.slot(row.slot).forget()  # whatever the row wrote is not a finished request's K/V
+        if row.host is None:
+            self.slot(row.slot).forget()  # whatever the row wrote is not a finished request's K/V
         row.handle.finished = True
 
     def _store(self, row: Row) -> None:
@@ -363,7 +392,9 @@ class Scheduler:
         request, plan = row.request, row.plan
         assert plan is not None
         fed = (request.ids + row.tracker.tokens)[: row.length]
-        if self.prefix is None:  # the slot holds it all from position 0: it stays resident for the next request
+        if row.host is not None:
+            row.host.finish(request, plan, fed)
+        elif self.prefix is None:  # the slot holds it all from position 0: it stays resident for the next request
             self.slot(row.slot).finish(request, plan, fed)
         elif request.uses_cache and self.engine.config.write_back:
             # Only the exact part may be stored under prefix-chain keys (after placed content, every later token
@@ -378,7 +409,7 @@ class Scheduler:
             for row in [r for r in self._pending if r.handle.cancelled]:
                 self._pending.remove(row)
                 row.handle.finished = True
-        for row in [r for r in self._active if r.handle.cancelled]:
+        for row in [r for r in (*self._streamed, *self._active) if r.handle.cancelled]:
             self._store(row)
             if row.spec is not None:
                 row.spec.close(row.request.ids + row.tracker.tokens)
@@ -390,6 +421,10 @@ class Scheduler:
         columns move: those below the shared prefix are not the row's). The row lets go of its plan here, and with
         it the plan's holds on stored blocks, whoever still holds the row (a caller's handle never does)."""
         row.plan, row.spec = None, None
+        if row.host is not None:
+            self._streamed.remove(row)
+            row.host.forget()
+            return
         idx = self._active.index(row)
         last = self._active[-1]
         end = last.length - self.ws.base  # columns hold positions from the shared prefix's end on

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache
 
+from .kv.host_workspace import HostWorkspace
 from .kv.manager import Plan
 from .kv.workspace import KVWorkspace, RowView
 from .model.forward import forward_tokens
+from .model.streamed_forward import streamed_forward
 from .request import Request
 from .results import GenerationMode
 
@@ -138,3 +140,54 @@ class Slot:
     def forget(self) -> None:
         """The row's contents are no longer this slot's to reuse (another row's columns moved in)."""
         self.ws.resident_ids, self.ws.resident_tag = [], None
+
+
+class HostSlot:
+    """A sequence longer than the device holds (device_kv_max_tokens): its K/V in a host workspace, every forward
+    bringing it to the device one layer at a time (kv/host_workspace.py, model/streamed_forward.py). Same calls as
+    a Slot; it runs its own forwards (it is never stepped in a batched forward). Exact reuse only: a chunk found at
+    another position would need the repair forward over a contiguous device workspace."""
+
+    index = -1
+
+    def __init__(self, engine: InferenceEngine, host: HostWorkspace):
+        self.engine, self.host = engine, host
+
+    def prefill(self, request: Request) -> Prefill:
+        engine, kv, host, ids = self.engine, self.engine.kv, self.host, request.ids
+        plan = kv.lookup(ids, request.salt, request.mode)
+        if request.approximate:
+            limit = engine.long_contexts.max_device_tokens
+            plan.content_fallback = (f"the context exceeds device_kv_max_tokens={limit}: streamed from host memory "
+                                     "with exact reuse only")
+        host.ensure_capacity(len(ids) + request.params.max_new_tokens)
+        kv.place(plan, host, ids)
+        host.set_length(plan.reuse_len)
+        return Prefill(plan, self.forward(ids[plan.reuse_len:], plan.reuse_len).clone())
+
+    def warm(self, ids: list[int], salt: str | None, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
+        kv, host = self.engine.kv, self.host
+        plan = kv.lookup(ids + [0], salt, GenerationMode.CHUNK_KV_REUSE)
+        host.ensure_capacity(len(ids) + 1)
+        kv.place(plan, host, ids)
+        host.set_length(plan.reuse_len)
+        if plan.reuse_len < len(ids):
+            self.forward(ids[plan.reuse_len:], plan.reuse_len)
+        return kv.write_back(ids, salt, host, cut_ids=cut_ids)
+
+    def forward(self, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
+        return streamed_forward(self.engine.model, self.host, tokens, start, all_logits, self.engine.attention)
+
+    def forward_all(self, tokens: list[int], start: int) -> torch.Tensor:
+        """float32 logits [n, vocab] of every token (a speculative verify, or a plain step)."""
+        return self.forward(tokens, start, all_logits=True)
+
+    def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
+        self.host.set_length(len(fed))
+        if request.uses_cache and self.engine.config.write_back:
+            self.engine.kv.write_back(fed, request.salt, self.host)
+
+    def forget(self) -> None:
+        """The sequence is over: its host (and device-resident) memory goes."""
+        self.engine.long_contexts.count(self.host.stats)
+        self.host.release()

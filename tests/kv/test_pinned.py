@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvboost.kv import pinned
-from kvboost.kv.blocks import BlockLayout, BlockPool
 from kvboost.kv.cuda_runtime import CudaRuntime
 
 
@@ -61,20 +60,6 @@ def test_without_a_cuda_runtime_memory_is_pageable(monkeypatch):
     monkeypatch.setattr(pinned, "cuda_runtime", missing)
     tensor, reason = pinned.pinned_empty((4, 4), torch.float32)
     assert "libcudart" in reason and not tensor.is_pinned()
-
-
-def test_a_host_block_pool_asked_to_pin_reports_whether_it_is(monkeypatch):
-    layout = BlockLayout(layers=2, kv_heads=1, head_dim=4, block_size=8, dtype=torch.float32)
-    runtime = _FakeRuntime()
-    monkeypatch.setattr(pinned, "cuda_runtime", lambda: runtime)
-    pool = BlockPool(layout, 3, "cpu", pin_memory=True)
-    assert pool.pinned and pool.unpinned_reason is None
-    assert runtime.registered == [(pool.storage.data_ptr(), 3 * layout.block_nbytes)]
-    runtime.register_rc = 2
-    refused = BlockPool(layout, 3, "cpu", pin_memory=True)
-    assert not refused.pinned and "error 2" in refused.unpinned_reason
-    plain = BlockPool(layout, 3, "cpu")
-    assert not plain.pinned and plain.unpinned_reason is None
 
 
 def test_a_failed_runtime_call_is_cleared_from_the_error_state():

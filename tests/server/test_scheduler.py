@@ -1,12 +1,11 @@
-"""The worker loop against the BatchRunner contract, with a scripted runner (no model, no HTTP)."""
+"""The server's worker loop against the engine's loop contract (submit -> handle, step), with a scripted engine (no
+model, no HTTP)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import ClassVar
 
 import pytest
 
@@ -18,6 +17,7 @@ from kvboost.server.scheduler import Job, QueueFullError, Scheduler
 @dataclass
 class FakeHandle:
     words: list[str]
+    max_rows: int | None = None
     finished: bool = False
     result: GenerationResult | None = None
     error: Exception | None = None
@@ -32,33 +32,32 @@ class FakeHandle:
         self.cancelled = True
 
 
-class FakeRunner:
-    """Each row emits one word per step. Records which rows each step saw."""
+class FakeEngine:
+    """Each row emits one word per step. Records which rows each step saw. make_request as the worker calls it: a
+    Request-like record of the job. A prompt starting "reject" fails at submit, "mid" fails its row after a word."""
 
-    instances: ClassVar[list[FakeRunner]] = []
-
-    def __init__(self, engine, max_batch_size: int = 16):
+    def __init__(self):
         self.rows: list[FakeHandle] = []
         self.steps: list[list[str]] = []  # first word of every row present at each step
         self.fail_next_step = False
-        FakeRunner.instances.append(self)
 
-    def add(self, request) -> FakeHandle:
+    def make_request(self, ids, params, prompt_text="", **options):
+        # The worker hands over the ids the request was validated with; it never re-tokenizes.
+        return SimpleNamespace(ids=ids, params=params, prompt_text="".join(map(chr, ids)), **options)
+
+    def submit(self, request, max_rows=None) -> FakeHandle:
         if request.prompt_text.startswith("reject"):
             raise ValueError("bad row")
-        handle = FakeHandle(request.prompt_text.split())
+        handle = FakeHandle(request.prompt_text.split(), max_rows)
         self.rows.append(handle)
         return handle
 
-    def runs_apart(self, request) -> str | None:
-        return "runs alone" if request.prompt_text.startswith("apart") else None
-
-    def has_work(self) -> bool:
-        return bool(self.rows)
-
     def step(self) -> None:
-        if self.fail_next_step:
+        if self.fail_next_step:  # as the engine's loop does: every running row gets the error, then it raises
             self.fail_next_step = False
+            for h in self.rows:
+                h.error, h.finished = RuntimeError("step exploded"), True
+            self.rows.clear()
             raise RuntimeError("step exploded")
         time.sleep(0.005)  # a step takes time, as a forward pass does
         self.steps.append([h.words[0] if h.words else "" for h in self.rows])
@@ -66,40 +65,15 @@ class FakeRunner:
             if h.cancelled:
                 h.finished = True
             elif h.words:
-                h._deltas.append(h.words.pop(0) + " ")
+                word = h.words.pop(0)
+                h._deltas.append(word + " ")
+                if word == "mid":
+                    h.error, h.finished = RuntimeError("mid-stream failure"), True
             if not h.words and not h.finished:
                 h.finished = True
                 h.result = GenerationResult("chunk_kv_reuse", "", "done", 0, 0, 0, 0, 0, 1, 0)
             if h.finished:
                 self.rows.remove(h)
-
-
-class RequestMaker:
-    """The engine's make_request as the worker calls it: a Request-like record of the job; and its stream (the
-    single-request path, for requests the runner runs apart): one word per step, recorded in `log`."""
-
-    def __init__(self):
-        self.log: list[str] = []
-
-    def make_request(self, ids, params, prompt_text="", **options):
-        return SimpleNamespace(ids=ids, params=params, prompt_text=prompt_text, **options)
-
-    def stream(self, request):
-        log = self.log
-
-        class Stream:
-            result = GenerationResult("chunk_kv_reuse", request.prompt_text, "alone", 1, 0, 0, 0, 0, 1, 0)
-
-            def __iter__(self):
-                for word in request.prompt_text.split():
-                    time.sleep(0.005)
-                    log.append(word)
-                    yield word + " "
-
-            def close(self):
-                pass
-
-        return Stream()
 
 
 def _job(loop, text: str) -> Job:
@@ -117,8 +91,7 @@ async def _drain(job: Job) -> tuple[str, str]:
 
 @pytest.fixture
 def scheduler():
-    FakeRunner.instances.clear()
-    s = Scheduler(engine=RequestMaker(), max_batch_size=4, batch_window_ms=300, max_queue=8, runner_factory=FakeRunner)
+    s = Scheduler(engine=FakeEngine(), max_batch_size=4, batch_window_ms=300, max_queue=8)
     yield s
     s.stop()
 
@@ -138,8 +111,9 @@ def test_requests_in_the_window_start_together_and_later_ones_join(scheduler):
     results = asyncio.run(main())
     assert [r[1] for r in results] == ["done"] * 4
     assert results[0][0] == "a0 x y z "
-    runner = FakeRunner.instances[0]
-    assert sorted(runner.steps[0]) == ["a0", "a1", "a2"]  # one batch for the three early requests
+    engine = scheduler.engine
+    assert sorted(engine.steps[0]) == ["a0", "a1", "a2"]  # one batch for the three early requests
+    assert all(h.max_rows == 4 for h in engine.rows)  # the server's batch size caps the loop's rows
     assert scheduler.stats.completed == 4 and scheduler.stats.max_rows >= 3
 
 
@@ -151,7 +125,7 @@ def test_a_bad_row_and_a_failed_step_fail_only_their_requests(scheduler):
         scheduler.submit(bad)
         scheduler.submit(good)
         first = await asyncio.gather(_drain(bad), _drain(good))
-        FakeRunner.instances[-1].fail_next_step = True
+        scheduler.engine.fail_next_step = True
         doomed = _job(loop, "doomed row")
         scheduler.submit(doomed)
         second = await _drain(doomed)
@@ -162,8 +136,8 @@ def test_a_bad_row_and_a_failed_step_fail_only_their_requests(scheduler):
     (bad, good), doomed, after = asyncio.run(main())
     assert bad[1] == "error:bad row" and good == ("fine words ", "done")
     assert doomed[1] == "error:step exploded"
-    assert after == ("after the failure ", "done")  # a fresh runner took over
-    assert len(FakeRunner.instances) == 2 and scheduler.alive
+    assert after == ("after the failure ", "done")  # the loop goes on
+    assert scheduler.alive and scheduler.stats.failed == 2
 
 
 def test_cancelled_rows_leave_and_queued_cancelled_jobs_are_dropped(scheduler):
@@ -186,35 +160,28 @@ def test_cancelled_rows_leave_and_queued_cancelled_jobs_are_dropped(scheduler):
 
     asyncio.run(main())
     assert scheduler.stats.cancelled == 2 and scheduler.stats.completed == 0
-    steps = FakeRunner.instances[0].steps
+    steps = scheduler.engine.steps
     assert len(steps) < 50 and all("never" not in s for s in steps)
 
 
-def test_a_request_the_runner_cannot_batch_runs_alone_once_the_batch_drains(scheduler):
-    """Admission pauses behind it (arrival order): rows already running finish, it runs through the single-request
-    path, then batching resumes with whoever queued meanwhile."""
+def test_requests_beyond_the_batch_size_wait_and_join_as_rows_leave(scheduler):
     async def main():
         loop = asyncio.get_running_loop()
-        first = [_job(loop, f"b{i} x y z") for i in range(2)]
-        alone, cancelled = _job(loop, "apart one two"), _job(loop, "apart never")
-        after = _job(loop, "c0 x")
-        for job in (*first, alone, cancelled, after):
+        jobs = [_job(loop, f"r{i} " + " ".join(["x"] * (2 + i))) for i in range(6)]
+        for job in jobs:
             scheduler.submit(job)
-        cancelled.cancel()
         scheduler.start()
-        return await asyncio.gather(*(_drain(j) for j in (*first, alone, after)))
+        return await asyncio.gather(*(_drain(j) for j in jobs))
 
     results = asyncio.run(main())
-    assert results == [("b0 x y z ", "done"), ("b1 x y z ", "done"), ("apart one two ", "done"), ("c0 x ", "done")]
-    runner = FakeRunner.instances[0]
-    assert sorted(runner.steps[0]) == ["b0", "b1"] and all("c0" not in s for s in runner.steps[:4])
-    assert scheduler.engine.log == ["apart", "one", "two"]  # never batched, never the cancelled one
-    assert any("c0" in s for s in runner.steps)  # batching resumed after it
-    assert scheduler.stats.run_apart == 1 and scheduler.stats.cancelled == 1 and scheduler.stats.completed == 4
+    assert [r[1] for r in results] == ["done"] * 6
+    steps = scheduler.engine.steps
+    assert max(len(s) for s in steps) == 4  # never more rows than max_batch_size
+    assert any("r4" in s for s in steps) and "r4" not in steps[0]  # it joined once a row had left
 
 
 def test_submit_beyond_max_queue_raises_queue_full():
-    s = Scheduler(engine=None, max_batch_size=1, max_queue=2, runner_factory=None)  # worker never started
+    s = Scheduler(engine=None, max_batch_size=1, max_queue=2)  # worker never started
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -229,38 +196,13 @@ def test_submit_beyond_max_queue_raises_queue_full():
     assert s.stats.rejected == 1
 
 
-def test_single_mode_worker_survives_engine_errors():
-    class Engine(RequestMaker):
-        calls = 0
-
-        def stream(self, request):
-            # The worker hands over the ids the request was validated with; it never re-tokenizes.
-            Engine.calls += 1
-            prompt = "".join(map(chr, request.ids))
-            if prompt.startswith("boom"):
-                raise RuntimeError("engine exploded")
-            raise_mid = prompt.startswith("mid")
-
-            class Stream:
-                result = GenerationResult("chunk_kv_reuse", prompt, "ok", 1, 0, 0, 0, 0, 1, 0)
-
-                def __iter__(self):
-                    yield "o"
-                    if raise_mid:
-                        raise RuntimeError("mid-stream failure")
-                    yield "k"
-
-                def close(self):
-                    pass
-
-            return Stream()
-
-    s = Scheduler(Engine(), max_batch_size=1, runner_factory=None, tokenizer_lock=threading.Lock())
+def test_one_at_a_time_the_worker_survives_engine_errors():
+    s = Scheduler(FakeEngine(), max_batch_size=1)
 
     async def main():
         loop = asyncio.get_running_loop()
         s.start()
-        jobs = [_job(loop, p) for p in ("boom", "mid", "fine")]
+        jobs = [_job(loop, p) for p in ("reject me", "o mid k", "o k")]
         for j in jobs:
             s.submit(j)
         return await asyncio.gather(*(_drain(j) for j in jobs))
@@ -269,4 +211,5 @@ def test_single_mode_worker_survives_engine_errors():
         out = asyncio.run(main())
     finally:
         s.stop()
-    assert out == [("", "error:engine exploded"), ("o", "error:mid-stream failure"), ("ok", "done")]
+    assert out == [("", "error:bad row"), ("o mid ", "error:mid-stream failure"), ("o k ", "done")]
+    assert max(len(step) for step in s.engine.steps) == 1

@@ -12,6 +12,7 @@ from ..kv.manager import Plan
 from ..request import Request
 from ..results import GenerationMode, GenerationResult
 from ..sampling import Sampler
+from ..slot import HostSlot
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Row:
     spec: Speculator | None = None  # prompt lookup / a draft model: proposes drafts, keeps what its sampler accepts
     max_rows: int | None = None  # runs only in steps of at most this many rows (generate_batch's max_batch_size)
     first_logits: torch.Tensor | None = None  # return_logits: the prompt's last position's logits [vocab]
+    host: HostSlot | None = None  # its K/V in host memory (a context longer than the device holds), not in a slot
 
     @property
     def ids(self) -> list[int]:

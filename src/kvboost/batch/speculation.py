@@ -44,7 +44,8 @@ class RowSpeculation:
         proposer = make_proposer(engine, request, row.ids + [row.next_token], costs)
         # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
         # row's plan alive until the garbage collector ran.
-        spec = Speculator(proposer, row.sampler, params, self.scheduler.forward_alone, costs)
+        forward = self.scheduler.forward_alone if row.host is None else row.host.forward_all
+        spec = Speculator(proposer, row.sampler, params, forward, costs)
         self.drafting.prior(spec.adaptive)
         return spec
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from ..chunking import Chunk, Chunker
+from ..chunking import Chunker
 from ..config import EngineConfig
 from ..results import GenerationMode
 from ..reuse.assemble import Assembly, ContentState
@@ -32,9 +31,6 @@ from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
 from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
 from ..store.quant import LazyQuantRecord, QuantRun
-from .block_table import BlockTable
-from .paged_kv import PagedKV
-from .streamed_kv import StreamedKV
 from .workspace import KVWorkspace
 
 
@@ -60,10 +56,6 @@ class Plan:
     content_fallback: str | None = None  # why content matches were found but not used
     assembly: Assembly | None = None  # set by place() when content was placed
     recomputed_tokens: int = 0  # set by the repair forward
-    # Block path (paged_kv): the stored blocks this plan maps, held until the plan is dropped, so that no
-    # eviction frees them while its segments (views of those blocks) are read.
-    table: BlockTable | None = None
-    streamed: bool = False  # the table is over host blocks, streamed to the device per layer (kv/streamed_kv.py)
 
     @property
     def exact_tokens(self) -> int:
@@ -99,12 +91,8 @@ class _Counters:
 
 class KVCacheManager:
     def __init__(self, config: EngineConfig, namespace: str, chunker: Chunker, store: ChunkStore,
-                 model: torch.nn.Module, blocks: PagedKV | None = None, streamed: StreamedKV | None = None):
+                 model: torch.nn.Module):
         self.config = config
-        # paged_kv: exact chunks live in pool blocks (kv/paged_kv.py) instead of the store's memory tier.
-        self.blocks = blocks
-        # device_kv_max_tokens: longer sequences keep their K/V in host blocks (kv/streamed_kv.py).
-        self.streamed = streamed
         self.namespace = namespace
         self.chunker = chunker
         self.store = store
@@ -134,10 +122,6 @@ class KVCacheManager:
             plan.lookup_ms = (time.perf_counter() - t0) * 1e3
             return plan
         token_granular = mode is GenerationMode.CHUNK_KV_REUSE
-        if self.blocks is not None:
-            self._lookup_blocks(plan, ids, salt, token_granular, approximate, resident, skip_before)
-            plan.lookup_ms = (time.perf_counter() - t0) * 1e3
-            return plan
         chunks = self.chunker.split(ids, salt)
         if skip_before:
             chunks = [c for c in chunks if c.start >= skip_before]
@@ -157,87 +141,6 @@ class KVCacheManager:
         plan.lookup_ms = (time.perf_counter() - t0) * 1e3
         return plan
 
-    def _lookup_blocks(self, plan: Plan, ids: list[int], salt: str | None, token_granular: bool,
-                       approximate: bool, resident: Sequence[int], skip_before: int) -> None:
-        """lookup() on the block path: the stored prefix mapped into a table the plan holds; its chunks become
-        segments (views of their blocks), so place() and batch prefixes read them as they read records."""
-        assert self.blocks is not None
-        found = self.blocks.lookup(ids, salt, token_granular)
-        plan.table = found.table
-        weakref.finalize(plan, self.blocks.release, found.table)  # the holds go with the plan (no caller must remember)
-        have = common_prefix_length(resident, ids) if resident else 0
-        if have and not token_granular:
-            have = max((c.end for c in self.chunker.split(ids[:have], salt) if c.complete), default=0)
-        plan.reuse_len = min(max(skip_before, have, found.reuse_len), len(ids) - 1)
-        plan.resident = min(have, plan.reuse_len)
-        # Chunks below skip_before are the caller's (a batch's shared prefix, cut on chunk boundaries).
-        plan.segments = [s for s in self.blocks.segments(found)
-                         if s.start >= skip_before and s.end > plan.resident and s.start < plan.reuse_len]
-        if approximate and token_granular:  # found in blocks (device or host); place() holds them while it reads
-            start = max(plan.reuse_len, self.config.sink_tokens)
-            plan.content, plan.rotary, plan.content_fallback = self.content.find(
-                self.blocks.held_records(), ids, start, len(ids) - 1, salt)
-
-    # ---- streamed sequences (longer than the device holds) --------------------------------------------
-    def streams(self, n_positions: int) -> bool:
-        """Whether a sequence of n positions keeps its K/V in host memory (device_kv_max_tokens)."""
-        return self.streamed is not None and self.streamed.streams(n_positions)
-
-    def lookup_streamed(self, ids: Sequence[int], salt: str | None, mode: GenerationMode,
-                        approximate: bool = False) -> Plan:
-        """lookup() for a streamed sequence: the stored prefix mapped into a table over host blocks, which the
-        plan holds. Exact reuse only (content reuse places chunks into the device workspace a streamed sequence
-        does not have: recorded as the plan's content_fallback)."""
-        assert self.streamed is not None
-        t0 = time.perf_counter()
-        ids = list(ids)
-        plan = Plan(len(ids), streamed=True)
-        if mode is GenerationMode.BASELINE:
-            plan.table = self.streamed.new_table()
-        else:
-            found = self.streamed.lookup(ids, salt, token_granular=mode is GenerationMode.CHUNK_KV_REUSE)
-            plan.table, plan.reuse_len = found.table, found.reuse_len
-        weakref.finalize(plan, plan.table.release)  # the holds go with the plan
-        if approximate:
-            plan.content_fallback = (f"the context exceeds device_kv_max_tokens={self.streamed.max_device_tokens}: "
-                                     "streamed from host memory with exact reuse only")
-        plan.lookup_ms = (time.perf_counter() - t0) * 1e3
-        return plan
-
-    def write_back_streamed(self, table: BlockTable, seq: Sequence[int], salt: str | None) -> tuple[int, int]:
-        """A streamed sequence's new chunks kept in its host blocks (no copy); returns (new, existing)."""
-        assert self.streamed is not None
-        new, existing = self.streamed.write_back(table, seq, salt)
-        with self._count_lock:
-            self._counters.chunks_written += new
-        return new, existing
-
-    def sequence_table(self, plan: Plan) -> BlockTable:
-        """The block table a request's forwards extend (paged_attention="table"): the plan's own, or - for a plan
-        that mapped nothing (baseline mode) - a new one the plan holds the same way."""
-        assert self.blocks is not None
-        if plan.table is None:
-            plan.table = BlockTable(self.blocks.pool)
-            weakref.finalize(plan, self.blocks.release, plan.table)
-        return plan.table
-
-    def write_back_table(self, table: BlockTable, seq: Sequence[int], salt: str | None) -> tuple[int, int]:
-        """Store every chunk of seq the table holds as its blocks (no copy); returns (new, existing)."""
-        assert self.blocks is not None
-        new, existing = self.blocks.write_back(table, seq, salt)  # not indexed: table engines refuse content reuse
-        with self._count_lock:
-            self._counters.chunks_written += new
-        return new, existing
-
-    def _index_blocks(self, chunks: Sequence[Chunk], salt: str | None) -> None:
-        """Block path: chunks stored in blocks become findable at other positions (content reuse), as the store
-        path's write_back indexes its records."""
-        assert self.blocks is not None
-        for chunk in chunks:
-            if chunk.prefix_key not in self.content.index and self.blocks.contains(chunk.prefix_key):
-                self.content.index.add(ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key,
-                                                 chunk.token_ids, chunk.start), salt)
-
     # ---- place ------------------------------------------------------------------------------------
     def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
         """Copy the plan's stored K/V into `workspace` (every row, or one `row`); positions the workspace
@@ -248,13 +151,8 @@ class KVCacheManager:
             _place_run(run, workspace, row)
         if plan.has_content:
             assert plan.rotary is not None
-            if self.blocks is not None:
-                with self.blocks.held_records() as records:
-                    plan.assembly, fallback = self.content.place(workspace, records, list(ids), plan.content,
-                                                                 plan.rotary, row=row)
-            else:
-                plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
-                                                             plan.rotary, row=row)
+            plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
+                                                         plan.rotary, row=row)
             plan.content_fallback = plan.content_fallback or fallback
         plan.lookup_ms += (time.perf_counter() - t0) * 1e3
 
@@ -268,13 +166,6 @@ class KVCacheManager:
         new = existing = 0
         chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
                   else self.chunker.split(seq, salt))
-        if self.blocks is not None:
-            # The stored chain is mapped (no copy), the rest absorbed from the source into new blocks, once.
-            new, existing = self.blocks.write_back_from(source, seq, salt, row=row, chunks=chunks)
-            self._index_blocks(chunks, salt)
-            with self._count_lock:
-                self._counters.chunks_written += new
-            return new, existing
         index = self.content.index  # every stored chunk is findable by content at other positions too
         for chunk in chunks:
             meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
@@ -326,15 +217,8 @@ class KVCacheManager:
             "chunks_written": c.chunks_written, "requests_by_mode": dict(c.by_mode),
             "tiers": {name: t.as_dict() for name, t in per_tier.items()},
             "content_index_chunks": len(self.content.index), "chunk_size": self.config.chunk_size,
-            "namespace": self.namespace, **({"paged_kv": self._paged_stats()} if self.blocks is not None else {}),
+            "namespace": self.namespace,
         }
-
-    def _paged_stats(self) -> dict:
-        assert self.blocks is not None
-        stats = self.blocks.stats()
-        stats["streamed"] = None if self.streamed is None else {**asdict(self.streamed.stats),
-                                                                "host_copy": self.streamed.host_copy}
-        return stats
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait (at most timeout_s, default config.flush_timeout_s) until chunks queued for the disk and Redis
@@ -349,8 +233,6 @@ class KVCacheManager:
         """Forget every stored chunk (all tiers) and the content index."""
         self.store.clear()
         self.content.index.clear()
-        if self.blocks is not None:
-            self.blocks.clear()
 
 
 # ---- placing exact segments ---------------------------------------------------------------------------

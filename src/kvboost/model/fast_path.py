@@ -2,8 +2,6 @@
 (cache_stats()["fast_path"])."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..kv.workspace import KVWorkspace
@@ -11,20 +9,13 @@ from .compiled_step import packing_refusal
 from .layout import fastest_linear_layouts, relay_linears
 from .runner import FAST_PATHS, ModelRunner, static_path_unsupported_reason
 
-if TYPE_CHECKING:
-    from .table_runner import TableRunner
 
-
-def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str,
-                    table_runner: TableRunner | None = None) -> dict:
-    """cache_stats()["fast_path"]: the runner's mode, why, its step counts, and the table runner's (paged_attention
-    ="table": model/table_runner.py) under "table"."""
+def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) -> dict:
+    """cache_stats()["fast_path"]: the runner's mode, why, and its step counts."""
     fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
             "decode_kernels": runner.decode_kernels if runner else None,
             "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
             **(runner.stats.as_dict() if runner else {})}
-    if table_runner is not None:
-        fast["table"] = dict(table_runner.stats.as_dict(), mode=table_runner.mode, failure=table_runner.failure)
     return fast
 
 

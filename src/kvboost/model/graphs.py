@@ -1,5 +1,4 @@
-"""CUDA graph capture of a fixed-shape step, shared by the runners over the workspace (runner.py) and over block
-tables (table_runner.py).
+"""CUDA graph capture of a fixed-shape step for the runner's steps over the workspace (runner.py).
 
 A step is first run for real on a side stream (it compiles kernels and sets up cuBLAS; an error there is the
 model's own and propagates), then captured. The real run computes exactly what the replay that follows

@@ -53,13 +53,13 @@ def serve_command(
                                                "with the Triton kernels, off elsewhere), graphs, compiled (CPU: "
                                                "the decode steps, one request's and the batch's, under "
                                                "torch.compile), eager or off."),
-    paged_kv: bool = typer.Option(False, help="Stored chunks live in a block pool (zero-copy hits; docs/paged-kv.md)."),
-    device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="With --paged-kv: stored K/V kept on the "
-                                                      "device; colder chunks move to host memory (default on CUDA: "
-                                                      "30%% of free device memory)."),
-    device_kv_max_tokens: int | None = typer.Option(None, min=1, help="With --paged-kv: longer contexts keep their "
-                                                    "K/V in host memory, streamed to the device per layer (one "
-                                                    "request at a time: batching servers refuse them with a 400)."),
+    paged_kv: bool = typer.Option(False, hidden=True, help="Deprecated and ignored (one KV design: the workspace)."),
+    device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="Stored K/V kept on the GPU; colder chunks "
+                                                      "move to host memory (default on CUDA: 30%% of free device "
+                                                      "memory)."),
+    device_kv_max_tokens: int | None = typer.Option(None, min=1, help="Longer contexts keep their K/V in host "
+                                                    "memory, streamed to the device a layer at a time (exact reuse "
+                                                    "only)."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
@@ -85,8 +85,9 @@ def serve_command(
                        kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
-                       num_speculative_tokens=num_speculative_tokens, fast_path=fast_path, paged_kv=paged_kv,
-                       device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens)
+                       num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
+                       device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens,
+                       **({"paged_kv": True} if paged_kv else {}))
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)
         warm_messages = [read_warm_file(path) for path in warm or []]

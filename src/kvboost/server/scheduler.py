@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..paged_path import runs_paged
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
 
@@ -249,26 +248,12 @@ class Scheduler:
 
     def _admit(self, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:
-            request = self._request(job)
-            if runs_paged(self.engine, request):  # over blocks, outside the loop's workspace: run it now
-                return self._run_paged(job, request)
-            rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
+            rows[job] = self.engine.submit(self._request(job), max_rows=self.max_batch_size)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
             return
         new.append(job)
-
-    def _run_paged(self, job: Job, request: Any) -> None:
-        stream = self.engine.stream(request)
-        for delta in stream:
-            if job.cancelled or self._stop.is_set():
-                stream.close()
-                self.stats.cancelled += 1
-                return
-            job.emit("delta", delta)
-        self.stats.completed += 1
-        job.emit("done", stream.result)
 
     def _request(self, job: Job):
         """The job as the engine's Request (validated and counted with the ids it came with: never tokenized

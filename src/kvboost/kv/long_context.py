@@ -1,0 +1,86 @@
+"""Contexts longer than the device holds: which sequences keep their K/V in host memory (device_kv_max_tokens),
+the host workspace each such sequence gets, and what streaming them cost (cache_stats()["streamed"])."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .host_workspace import HostStreamStats, HostWorkspace
+from .workspace import LayerShape
+
+# device_kv_max_tokens None on CUDA: no limit while the stored chunks' budget and two sequences of the model's longest
+# context fit in RUNNING_SHARE of the device memory free at load; else what STREAMED_SHARE of it holds.
+RUNNING_SHARE = 0.6
+STREAMED_SHARE = 0.15
+DEFAULT_DEVICE_KV_FRACTION = 0.3  # device_kv_budget_bytes None on CUDA: this share of the memory free at load
+
+
+def bytes_per_position(shapes: Sequence[LayerShape], dtype: torch.dtype) -> int:
+    """K and V of one position, every layer."""
+    return sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
+
+
+def device_kv_budget(configured: int | None, device: torch.device) -> int | None:
+    """Bytes of stored chunks kept on the device (None: no separate device budget): as configured, else on CUDA
+    DEFAULT_DEVICE_KV_FRACTION of the device memory free now; elsewhere None (the device is host memory)."""
+    if configured is not None or device.type != "cuda":
+        return configured
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * DEFAULT_DEVICE_KV_FRACTION)
+
+
+def device_max_tokens(configured: int | None, device: torch.device, device_budget_bytes: int | None,
+                      shapes: Sequence[LayerShape], dtype: torch.dtype, max_context: int | None) -> int | None:
+    """The most positions of one sequence whose K/V the device holds (None: no limit; a longer context is streamed
+    from host memory). As configured; elsewhere than CUDA none (the device is host memory); on CUDA none while the
+    stored chunks' budget and two sequences of the model's longest context fit in RUNNING_SHARE of the device memory
+    free now, else what STREAMED_SHARE of it holds."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return None
+    per_position = bytes_per_position(shapes, dtype)
+    free, _ = torch.cuda.mem_get_info(device)
+    if (device_budget_bytes or 0) + 2 * (max_context or 32768) * per_position <= RUNNING_SHARE * free:
+        return None
+    return max(1, int(STREAMED_SHARE * free) // per_position)
+
+
+@dataclass
+class LongContexts:
+    """Sequences over `max_device_tokens` positions run from host memory; the first max_device_tokens positions of
+    each stay on the device (on a GPU) so that only the rest crosses every forward."""
+
+    max_device_tokens: int | None
+    shapes: list[LayerShape]
+    dtype: torch.dtype
+    device: torch.device
+    max_positions: int | None = None
+    # Stage K/V through device buffers (CUDA's order of work): None decides by the device; True runs that path on a
+    # CPU too (how the tests drive it).
+    staged: bool | None = None
+    sequences: int = 0
+    totals: HostStreamStats = field(default_factory=HostStreamStats)
+
+    def streams(self, n_positions: int) -> bool:
+        return self.max_device_tokens is not None and n_positions > self.max_device_tokens
+
+    def host_workspace(self) -> HostWorkspace:
+        resident = 0
+        if (self.staged or self.device.type != "cpu") and self.max_device_tokens:
+            resident = self.max_device_tokens * bytes_per_position(self.shapes, self.dtype)
+        self.sequences += 1
+        return HostWorkspace(self.shapes, self.dtype, self.device, resident_bytes=resident, staged=self.staged,
+                             max_positions=self.max_positions)
+
+    def count(self, stats: HostStreamStats) -> None:
+        self.totals.forwards += stats.forwards
+        self.totals.bytes_to_device += stats.bytes_to_device
+        self.totals.bytes_to_host += stats.bytes_to_host
+
+    def as_dict(self) -> dict:
+        return {"max_device_tokens": self.max_device_tokens, "sequences": self.sequences,
+                "forwards": self.totals.forwards, "bytes_to_device": self.totals.bytes_to_device,
+                "bytes_to_host": self.totals.bytes_to_host}
