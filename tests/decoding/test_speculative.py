@@ -341,7 +341,7 @@ def test_static_runner_verify_path_is_identical(tokenizer, monkeypatch):
     _script(monkeypatch, plain.output_token_ids, 0.5)
     r = engine.generate(prompt, 30, speculative="prompt_lookup")
     assert r.output_token_ids == plain.output_token_ids and r.accepted_tokens > 0
-    assert any(key[0] == "verify" for key in engine.runner.runner)
+    assert any(key[0] == "verify" for key in engine.runner.steps)
 
 
 def test_bad_values_are_typed_errors(tokenizer):

@@ -38,14 +38,18 @@ def test_batches_decode_through_one_compiled_rows_graph(tokenizer, device):
 
 def test_a_lone_row_runs_beside_a_free_slot(tokenizer, device):
     """torch specializes a size of 1, so a 1-row step would be another graph: a compiled runner's smallest batched
-    step is 2 rows, and a batch runner's workspace has at least 2."""
-    from kvboost.scheduler import Scheduler
-
+    step is 2 rows, and the engine's workspace has at least 2 rows once rows run together (a lone row runs the
+    single-row decode step)."""
     _, fast = plain_and_compiled(tokenizer, device)
-    runner = Scheduler(fast, max_batch_size=1)
-    assert runner.ws.batch_size == 2 and runner.runner is not None and runner.runner.least_rows == 2
+    assert fast.runner.least_rows == 2
+    fast.generate("river stone", 3)
+    assert fast.kv_workspace.batch_size == 1  # alone: no second row was needed
+    handles = [fast.submit(fast.request(p, 3)) for p in ("river stone", "quiet orbit lantern")]
+    while not all(h.finished for h in handles):
+        fast.step()
+    assert fast.kv_workspace.batch_size == 2
     eager = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="eager")
-    assert eager.runner.least_rows == 1 and Scheduler(eager, max_batch_size=1).ws.batch_size == 1
+    assert eager.runner.least_rows == 1
 
 
 def test_a_rows_step_dynamo_refuses_runs_eagerly_and_the_engine_says_so(tokenizer, device):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..decoding.factory import make_proposer
+from ..decoding import factory
 from ..decoding.speculative import StepCosts
 from ..decoding.speculator import Speculator
 from ..sampling import sample_rows
@@ -41,7 +41,7 @@ class RowSpeculation:
             return None
         engine = self.scheduler.engine
         costs = engine.spec_costs.setdefault(params.method, StepCosts())  # one per engine and method
-        proposer = make_proposer(engine, request, row.ids + [row.next_token], costs)
+        proposer = factory.make_proposer(engine, request, row.ids + [row.next_token], costs)
         # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
         # row's plan alive until the garbage collector ran.
         forward = self.scheduler.forward_alone if row.host is None else row.host.forward_all
