@@ -60,9 +60,10 @@ def pytest_configure(config):
         # A paged engine's device pool takes 30% of the free device memory when it is built (the product default);
         # the suite's engines are tiny and pytest-xdist runs ~10 processes on one GPU, each holding several engines:
         # at 30% each they ran it out of memory (measured on an H100). 1% is still many times what a test stores.
-        from kvboost.kv import paged_kv
+        # (The unpaged store's device tier reads the same default: store/host.py.)
+        from kvboost.kv import device_budget
 
-        paged_kv.DEFAULT_DEVICE_KV_FRACTION = 0.01
+        device_budget.DEFAULT_DEVICE_KV_FRACTION = 0.01
 
 
 def pytest_report_header(config):

@@ -70,10 +70,11 @@ class EngineConfig:
     # table - the paged Triton kernel on CUDA, a gather elsewhere - so a stored prefix is never copied; forwards are
     # eager), or "auto" (= "workspace" until the fast path captures over tables). Batches use the workspace.
     paged_attention: str = "auto"
-    # paged_kv's stored chunks on the model's device: over this budget the coldest move to a host pool of
-    # memory_budget_bytes (pinned on CUDA) and come back on a hit, instead of being dropped (host offload).
-    # None: on CUDA 30% of the device memory free at load; elsewhere no offload (the device is host memory: one
-    # pool of memory_budget_bytes). Needs paged_kv.
+    # Stored chunks kept on the model's device: over this budget the coldest move to host memory, which holds
+    # memory_budget_bytes of them (page-locked on CUDA), and come back on a hit, instead of being dropped (host
+    # offload). Unpaged: the store's memory tier gets this budget and a host tier takes its evictions (store/host.py);
+    # paged_kv: the block pool's. None: on CUDA 30% of the device memory free at load; elsewhere no host tier (the
+    # device is host memory: one tier of memory_budget_bytes). Set on a CPU, it builds the host tier in RAM.
     device_kv_budget_bytes: int | None = None
     # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host blocks (host offload's
     # pool, which then has room for one such sequence) and each forward brings it to the device one layer at a
@@ -144,8 +145,6 @@ class EngineConfig:
         _require(self.paged_attention in ("auto", "workspace", "table"),
                  f"paged_attention must be auto, workspace or table, got {self.paged_attention!r}")
         _require(self.paged_attention != "table" or self.paged_kv, "paged_attention='table' needs paged_kv=True")
-        _require(self.device_kv_budget_bytes is None or self.paged_kv,
-                 "device_kv_budget_bytes (host offload) needs paged_kv=True")
         if self.paged_kv:
             # kv_cache_bits 8/4 with paged_kv: disk and Redis records are quantized and dequantized into blocks on
             # load; device and host blocks keep the model's dtype (a hit from memory stays exact). Without a slow

@@ -158,8 +158,10 @@ def test_engine_recomputes_when_the_host_copy_fails(tokenizer, monkeypatch):
 
 def test_device_budget_needs_paged_kv(tokenizer, device):
     model = make_tiny_model("llama", tokenizer)
-    with pytest.raises(ValueError, match="paged_kv"):
-        KVBoost(model, tokenizer, device_kv_budget_bytes=1 << 20)
+    # Without paged_kv it no longer is refused: it is the unpaged store's device tier (tests/store/test_host_tier.py).
+    unpaged = KVBoost(model, tokenizer, device_kv_budget_bytes=1 << 20, memory_budget_bytes=16 << 20)
+    stats = unpaged.cache_stats()
+    assert stats["tiers"]["host"]["budget_bytes"] == 16 << 20 and "paged_kv" not in stats
     with pytest.raises(ValueError, match="device_kv_budget_bytes"):
         KVBoost(model, tokenizer, paged_kv=True, device_kv_budget_bytes=-1)
     # device_kv_budget_bytes left to its default; a small memory budget, since on CUDA it is pinned host memory

@@ -9,8 +9,9 @@ import torch
 from ..chunking import Chunker
 from ..config import EngineConfig
 from ..store.tiered import build_store
+from .device_budget import device_kv_budget
 from .manager import KVCacheManager
-from .paged_kv import build_paged_kv, device_kv_budget
+from .paged_kv import build_paged_kv
 from .streamed_kv import StreamedKV, device_max_tokens
 from .workspace import LayerShape
 
@@ -19,10 +20,12 @@ def build_kv_manager(config: EngineConfig, namespace: str, chunker: Chunker, mod
                      shapes: Sequence[LayerShape], kv_dtype: torch.dtype, device: torch.device,
                      max_context: int | None) -> KVCacheManager:
     paged = config.paged_kv
-    store = build_store(config, namespace, memory_budget_bytes=0 if paged else None)
+    device_budget = device_kv_budget(config.device_kv_budget_bytes, device)
+    # Unpaged: the store's memory tier is the device's (device_budget) and a host tier holds what it evicts.
+    store = build_store(config, namespace, memory_budget_bytes=0 if paged else None,
+                        device_budget_bytes=None if paged else device_budget, pin_host=device.type == "cuda")
     blocks = streamed = None
     if paged:
-        device_budget = device_kv_budget(config.device_kv_budget_bytes, device)
         max_tokens = device_max_tokens(config.device_kv_max_tokens, device, device_budget, shapes, kv_dtype,
                                        max_context)
         blocks = build_paged_kv(chunker, shapes, kv_dtype, device, config.memory_budget_bytes, config.kv_block_size,

@@ -434,14 +434,3 @@ def build_paged_kv(chunker: Chunker, shapes: Sequence[LayerShape], dtype: torch.
     cache = BlockCache(pool, budget_bytes=stored, spill=None if host is None else host.stash)
     return PagedKV(chunker, pool, cache, slow, host)
 
-
-DEFAULT_DEVICE_KV_FRACTION = 0.3  # of the device memory free when the engine is built (device_kv_budget_bytes)
-
-
-def device_kv_budget(configured: int | None, device: torch.device) -> int | None:
-    """The device pool's budget for stored chunks (None: no host offload): as configured, else on CUDA
-    DEFAULT_DEVICE_KV_FRACTION of the device memory free now; elsewhere None (the device is host memory)."""
-    if configured is not None or device.type != "cuda":
-        return configured
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * DEFAULT_DEVICE_KV_FRACTION)
