@@ -54,9 +54,9 @@ def serve_command(
                                                "the decode steps, one request's and the batch's, under "
                                                "torch.compile), eager or off."),
     paged_kv: bool = typer.Option(False, help="Stored chunks live in a block pool (zero-copy hits; docs/paged-kv.md)."),
-    device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="With --paged-kv: stored K/V kept on the "
-                                                      "device; colder chunks move to host memory (default on CUDA: "
-                                                      "30%% of free device memory)."),
+    device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="Stored K/V kept on the device; colder "
+                                                      "chunks move to host memory (default on CUDA: 30%% of free "
+                                                      "device memory)."),
     device_kv_max_tokens: int | None = typer.Option(None, min=1, help="With --paged-kv: longer contexts keep their "
                                                     "K/V in host memory, streamed to the device per layer (one "
                                                     "request at a time: batching servers refuse them with a 400)."),
