@@ -326,6 +326,8 @@ def test_build_store_and_options():
     assert store.memory.budget_bytes == 2 * NB and store.host.budget_bytes == 10 * NB
     assert set(store.stats().extra["tiers"]) == {"memory", "host"} and not store.host.mover.pin
     assert build_store(cfg, namespace="x", device_budget_bytes=0, pin_host=True).host.mover.pin
+    device_only = build_store(EngineConfig(memory_budget_bytes=0), namespace="x", device_budget_bytes=3 * NB)
+    assert device_only.host is None and device_only.memory.budget_bytes == 3 * NB  # host budget 0: no host tier
     plain = build_store(EngineConfig(memory_budget_bytes=10 * NB), namespace="x")
     assert plain.host is None and plain.memory.budget_bytes == 10 * NB
     assert set(plain.stats().extra["tiers"]) == {"memory"}

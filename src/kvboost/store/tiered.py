@@ -308,8 +308,9 @@ def build_store(config, namespace: str, write_through_disk: bool = True, memory_
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
     budget = config.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
     host = None
-    if device_budget_bytes is not None and budget > 0:
-        host = HostStore(budget, pin=pin_host)
+    if device_budget_bytes is not None:
+        if budget > 0:  # (none when the host budget is 0: the device tier alone, e.g. a draft model's chunks)
+            host = HostStore(budget, pin=pin_host)
         budget = device_budget_bytes
     memory = MemoryStore(budget, max_entries=config.max_chunks, codec=codec)
     disk = None
