@@ -57,6 +57,12 @@ def pytest_configure(config):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
+        # The store's device tier defaults to 30% of the free device memory; the suite's engines are tiny and
+        # pytest-xdist runs ~10 processes on one GPU, each holding several engines. 1% is still many times what a
+        # test stores.
+        from kvboost.kv import device_budget
+
+        device_budget.DEFAULT_DEVICE_KV_FRACTION = 0.01
 
 
 def pytest_report_header(config):

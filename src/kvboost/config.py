@@ -62,9 +62,10 @@ class EngineConfig:
     # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
     # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
     fast_path: str = "auto"
-    # On a GPU, stored chunks kept on the device: over this budget the coldest move to host memory (a tier of
-    # memory_budget_bytes, page-locked) instead of being dropped, and come back on a hit. None: on CUDA 30% of the
-    # device memory free at load; elsewhere no separate budget (the device is host memory: one memory tier).
+    # Stored chunks kept on the model's device: over this budget the coldest move to host memory, which holds
+    # memory_budget_bytes of them (page-locked on CUDA), and come back on a hit, instead of being dropped
+    # (store/host.py). None: on CUDA 30% of the device memory free at load; elsewhere no host tier (the device is
+    # host memory: one tier of memory_budget_bytes). Set on a CPU, it builds the host tier in RAM.
     device_kv_budget_bytes: int | None = None
     # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host memory and each forward
     # brings it to the device one layer at a time (the first device_kv_max_tokens positions stay on the device): it
@@ -126,6 +127,10 @@ class EngineConfig:
             isinstance(self.device_kv_max_tokens, int) and not isinstance(self.device_kv_max_tokens, bool)
             and self.device_kv_max_tokens > 0),
                  f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
+    # Stored chunks kept on the model's device: over this budget the coldest move to host memory, which holds
+    # memory_budget_bytes of them (page-locked on CUDA), and come back on a hit, instead of being dropped
+    # (store/host.py). None: on CUDA 30% of the device memory free at load; elsewhere no host tier (the device is
+    # host memory: one tier of memory_budget_bytes). Set on a CPU, it builds the host tier in RAM.
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

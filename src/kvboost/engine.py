@@ -29,7 +29,8 @@ from .decoding.factory import make_draft_engine, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.build import build_kv_manager
-from .kv.long_context import LongContexts, device_kv_budget, device_max_tokens
+from .kv.device_budget import device_kv_budget
+from .kv.long_context import LongContexts, device_max_tokens
 from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
 from .model.cpu_linear import install_cpu_linear
@@ -102,7 +103,7 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
-        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model)
+        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model, self.device)
         # Contexts longer than the device holds keep their K/V in host memory (kv/long_context.py).
         max_tokens = device_max_tokens(self.config.device_kv_max_tokens, self.device,
                                        device_kv_budget(self.config.device_kv_budget_bytes, self.device),

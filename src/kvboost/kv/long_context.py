@@ -14,21 +14,11 @@ from .workspace import LayerShape
 # context fit in RUNNING_SHARE of the device memory free at load; else what STREAMED_SHARE of it holds.
 RUNNING_SHARE = 0.6
 STREAMED_SHARE = 0.15
-DEFAULT_DEVICE_KV_FRACTION = 0.3  # device_kv_budget_bytes None on CUDA: this share of the memory free at load
 
 
 def bytes_per_position(shapes: Sequence[LayerShape], dtype: torch.dtype) -> int:
     """K and V of one position, every layer."""
     return sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
-
-
-def device_kv_budget(configured: int | None, device: torch.device) -> int | None:
-    """Bytes of stored chunks kept on the device (None: no separate device budget): as configured, else on CUDA
-    DEFAULT_DEVICE_KV_FRACTION of the device memory free now; elsewhere None (the device is host memory)."""
-    if configured is not None or device.type != "cuda":
-        return configured
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * DEFAULT_DEVICE_KV_FRACTION)
 
 
 def device_max_tokens(configured: int | None, device: torch.device, device_budget_bytes: int | None,

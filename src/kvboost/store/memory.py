@@ -55,6 +55,11 @@ class MemoryStore:
 
     # ---- reads -------------------------------------------------------------------------------
     def get(self, key: str) -> ChunkRecord | None:
+        payload = self.get_payload(key)
+        return None if payload is None else self._decode(payload)
+
+    def get_payload(self, key: str) -> object | None:
+        """What get() decodes (the codec's form of the record), counted and touched as get() is."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -62,8 +67,7 @@ class MemoryStore:
                 return None
             self._policy.touch(key)
             self._stats.hits += 1
-            payload = entry.payload
-        return self._decode(payload)
+            return entry.payload
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -79,6 +83,10 @@ class MemoryStore:
 
     # ---- writes ------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
+        with self._lock:
+            if record.key in self._entries:  # stored: a use, and no encoding (a quantization, a copy) for nothing
+                self._policy.touch(record.key)
+                return True
         payload = self.codec.encode(record) if self.codec else record
         nbytes = self.codec.nbytes(payload) if self.codec else record.nbytes
         if nbytes > self.budget_bytes:

@@ -180,6 +180,10 @@ class QuantCodec:
         return quantize_tensor(flat, self.bits, self.v_group_size, axis=1)
 
     def encode(self, record: ChunkRecord) -> QuantRecord:
+        if isinstance(record, LazyQuantRecord) and record.payload.bits == self.bits:
+            # Already quantized alike (a chunk back from the host tier or the write queue): quantizing its
+            # dequantized values again would only add error, and the payload is what a put would make of it.
+            return record.payload
         return QuantRecord(record.meta(), [self.encode_key(k) for k in record.keys],
                            [self.encode_value(v) for v in record.values], self.bits)
 

@@ -1,4 +1,4 @@
-"""Memory -> disk -> Redis, behind the one ChunkStore interface the engine uses.
+"""Memory -> host -> disk -> Redis, behind the one ChunkStore interface the engine uses.
 
 get() walks the tiers fastest first and promotes a lower-tier hit into memory, so the next request
 for a hot chunk pays no deserialization. put() writes memory synchronously; writes to the slow tiers
@@ -8,6 +8,10 @@ from the queue. Redis, when configured, gets every put (it is the tier shared wi
 disk tier either receives what memory evicts, through the memory tier's on_evict hook (overflow only:
 chunks still in memory are gone when the process exits), or, with write_through_disk, every put (what
 other processes sharing the directory and the next run can see).
+
+With a host tier (store/host.py; on CUDA by default), the memory tier is the device's: what it evicts moves to host
+memory, and what the host evicts goes on to disk as described above. A key lives in exactly one of memory and host:
+every move between them happens under one lock (`_fast`), so no reader sees it in both or, mid-move, in neither.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from collections.abc import Callable
 from .base import ChunkMeta, ChunkRecord, ChunkStore, TierStats
 from .disk import DiskStore
 from .disk_index import default_disk_budget
+from .host import HostStore
 from .memory import MemoryStore
 from .quant import QuantCodec
 from .redis import RedisStore
@@ -29,12 +34,14 @@ class TieredStore:
 
     def __init__(self, memory: MemoryStore, disk: ChunkStore | None = None, redis: ChunkStore | None = None,
                  write_through_disk: bool = False, write_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-                 flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S):
+                 flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, host: HostStore | None = None):
         self.memory = memory
+        self.host = host
         self.disk = disk
         self.redis = redis
         self.write_through_disk = write_through_disk and disk is not None
         self._lock = threading.Lock()
+        self._fast = threading.RLock()  # memory + host together: moves between them look atomic
         self._stats = TierStats(self.name)
         self._promotions: dict[str, int] = {}
         self._queue_hits = 0
@@ -42,32 +49,47 @@ class TieredStore:
         if disk is not None or redis is not None:
             self.writer = WriteBehind(write_queue_bytes, flush_timeout_s, targets=_targets(
                 getattr(disk, "directory", None), getattr(redis, "url", None)))
-        if disk is not None and not self.write_through_disk:
-            self._chain_on_evict(memory.on_evict)
+        if host is not None:
+            _chain_on_evict(memory, self._to_host)
+        if self.spills:
+            _chain_on_evict(self.fast_tiers[-1], self._spill)
 
     @property
     def tiers(self) -> list[ChunkStore]:
-        return [t for t in (self.memory, self.disk, self.redis) if t is not None]
+        return [t for t in (self.memory, self.host, self.disk, self.redis) if t is not None]
+
+    @property
+    def fast_tiers(self) -> list[MemoryStore]:
+        return [t for t in (self.memory, self.host) if t is not None]
 
     @property
     def slow_tiers(self) -> list[ChunkStore]:
         return [t for t in (self.disk, self.redis) if t is not None]
 
-    def _chain_on_evict(self, previous: Callable[[ChunkRecord], None] | None) -> None:
-        def spill(record: ChunkRecord) -> None:
-            self.writer.submit(record, [self.disk])  # (a dropped spill is counted by the queue)
-            if previous is not None:
-                previous(record)
-        self.memory.on_evict = spill
+    @property
+    def spills(self) -> bool:
+        """Whether the disk receives what the fast tiers evict (rather than every put)."""
+        return self.disk is not None and not self.write_through_disk
+
+    def _spill(self, record: ChunkRecord) -> None:
+        self.writer.submit(record, [self.disk])  # (a dropped spill is counted by the queue)
+
+    def _to_host(self, record: ChunkRecord) -> None:
+        """The memory tier evicted `record`: it moves to the host (called under `_fast`: the memory tier's put)."""
+        if not self.host.put(record) and self.spills:
+            self._spill(record)  # larger than the host budget, or the move failed (counted): one tier down
 
     # ---- reads -----------------------------------------------------------------------------------
     def get(self, key: str) -> ChunkRecord | None:
-        record = self.memory.get(key)
+        with self._fast:
+            record = self.memory.get(key)
+            if record is None and self.host is not None:
+                record = self._from_host(key)
         if record is None and self.writer is not None:
             pending, record = self.writer.lookup(key)
             if pending:  # queued: served from the queue, or deleted (then the slow tiers' copy is stale)
                 if record is not None:
-                    self.memory.put(record)
+                    self._store_fast(record)
                     with self._lock:
                         self._queue_hits += 1
                 return self._counted(record)
@@ -75,11 +97,45 @@ class TieredStore:
             for tier in self.slow_tiers:
                 record = tier.get(key)
                 if record is not None:
-                    if self.memory.put(record):
-                        with self._lock:
-                            self._promotions[tier.name] = self._promotions.get(tier.name, 0) + 1
+                    if self._store_fast(record):
+                        self._promoted(tier.name)
                     break
         return self._counted(record)
+
+    def _from_host(self, key: str) -> ChunkRecord | None:
+        """The host's record of `key` (None: not there); moved back into the memory tier when it fits there, and
+        then the device copy is what the caller gets (placing it costs no host transfer). Called under `_fast`."""
+        got = self.host.fetch(key, copy_back_bytes=self.memory.budget_bytes)
+        if got is None:
+            return None
+        host_record, device_record = got
+        if device_record is None:  # larger than the memory budget, or no device memory for it now
+            return host_record
+        # Out of the host first: the memory tier's evictions below move in there, and a full host must not drop
+        # one of them for a copy that is leaving (a swap of two chunks loses neither).
+        self.host.delete(key)
+        if self.memory.put(device_record):
+            self._promoted(self.host.name)
+            return device_record
+        self.host.put(host_record)  # (not expected: it fit the memory budget) back where it was
+        return host_record
+
+    def _store_fast(self, record: ChunkRecord) -> bool:
+        """`record` into the memory tier, or the host's: where the key is already (a use, nothing copied), or when
+        it is larger than the memory budget (encoded as the memory tier would have: the host keeps its form)."""
+        with self._fast:
+            if self.host is not None and self.host.contains(record.key):
+                return self.host.put(record)
+            if self.memory.put(record):
+                return True
+            if self.host is None:
+                return False
+            codec = self.memory.codec
+            return self.host.put(codec.decode(codec.encode(record)) if codec is not None else record)
+
+    def _promoted(self, tier: str) -> None:
+        with self._lock:
+            self._promotions[tier] = self._promotions.get(tier, 0) + 1
 
     def _counted(self, record: ChunkRecord | None) -> ChunkRecord | None:
         with self._lock:
@@ -90,8 +146,9 @@ class TieredStore:
         return record
 
     def contains(self, key: str) -> bool:
-        if self.memory.contains(key):
-            return True
+        with self._fast:
+            if any(t.contains(key) for t in self.fast_tiers):
+                return True
         if self.writer is not None:
             pending, record = self.writer.lookup(key)
             if pending:
@@ -105,7 +162,8 @@ class TieredStore:
         return self._merged(lambda t: t.by_content(content_key))
 
     def _merged(self, ask: Callable) -> list[ChunkMeta]:
-        lists = [ask(self.memory)]
+        with self._fast:
+            lists = [ask(t) for t in self.fast_tiers]
         deleted: set[str] = set()
         if self.writer is not None:
             lists.append(ask(self.writer))
@@ -115,11 +173,12 @@ class TieredStore:
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
-        """Memory now; disk/Redis behind. True when memory holds it or it is queued for a slower tier."""
-        stored = self.memory.put(record)
+        """Memory (or host) now; disk/Redis behind. True when memory or host holds it or it is queued for a slower
+        tier."""
+        stored = self._store_fast(record)
         slow = []
         if self.disk is not None and (self.write_through_disk or not stored):
-            # (when not writing through: larger than the whole memory budget, so keep it one tier down)
+            # (when not writing through: larger than the whole memory and host budgets, so keep it one tier down)
             slow.append(self.disk)
         if self.redis is not None:
             slow.append(self.redis)
@@ -128,13 +187,17 @@ class TieredStore:
         return stored
 
     def delete(self, key: str) -> None:
-        self.memory.delete(key)
+        with self._fast:
+            for t in self.fast_tiers:
+                t.delete(key)
         if self.writer is not None:
             self.writer.submit_delete(key, self.slow_tiers)
 
     def clear(self) -> None:
         """Forget everything, in every tier, now (an explicit request, so it waits for the slow tiers)."""
-        self.memory.clear()
+        with self._fast:
+            for t in self.fast_tiers:
+                t.clear()
         if self.writer is not None:
             self.writer.cancel_all()
         for t in self.slow_tiers:
@@ -155,8 +218,9 @@ class TieredStore:
 
     # ---- stats -----------------------------------------------------------------------------------
     def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's own stats, with `promotions` = hits that tier served which were promoted to memory,
-        and for disk/Redis the write-behind queue's counts (queued_writes, written_behind, dropped_writes)."""
+        """Each tier's own stats, with `promotions` = hits that tier served which were promoted to memory (for the
+        host tier: moved back to the device tier), and for disk/Redis the write-behind queue's counts
+        (queued_writes, written_behind, dropped_writes)."""
         out: dict[str, TierStats] = {}
         with self._lock:
             promotions = dict(self._promotions)
@@ -164,7 +228,7 @@ class TieredStore:
         for t in self.tiers:
             s = t.stats()
             s.promotions = promotions.get(t.name, 0)
-            if t is not self.memory and self.writer is not None:
+            if t in self.slow_tiers and self.writer is not None:
                 _add_queue_stats(s, self.writer.stats(t.name))
             out[t.name] = s
         out["memory"].extra["queue_hits"] = queue_hits
@@ -175,13 +239,24 @@ class TieredStore:
         per_tier = self.tier_stats()
         with self._lock:
             s = TierStats(**vars(self._stats))
-        s.entries = per_tier["memory"].entries
+        s.entries = sum(per_tier[t.name].entries for t in self.fast_tiers)  # (a key is in one of them)
         s.bytes = sum(t.bytes for t in per_tier.values())
         s.evictions = sum(t.evictions for t in per_tier.values())
         s.promotions = sum(t.promotions for t in per_tier.values())
         s.errors = sum(t.errors for t in per_tier.values())
         s.extra = {"tiers": {name: t.as_dict() for name, t in per_tier.items()}}
         return s
+
+
+def _chain_on_evict(tier: MemoryStore, handler: Callable[[ChunkRecord], None]) -> None:
+    """`handler` gets what `tier` evicts, before whatever hook the tier had already."""
+    previous = tier.on_evict
+
+    def evicted(record: ChunkRecord) -> None:
+        handler(record)
+        if previous is not None:
+            previous(record)
+    tier.on_evict = evicted
 
 
 def _add_queue_stats(s: TierStats, queue: dict) -> None:
@@ -212,10 +287,12 @@ def _merge(lists) -> list[ChunkMeta]:
     return list(seen.values())
 
 
-def build_store(config, namespace: str, write_through_disk: bool = True,
-                memory_budget_bytes: int | None = None) -> TieredStore:
+def build_store(config, namespace: str, write_through_disk: bool = True, device_budget_bytes: int | None = None,
+                pin_host: bool = False) -> TieredStore:
     """The tiers an EngineConfig asks for. `namespace` must identify the model (and salt) whose K/V these are.
-    memory_budget_bytes: the memory tier's budget instead of the config's (0 with paged KV: blocks hold chunks).
+    device_budget_bytes: stored chunks live on a device (kv/device_budget.py: on CUDA by default) that keeps this
+    many bytes of them: the memory tier gets this budget, and a host tier (store/host.py, page-locked with pin_host)
+    of memory_budget_bytes takes what it evicts. None: one memory tier, as without a device.
 
     A configured disk directory is written through by default: a cache directory that only ever held
     memory's overflow would come back empty after a restart and share nothing between processes.
@@ -228,7 +305,12 @@ def build_store(config, namespace: str, write_through_disk: bool = True,
     # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per
     # token instead of several keeps int8 at <= 0.52x of fp16 bytes on small-head models like SmolLM2.
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
-    budget = config.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
+    budget = config.memory_budget_bytes
+    host = None
+    if device_budget_bytes is not None:
+        if budget > 0:  # (none when the host budget is 0: the device tier alone, e.g. a draft model's chunks)
+            host = HostStore(budget, pin=pin_host)
+        budget = device_budget_bytes
     memory = MemoryStore(budget, max_entries=config.max_chunks, codec=codec)
     disk = None
     if config.disk_cache_dir:
@@ -241,4 +323,4 @@ def build_store(config, namespace: str, write_through_disk: bool = True,
         redis = RedisStore(config.redis_url, namespace=namespace, ttl_s=config.redis_ttl_s, bits=bits)
     return TieredStore(memory, disk=disk, redis=redis, write_through_disk=write_through_disk,
                        write_queue_bytes=config.write_queue_bytes,
-                       flush_timeout_s=flush_timeout_s)
+                       flush_timeout_s=flush_timeout_s, host=host)

@@ -1,0 +1,184 @@
+"""A stored chunk's K/V moved into ONE host allocation, and back to the device it came from in one copy.
+
+What the host tier (store/host.py) keeps of a record the device tier evicted:
+
+- full precision, every layer alike: a [layers, 2, kv_heads, n_tokens, head_dim] tensor (ChunkRecord.from_packed, the
+  layout disk and Redis serialize in one piece), so the move back is one copy and a spill to disk one write;
+- anything else (layers of different shapes; a quantized record's codes, scales and minimums, of several dtypes): one
+  byte buffer that every tensor is an aligned view of.
+
+One allocation per record, not one per tensor: page-locking (cudaHostRegister) and its release cost per call, and a
+record of 36 layers would otherwise make 72 of each. On CUDA the buffer is page-locked at its exact size (kv/pinned.py;
+torch's pinned allocator would round every record up to a power of two), so the copies out are DMA enqueued together
+and waited for once; where page-locking is refused the buffer is pageable (the copies block) and the reason is
+reported. A failed allocation or copy raises HostMoveError: the host tier counts it and keeps nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.pinned import pinned_empty
+from .base import ChunkMeta, ChunkRecord
+from .quant import Encoded, LazyQuantRecord, QuantRecord, QuantTensor
+
+_ALIGN = 64  # bytes: every view of a byte buffer starts aligned for any dtype (and for vectorized copies)
+
+
+class HostMoveError(RuntimeError):
+    """A record could not be moved: `reason` is what the host tier counts (alloc, copy_to_host, copy_to_device)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class HostPayload:
+    """One record in host memory: every tensor of `record` (full precision) or `quant` (quantized) is a view of
+    `buffer`; `source` is the device the record came from, where a promotion takes it back."""
+
+    meta: ChunkMeta
+    buffer: torch.Tensor
+    source: torch.device
+    pinned: bool
+    record: ChunkRecord | None = None
+    quant: QuantRecord | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held (the buffer, alignment included)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def record_nbytes(self) -> int:
+        """What the record weighs in a memory tier (no alignment): the size a device tier charges for it."""
+        return self.quant.nbytes if self.quant is not None else self.record.nbytes
+
+    def host_record(self) -> ChunkRecord:
+        """The record over host memory (a quantized one dequantizes lazily, like the quantized memory tier's)."""
+        if self.quant is not None:
+            return LazyQuantRecord(self.quant)  # a fresh one per use: its dequantized cache dies with the caller's
+        return self.record
+
+    def to_device(self) -> ChunkRecord:
+        """The record on `source`, in one copy of the buffer. Blocking on purpose: the host buffer may be freed (and
+        its memory reused) as soon as this returns, which an asynchronous copy could still be reading."""
+        try:
+            moved = self.buffer.to(self.source)  # (on the CPU, the same memory: nothing to copy)
+        except RuntimeError as exc:  # out of device memory
+            raise HostMoveError("copy_to_device", str(exc)) from exc
+        m = self.meta
+        if self.quant is not None:
+            return LazyQuantRecord(_map_quant(self.quant, _rebase(self.buffer, moved)))
+        if self.record.packed is self.buffer:
+            return ChunkRecord.from_packed(m.key, m.parent_key, m.content_key, m.token_ids, m.start, moved)
+        rebase = _rebase(self.buffer, moved)
+        return ChunkRecord(m.key, m.parent_key, m.content_key, m.token_ids, m.start,
+                           [rebase(k) for k in self.record.keys], [rebase(v) for v in self.record.values])
+
+
+def host_nbytes(record: ChunkRecord) -> int:
+    """About what moving `record` to the host takes (before alignment): its payload if quantized, else its K/V."""
+    return record.payload.nbytes if isinstance(record, LazyQuantRecord) else record.nbytes
+
+
+def move_to_host(record: ChunkRecord, pin: bool) -> tuple[HostPayload, str | None]:
+    """(record copied into one host buffer, why it is not page-locked when `pin` asked for it, else None)."""
+    meta = record.meta()
+    if isinstance(record, LazyQuantRecord):  # keep the codec's payload: smaller, and exactly what the device held
+        q = record.payload
+        sources = [t for e in (*q.keys, *q.values) for t in _encoded_tensors(e)]  # (the order _map_quant visits)
+        buffer, views, reason = _byte_buffer(sources, pin)
+        it = iter(views)
+        quant = _map_quant(q, lambda _t: next(it))
+        payload = HostPayload(meta, buffer, sources[0].device, pin and reason is None, quant=quant)
+        _copy(list(zip(views, sources)), payload.pinned)
+        return payload, reason
+    keys, values = list(record.keys), list(record.values)
+    if _uniform(keys + values):
+        heads, tokens, dim = keys[0].shape
+        buffer, reason = allocate_host((len(keys), 2, heads, tokens, dim), keys[0].dtype, pin)
+        host = ChunkRecord.from_packed(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, buffer)
+        packed = record.packed_view()
+        pairs = [(buffer, packed)] if packed is not None else list(zip(host.keys + host.values, keys + values))
+    else:
+        buffer, views, reason = _byte_buffer(keys + values, pin)
+        host = ChunkRecord(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start,
+                           views[:len(keys)], views[len(keys):])
+        pairs = list(zip(views, keys + values))
+    payload = HostPayload(meta, buffer, keys[0].device, pin and reason is None, record=host)
+    _copy(pairs, payload.pinned)
+    return payload, reason
+
+
+def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, str | None]:
+    """An uninitialized host tensor and, when `pin` asked for page-locked memory and got pageable, why."""
+    try:
+        return pinned_empty(shape, dtype) if pin else (torch.empty(shape, dtype=dtype), None)
+    except (RuntimeError, MemoryError) as exc:  # the host is out of memory: this record is not kept
+        raise HostMoveError("alloc", str(exc)) from exc
+
+
+# ---- internals ----------------------------------------------------------------------------------------------------
+def _uniform(tensors: list[torch.Tensor]) -> bool:
+    first = tensors[0]
+    return first.dim() == 3 and all(t.shape == first.shape and t.dtype == first.dtype for t in tensors)
+
+
+def _byte_buffer(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[torch.Tensor], str | None]:
+    """One uint8 buffer and a view of it shaped like each tensor (each start aligned)."""
+    offsets, total = [], 0
+    for t in tensors:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    buffer, reason = allocate_host((total,), torch.uint8, pin)
+    return buffer, [_view(buffer, off, t) for off, t in zip(offsets, tensors)], reason
+
+
+def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel() * like.element_size()
+    return buffer[offset:offset + n].view(like.dtype).view(like.shape)
+
+
+def _rebase(old: torch.Tensor, new: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Maps a view of `old` to the view of `new` (a copy of it) at the same bytes."""
+    flat = new.reshape(-1).view(torch.uint8)
+    base = old.data_ptr()
+    return lambda t: _view(flat, t.data_ptr() - base, t)
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> None:
+    """dst <- src for every pair. Into page-locked memory from a CUDA device the copies are enqueued together and
+    waited for once (a reader of the host record - the disk writer's thread, a CPU dequantization - needs them
+    done); otherwise each copy blocks."""
+    devices = {src.device for _, src in pairs}
+    source = next(iter(devices))
+    overlap = pinned and len(devices) == 1 and source.type == "cuda"
+    try:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=overlap)
+        if overlap:
+            torch.cuda.current_stream(source).synchronize()
+    except RuntimeError as exc:  # a device error: nothing half-copied is kept
+        raise HostMoveError("copy_to_host", str(exc)) from exc
+
+
+def _map_quant(q: QuantRecord, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantRecord:
+    """`q` with every tensor t replaced by fn(t), in a fixed order (keys, then values; data, scale, zero)."""
+    return QuantRecord(q.meta, [_map_encoded(k, fn) for k in q.keys], [_map_encoded(v, fn) for v in q.values],
+                       q.bits)
+
+
+def _encoded_tensors(e: Encoded) -> list[torch.Tensor]:
+    return [e.data, e.scale, e.zero] if isinstance(e, QuantTensor) else [e]
+
+
+def _map_encoded(e: Encoded, fn: Callable[[torch.Tensor], torch.Tensor]) -> Encoded:
+    if isinstance(e, QuantTensor):
+        return dataclasses.replace(e, data=fn(e.data), scale=fn(e.scale), zero=fn(e.zero))
+    return fn(e)
