@@ -118,9 +118,9 @@ def _serve_command() -> Callable[..., Any]:
 def _register_modules() -> None:
     # Defined beside the code they drive; registered here so `kvboost --help` lists them all.
     from .bench.batch import bench_batch_command
-    from .bench.cost import cost_command
     from .bench.rag import eval_rag_command
     from .bench.serve import bench_serve_command
+    from .cost import cost_command
 
     loose = {"allow_extra_args": True, "ignore_unknown_options": True}
     serve = _serve_command()

@@ -65,7 +65,7 @@ def test_files_use_lf_and_one_json_object_per_line():
 
 
 def test_import_pulls_in_no_heavy_dependencies():
-    code = ("import sys, kvboost.bench.workloads, kvboost.bench.cost, kvboost.bench.plots\n"
+    code = ("import sys, kvboost.bench.workloads, kvboost.cost, kvboost.bench.plots\n"
             "heavy = [m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "gens = [m for m in sys.modules if 'chat_domains' in m or 'policy_manual' in m or 'rag_docs' in m]\n"

@@ -1,5 +1,8 @@
 """The product site's GPU-cost calculator, as a pure function plus the ``kvboost cost`` CLI command.
 
+Part of the package, not of the benchmarks: ``kvboost cost`` runs after any install (plain arithmetic,
+no model); ``--from-bench`` reads the rates a benchmark run wrote.
+
 Model: every reused prefix token is a token the GPU does not have to prefill.
 
     tokens_saved_per_day = requests_per_day * prefix_tokens * reuse_rate
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +33,6 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
-
-from .plots import write_json
 
 # The product site's example; the CLI uses these when neither a flag nor a bench file gives a value.
 DEFAULT_REQUESTS_PER_DAY = 100_000
@@ -190,6 +193,23 @@ def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
     return table
 
 
+def write_estimate(path: str | Path, record: dict[str, Any]) -> Path:
+    """Write ``record`` as indented JSON, atomically (temp file + rename): an interrupted run never leaves a
+    truncated file behind. Returns the path written."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; an estimate is meant to be shared
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
 def _plain(value: Any) -> Any:
     # Calling cost_command() from Python leaves unspecified parameters as typer OptionInfo objects.
     return value.default if isinstance(value, typer.models.OptionInfo) else value
@@ -234,5 +254,5 @@ def cost_command(
         raise typer.BadParameter(str(e), param_hint="--from-bench") from None
     Console().print(render_cost_table(est, reuse_source=reuse_src, prefill_source=prefill_src))
     if json_path is not None:
-        write_json(json_path, {**est.to_dict(), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
+        write_estimate(json_path, {**est.to_dict(), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
     return est

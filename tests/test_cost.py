@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvboost.bench.cost import (
+from kvboost.cost import (
     BenchSchemaError,
     CostInputError,
     cost_command,
