@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvboost
+from kvboost.benchmarks_finder import NEEDS_A_CHECKOUT
 
 from .tiny_models import make_tiny_model
 
@@ -24,12 +26,17 @@ def kvboost_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "COLUMNS": "200"})
 
 
-def kvboost_without(blocked: tuple[str, ...], *args: str) -> subprocess.CompletedProcess:
-    """The CLI in a process where `blocked` cannot be imported (None in sys.modules), as on a bare install."""
+def kvboost_without(blocked: tuple[str, ...], *args: str, cwd: Path | None = None,
+                    pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a process where `blocked` cannot be imported (None in sys.modules), as on a bare install.
+    cwd / pythonpath: run it elsewhere, with only that folder on PYTHONPATH."""
     prelude = (f"import sys\nfor m in {list(blocked)!r}: sys.modules[m] = None\n"
                f"sys.argv = ['kvboost', *{list(args)!r}]\nfrom kvboost.cli import main\nmain()\n")
-    return subprocess.run([sys.executable, "-c", prelude], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200"})
+    env = {**os.environ, "COLUMNS": "200"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([sys.executable, "-c", prelude], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=cwd)
 
 
 def test_help_lists_commands_and_benchmarks():
@@ -122,3 +129,25 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(command, tmp_pa
                           "--plot", str(tmp_path / "p.png"))
     assert _one_line_hint(out) == (f"kvboost bench {command} --plot needs the bench extra: "
                                    "pip install 'kvboost[bench]'")
+
+
+def test_benchmarks_found_beside_an_editable_install(tmp_path):
+    # Run from elsewhere (the clone is not the current directory): kvboost's source sits in <clone>/src.
+    out = kvboost_without((), "bench", "--help", cwd=tmp_path, pythonpath=ROOT / "src")
+    assert out.returncode == 0, out.stderr
+    assert all(name in out.stdout for name in ("prefix", "spec", "gpu", "longctx"))
+
+
+@pytest.fixture(scope="module")
+def installed_copy(tmp_path_factory) -> Path:
+    """The package alone, as a non-editable install leaves it: no clone around it, no benchmarks beside it."""
+    site = tmp_path_factory.mktemp("site-packages")
+    shutil.copytree(ROOT / "src" / "kvboost", site / "kvboost", ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+@pytest.mark.parametrize("args", [("bench", "prefix", "--repeats", "1"), ("bench", "--help"), ("eval", "rag")])
+def test_benchmarks_outside_a_checkout_exit_2_with_one_line(installed_copy, args):
+    out = kvboost_without((), *args, cwd=installed_copy, pythonpath=installed_copy)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [NEEDS_A_CHECKOUT]

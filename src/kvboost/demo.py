@@ -9,13 +9,13 @@ from rich.table import Table
 
 
 def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
-    from .bench.workloads import load_system_prompt
     from .cli_common import load_engine
     from .loading import is_embedded
+    from .samples import load_system_prompt
 
     console = Console()
     system, questions = load_system_prompt()
-    questions = [q["question"] if isinstance(q, dict) else str(q) for q in questions][:n_questions]
+    questions = questions[:n_questions]
     t0 = time.perf_counter()
     with console.status("loading model (first run converts the embedded GGUF once, ~20 s)"):
         engine = load_engine(model)

@@ -23,8 +23,8 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 
 if TYPE_CHECKING:  # transformers loads on first use: `kvboost --help` stays fast
     from transformers import DynamicCache
@@ -75,7 +75,7 @@ def greedy_over_cache(model, ids: list[int], cache: DynamicCache, start: int, n:
                       eos: set[int]) -> tuple[float, list[int]]:
     """Prefill ids[start:] over `cache`, then decode greedily; returns (ttft_ms, tokens). Tensors are built on
     the model's device, and reading each token id waits for the device, so the clock sees the whole prefill."""
-    from ..model.cpu_linear import model_own_products
+    from kvboost.model.cpu_linear import model_own_products
 
     with model_own_products(model):  # plain transformers as users run it, not the engine's CPU products
         return _greedy(model, ids, cache, start, n, eos)
@@ -111,7 +111,7 @@ class ManualPrefixCache:
 
     def shared_with(self, ids: list[int]) -> int:
         """Tokens of `ids` whose K/V the previous turn left behind (prompt + reply, as fed to the model)."""
-        from ..reuse.match import common_prefix_length
+        from kvboost.reuse.match import common_prefix_length
 
         return min(common_prefix_length(self.ids, ids), len(ids) - 1)
 
@@ -167,7 +167,7 @@ def run_multiturn_bench(model: str | ModelChoice | None, conversations: int, tur
     import torch
     from transformers import DynamicCache
 
-    from ..cli_common import load_engine
+    from .model_options import load_engine
 
     choice = as_choice(model)
     if peer_python and choice.shape:
@@ -180,7 +180,7 @@ def run_multiturn_bench(model: str | ModelChoice | None, conversations: int, tur
     eos = engine.eos_token_ids
     peer = None
     if peer_python:
-        from ..loading import embedded_model_dir, is_embedded
+        from kvboost.loading import embedded_model_dir, is_embedded
         peer = _Peer(peer_python, str(embedded_model_dir()) if is_embedded(model_name) else model_name)
     samples: list[TurnSample] = []
     convs = _load_workload(workload)[:conversations]

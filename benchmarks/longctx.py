@@ -21,8 +21,8 @@ from typing import Annotated
 
 import typer
 
-from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, load_engine, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, load_engine, model_choice
 
 COPY_MB = 256
 
@@ -47,7 +47,8 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
                       profile_path: str | None = None) -> dict:
     import torch
 
-    from .. import KVBoost
+    from kvboost import KVBoost
+
     from .gpu.decode import measure
     from .plots import write_json
     from .prefix import prefix_text

@@ -25,8 +25,16 @@ from typing import Any
 
 import typer
 
-from ..cli_common import QUALITY_REFUSAL, DeviceOption, DtypeOption, ModelOption, ShapeOption, load_engine, model_choice
 from .console import bench_console
+from .model_options import (
+    QUALITY_REFUSAL,
+    DeviceOption,
+    DtypeOption,
+    ModelOption,
+    ShapeOption,
+    load_engine,
+    model_choice,
+)
 
 SYSTEM_PROMPT = ("You answer questions about the documents the user provides. Use only those documents and reply "
                  "with a short answer.")
@@ -114,7 +122,7 @@ def run_rag_eval(engine, items: Sequence[dict[str, Any]], docs: dict[str, dict[s
                  ratios: Sequence[float] = DEFAULT_RATIOS, new_tokens: int = 16,
                  progress=None) -> list[MethodRow]:
     """Evaluate every method on `items` with an engine whose store the caller lets us fill. Returns rows."""
-    from ..results import GenerationMode
+    from kvboost.results import GenerationMode
 
     methods = methods_for(ratios)
     saved = (engine.config.recompute_strategy, engine.config.recompute_ratio)

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 
 if TYPE_CHECKING:  # torch and transformers load on first use: `kvboost --help` stays fast
     import torch
@@ -145,8 +145,9 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                      plot_path: str | None, paged: bool = False) -> list[PrefixRow]:
     import torch
 
-    from ..cli_common import load_engine
-    from ..reuse.match import match_exact
+    from kvboost.reuse.match import match_exact
+
+    from .model_options import load_engine
     from .plots import plot_lines, write_json
 
     choice = as_choice(model)

@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
-from ...cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, load_engine, model_choice
 from ..console import bench_console
+from ..model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, load_engine, model_choice
 from .settings import RUN_ORDER, SECTIONS, SHARES, GpuBenchSettings
 from .timing import Budget
 

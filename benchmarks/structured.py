@@ -14,7 +14,6 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from importlib import resources
 from typing import Any
 
 import typer
@@ -22,7 +21,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ..cli_common import (
+from .console import bench_console
+from .model_options import (
     QUALITY_REFUSAL,
     DeviceOption,
     DtypeOption,
@@ -32,7 +32,7 @@ from ..cli_common import (
     as_choice,
     model_choice,
 )
-from .console import bench_console
+from .workloads import data_dir
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Summary:
 
 
 def load_cases() -> list[dict[str, Any]]:
-    text = resources.files("kvboost.bench").joinpath("data/structured/schemas.jsonl").read_text(encoding="utf-8")
+    text = (data_dir() / "structured" / "schemas.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
@@ -118,8 +118,9 @@ def _mask_ms(engine, fmt, tokens: list[int]) -> float:
 
 def run_structured_bench(model: str | ModelChoice | None, prompts_per_schema: int, new_tokens: int,
                          json_path: str | None, plot_path: str | None, limit: int | None = None) -> Summary:
-    from ..cli_common import load_engine
-    from ..decoding.grammar import json_schema_format
+    from kvboost.decoding.grammar import json_schema_format
+
+    from .model_options import load_engine
     from .plots import plot_bars, write_json
 
     choice = as_choice(model)

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ..cli_common import (
+from .console import bench_console
+from .model_options import (
     QUALITY_REFUSAL,
     DeviceOption,
     DtypeOption,
@@ -23,7 +24,6 @@ from ..cli_common import (
     as_choice,
     model_choice,
 )
-from .console import bench_console
 
 
 @dataclass
@@ -52,8 +52,9 @@ def run_quant_bench(model: str | ModelChoice | None, n_prompts: int, new_tokens:
                     plot_path: str | None) -> list[QuantRow]:
     import torch
 
-    from .. import KVBoost
-    from ..cli_common import load_engine
+    from kvboost import KVBoost
+
+    from .model_options import load_engine
     from .plots import plot_bars, write_json
 
     choice = as_choice(model)

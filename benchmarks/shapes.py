@@ -5,7 +5,7 @@ KV heads, head dim, RoPE, tied embeddings, context) and the embedded SmolLM2 tok
 real one: the vocabulary shrinks to the tokenizer's (49,152), everything that sets the cost of attention
 and of the matmuls stays. Weights are random, drawn with a fixed seed and a small std, so every run builds
 the same model, logits are finite and attention is not uniform to the last bit; outputs mean nothing, which
-is why quality benchmarks refuse shapes (see cli_common.model_choice).
+is why quality benchmarks refuse shapes (see model_options.model_choice).
 
 The model is built on the target device in the target dtype (a torch.device context and ``dtype=``), so
 a 3B/8B model never exists in fp32 on the host, and initialised there (fast on a GPU).
@@ -106,7 +106,7 @@ def embedded_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from ..loading import embedded_model_dir
+    from kvboost.loading import embedded_model_dir
 
     folder = os.environ.get(TOKENIZER_ENV)
     return AutoTokenizer.from_pretrained(folder if folder else embedded_model_dir())
@@ -116,7 +116,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     """A concrete dtype: 'auto'/None is bf16 on an accelerator (what the real checkpoints ship) and fp32 on CPU."""
     import torch
 
-    from ..loading import choose_dtype
+    from kvboost.loading import choose_dtype
 
     chosen = choose_dtype(dtype, device)
     return torch.bfloat16 if chosen == "auto" else chosen
@@ -128,7 +128,7 @@ def build_shape_model(name: str, device: str | torch.device | None = None, dtype
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..loading import choose_device
+    from kvboost.loading import choose_device
 
     dev = choose_device(str(device) if device is not None else None)
     torch_dtype = resolve_dtype(dtype, dev)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from .backend import run_kernel, select_backend
-from .reference import bottom_right_mask, sdpa_attention
+from kvboost.model.attention.backend import run_kernel, select_backend
+from kvboost.model.attention.reference import bottom_right_mask, sdpa_attention
 
 
 @dataclass(frozen=True)

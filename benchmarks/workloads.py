@@ -1,8 +1,9 @@
-"""Benchmark workloads: load the chat, support-chat, RAG and shared-system-prompt datasets.
+"""Benchmark workloads: load the chat, support-chat, RAG, spec and shared-system-prompt datasets.
 
-The JSONL files ship inside the package (``kvboost/bench/data/``), so installed benchmarks need no checkout.
-They are generated, not hand-edited: ``python scripts/make_workloads.py`` rebuilds them byte for byte from the
-generators under ``scripts/workloads/`` (which document the file formats), and ``--check`` compares.
+The JSONL files live in ``benchmarks/data/``, except the system prompt, which ``kvboost demo`` needs too and
+so ships inside the package (``kvboost/data/``, read through ``kvboost.samples``). They are generated, not
+hand-edited: ``python -m benchmarks.make_workloads`` rebuilds them byte for byte from the generators under
+``benchmarks/workload_generators/`` (which document the file formats), and ``--check`` compares.
 
 Record shapes, one JSON object per line:
 
@@ -18,23 +19,30 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvboost.samples import SYSTEM_PROMPT_FILE, read_system_prompt, system_prompt_file
+
 CONVERSATIONS_FILE = "conversations.jsonl"
 SUPPORT_FILE = "support_conversations.jsonl"
 RAG_DOCS_FILE = "rag_docs.jsonl"
 RAG_QA_FILE = "rag_qa.jsonl"
-SYSTEM_PROMPT_FILE = "system_prompt.jsonl"
 SPEC_FILE = "spec_tasks.jsonl"
 ALL_FILES = (CONVERSATIONS_FILE, RAG_DOCS_FILE, RAG_QA_FILE, SYSTEM_PROMPT_FILE, SUPPORT_FILE, SPEC_FILE)
 
 
-def package_data_dir() -> Path:
-    """The workloads shipped inside the installed package: the one copy every benchmark reads by default."""
+def data_dir() -> Path:
+    """``benchmarks/data/``: the one copy of every workload but the system prompt."""
     return Path(__file__).resolve().parent / "data"
+
+
+def shipped_path(filename: str) -> Path:
+    """Where the committed copy of a workload file lives: the package's sample for the system prompt, else
+    ``benchmarks/data/``. Every loader reads it when given no path."""
+    return system_prompt_file() if filename == SYSTEM_PROMPT_FILE else data_dir() / filename
 
 
 def _resolve(path: str | Path | None, filename: str) -> Path:
     if path is None:
-        return package_data_dir() / filename
+        return shipped_path(filename)
     p = Path(path)
     return p / filename if p.is_dir() else p
 
@@ -68,9 +76,6 @@ def load_spec_tasks(path: str | Path | None = None) -> list[dict[str, Any]]:
 
 
 def load_system_prompt(path: str | Path | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """``(system prompt text, question records)`` from ``system_prompt.jsonl`` (file or directory)."""
-    records = _read_jsonl(_resolve(path, SYSTEM_PROMPT_FILE))
-    system = next((r["text"] for r in records if r.get("type") == "system"), None)
-    if system is None:
-        raise ValueError("system_prompt.jsonl has no record with type 'system'")
-    return system, [r for r in records if r.get("type") == "question"]
+    """``(system prompt text, question records)`` from ``system_prompt.jsonl`` (file or directory; default: the
+    package's sample, which ``kvboost.samples.load_system_prompt`` reads as plain questions)."""
+    return read_system_prompt(_resolve(path, SYSTEM_PROMPT_FILE))

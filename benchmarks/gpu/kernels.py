@@ -3,14 +3,13 @@
 Two parts. The SDPA reference is measured here: one attention call in the chat-turn shape (40 queries over
 ~1,540 cached keys, bottom-right causal) and the decode shape (1 query over 4,096 keys, batch 1 and 16),
 per backend, its first call at a shape never seen before (the per-shape cost a chat pays each turn) and its
-steady time. The kernels are the attention package's own (`kvboost.model.attention.kernel_timings`),
+steady time. The kernels are KVBoost's attention package's, timed by `attention_kernels.kernel_timings`,
 imported lazily: where it is missing or cannot run here, the section says so and why.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import sys
 from collections.abc import Callable, Mapping
@@ -20,8 +19,6 @@ import torch
 
 from .settings import GpuBenchSettings
 from .timing import Budget, median, timed
-
-KERNEL_MODULE = "kvboost.model.attention"
 
 
 def _heads(model) -> tuple[int, int, int]:
@@ -97,20 +94,12 @@ def sdpa_reference(model, device: torch.device, dtype: torch.dtype, quick: bool,
 
 
 def _load_kernel_timings() -> tuple[Callable[..., Any] | None, str]:
-    """The attention package's kernel_timings, exported by the package or its bench_kernels module."""
-    try:
-        module = importlib.import_module(KERNEL_MODULE)
-    except Exception as exc:  # missing package, or Triton/CUDA import failing inside it
-        return None, f"{KERNEL_MODULE} cannot be imported: {type(exc).__name__}: {exc}"
-    fn = getattr(module, "kernel_timings", None)
-    if not callable(fn):
-        try:
-            fn = getattr(importlib.import_module(f"{KERNEL_MODULE}.bench_kernels"), "kernel_timings", None)
-        except ImportError:
-            fn = None
-    if not callable(fn):
-        return None, f"{KERNEL_MODULE} has no kernel_timings()"
-    return fn, ""
+    """attention_kernels.kernel_timings, or None and why it cannot be imported here."""
+    try:  # lazily: it imports KVBoost's attention package, whose kernels may fail to load on this machine
+        from .attention_kernels import kernel_timings
+    except Exception as exc:
+        return None, f"the attention kernels cannot be imported: {type(exc).__name__}: {exc}"
+    return kernel_timings, ""
 
 
 def _model_shapes(fn: Callable[..., Any], heads: int, kv_heads: int, head_dim: int, quick: bool,

@@ -21,8 +21,8 @@ from typing import Annotated
 
 import typer
 
-from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, load_engine, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, load_engine, model_choice
 
 
 def _runner_modes(device_type: str) -> tuple[str, ...]:
@@ -41,7 +41,7 @@ def _hf_call(model, rows: list[list[int]], pad: int, eos: set[int], outputs: dic
     """HF generate over `rows` (all the same length: no padding) -> tokens generated in all."""
     import torch
 
-    from ..model.cpu_linear import model_own_products
+    from kvboost.model.cpu_linear import model_own_products
 
     x = torch.tensor(rows, device=model.device)
 
@@ -60,7 +60,7 @@ def _hf_call(model, rows: list[list[int]], pad: int, eos: set[int], outputs: dic
 
 
 def _own_products(model, call: Callable, n: int) -> int:
-    from ..model.cpu_linear import model_own_products
+    from kvboost.model.cpu_linear import model_own_products
 
     with model_own_products(model):
         return call(n)

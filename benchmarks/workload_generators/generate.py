@@ -3,9 +3,9 @@ and the support chats over it.
 
 Everything is produced from deterministic templates and ``random.Random`` streams (no model, no network), so
 ``write_workloads()`` with the default seed reproduces the shipped JSONL files byte for byte. The one copy of
-the files is the package data of ``kvboost.bench`` (``src/kvboost/bench/data/``), which installed benchmarks
-read through ``kvboost.bench.workloads``; this package is not installed (it lives under ``scripts/``) and is
-driven by ``scripts/make_workloads.py``.
+each file is where ``benchmarks.workloads.shipped_path`` says: ``benchmarks/data/``, and for the system prompt
+the package data of ``kvboost`` (``src/kvboost/data/``, which ``kvboost demo`` reads through
+``kvboost.samples``). ``python -m benchmarks.make_workloads`` drives this module.
 
 File formats (one JSON object per line, UTF-8, ``\\n`` line endings):
 
@@ -27,16 +27,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvboost.bench.workloads import (
+from ..workloads import (
     CONVERSATIONS_FILE,
     RAG_DOCS_FILE,
     RAG_QA_FILE,
     SPEC_FILE,
     SUPPORT_FILE,
     SYSTEM_PROMPT_FILE,
-    package_data_dir,
+    shipped_path,
 )
-
 from .chat_domains_a import DOMAINS_A, ChatDomain
 from .chat_domains_b import DOMAINS_B
 from .chat_pastes import PASTES
@@ -218,20 +217,24 @@ def generate_all(seed: int = DEFAULT_SEED) -> dict[str, str]:
 
 
 def write_workloads(out_dirs: Sequence[str | Path] | None = None, seed: int = DEFAULT_SEED) -> list[Path]:
-    """Write every workload file into each directory (default: the package data directory, the one copy)."""
-    dirs = [Path(d) for d in out_dirs] if out_dirs is not None else [package_data_dir()]
+    """Write every workload file into each directory (default: each file's shipped copy, the one copy)."""
     written = []
     for name, text in generate_all(seed).items():
-        for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
+        for path in _targets(name, out_dirs):
+            path.parent.mkdir(parents=True, exist_ok=True)
             # Bytes, not text mode: no platform newline translation, so files are identical everywhere.
-            (d / name).write_bytes(text.encode("utf-8"))
-            written.append(d / name)
+            path.write_bytes(text.encode("utf-8"))
+            written.append(path)
     return written
 
 
-def check_workloads(directory: str | Path, seed: int = DEFAULT_SEED) -> list[str]:
-    """Names of files in ``directory`` that are missing or differ from what ``seed`` generates."""
-    d = Path(directory)
-    return [name for name, text in generate_all(seed).items()
-            if not (d / name).is_file() or (d / name).read_bytes() != text.encode("utf-8")]
+def check_workloads(directory: str | Path | None = None, seed: int = DEFAULT_SEED) -> list[str]:
+    """Paths of files that are missing or differ from what ``seed`` generates: in ``directory``, or (None)
+    the shipped copies."""
+    return [str(path) for name, text in generate_all(seed).items()
+            for path in _targets(name, None if directory is None else [directory])
+            if not path.is_file() or path.read_bytes() != text.encode("utf-8")]
+
+
+def _targets(name: str, out_dirs: Sequence[str | Path] | None) -> list[Path]:
+    return [shipped_path(name)] if out_dirs is None else [Path(d) / name for d in out_dirs]

@@ -145,7 +145,7 @@ def _mean(values: Sequence[float]) -> float | None:
 def run_case(arch: str, model, tokenizer, work: FidelityWorkload, new_tokens: int, budget: Budget) -> dict:
     """One model (already on its device, in its dtype): every question through the three systems; the row of
     the section's table."""
-    from ... import KVBoost
+    from kvboost import KVBoost
 
     device, dtype = model.device, model.dtype
     t0 = time.monotonic()

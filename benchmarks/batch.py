@@ -15,8 +15,8 @@ from typing import Annotated
 
 import typer
 
-from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 
 
 @dataclass
@@ -55,8 +55,8 @@ def _rows(engine, n_rows: int, prefix: int) -> tuple[list[int], list[list[int]]]
 
 
 def _run(engine, rows: list[list[int]], new_tokens: int, shared: bool, label: str, prefix: int) -> BatchRun:
-    from ..batch import BatchRunner
-    from ..sampling import SamplingParams
+    from kvboost.batch import BatchRunner
+    from kvboost.sampling import SamplingParams
 
     runner = BatchRunner(engine, max_batch_size=len(rows), shared_prefix_attention=shared)
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -86,7 +86,7 @@ def _run(engine, rows: list[list[int]], new_tokens: int, shared: bool, label: st
 
 def run_batch_bench(model: str | ModelChoice | None, n_rows: int, prefix: int, new_tokens: int,
                     json_path: str | None = None, plot_path: str | None = None) -> dict:
-    from ..cli_common import load_engine
+    from .model_options import load_engine
 
     choice = as_choice(model)
     console = bench_console()

@@ -17,8 +17,8 @@ from typing import Annotated
 
 import typer
 
-from ..cli_common import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
 
 TARGET_RPS_GAIN = 2.0
 TARGET_TTFT_GAIN = 3.0
@@ -105,9 +105,10 @@ def _warm(url: str, model: str, system: str) -> None:
 def run_serve_bench(model: str | ModelChoice | None = None, clients: int = 16, requests_per_client: int = 4,
                     max_tokens: int = 16, max_batch_size: int = 16, batch_window_ms: float = 20.0,
                     progress=print) -> dict:
-    from ..cli_common import load_engine
-    from ..results import GenerationMode
-    from ..server import BackgroundServer, ServerSettings, create_app
+    from kvboost.results import GenerationMode
+    from kvboost.server import BackgroundServer, ServerSettings, create_app
+
+    from .model_options import load_engine
     from .workloads import load_system_prompt
 
     system, items = load_system_prompt()

@@ -31,8 +31,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..cli_common import DeviceOption, DtypeOption, ModelOption, ShapeOption, load_engine, model_choice
 from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelOption, ShapeOption, load_engine, model_choice
 
 SYSTEMS = ("kvboost", "prompt_lookup", "draft", "hf_prompt_lookup")
 BATCH_SYSTEMS = ("batched", "batched_prompt_lookup")
@@ -78,7 +78,7 @@ def tiny_random_draft(tokenizer, device, dtype):
 def _hf_decode(model, ids, max_new_tokens: int, k: int, eos: list[int]) -> tuple[list[int], float]:
     import torch
 
-    from ..model.cpu_linear import model_own_products
+    from kvboost.model.cpu_linear import model_own_products
 
     x = torch.tensor([ids], device=model.device)
     common = dict(do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else None)
@@ -100,8 +100,9 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                    batch_runner: bool = False, fast_path: str | None = None) -> list[Row]:
     import torch
 
-    from ..batch import BatchRunner
-    from ..decoding.factory import make_draft_engine
+    from kvboost.batch import BatchRunner
+    from kvboost.decoding.factory import make_draft_engine
+
     from .workloads import load_spec_tasks
 
     console = console or bench_console()
@@ -304,7 +305,7 @@ def bench_spec_command(
                                          "compiled, eager, off; default: the engine's, auto)."),
 ) -> None:
     """Decode tok/s, acceptance and identical outputs: no speculation, prompt lookup, a draft model, HF's."""
-    from ..model.runner import FAST_PATHS
+    from kvboost.model.runner import FAST_PATHS
 
     if fast_path is not None and fast_path not in FAST_PATHS:
         raise typer.BadParameter(f"{fast_path!r}: expected one of {', '.join(FAST_PATHS)}", param_hint="--fast-path")
