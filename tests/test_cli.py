@@ -13,10 +13,13 @@ import pytest
 
 import kvboost
 from kvboost.benchmarks_finder import NEEDS_A_CHECKOUT
+from kvboost.install_source import UNKNOWN_SOURCE
 
 from .tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# The clone the running kvboost comes from (tests run from a checkout): install hints name it, editable.
+CLONE = Path(kvboost.__file__).resolve().parents[2]
 # Everything the optional extras (and the test extra's openai) bring; a plain `pip install kvboost` has none.
 EXTRA_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "redis", "matplotlib", "openai")
 
@@ -37,6 +40,11 @@ def kvboost_without(blocked: tuple[str, ...], *args: str, cwd: Path | None = Non
         env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run([sys.executable, "-c", prelude], capture_output=True, text=True, timeout=300, env=env,
                           cwd=cwd)
+
+
+def hint(extras: str) -> str:
+    """The install hint's pip command for `extras`: from this clone, editable."""
+    return f"pip install -e '{CLONE}[{extras}]'"
 
 
 def test_help_lists_commands_and_benchmarks():
@@ -107,19 +115,20 @@ def _one_line_hint(out: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize("args", [("serve",), ("serve", "--port", "0", "--model", "x")])
 def test_serve_without_the_server_extra_prints_the_install_hint(args):
-    hint = _one_line_hint(kvboost_without(("fastapi",), *args))
-    assert hint == "kvboost serve needs the server extra: pip install 'kvboost[server]'"
+    line = _one_line_hint(kvboost_without(("fastapi",), *args))
+    # Installed from this clone: the extra from this clone, never PyPI's `kvboost` (another project).
+    assert line == f"kvboost serve needs the server extra: {hint('server')}"
 
 
 def test_bench_structured_names_the_missing_extra():
-    hint = _one_line_hint(kvboost_without(("xgrammar",), "bench", "structured", "--schemas", "1"))
-    assert hint == "kvboost bench structured needs the structured extra: pip install 'kvboost[structured]'"
+    line = _one_line_hint(kvboost_without(("xgrammar",), "bench", "structured", "--schemas", "1"))
+    assert line == f"kvboost bench structured needs the structured extra: {hint('structured')}"
 
 
 def test_bench_serve_names_what_is_missing():
-    hint = _one_line_hint(kvboost_without(("fastapi", "openai"), "bench", "serve", "--requests", "1"))
-    assert hint.startswith("kvboost bench serve needs the server extra and the openai package")
-    assert hint.endswith("pip install 'kvboost[server]' openai")
+    line = _one_line_hint(kvboost_without(("fastapi", "openai"), "bench", "serve", "--requests", "1"))
+    assert line.startswith("kvboost bench serve needs the server extra and the openai package")
+    assert line.endswith(f"{hint('server')} openai")
 
 
 @pytest.mark.parametrize("command", ["prefix", "quant", "multiturn", "batch", "rag"])
@@ -127,8 +136,7 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(command, tmp_pa
     # The check comes first: no model is loaded (that would take far longer than this test allows).
     out = kvboost_without(("matplotlib",), "bench", command, "--model", str(tmp_path / "missing"),
                           "--plot", str(tmp_path / "p.png"))
-    assert _one_line_hint(out) == (f"kvboost bench {command} --plot needs the bench extra: "
-                                   "pip install 'kvboost[bench]'")
+    assert _one_line_hint(out) == f"kvboost bench {command} --plot needs the bench extra: {hint('bench')}"
 
 
 def test_benchmarks_found_beside_an_editable_install(tmp_path):
@@ -151,3 +159,12 @@ def test_benchmarks_outside_a_checkout_exit_2_with_one_line(installed_copy, args
     out = kvboost_without((), *args, cwd=installed_copy, pythonpath=installed_copy)
     assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [NEEDS_A_CHECKOUT]
+
+
+def test_outside_a_checkout_the_core_runs_and_hints_name_no_pypi_package(installed_copy, tmp_path):
+    assert "bench" in kvboost_without((), "--help", cwd=installed_copy, pythonpath=installed_copy).stdout
+    cost = kvboost_without((), "cost", "--json", str(tmp_path / "c.json"), cwd=installed_copy,
+                           pythonpath=installed_copy)
+    assert cost.returncode == 0, cost.stderr
+    line = _one_line_hint(kvboost_without(("fastapi",), "serve", cwd=installed_copy, pythonpath=installed_copy))
+    assert line == f"kvboost serve needs the server extra: pip install '{UNKNOWN_SOURCE}[server]'"
