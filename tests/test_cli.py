@@ -139,6 +139,16 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(command, tmp_pa
     assert _one_line_hint(out) == f"kvboost bench {command} --plot needs the bench extra: {hint('bench')}"
 
 
+
+def test_help_shows_flags_as_flags_and_named_values():
+    top = kvboost_cli("--help").stdout
+    assert "<" not in top and re.search(r"--version +Print the version", top), top
+    prefix = kvboost_cli("bench", "prefix", "--help").stdout
+    assert "<" not in prefix, prefix  # no <bool>, <str>, <int range> placeholders
+    assert re.search(r"--paged +Also paged KV", prefix) and re.search(r"--help +Show this message", prefix), prefix
+    assert re.search(r"--json +JSON_PATH +Write", prefix) and re.search(r"--repeats +REPEATS \[x>=1\]", prefix)
+
+
 def test_benchmarks_found_beside_an_editable_install(tmp_path):
     # Run from elsewhere (the clone is not the current directory): kvboost's source sits in <clone>/src.
     out = kvboost_without((), "bench", "--help", cwd=tmp_path, pythonpath=ROOT / "src")

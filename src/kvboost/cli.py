@@ -14,9 +14,10 @@ import typer
 from . import __version__
 from .benchmarks_finder import NEEDS_A_CHECKOUT, find_benchmark_commands
 from .cli_common import MODEL_HELP, load_engine
+from .cli_help import HelpTyper
 from .extras import missing_extras, require
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+app = HelpTyper(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                 help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
 BENCH_HELP = "Benchmarks that print side-by-side tables, JSON and plots."
 EVAL_HELP = "Fidelity evaluations of approximate reuse."
@@ -51,7 +52,7 @@ def demo(model: str | None = ModelOpt,
 
 @app.command()
 def verify(model: str | None = ModelOpt,
-           max_new_tokens: int = typer.Option(32, min=1),
+           max_new_tokens: int = typer.Option(32, min=1, help="Greedy tokens compared per prompt."),
            prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt(s) to check (repeatable).")):
     """Check that cached generation is token-identical to plain generation on this model."""
     from rich.console import Console
@@ -110,8 +111,8 @@ def _register_commands() -> None:
             app.command(name, help=f"{help_text} (from a source checkout)", context_settings=ANY_ARGUMENTS,
                         add_help_option=False)(_benchmarks_need_a_checkout)
         return
-    bench_app = typer.Typer(no_args_is_help=True, help=BENCH_HELP)
-    eval_app = typer.Typer(no_args_is_help=True, help=EVAL_HELP)
+    bench_app = HelpTyper(no_args_is_help=True, help=BENCH_HELP)
+    eval_app = HelpTyper(no_args_is_help=True, help=EVAL_HELP)
     app.add_typer(bench_app, name="bench")
     app.add_typer(eval_app, name="eval")
     benchmarks.register(bench_app, eval_app)
