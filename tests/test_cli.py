@@ -24,9 +24,9 @@ CLONE = Path(kvboost.__file__).resolve().parents[2]
 EXTRA_MODULES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "redis", "matplotlib", "openai")
 
 
-def kvboost_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def kvboost_cli(*args: str, timeout: int = 600, columns: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvboost.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+                          timeout=timeout, env={**os.environ, "COLUMNS": str(columns)})
 
 
 def kvboost_without(blocked: tuple[str, ...], *args: str, cwd: Path | None = None,
@@ -69,9 +69,16 @@ def test_cost_prints_and_writes_json(tmp_path):
 def test_verify_on_a_local_model(tmp_path, tokenizer):
     make_tiny_model("qwen2", tokenizer).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    out = kvboost_cli("verify", "--model", str(tmp_path), "--max-new-tokens", "6")
+    out = kvboost_cli("verify", "--model", str(tmp_path), "--max-new-tokens", "6", columns=80)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "3/3 prompts identical" in out.stdout
+    # One table row and one line per prompt at 80 columns, never wrapped over several lines.
+    lines = out.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 3 and all("yes" in row for row in rows), out.stdout
+    prompts = [line for line in lines if re.match(r" +[1-3]  \S", line)]
+    assert len(prompts) == 3 and all(len(line) <= 80 for line in prompts), out.stdout
+    assert "delivery address? Answer:" in prompts[0] and "one sentence:" in prompts[2]
 
 
 def test_unknown_model_path_fails_cleanly(tmp_path):
@@ -137,7 +144,6 @@ def test_plot_without_matplotlib_fails_before_the_benchmark_runs(command, tmp_pa
     out = kvboost_without(("matplotlib",), "bench", command, "--model", str(tmp_path / "missing"),
                           "--plot", str(tmp_path / "p.png"))
     assert _one_line_hint(out) == f"kvboost bench {command} --plot needs the bench extra: {hint('bench')}"
-
 
 
 def test_help_shows_flags_as_flags_and_named_values():

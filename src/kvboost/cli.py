@@ -13,7 +13,7 @@ import typer
 
 from . import __version__
 from .benchmarks_finder import NEEDS_A_CHECKOUT, find_benchmark_commands
-from .cli_common import MODEL_HELP, load_engine
+from .cli_common import MODEL_HELP, load_engine, one_line
 from .cli_help import HelpTyper
 from .extras import missing_extras, require
 
@@ -64,12 +64,19 @@ def verify(model: str | None = ModelOpt,
     with console.status("comparing baseline and cached generation"):
         report = engine.verify_correctness(prompt or None, max_new_tokens)
     table = Table(title=f"verify_correctness ({max_new_tokens} greedy tokens)")
-    for col in ("prompt", "reused chunks", "identical", "max logit diff", "first-token KL"):
-        table.add_column(col)
-    for c in report.checks:
-        table.add_row(c.prompt_preview, str(c.reused_chunks), "yes" if c.identical else "NO",
-                      f"{c.max_logit_diff:.2e}", f"{c.first_token_kl:.2e}")
+    for col in ("#", "reused chunks", "identical", "max logit diff", "first-token KL"):
+        table.add_column(col, justify="right" if col == "#" else "left")
+    for i, c in enumerate(report.checks, 1):
+        table.add_row(str(i), str(c.reused_chunks), "yes" if c.identical else "NO", f"{c.max_logit_diff:.2e}",
+                      f"{c.first_token_kl:.2e}")
     console.print(table)
+    # Each prompt on a line of its own below, cut to the terminal's width: in a table column beside the figures
+    # it would wrap into fragments over many lines. The preview is the prompt's end (where prompts differ).
+    console.print("[dim]prompts, by their last characters:[/]")
+    for i, c in enumerate(report.checks, 1):
+        label = f"{i:>3}  "
+        console.print(label + one_line(c.prompt_preview, console.width - len(label)), markup=False, highlight=False,
+                      no_wrap=True)
     console.print(report.summary())
     raise typer.Exit(0 if report else 1)
 

@@ -1,4 +1,5 @@
-"""What the command-line entry points share: loading the engine a --model option names.
+"""What the command-line entry points share: loading the engine a --model option names, and fitting text
+into one terminal line.
 
 ``cli.py`` and ``demo.py`` import this module and it imports neither, so the commands and the CLI that
 registers them have no import cycle. The benchmarks' own model options (random-weight shapes, devices,
@@ -38,3 +39,11 @@ def load_engine(model: str | None = None, device: str | None = None, dtype: str 
     except LOAD_ERRORS as exc:
         exit_cannot_load(f"model {model or '(embedded)'!r}", exc)
 
+
+def one_line(text: str, width: int) -> str:
+    """text with its whitespace runs (newlines included) collapsed to single spaces, cut to at most `width`
+    characters with a trailing ellipsis where it does not fit."""
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    return flat[:max(width - 1, 0)] + "…" if width > 0 else ""
