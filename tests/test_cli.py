@@ -92,6 +92,9 @@ def test_demo_runs_on_the_embedded_model():
     out = kvboost_cli("demo", "--questions", "1", "--max-new-tokens", "4")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "TTFT: baseline" in out.stdout and "KVBoost" in out.stdout and "yes" in out.stdout
+    # The question reused the system prompt's stored tokens, no more: "warmed N ... tokens", then "N/<prompt>".
+    warmed = int(re.search(r"warmed (\d+) system-prompt tokens", out.stdout).group(1))
+    assert re.search(rf"\b{warmed}/\d+\b", out.stdout), out.stdout
     assert "135M parameters" in out.stdout  # the answers are a small model's, and the demo says so
 
 
