@@ -18,8 +18,8 @@ test-fast:  ## skip the tests that use the real SmolLM2 model
 lint:  ## ruff: lint and import order (configured in pyproject.toml)
 	$(PYTHON) -m ruff check
 
-workloads:  ## check the shipped workload data against its generators (scripts/workloads)
-	$(PYTHON) scripts/make_workloads.py --check
+workloads:  ## check the committed workload data against its generators (benchmarks/workload_generators)
+	$(PYTHON) -m benchmarks.make_workloads --check
 
 bench:  ## the README's prefix-reuse benchmark
 	kvboost bench prefix --repeats 9 --json benchmarks/results/prefix.json --plot benchmarks/results/prefix.png

@@ -1,4 +1,5 @@
-"""Layering of src/kvboost, read from the source: no import cycles, no private names across modules.
+"""Layering of src/kvboost, read from the source: no import cycles, no private names across modules, and no
+import of the repository's benchmarks (they use the package; the package never uses them).
 
 The graph has an edge A -> B for every import of kvboost module B anywhere in A: at module level, inside
 functions and methods, under try/except. Imports under ``if TYPE_CHECKING:`` never run and are left out.
@@ -193,10 +194,10 @@ GRAPH, PRIVATE = _analyse()
 
 
 def test_the_walk_sees_the_package():
-    assert {"kvboost", "kvboost.cli", "kvboost.cli_common", "kvboost.bench.workloads"} <= set(MODULES)
-    # A function-local import is an edge: cli registers the bench commands inside a function.
-    assert "kvboost.bench.serve" in GRAPH["kvboost.cli"]
-    assert "kvboost.cli_common" in GRAPH["kvboost.bench.batch"]
+    assert {"kvboost", "kvboost.cli", "kvboost.cli_common", "kvboost.samples"} <= set(MODULES)
+    # A function-local import is an edge: cli registers the cost command inside a function.
+    assert "kvboost.cost" in GRAPH["kvboost.cli"]
+    assert "kvboost.cli_common" in GRAPH["kvboost.demo"]
 
 
 def test_cycle_finder_finds_a_function_local_cycle():
@@ -223,4 +224,40 @@ def test_no_private_names_imported_across_modules():
 def test_nothing_imports_the_cli():
     # cli.py sits on top: it registers every command. What commands share lives in cli_common.
     assert sorted(m for m, deps in GRAPH.items() if "kvboost.cli" in deps) == []
-    assert GRAPH["kvboost.cli_common"] <= {"kvboost", "kvboost.bench.shapes"}
+    assert GRAPH["kvboost.cli_common"] <= {"kvboost"}
+
+
+BENCHMARKS = "benchmarks"
+
+
+def _imports_benchmarks(tree: ast.AST) -> list[str]:
+    """Imports of the benchmarks package anywhere in the tree, under TYPE_CHECKING too."""
+    found = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        found += [n for n in names if n == BENCHMARKS or n.startswith(BENCHMARKS + ".")]
+    return found
+
+
+def _names_benchmarks(tree: ast.AST) -> bool:
+    """Whether a string constant in the tree is the benchmarks package or one of its modules (a by-name load)."""
+    return any(isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and (node.value == BENCHMARKS or node.value.startswith(BENCHMARKS + "."))
+               for node in ast.walk(tree))
+
+
+def test_the_benchmark_scans_see_what_they_look_for():
+    assert _imports_benchmarks(ast.parse("import benchmarks.prefix\nfrom benchmarks import shapes\n"
+                                         "import benchmarks_other\nfrom . import benchmarks\n")) == [
+        "benchmarks.prefix", "benchmarks"]
+    assert _names_benchmarks(ast.parse("x = 'benchmarks.commands'")) and not _names_benchmarks(ast.parse("x = 'a'"))
+
+
+def test_the_package_never_imports_the_benchmarks():
+    # The benchmarks live beside the package in a checkout, not inside it: an installed kvboost has none.
+    found = {m: _imports_benchmarks(ast.parse(path.read_text(encoding="utf-8"))) for m, path in MODULES.items()}
+    assert {m: names for m, names in found.items() if names} == {}
+    # The CLI loads them by name, when a checkout holds them, in one place.
+    by_name = sorted(m for m, path in MODULES.items() if _names_benchmarks(ast.parse(path.read_text(encoding="utf-8"))))
+    assert by_name == ["kvboost.benchmarks_finder"]

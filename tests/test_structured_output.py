@@ -22,7 +22,7 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHE
 
 
 def valid(text: str) -> bool:
-    from kvboost.bench.structured import schema_valid
+    from benchmarks.structured import schema_valid
 
     return schema_valid(text, SCHEMA)
 

@@ -1,26 +1,28 @@
-"""Command line: kvboost demo | verify | bench ... | cost | serve.
+"""Command line: kvboost demo | verify | cost | serve | bench ... | eval ...
 
-A plain `pip install kvboost` runs every command except `serve` / `bench serve` (the server extra) and
---plot (the bench extra); those check for their extra first and exit with a one-line install hint.
+A plain install runs every command except `serve` / `bench serve` (the server extra) and --plot (the bench
+extra); those check for their extra first and exit with a one-line install hint. `bench` and `eval` are the
+repository's benchmarks, registered when a source checkout holds them (see benchmarks_finder).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import typer
 
 from . import __version__
-from .cli_common import load_engine
+from .benchmarks_finder import NEEDS_A_CHECKOUT, find_benchmark_commands
+from .cli_common import MODEL_HELP, load_engine, one_line
+from .cli_help import HelpTyper
 from .extras import missing_extras, require
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print side-by-side tables, JSON and plots.")
-app.add_typer(bench_app, name="bench")
-eval_app = typer.Typer(no_args_is_help=True, help="Fidelity evaluations of approximate reuse.")
-app.add_typer(eval_app, name="eval")
+app = HelpTyper(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                help="KVBoost: chunk-level KV-cache reuse for Hugging Face causal LMs.")
+BENCH_HELP = "Benchmarks that print side-by-side tables, JSON and plots."
+EVAL_HELP = "Fidelity evaluations of approximate reuse."
+# A stand-in command takes any arguments, so `kvboost serve --port 1` gets its hint, not a usage error.
+ANY_ARGUMENTS = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 def _print_version(value: bool) -> None:
@@ -35,7 +37,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
     pass
 
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Local path or Hugging Face id (default: embedded SmolLM2-135M).")
+ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 
 
 @app.command()
@@ -50,7 +52,7 @@ def demo(model: str | None = ModelOpt,
 
 @app.command()
 def verify(model: str | None = ModelOpt,
-           max_new_tokens: int = typer.Option(32, min=1),
+           max_new_tokens: int = typer.Option(32, min=1, help="Greedy tokens compared per prompt."),
            prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="Prompt(s) to check (repeatable).")):
     """Check that cached generation is token-identical to plain generation on this model."""
     from rich.console import Console
@@ -62,47 +64,28 @@ def verify(model: str | None = ModelOpt,
     with console.status("comparing baseline and cached generation"):
         report = engine.verify_correctness(prompt or None, max_new_tokens)
     table = Table(title=f"verify_correctness ({max_new_tokens} greedy tokens)")
-    for col in ("prompt", "reused chunks", "identical", "max logit diff", "first-token KL"):
-        table.add_column(col)
-    for c in report.checks:
-        table.add_row(c.prompt_preview, str(c.reused_chunks), "yes" if c.identical else "NO",
-                      f"{c.max_logit_diff:.2e}", f"{c.first_token_kl:.2e}")
+    for col in ("#", "reused chunks", "identical", "max logit diff", "first-token KL"):
+        table.add_column(col, justify="right" if col == "#" else "left")
+    for i, c in enumerate(report.checks, 1):
+        table.add_row(str(i), str(c.reused_chunks), "yes" if c.identical else "NO", f"{c.max_logit_diff:.2e}",
+                      f"{c.first_token_kl:.2e}")
     console.print(table)
+    # Each prompt on a line of its own below, cut to the terminal's width: in a table column beside the figures
+    # it would wrap into fragments over many lines. The preview is the prompt's end (where prompts differ).
+    console.print("[dim]prompts, by their last characters:[/]")
+    for i, c in enumerate(report.checks, 1):
+        label = f"{i:>3}  "
+        console.print(label + one_line(c.prompt_preview, console.width - len(label)), markup=False, highlight=False,
+                      no_wrap=True)
     console.print(report.summary())
     raise typer.Exit(0 if report else 1)
-
-
-def _check_plot_extra(command: str, plot_path: str | None) -> None:
-    # Checked before the benchmark runs: a missing matplotlib must not cost a long run its results.
-    if plot_path:
-        require(f"{command} --plot", "bench")
-
-
-def _plot_needs_bench_extra(command: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` (a bench command defined elsewhere, with a plot_path parameter) checking for matplotlib first."""
-    @functools.wraps(fn)  # typer reads the options from the wrapped signature
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        _check_plot_extra(command, kwargs.get("plot_path"))
-        return fn(*args, **kwargs)
-
-    return checked
-
-
-def _needs_extras(command: str, fn: Callable[..., Any], *extras: str, modules: tuple[str, ...] = ()
-                  ) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        require(command, *extras, modules=modules)
-        return fn(*args, **kwargs)
-
-    return checked
 
 
 def _serve_command() -> Callable[..., Any]:
     """The server's command when its extra is installed; else a stand-in that prints the install hint.
 
     Importing the server package loads fastapi, so without the extra the real command cannot even be
-    registered; the stand-in takes any arguments so `kvboost serve --port 1` gets the hint, not a usage error.
+    registered.
     """
     if not missing_extras("server"):
         from .server.__main__ import serve_command
@@ -115,51 +98,34 @@ def _serve_command() -> Callable[..., Any]:
     return serve
 
 
-def _register_modules() -> None:
-    # Defined beside the code they drive; registered here so `kvboost --help` lists them all.
-    from .bench.batch import bench_batch_command
-    from .bench.cost import cost_command
-    from .bench.rag import eval_rag_command
-    from .bench.serve import bench_serve_command
+def _benchmarks_need_a_checkout(ctx: typer.Context) -> None:
+    typer.echo(NEEDS_A_CHECKOUT, err=True)
+    raise typer.Exit(2)
 
-    loose = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+def _register_commands() -> None:
+    from .cost import cost_command
+
     serve = _serve_command()
     app.command("serve", help="OpenAI-compatible server (also installed as kvboost-server; needs the server "
-                              "extra).", context_settings=loose if serve.__name__ == "serve" else None)(serve)
+                              "extra).", context_settings=ANY_ARGUMENTS if serve.__name__ == "serve" else None)(serve)
     app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(
         cost_command)
-    bench_serve = _needs_extras("kvboost bench serve", bench_serve_command, "server", modules=("openai",))
-    bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off (needs the "
-                                    "server extra and openai).")(
-        _plot_needs_bench_extra("kvboost bench serve", bench_serve))
-    bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
-        _plot_needs_bench_extra("kvboost bench batch", bench_batch_command))
-    rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."
-    eval_app.command("rag", help=rag_help)(_plot_needs_bench_extra("kvboost eval rag", eval_rag_command))
-    bench_app.command("rag", help=rag_help)(_plot_needs_bench_extra("kvboost bench rag", eval_rag_command))
-    # Each takes --model/--shape/--device/--dtype (cli_common).
-    from .bench.decode import bench_decode_command
-    from .bench.gpu import bench_gpu_command
-    from .bench.longctx import bench_longctx_command
-    from .bench.multiturn import bench_multiturn_command
-    from .bench.prefix import bench_prefix_command
-    from .bench.quant import bench_quant_command
-    from .bench.spec import bench_spec_command
-    from .bench.structured import bench_structured_command
-
-    bench_app.command("structured", help="JSON-schema constrained output: schema-valid rate, decode tok/s with and "
-                                         "without the mask, compile ms (needs the structured extra).")(
-        _plot_needs_bench_extra("kvboost bench structured", _needs_extras(
-            "kvboost bench structured", bench_structured_command, "structured", modules=("jsonschema",))))
-
-    for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
-                          ("multiturn", bench_multiturn_command), ("decode", bench_decode_command),
-                          ("gpu", bench_gpu_command), ("spec", bench_spec_command),
-                          ("longctx", bench_longctx_command)):
-        bench_app.command(name)(_plot_needs_bench_extra(f"kvboost bench {name}", command))
+    benchmarks = find_benchmark_commands()
+    if benchmarks is None:
+        # Even `kvboost bench --help` says where the benchmarks are: there is nothing else to show.
+        for name, help_text in (("bench", BENCH_HELP), ("eval", EVAL_HELP)):
+            app.command(name, help=f"{help_text} (from a source checkout)", context_settings=ANY_ARGUMENTS,
+                        add_help_option=False)(_benchmarks_need_a_checkout)
+        return
+    bench_app = HelpTyper(no_args_is_help=True, help=BENCH_HELP)
+    eval_app = HelpTyper(no_args_is_help=True, help=EVAL_HELP)
+    app.add_typer(bench_app, name="bench")
+    app.add_typer(eval_app, name="eval")
+    benchmarks.register(bench_app, eval_app)
 
 
-_register_modules()
+_register_commands()
 
 
 def main() -> None:

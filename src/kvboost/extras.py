@@ -1,13 +1,16 @@
 """Optional extras: which are installed, and a one-line exit for a command that needs a missing one.
 
-`pip install kvboost` alone must run the core commands (demo, verify, cost, bench); the server, plots and
-the Redis tier come with extras. Modules are looked up with importlib.util.find_spec, which imports
-nothing, so asking is cheap and a command that does not need an extra never loads it.
+A plain install (`pip install -e .` in a clone) must run the core commands (demo, verify, cost, and bench
+from a checkout); the server, plots and the Redis tier come with extras. Modules are looked up with
+importlib.util.find_spec, which imports nothing, so asking is cheap and a command that does not need an
+extra never loads it. The hint names the extra from the source this KVBoost came from (install_source).
 """
 from __future__ import annotations
 
 import importlib.util
 import sys
+
+from .install_source import extra_install_args
 
 # extra name in pyproject -> the import names its commands need
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -39,10 +42,11 @@ def missing_extras(*extras: str) -> list[str]:
 
 
 def install_hint(command: str, extras: list[str], modules: list[str] = ()) -> str:
-    """E.g. "kvboost serve needs the server extra: pip install 'kvboost[server]'"."""
+    """E.g. "kvboost serve needs the server extra: pip install -e '/home/me/kvboost[server]'" (the extra from
+    the source this KVBoost was installed from: see install_source)."""
     needs = [f"the {', '.join(extras)} extra{'s' if len(extras) > 1 else ''}"] if extras else []
     needs += [f"the {m} package" for m in modules]
-    pip = ([f"'kvboost[{','.join(extras)}]'"] if extras else []) + [STANDALONE.get(m, m) for m in modules]
+    pip = (extra_install_args(extras) if extras else []) + [STANDALONE.get(m, m) for m in modules]
     return f"{command} needs {' and '.join(needs)}: pip install {' '.join(pip)}"
 
 

@@ -1,8 +1,8 @@
 """`kvboost bench batch`: the same rows with shared-prefix attention on and off, identical outputs."""
 from __future__ import annotations
 
+from benchmarks.batch import _rows, _run
 from kvboost import KVBoost
-from kvboost.bench.batch import _rows, _run
 
 from ..tiny_models import make_tiny_model
 

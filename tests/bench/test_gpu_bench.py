@@ -139,7 +139,7 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
 def test_kernel_rows_are_normalized_and_compared_with_flash_lower_right():
     from dataclasses import dataclass
 
-    from kvboost.bench.gpu.kernels import _as_rows, _call, with_speedups
+    from benchmarks.gpu.kernels import _as_rows, _call, with_speedups
 
     @dataclass
     class Row:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost.bench.gpu.command import fidelity_measured
-from kvboost.bench.gpu.fidelity import (
+from benchmarks.gpu.command import fidelity_measured
+from benchmarks.gpu.fidelity import (
     ARCHS,
     fidelity_config,
     fidelity_totals,
@@ -15,9 +15,9 @@ from kvboost.bench.gpu.fidelity import (
     run_fidelity,
     until_eos,
 )
-from kvboost.bench.gpu.settings import GpuBenchSettings
-from kvboost.bench.gpu.timing import Budget
-from kvboost.bench.gpu.view import fidelity_table, targets_line
+from benchmarks.gpu.settings import GpuBenchSettings
+from benchmarks.gpu.timing import Budget
+from benchmarks.gpu.view import fidelity_table, targets_line
 
 
 def test_workload_is_deterministic_and_free_of_special_ids(tokenizer):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvboost.bench.multiturn import run_multiturn_bench
+from benchmarks.multiturn import run_multiturn_bench
 
 from ..tiny_models import make_tiny_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvboost.bench.plots import plot_bars, plot_lines, plot_scatter, render_table, write_json  # noqa: E402
+from benchmarks.plots import plot_bars, plot_lines, plot_scatter, render_table, write_json  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvboost.bench.shapes import (
+from benchmarks.shapes import (
     SHAPES,
     UnknownShapeError,
     build_shape_model,

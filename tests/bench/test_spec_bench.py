@@ -2,8 +2,8 @@
 without speculation, acceptance only where drafts were proposed."""
 from __future__ import annotations
 
-from kvboost.bench.spec import Sample, _rows
-from kvboost.bench.workloads import load_spec_tasks
+from benchmarks.spec import Sample, _rows
+from benchmarks.workloads import load_spec_tasks
 
 
 def test_rows_aggregate_per_workload_against_no_speculation():
@@ -29,8 +29,8 @@ def test_shipped_tasks_cover_every_workload():
 def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one_thread):
     import json
 
-    from kvboost.bench.spec import run_spec_bench
-    from kvboost.cli_common import model_choice
+    from benchmarks.model_options import model_choice
+    from benchmarks.spec import run_spec_bench
 
     js = tmp_path / "spec.json"
     rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=6, per_workload=1, k=4,
@@ -51,8 +51,8 @@ def test_a_run_on_a_shape_reports_rows_and_the_measured_step_costs(tmp_path, one
 def test_batch_runner_rows_are_identical_and_draft(one_thread):
     """--batch-runner: each prompt also runs as a lone row of the batching runner, and a workload's prompts run
     together as rows of one batch, with and without lookup."""
-    from kvboost.bench.spec import TOGETHER_COPIES, TOGETHER_ROUNDS, run_spec_bench
-    from kvboost.cli_common import model_choice
+    from benchmarks.model_options import model_choice
+    from benchmarks.spec import TOGETHER_COPIES, TOGETHER_ROUNDS, run_spec_bench
 
     rows = run_spec_bench(model_choice(None, "tiny", "cpu", None), max_new_tokens=12, per_workload=2, k=4,
                           min_ngram=1, batch_runner=True)

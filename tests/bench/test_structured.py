@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvboost.bench.structured import Case, _summarize, load_cases, schema_valid
+from benchmarks.structured import Case, _summarize, load_cases, schema_valid
 
 
 def test_shipped_set_has_20_or_more_valid_schemas_with_the_features_asked_for():

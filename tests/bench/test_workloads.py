@@ -1,11 +1,10 @@
 """Workload datasets: reproducible from the seed, well-formed, and unambiguous for RAG scoring.
 
-The generators live under scripts/workloads/ (outside the installed package); the loaders and the one
-shipped copy of the data in kvboost.bench.workloads / kvboost/bench/data/.
+The generators live under benchmarks/workload_generators/; the loaders in benchmarks.workloads; the one copy of
+each file in benchmarks/data/, but the system prompt's, which is the kvboost package's sample (kvboost/data/).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from kvboost.bench import workloads as wl
+from benchmarks import make_workloads
+from benchmarks import workloads as wl
+from benchmarks.workload_generators import generate as gen
+from kvboost import samples
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO / "scripts") not in sys.path:
-    sys.path.insert(0, str(REPO / "scripts"))
-
-from workloads import generate as gen  # noqa: E402  (scripts/workloads, the generators)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +38,16 @@ def _words(text: str) -> int:
 # ------------------------------------------------------------------------------------ reproducibility
 
 def test_shipped_files_match_generator_byte_for_byte():
-    assert gen.check_workloads(wl.package_data_dir()) == [], "run: python scripts/make_workloads.py"
+    assert gen.check_workloads() == [], "run: python -m benchmarks.make_workloads"
 
 
 def test_one_copy_of_the_data():
-    assert sorted(p.name for p in wl.package_data_dir().glob("*.jsonl")) == sorted(wl.ALL_FILES)
+    # The system prompt is the package's sample (the demo needs it without a checkout); the rest is bench data.
+    package_data = sorted(p.name for p in samples.system_prompt_file().parent.glob("*.jsonl"))
+    assert package_data == [wl.SYSTEM_PROMPT_FILE]
+    assert sorted(p.name for p in wl.data_dir().glob("*.jsonl")) == sorted(set(wl.ALL_FILES) - {wl.SYSTEM_PROMPT_FILE})
     assert set(gen.generate_all()) == set(wl.ALL_FILES)
-    assert not (REPO / "benchmarks" / "workloads").exists()
+    assert not (REPO / "src" / "kvboost" / "bench").exists() and not (REPO / "scripts" / "workloads").exists()
 
 
 def test_generation_is_deterministic_and_seed_dependent():
@@ -59,18 +60,19 @@ def test_generation_is_deterministic_and_seed_dependent():
 
 def test_files_use_lf_and_one_json_object_per_line():
     for name in wl.ALL_FILES:
-        raw = (wl.package_data_dir() / name).read_bytes()
+        raw = wl.shipped_path(name).read_bytes()
         assert b"\r" not in raw and raw.endswith(b"\n")
         assert all(isinstance(json.loads(line), dict) for line in raw.decode("utf-8").splitlines())
 
 
 def test_import_pulls_in_no_heavy_dependencies():
-    code = ("import sys, kvboost.bench.workloads, kvboost.bench.cost, kvboost.bench.plots\n"
+    code = ("import sys, benchmarks.workloads, kvboost.cost, kvboost.samples, benchmarks.plots\n"
             "heavy = [m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "gens = [m for m in sys.modules if 'chat_domains' in m or 'policy_manual' in m or 'rag_docs' in m]\n"
             "assert not gens, gens")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
 
 
@@ -182,7 +184,7 @@ def test_loaders_accept_dir_or_file(tmp_path, generated):
 
 
 def test_packaged_copy_loads(generated):
-    docs, items = wl.load_rag(wl.package_data_dir())
+    docs, items = wl.load_rag(wl.data_dir())
     assert items == generated["items"] and len(docs) == len(generated["docs"])
 
 
@@ -192,18 +194,16 @@ def test_system_prompt_loader_requires_system_record(tmp_path):
         wl.load_system_prompt(tmp_path)
 
 
+def test_package_sample_is_the_system_prompt_workload(generated):
+    # What the demo and the README read: the same text, the questions as plain strings.
+    assert samples.load_system_prompt() == (generated["system"], [q["question"] for q in generated["questions"]])
+
+
 # -------------------------------------------------------------------------------------------- script
 
-def _script():
-    spec = importlib.util.spec_from_file_location("make_workloads", REPO / "scripts" / "make_workloads.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_script_writes_and_checks(tmp_path, capsys):
-    script = _script()
-    assert script.main(["--check"]) == 0  # default: the package data, the one shipped copy
+    script = make_workloads
+    assert script.main(["--check"]) == 0  # default: each file's one committed copy
     assert script.main(["--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(wl.ALL_FILES)
     assert script.main(["--out", str(tmp_path), "--check"]) == 0

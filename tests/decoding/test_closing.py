@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.structured import schema_valid
 from kvboost import KVBoost
-from kvboost.bench.structured import schema_valid
 from kvboost.decoding.closing import HORIZON, ClosingPlanner, closing_vocab
 
 from ..prompts import text_with_tokens

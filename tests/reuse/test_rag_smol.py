@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.rag import SYSTEM_PROMPT, build_messages, doc_text
+from benchmarks.workloads import load_rag
 from kvboost import KVBoost
-from kvboost.bench.rag import SYSTEM_PROMPT, build_messages, doc_text
-from kvboost.bench.workloads import load_rag
 
 pytestmark = pytest.mark.slow
 

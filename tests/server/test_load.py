@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from kvboost import KVBoost
-from kvboost.bench.workloads import load_system_prompt
+from kvboost.samples import load_system_prompt
 
 from .conftest import live_server
 
@@ -25,7 +25,7 @@ def test_32_clients_x_4_requests_share_a_system_prompt_with_no_5xx(smol):
     system, questions = load_system_prompt()
     assert len(tokenizer(system)["input_ids"]) >= 1000
     with live_server(engine, served_model_name=None) as srv:
-        outcomes = asyncio.run(_load(srv.url, system, [q["question"] for q in questions]))
+        outcomes = asyncio.run(_load(srv.url, system, questions))
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             health = http.get("/health")
             stats = http.get("/v1/stats").json()

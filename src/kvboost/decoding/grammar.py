@@ -35,7 +35,7 @@ class GrammarError(InvalidRequestError):
 
 
 class StructuredOutputUnavailableError(KVBoostError, ImportError):
-    """Constrained decoding needs the grammar library: pip install 'kvboost[structured]'."""
+    """Constrained decoding needs the grammar library: the structured extra (install_source.pip_install_extra)."""
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,11 @@ class GrammarCompiler:
         try:
             import xgrammar as xgr
         except ImportError:
+            from ..install_source import pip_install_extra
+
             raise StructuredOutputUnavailableError(
                 "structured output (response_format, regex, grammar, tool calls) needs the grammar library: "
-                "pip install 'kvboost[structured]'") from None
+                f"{pip_install_extra('structured')}") from None
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.vocab_size = vocab_size

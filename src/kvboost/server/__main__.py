@@ -207,7 +207,11 @@ def _is_loopback(host: str) -> bool:
 
 def main() -> None:
     """Console script `kvboost-server`."""
-    typer.run(serve_command)
+    from ..cli_help import HelpTyper
+
+    app = HelpTyper(add_completion=False)  # what typer.run builds, with kvboost's readable --help
+    app.command()(serve_command)
+    app()
 
 
 if __name__ == "__main__":

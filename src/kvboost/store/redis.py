@@ -133,7 +133,9 @@ class RedisStore(CountedTier):
                  bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, breaker: CircuitBreaker | None = None,
                  write_breaker: CircuitBreaker | None = None):
         if _redis is None:
-            raise ImportError("RedisStore needs redis-py: pip install 'kvboost[redis]'")
+            from ..install_source import pip_install_extra
+
+            raise ImportError(f"RedisStore needs redis-py: {pip_install_extra('redis')}")
         self.url = url
         self.namespace = namespace
         self.ttl_s = int(ttl_s) if ttl_s else None

@@ -43,7 +43,9 @@ def _select(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int
         return "sdpa", "sdpa requested"
     why_not = None
     if not triton_available():
-        why_not = "triton is not installed (pip install 'kvboost[gpu]')"
+        from ...install_source import pip_install_extra
+
+        why_not = f"triton is not installed ({pip_install_extra('gpu')})"
     elif device_type != "cuda" and not (prefer == "triton" and interp):
         why_not = f"the triton kernels run on CUDA; this is {device_type} (TRITON_INTERPRET=1 runs them on CPU)"
     elif dtype not in KERNEL_DTYPES:

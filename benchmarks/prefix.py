@@ -1,0 +1,292 @@
+"""`kvboost bench prefix`: TTFT of full prefill, KVBoost, and the floor, side by side in one run.
+
+The floor is what no cache can beat: prefill of exactly the tokens KVBoost did not reuse, over a
+Hugging Face DynamicCache that already holds the rest (built before the clock starts). Each repeat asks a
+different question, so no run is helped by the previous run's suffix; requests store nothing (the prefix is
+stored once by warm()). KVBoost is measured twice per repeat on that repeat's prompt: with the prefix resident
+in its workspace (a repeated system prompt, the common case), then loaded from the chunk store (the workspace
+forgotten first). --paged adds paged KV's "placed", "table" and "host" rows on the same prompt
+(bench/paged_rows.py). "X/kvb" is X over the resident row on the same prompt, each over the floor of its own
+cached tokens (the workspace may reuse a few tokens more), median over repeats: same-time, same-suffix ratios.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .console import bench_console
+from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, ShapeOption, as_choice, model_choice
+
+if TYPE_CHECKING:  # torch and transformers load on first use: `kvboost --help` stays fast
+    import torch
+    from transformers import DynamicCache
+
+
+@dataclass
+class PrefixRow:
+    prefix_tokens: int
+    prompt_tokens: int
+    baseline_ms: float
+    kvboost_ms: float  # prefix resident in the workspace
+    kvboost_store_ms: float  # prefix copied from the chunk store
+    floor_ms: float
+    floor_store_ms: float
+    keys_and_match_ms: float  # hashing every chunk + exact-chain lookup
+    cached_tokens: int
+    identical_first_token: bool
+    store_over_resident: float = float("nan")  # median over repeats, same prompt: (store / its floor) / (kvb / its)
+    paged: dict = field(default_factory=dict)  # --paged: table/host ms, over floor, errors (bench/paged_rows.py)
+
+    @property
+    def ratio(self) -> float:
+        return self.kvboost_ms / self.floor_ms
+
+    @property
+    def ratio_store(self) -> float:
+        return self.kvboost_store_ms / self.floor_store_ms
+
+
+def prefix_text(tokenizer, n_tokens: int) -> str:
+    """About n_tokens of workload text (the RAG documents, repeated as needed), cut at a token boundary."""
+    from .workloads import load_rag
+
+    docs, _ = load_rag()
+    pieces = [doc["title"] + "\n" + doc["text"] + "\n\n" for doc in docs.values()]
+    sizes = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces]
+    if not any(sizes):
+        raise RuntimeError("the RAG workload has no text")
+    # Tokenize the whole text once (pieces counted alone add up to about the same), with a 5% margin.
+    text, total, i = "", 0, 0
+    while total < n_tokens * 1.05 + 16:
+        text += pieces[i % len(pieces)]
+        total += sizes[i % len(pieces)]
+        i += 1
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < n_tokens:
+        raise RuntimeError("not enough workload text")
+    return tokenizer.decode(ids[:n_tokens])
+
+
+def bench_questions() -> list[str]:
+    """The system-prompt workload's questions: a different suffix for every measurement."""
+    from .workloads import load_system_prompt
+
+    _, qs = load_system_prompt()
+    return [q["question"] if isinstance(q, dict) else str(q) for q in qs]
+
+
+class SuffixFloor:
+    """A DynamicCache holding ids[:split], cloned fresh for each timed suffix prefill: what no cache can beat (on
+    CUDA the same suffix runs once untimed first, so the floor holds no attention-plan build)."""
+
+    def __init__(self, model):
+
+        self.model = model
+        self.ids: list[int] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _prepare(self, ids: list[int], split: int) -> None:
+        reuse = 0
+        while reuse < min(len(self.ids), split) and self.ids[reuse] == ids[reuse]:
+            reuse += 1
+        if reuse < len(self.ids):  # rebuild from scratch: the cached prefix does not extend to this split
+            self.ids, self.layers = [], []
+        cache = self._fresh()
+        if split > len(self.ids):
+            self.model(input_ids=self._tensor(ids[len(self.ids):split]), past_key_values=cache, use_cache=True,
+                       logits_to_keep=1)
+            self.layers = [(layer.keys, layer.values) for layer in cache.layers]
+            self.ids = list(ids[:split])
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        import torch
+
+        return torch.tensor([ids], device=self.model.device)  # built where the model lives
+
+    def _fresh(self) -> DynamicCache:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for i, (k, v) in enumerate(self.layers):
+            cache.update(k.clone(), v.clone(), i)
+        return cache
+
+    def ttft_ms(self, ids: list[int], split: int) -> tuple[float, int]:
+        import torch
+
+        self._prepare(ids, split)
+        suffix = self._tensor(ids[split:])
+        cuda = bool(self.layers) and self.layers[0][0].is_cuda
+        if cuda:  # cuDNN builds an attention plan per new (q_len, kv_len): ~50-90 ms per layer on its first call.
+            # The floor is the suffix's compute, not that one-off cost, so the same shape runs once untimed first.
+            self.model(input_ids=suffix, past_key_values=self._fresh(), use_cache=True, logits_to_keep=1)
+        cache = self._fresh()
+        if cuda:
+            torch.cuda.synchronize()  # the clone above must not be billed to the timed prefill
+        t0 = time.perf_counter()
+        logits = self.model(input_ids=suffix, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = int(logits[0, -1].argmax())  # .item() waits for the device: the clock sees the whole prefill
+        return (time.perf_counter() - t0) * 1e3, token
+
+
+def fitting_lengths(lengths: list[int], max_context: int | None, room: int = 64) -> list[int]:
+    """The prefix lengths that leave `room` positions of the model's context for the question and answer."""
+    return [n for n in lengths if max_context is None or n + room <= max_context]
+
+
+def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeats: int, json_path: str | None,
+                     plot_path: str | None, paged: bool = False) -> list[PrefixRow]:
+    import torch
+
+    from kvboost.reuse.match import match_exact
+
+    from .model_options import load_engine
+    from .plots import plot_lines, write_json
+
+    choice = as_choice(model)
+    console = bench_console()
+    with console.status("loading model"):
+        # Requests store nothing (the prefix is stored by warm()): every row of a repeat runs the same prompt with
+        # the same reuse, so their ratios compare like with like.
+        engine = load_engine(choice, write_back=False)
+    tok, model = engine.tokenizer, engine.model
+    fitting = fitting_lengths(lengths, engine.max_context)
+    if len(fitting) < len(lengths):
+        console.print(f"skipping prefix lengths {sorted(set(lengths) - set(fitting))}: the model's context is "
+                      f"{engine.max_context} tokens")
+    lengths = fitting
+    from .paged_rows import PAGED_ROWS, PagedRows, paged_engines
+
+    paged_built, paged_errors = {}, {}
+    if paged:
+        paged_built, paged_errors = paged_engines(engine, max(lengths, default=0) + 256)
+        for name, why in paged_errors.items():
+            console.print(f"[red]paged row {name!r} not measured: {why}")
+    questions = bench_questions()
+    rows: list[PrefixRow] = []
+    with Progress(console=console, transient=True) as progress, torch.inference_mode():
+        task = progress.add_task("prefix bench", total=len(lengths) * repeats)
+        for n in lengths:
+            prefix = prefix_text(tok, n)
+            engine.clear_cache()
+            engine.warm(prefix)
+            floor = SuffixFloor(model)
+            samples: dict[str, list[float]] = {k: [] for k in ("base", "ws", "store", "floor", "floor_store", "keys",
+                                                               "store_over_ws")}
+            cached, agree = 0, True
+            qi = 0
+
+            def prompt_for(prefix: str = prefix) -> str:  # bound now: one prefix per length
+                nonlocal qi
+                qi += 1
+                return f"{prefix}\n\nQuestion: {questions[qi % len(questions)]} (case {qi})\nAnswer:"
+
+            engine.generate(prompt_for(), 1)  # warm-up: first-call allocations, thread pools
+            paged_rows = PagedRows(paged_built, prefix, engine.encode(prompt_for()))
+            # Every system starts from token ids: the floor is handed ids, so KVBoost is too (tokenizing a 7k
+            # prompt costs tens of ms, the same for any system given text, and is no part of what is compared).
+            for r in range(repeats):
+                # One prompt per repeat for every row: resident (the workspace holds the previous prompt, whose
+                # prefix this one shares), then from the store, then the paged rows; each over its floor.
+                ids = engine.encode(prompt_for())
+                t0 = time.perf_counter()
+                engine.chunker.split(ids)
+                match_exact(engine.store, engine.chunker.split(ids))
+                samples["keys"].append((time.perf_counter() - t0) * 1e3 / 2)
+                fast = engine.generate(input_ids=ids, max_new_tokens=1, return_logits=True)
+                ms, floor_token = floor.ttft_ms(ids, fast.cached_tokens)
+                samples["ws"].append(fast.ttft_ms)
+                samples["floor"].append(ms)
+                resident_over_floor = fast.ttft_ms / ms
+                cached = fast.cached_tokens
+                agree &= int(fast.first_token_logits.argmax()) == floor_token  # EOS is a valid first token
+                engine.forget_workspace()
+                store = engine.generate(input_ids=ids, max_new_tokens=1)
+                ms, _ = floor.ttft_ms(ids, store.cached_tokens)
+                samples["store"].append(store.ttft_ms)
+                samples["floor_store"].append(ms)
+                # Over resident: each over the floor of its own cached tokens (the workspace may reuse a few
+                # tokens more than the stored chunks), so the ratio compares the reuse, not the suffix lengths.
+                samples["store_over_ws"].append(store.ttft_ms / ms / resident_over_floor)
+                paged_rows.time(ids, floor, resident_over_floor)  # interleaved: drift cancels in the ratios
+                if r < max(1, min(3, repeats)):  # full prefill is slow at 7k; three samples suffice
+                    samples["base"].append(engine.generate(input_ids=engine.encode(prompt_for()), max_new_tokens=1,
+                                                           mode="baseline").ttft_ms)
+                progress.advance(task)
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            row = PrefixRow(n, len(ids), med["base"], med["ws"], med["store"], med["floor"], med["floor_store"],
+                            med["keys"], cached, agree, med["store_over_ws"])
+            paged_rows.into(row.paged)
+            rows.append(row)
+    _print(console, rows)
+    if json_path:
+        write_json(json_path, {"benchmark": "prefix", **choice.record(engine),
+                               "threads": torch.get_num_threads(), "repeats": repeats, "paged_errors": paged_errors,
+                               "rows": [asdict(r) | {"ratio": r.ratio, "ratio_store": r.ratio_store} for r in rows]})
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        series = {
+            "baseline (full prefill)": [(r.prefix_tokens, r.baseline_ms) for r in rows],
+            "KVBoost (workspace)": [(r.prefix_tokens, r.kvboost_ms) for r in rows],
+            "KVBoost (from store)": [(r.prefix_tokens, r.kvboost_store_ms) for r in rows],
+            "floor (suffix over HF cache)": [(r.prefix_tokens, r.floor_ms) for r in rows],
+        }
+        for name in PAGED_ROWS:
+            if any(f"{name}_ms" in r.paged for r in rows):
+                series[f"KVBoost paged ({name})"] = [(r.prefix_tokens, r.paged[f"{name}_ms"]) for r in rows
+                                                     if f"{name}_ms" in r.paged]
+        plot_lines(series, "TTFT vs cached prefix length", "cached prefix tokens", "TTFT (ms)", plot_path)
+        console.print(f"wrote {plot_path}")
+    return rows
+
+
+def _print(console: Console, rows: list[PrefixRow]) -> None:
+    from .paged_rows import PAGED_ROWS
+
+    table = Table(title="Prefix reuse: TTFT, median ms", caption=(
+        "full = no cache; kvb = KVBoost, prefix resident in its workspace; store = KVBoost, prefix copied from "
+        "the chunk store; floor = prefill of the same uncached tokens over a DynamicCache already holding the "
+        "rest; placed = paged_kv, stored blocks copied into the workspace; table = paged_kv, attention over the "
+        "stored blocks; host = the same, every block copied back from "
+        "the host pool; X/kvb = X over kvb on the same prompt, each over the floor of its own cached tokens (median "
+        "over repeats); lookup = hashing + chain match; same = first token equals the floor's"))
+    paged = [name for name in PAGED_ROWS if any(name + "_ms" in r.paged or name + "_error" in r.paged
+                                                 for r in rows)]
+    for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor", "store/kvb",
+                *(f"{name}/kvb" for name in paged), "speedup", "lookup", "same"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        extra = [f"{r.paged[name + '_over_resident']:.2f}" if name + "_over_resident" in r.paged else "error"
+                 for name in paged]
+        table.add_row(str(r.prefix_tokens), f"{r.baseline_ms:.0f}", f"{r.kvboost_ms:.1f}", f"{r.floor_ms:.1f}",
+                      f"{r.ratio:.2f}", f"{r.kvboost_store_ms:.1f}", f"{r.floor_store_ms:.1f}", f"{r.ratio_store:.2f}",
+                      f"{r.store_over_resident:.2f}", *extra, f"{r.baseline_ms / r.kvboost_ms:.1f}x",
+                      f"{r.keys_and_match_ms:.2f}", "yes" if r.identical_first_token else "NO")
+    console.print(table)
+
+
+def bench_prefix_command(
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None, dtype: DtypeOption = None,
+    lengths: str = typer.Option("1000,2000,4000,7000", help="Cached prefix lengths in tokens."),
+    repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
+    json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
+    paged: bool = typer.Option(False, "--paged", help="Also paged KV: stored blocks copied into the workspace "
+                               "(placed), attention over the stored blocks (table) and over blocks copied back "
+                               "from host memory (host)."),
+) -> None:
+    """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
+    choice = model_choice(model, shape, device, dtype)
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{lengths!r}: expected comma-separated token counts",
+                                 param_hint="--lengths") from None
+    run_prefix_bench(choice, sizes, repeats, json_path, plot_path, paged)

@@ -1,0 +1,51 @@
+"""Where `kvboost bench` and `kvboost eval` find their commands: the repository's top-level `benchmarks` package.
+
+The benchmarks are not part of the installed package (their workloads, generators and committed results
+belong to the repository), so nothing in `kvboost` imports them; the CLI loads them by name when they are
+there:
+
+1. importable already: the current directory is a clone (``python -m kvboost.cli``), or PYTHONPATH names one;
+2. else beside this package's source, for an editable install of a clone: ``<clone>/src/kvboost`` is this
+   package, so the benchmarks are ``<clone>/benchmarks``;
+3. else not found: `kvboost bench` exits 2 with ``NEEDS_A_CHECKOUT``.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+PACKAGE = "benchmarks"
+COMMANDS = f"{PACKAGE}.commands"  # defines register(bench_app, eval_app)
+NEEDS_A_CHECKOUT = ("kvboost bench and kvboost eval run from a source checkout: clone the KVBoost repository and "
+                    "run pip install -e \".[bench]\" in it")
+
+
+def checkout_beside_package() -> Path:
+    """The folder an editable install of a clone leaves this package in: ``<clone>/src/kvboost`` -> ``<clone>``."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _import_commands() -> ModuleType | None:
+    try:
+        return importlib.import_module(COMMANDS)
+    except ModuleNotFoundError as exc:
+        # Only "there is no such package" means absent (a package of that name but not ours has no commands
+        # module); a module missing inside the benchmarks is a real error and propagates.
+        if exc.name in (PACKAGE, COMMANDS):
+            return None
+        raise
+
+
+def find_benchmark_commands(beside: Path | None = None) -> ModuleType | None:
+    """The `benchmarks.commands` module, or None where no checkout holds it. beside: where to look when it is
+    not importable already (default: ``checkout_beside_package()``)."""
+    module = _import_commands()
+    if module is not None:
+        return module
+    root = beside if beside is not None else checkout_beside_package()
+    if not (root / PACKAGE / "commands.py").is_file():
+        return None
+    sys.path.append(str(root))
+    return _import_commands()

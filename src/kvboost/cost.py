@@ -1,0 +1,258 @@
+"""The product site's GPU-cost calculator, as a pure function plus the ``kvboost cost`` CLI command.
+
+Part of the package, not of the benchmarks: ``kvboost cost`` runs after any install (plain arithmetic,
+no model); ``--from-bench`` reads the rates a benchmark run wrote.
+
+Model: every reused prefix token is a token the GPU does not have to prefill.
+
+    tokens_saved_per_day = requests_per_day * prefix_tokens * reuse_rate
+    gpu_seconds_per_day  = tokens_saved_per_day / prefill_tokens_per_s
+    gpu_hours_per_day    = gpu_seconds_per_day / 3600
+    usd_per_day          = gpu_seconds_per_day * usd_per_gpu_hour / 3600
+    usd_per_year         = 365 * usd_per_day
+    usd_per_month        = usd_per_year / 12      (an average month: 365/12 = 30.42 days)
+
+Bench JSON schema read by ``read_bench_rates`` / ``--from-bench`` (any benchmark may emit it):
+
+    {"reuse_rate": 0.86, "prefill_tokens_per_s": 10000.0, ...}
+or  {"summary": {"reuse_rate": 0.86, "prefill_tokens_per_s": 10000.0}, ...}
+
+``reuse_rate`` is the fraction of prompt-prefix tokens served from cache (0..1); ``prefill_tokens_per_s``
+is the measured baseline prefill throughput. Top-level keys win over ``summary``; other keys are ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+# The product site's example; the CLI uses these when neither a flag nor a bench file gives a value.
+DEFAULT_REQUESTS_PER_DAY = 100_000
+DEFAULT_PREFIX_TOKENS = 4_000
+DEFAULT_REUSE_RATE = 0.86
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+DEFAULT_USD_PER_GPU_HOUR = 0.75
+DAYS_PER_YEAR = 365
+DAYS_PER_MONTH = DAYS_PER_YEAR / 12  # an average month, so that 12 months make the year
+
+# The flag each estimate_cost parameter comes from, so CLI errors name what the user typed.
+FLAGS = {"requests_per_day": "--requests-per-day", "prefix_tokens": "--prefix-tokens", "reuse_rate": "--reuse-rate",
+         "prefill_tokens_per_s": "--prefill-rate", "usd_per_gpu_hour": "--usd-per-gpu-hour"}
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    requests_per_day: float
+    prefix_tokens: float
+    reuse_rate: float
+    prefill_tokens_per_s: float
+    usd_per_gpu_hour: float
+    tokens_saved_per_day: float
+    gpu_seconds_per_day: float
+    gpu_hours_per_day: float
+    usd_per_day: float
+    usd_per_month: float
+    usd_per_year: float
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchRates:
+    reuse_rate: float
+    prefill_tokens_per_s: float
+    source: str  # path of the bench JSON the rates came from
+
+
+class BenchSchemaError(ValueError):
+    """The bench JSON lacks ``reuse_rate`` / ``prefill_tokens_per_s`` or holds invalid values."""
+
+
+class CostInputError(ValueError):
+    """An estimate_cost argument is invalid; ``param`` names it, ``problem`` says what is wrong with it."""
+
+    def __init__(self, param: str, problem: str):
+        super().__init__(f"{param} {problem}")
+        self.param = param
+        self.problem = problem
+
+
+def _number(name: str, value: Any) -> float:
+    # bool is an int subclass; True as "1 request/day" is always a bug upstream.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CostInputError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise CostInputError(name, f"must be finite, got {value!r}")
+    return float(value)
+
+
+def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefill_tokens_per_s: Any,
+              usd_per_gpu_hour: Any) -> tuple[float, float, float, float, float]:
+    req = _number("requests_per_day", requests_per_day)
+    pre = _number("prefix_tokens", prefix_tokens)
+    reuse = _number("reuse_rate", reuse_rate)
+    rate = _number("prefill_tokens_per_s", prefill_tokens_per_s)
+    usd = _number("usd_per_gpu_hour", usd_per_gpu_hour)
+    if req < 0:
+        raise CostInputError("requests_per_day", f"must be >= 0, got {req:g}")
+    if pre < 0:
+        raise CostInputError("prefix_tokens", f"must be >= 0, got {pre:g}")
+    if not 0.0 <= reuse <= 1.0:
+        raise CostInputError("reuse_rate", f"must be within [0, 1], got {reuse:g}")
+    if rate <= 0:
+        raise CostInputError("prefill_tokens_per_s", f"must be > 0, got {rate:g}")
+    if usd <= 0:
+        raise CostInputError("usd_per_gpu_hour", f"must be > 0, got {usd:g}")
+    return req, pre, reuse, rate, usd
+
+
+def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: float, prefill_tokens_per_s: float,
+                  usd_per_gpu_hour: float) -> CostEstimate:
+    """GPU time and money saved per day/month/year by reusing cached prefixes (formulas in the module doc).
+
+    Raises CostInputError (a ValueError naming the parameter) for negative volumes, a reuse rate outside
+    [0, 1], or a non-positive prefill rate or price.
+    """
+    req, pre, reuse, rate, usd = _validate(requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
+                                           usd_per_gpu_hour)
+    tokens = req * pre * reuse
+    gpu_s = tokens / rate
+    usd_day = gpu_s * usd / 3600
+    return CostEstimate(requests_per_day=req, prefix_tokens=pre, reuse_rate=reuse, prefill_tokens_per_s=rate,
+                        usd_per_gpu_hour=usd, tokens_saved_per_day=tokens, gpu_seconds_per_day=gpu_s,
+                        gpu_hours_per_day=gpu_s / 3600, usd_per_day=usd_day, usd_per_month=usd_day * DAYS_PER_MONTH,
+                        usd_per_year=usd_day * DAYS_PER_YEAR)
+
+
+def _lookup(data: dict[str, Any], key: str, path: Path) -> Any:
+    if key in data:
+        return data[key]
+    summary = data.get("summary")
+    if isinstance(summary, dict) and key in summary:
+        return summary[key]
+    raise BenchSchemaError(
+        f"{path}: no {key!r} found; expected a top-level key or one inside a 'summary' object, e.g. "
+        '{"reuse_rate": 0.86, "prefill_tokens_per_s": 10000} or {"summary": {...}}')
+
+
+def read_bench_rates(path: str | Path) -> BenchRates:
+    """Read ``reuse_rate`` and ``prefill_tokens_per_s`` from a benchmark JSON (schema in the module doc)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchSchemaError(f"{p}: bench file not found") from None
+    except json.JSONDecodeError as e:
+        raise BenchSchemaError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BenchSchemaError(f"{p}: expected a JSON object at the top level, got {type(data).__name__}")
+    try:
+        reuse = _number("reuse_rate", _lookup(data, "reuse_rate", p))
+        rate = _number("prefill_tokens_per_s", _lookup(data, "prefill_tokens_per_s", p))
+    except BenchSchemaError:
+        raise
+    except ValueError as e:
+        raise BenchSchemaError(f"{p}: {e}") from None
+    if not 0.0 <= reuse <= 1.0:
+        raise BenchSchemaError(f"{p}: reuse_rate must be within [0, 1], got {reuse:g}")
+    if rate <= 0:
+        raise BenchSchemaError(f"{p}: prefill_tokens_per_s must be > 0, got {rate:g}")
+    return BenchRates(reuse_rate=reuse, prefill_tokens_per_s=rate, source=str(p))
+
+
+def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
+                      prefill_source: str | None = None) -> Table:
+    """Inputs then savings, formatted the way the product site shows them; sources name bench files."""
+    table = Table(title="KVBoost prefill savings estimate", show_header=True)
+    table.add_column("Quantity")
+    table.add_column("Value", justify="right")
+    rows = [
+        ("Requests per day", f"{est.requests_per_day:,.0f}"),
+        ("Shared prefix tokens per request", f"{est.prefix_tokens:,.0f}"),
+        ("Prefix reuse rate" + (f" (from {reuse_source})" if reuse_source else ""), f"{est.reuse_rate:.1%}"),
+        ("Prefill throughput" + (f" (from {prefill_source})" if prefill_source else ""),
+         f"{est.prefill_tokens_per_s:,.0f} tok/s"),
+        ("GPU price", f"${est.usd_per_gpu_hour:,.2f}/h"),
+        ("Prefill tokens saved per day", f"{est.tokens_saved_per_day:,.0f}"),
+        ("GPU-hours saved per day", f"{est.gpu_hours_per_day:,.2f}"),
+        ("Saved per day", f"${est.usd_per_day:,.2f}"),
+        (f"Saved per month ({DAYS_PER_YEAR}/12 = {DAYS_PER_MONTH:.2f} days)", f"${est.usd_per_month:,.2f}"),
+        (f"Saved per year ({DAYS_PER_YEAR} days)", f"${est.usd_per_year:,.2f}"),
+    ]
+    for i, (k, v) in enumerate(rows):
+        table.add_row(k, v, end_section=(i == 4))  # rule between inputs and results
+    return table
+
+
+def write_estimate(path: str | Path, record: dict[str, Any]) -> Path:
+    """Write ``record`` as indented JSON, atomically (temp file + rename): an interrupted run never leaves a
+    truncated file behind. Returns the path written."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; an estimate is meant to be shared
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _plain(value: Any) -> Any:
+    # Calling cost_command() from Python leaves unspecified parameters as typer OptionInfo objects.
+    return value.default if isinstance(value, typer.models.OptionInfo) else value
+
+
+def cost_command(
+    requests_per_day: float = typer.Option(DEFAULT_REQUESTS_PER_DAY, "--requests-per-day",
+                                           help="Requests served per day."),
+    prefix_tokens: float = typer.Option(DEFAULT_PREFIX_TOKENS, "--prefix-tokens",
+                                        help="Shared prefix length per request, in tokens."),
+    reuse_rate: float | None = typer.Option(
+        None, "--reuse-rate", show_default=False,
+        help="Fraction of prefix tokens served from cache, 0..1. "
+             f"Default: the --from-bench value, else {DEFAULT_REUSE_RATE}."),
+    prefill_rate: float | None = typer.Option(
+        None, "--prefill-rate", show_default=False,
+        help="Baseline prefill throughput in tokens/s. "
+             f"Default: the --from-bench value, else {DEFAULT_PREFILL_TOKENS_PER_S:g}."),
+    usd_per_gpu_hour: float = typer.Option(DEFAULT_USD_PER_GPU_HOUR, "--usd-per-gpu-hour",
+                                           help="GPU price in USD per hour."),
+    from_bench: Path | None = typer.Option(
+        None, "--from-bench", help="Bench JSON providing reuse_rate and prefill_tokens_per_s (explicit flags win)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the estimate to this JSON file."),
+) -> CostEstimate:
+    """Estimate GPU time and money saved by KV-cache prefix reuse."""
+    requests_per_day, prefix_tokens, reuse_rate, prefill_rate, usd_per_gpu_hour, from_bench, json_path = map(
+        _plain, (requests_per_day, prefix_tokens, reuse_rate, prefill_rate, usd_per_gpu_hour, from_bench, json_path))
+    reuse_src = prefill_src = None  # which bench file each rate came from, for the table and the JSON
+    try:
+        if from_bench is not None:
+            rates = read_bench_rates(from_bench)
+            if reuse_rate is None:
+                reuse_rate, reuse_src = rates.reuse_rate, rates.source
+            if prefill_rate is None:
+                prefill_rate, prefill_src = rates.prefill_tokens_per_s, rates.source
+        est = estimate_cost(requests_per_day, prefix_tokens,
+                            DEFAULT_REUSE_RATE if reuse_rate is None else reuse_rate,
+                            DEFAULT_PREFILL_TOKENS_PER_S if prefill_rate is None else prefill_rate, usd_per_gpu_hour)
+    except CostInputError as e:  # named by the flag the user typed, not the Python parameter
+        raise typer.BadParameter(e.problem, param_hint=FLAGS[e.param]) from None
+    except BenchSchemaError as e:  # typer renders both as a usage error (exit code 2)
+        raise typer.BadParameter(str(e), param_hint="--from-bench") from None
+    Console().print(render_cost_table(est, reuse_source=reuse_src, prefill_source=prefill_src))
+    if json_path is not None:
+        write_estimate(json_path, {**est.to_dict(), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
+    return est
