@@ -55,10 +55,10 @@ def _rows(engine, n_rows: int, prefix: int) -> tuple[list[int], list[list[int]]]
 
 
 def _run(engine, rows: list[list[int]], new_tokens: int, shared: bool, label: str, prefix: int) -> BatchRun:
-    from kvboost.batch import BatchRunner
     from kvboost.sampling import SamplingParams
+    from kvboost.scheduler import Scheduler
 
-    runner = BatchRunner(engine, max_batch_size=len(rows), shared_prefix_attention=shared)
+    runner = Scheduler(engine, max_batch_size=len(rows), shared_prefix_attention=shared)
     params = SamplingParams(max_new_tokens=new_tokens)
     handles = [runner.add(ids, params, "") for ids in rows]
     t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """`kvboost bench longctx`: decoding a context longer than the device may hold, against the transfer bound.
 
 One long prompt (workload text, --context tokens), greedy, batch 1, the same weights:
-  resident  paged_kv with the whole context on the device (fast_path="off": the eager forward, as streamed runs)
-  streamed  device_kv_budget_bytes and device_kv_max_tokens at --device-fraction (default 25%) of the context's K/V:
-            the context lives in host blocks, its first positions also in device blocks, and every forward brings
-            the rest to the device one layer at a time
+  resident  the whole context on the device (fast_path="off": the eager forward, as streamed runs)
+  streamed  device_kv_max_tokens at --device-fraction (default 25%) of the context: the context lives in a host
+            workspace, its first positions also on the device, and every forward brings the rest to the device one
+            layer at a time
   bound     the host-to-device bound: measured copy bandwidth / bytes the streamed run moved per decode step
-            (its own count, cache_stats()["paged_kv"]["streamed"], over one extra untimed pair of runs); on a
+            (its own count, cache_stats()["streamed"], over one extra untimed pair of runs); on a
             CPU "device" and host are the same memory, the bandwidth is a plain copy's and nothing overlaps the
             copies with compute
 
@@ -48,6 +48,7 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
     import torch
 
     from kvboost import KVBoost
+    from kvboost.kv.long_context import bytes_per_position
 
     from .gpu.decode import measure
     from .plots import write_json
@@ -55,14 +56,14 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
 
     console = bench_console()
     with console.status("loading model (resident engine)"):
-        resident = load_engine(choice, paged_kv=True, fast_path="off")
+        resident = load_engine(choice, fast_path="off")
     model, tok, device = resident.model, resident.tokenizer, resident.device
     ids = tok(prefix_text(tok, context), add_special_tokens=False)["input_ids"][:context]
-    token_bytes = resident.cache_stats()["paged_kv"]["block_bytes"] // resident.cache_stats()["paged_kv"]["block_size"]
+    token_bytes = bytes_per_position(resident.workspace_shapes, resident.kv_dtype)
     kv_bytes = (len(ids) + new_tokens) * token_bytes
     budget = int(kv_bytes * fraction)
     max_tokens = max(1, int((len(ids) + new_tokens) * fraction))
-    streaming = KVBoost(model, tok, paged_kv=True, fast_path="off", device_kv_budget_bytes=budget,
+    streaming = KVBoost(model, tok, fast_path="off", device_kv_budget_bytes=budget,
                         device_kv_max_tokens=max_tokens, memory_budget_bytes=max(2 * kv_bytes, 1 << 30))
     report: dict = {"benchmark": "longctx", **choice.record(resident), "context_tokens": len(ids),
                     "new_tokens": new_tokens, "repeats": repeats, "threads": torch.get_num_threads(),
@@ -80,20 +81,17 @@ def run_longctx_bench(choice: ModelChoice, context: int, new_tokens: int, repeat
     rates = {}
     for name, engine in (("resident", resident), ("streamed", streaming)):
         with console.status(f"{name}: decoding over {len(ids):,} tokens"), torch.inference_mode():
-            before = engine.cache_stats()["paged_kv"]["streamed"] or {}
+            before = engine.cache_stats()["streamed"]
             row = {"system": name, **measure(call(engine, name), new_tokens, device, repeats)}
-            after = engine.cache_stats()["paged_kv"]["streamed"] or {}
+            after = engine.cache_stats()["streamed"]
             if name == "streamed":  # untimed: bytes per decode step = (moved by n tokens - by 1 token) / (n - 1)
-                row["streamed_requests"] = after["requests"] - before.get("requests", 0)
+                row["streamed_requests"] = after["sequences"] - before["sequences"]
                 moved = []
                 for n in (1, new_tokens):
-                    start = engine.cache_stats()["paged_kv"]["streamed"]["bytes_to_device"]
+                    start = engine.cache_stats()["streamed"]["bytes_to_device"]
                     call(engine, name)(n)
-                    moved.append(engine.cache_stats()["paged_kv"]["streamed"]["bytes_to_device"] - start)
+                    moved.append(engine.cache_stats()["streamed"]["bytes_to_device"] - start)
                 row["bytes_per_step"] = (moved[1] - moved[0]) / (new_tokens - 1)
-                row["host_copy"] = after.get("host_copy")
-                host = engine.cache_stats()["paged_kv"]["host"]
-                row["host_pinned"] = host["pinned"] if host else None  # unpinned blocks copy synchronously
         rates[name] = row["decode_tok_s"]
         report["rows"].append(row)
         console.print(f"{name:>9}: {row['decode_tok_s']:7.2f} tok/s")

@@ -5,8 +5,8 @@ Hugging Face DynamicCache that already holds the rest (built before the clock st
 different question, so no run is helped by the previous run's suffix; requests store nothing (the prefix is
 stored once by warm()). KVBoost is measured twice per repeat on that repeat's prompt: with the prefix resident
 in its workspace (a repeated system prompt, the common case), then loaded from the chunk store (the workspace
-forgotten first). --paged adds paged KV's "placed", "table" and "host" rows on the same prompt
-(bench/paged_rows.py). "X/kvb" is X over the resident row on the same prompt, each over the floor of its own
+forgotten first). --host-tier adds the "host" row on the same prompt: every stored chunk in the host tier
+(tier_rows.py). "X/kvb" is X over the resident row on the same prompt, each over the floor of its own
 cached tokens (the workspace may reuse a few tokens more), median over repeats: same-time, same-suffix ratios.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PrefixRow:
     cached_tokens: int
     identical_first_token: bool
     store_over_resident: float = float("nan")  # median over repeats, same prompt: (store / its floor) / (kvb / its)
-    paged: dict = field(default_factory=dict)  # --paged: table/host ms, over floor, errors (bench/paged_rows.py)
+    paged: dict = field(default_factory=dict)  # --host-tier: host ms, over floor, errors (tier_rows.py)
 
     @property
     def ratio(self) -> float:
@@ -162,13 +162,13 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
         console.print(f"skipping prefix lengths {sorted(set(lengths) - set(fitting))}: the model's context is "
                       f"{engine.max_context} tokens")
     lengths = fitting
-    from .paged_rows import PAGED_ROWS, PagedRows, paged_engines
+    from .tier_rows import TIER_ROWS, TierRows, tier_engines
 
     paged_built, paged_errors = {}, {}
     if paged:
-        paged_built, paged_errors = paged_engines(engine, max(lengths, default=0) + 256)
+        paged_built, paged_errors = tier_engines(engine, max(lengths, default=0) + 256)
         for name, why in paged_errors.items():
-            console.print(f"[red]paged row {name!r} not measured: {why}")
+            console.print(f"[red]tier row {name!r} not measured: {why}")
     questions = bench_questions()
     rows: list[PrefixRow] = []
     with Progress(console=console, transient=True) as progress, torch.inference_mode():
@@ -189,12 +189,12 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                 return f"{prefix}\n\nQuestion: {questions[qi % len(questions)]} (case {qi})\nAnswer:"
 
             engine.generate(prompt_for(), 1)  # warm-up: first-call allocations, thread pools
-            paged_rows = PagedRows(paged_built, prefix, engine.encode(prompt_for()))
+            paged_rows = TierRows(paged_built, prefix, engine.encode(prompt_for()))
             # Every system starts from token ids: the floor is handed ids, so KVBoost is too (tokenizing a 7k
             # prompt costs tens of ms, the same for any system given text, and is no part of what is compared).
             for r in range(repeats):
                 # One prompt per repeat for every row: resident (the workspace holds the previous prompt, whose
-                # prefix this one shares), then from the store, then the paged rows; each over its floor.
+                # prefix this one shares), then from the store, then the tier rows; each over its floor.
                 ids = engine.encode(prompt_for())
                 t0 = time.perf_counter()
                 engine.chunker.split(ids)
@@ -238,9 +238,9 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
             "KVBoost (from store)": [(r.prefix_tokens, r.kvboost_store_ms) for r in rows],
             "floor (suffix over HF cache)": [(r.prefix_tokens, r.floor_ms) for r in rows],
         }
-        for name in PAGED_ROWS:
+        for name in TIER_ROWS:
             if any(f"{name}_ms" in r.paged for r in rows):
-                series[f"KVBoost paged ({name})"] = [(r.prefix_tokens, r.paged[f"{name}_ms"]) for r in rows
+                series[f"KVBoost ({name} tier)"] = [(r.prefix_tokens, r.paged[f"{name}_ms"]) for r in rows
                                                      if f"{name}_ms" in r.paged]
         plot_lines(series, "TTFT vs cached prefix length", "cached prefix tokens", "TTFT (ms)", plot_path)
         console.print(f"wrote {plot_path}")
@@ -248,16 +248,14 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
 
 
 def _print(console: Console, rows: list[PrefixRow]) -> None:
-    from .paged_rows import PAGED_ROWS
+    from .tier_rows import TIER_ROWS
 
     table = Table(title="Prefix reuse: TTFT, median ms", caption=(
         "full = no cache; kvb = KVBoost, prefix resident in its workspace; store = KVBoost, prefix copied from "
         "the chunk store; floor = prefill of the same uncached tokens over a DynamicCache already holding the "
-        "rest; placed = paged_kv, stored blocks copied into the workspace; table = paged_kv, attention over the "
-        "stored blocks; host = the same, every block copied back from "
-        "the host pool; X/kvb = X over kvb on the same prompt, each over the floor of its own cached tokens (median "
+        "rest; host = every stored chunk placed from the host tier; X/kvb = X over kvb on the same prompt, each over the floor of its own cached tokens (median "
         "over repeats); lookup = hashing + chain match; same = first token equals the floor's"))
-    paged = [name for name in PAGED_ROWS if any(name + "_ms" in r.paged or name + "_error" in r.paged
+    paged = [name for name in TIER_ROWS if any(name + "_ms" in r.paged or name + "_error" in r.paged
                                                  for r in rows)]
     for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor", "store/kvb",
                 *(f"{name}/kvb" for name in paged), "speedup", "lookup", "same"):
@@ -278,9 +276,8 @@ def bench_prefix_command(
     repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
     json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
-    paged: bool = typer.Option(False, "--paged", help="Also paged KV: stored blocks copied into the workspace "
-                               "(placed), attention over the stored blocks (table) and over blocks copied back "
-                               "from host memory (host)."),
+    paged: bool = typer.Option(False, "--host-tier", help="Also the host tier: every stored chunk placed from "
+                               "host memory (device_kv_budget_bytes=0)."),
 ) -> None:
     """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
     choice = model_choice(model, shape, device, dtype)

@@ -100,8 +100,8 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
                    batch_runner: bool = False, fast_path: str | None = None) -> list[Row]:
     import torch
 
-    from kvboost.batch import BatchRunner
     from kvboost.decoding.factory import make_draft_engine
+    from kvboost.scheduler import Scheduler
 
     from .workloads import load_spec_tasks
 
@@ -124,7 +124,7 @@ def run_spec_bench(choice, max_new_tokens: int = 64, per_workload: int = 4, k: i
     eos = sorted(engine.eos_token_ids)
     systems = SYSTEMS + (BATCH_SYSTEMS if batch_runner else ())
     # One runner, as a server keeps it (its measured step costs carry over from prompt to prompt).
-    runner = BatchRunner(engine, max_batch_size=max(4, per_workload)) if batch_runner else None
+    runner = Scheduler(engine, max_batch_size=max(4, per_workload)) if batch_runner else None
     if runner is not None:  # its first steps compile (fast_path="compiled": the batched decode and verify steps)
         _run_alone(runner, engine.request(input_ids=engine.encode("Hello"), max_new_tokens=4))
     samples: list[Sample] = []

@@ -6,8 +6,8 @@ the tokens KVBoost did not reuse, over a DynamicCache already holding the rest) 
 measurement asks a different question, so no run is helped by the previous run's suffix.
 
 Also "store": the same engine with its workspace forgotten first (another prompt took it), so the stored chunks
-are copied into the workspace; and paged KV's "table" and "host" rows (bench/paged_rows.py), each over the floor
-of its own cached tokens.
+are copied into the workspace; and the "host" row (tier_rows.py: every stored chunk in the host tier), each over
+the floor of its own cached tokens.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..paged_rows import PagedRows, paged_engines
 from ..prefix import SuffixFloor, bench_questions, fitting_lengths, prefix_text
+from ..tier_rows import TierRows, tier_engines
 from .settings import GpuBenchSettings
 from .timing import Budget, median
 
@@ -36,7 +36,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
         asked += 1
         return f"{prefix}\n\nQuestion: {questions[asked % len(questions)]} (case {asked})\nAnswer:"
 
-    paged, paged_errors = paged_engines(engine, max(lengths, default=0) + 256)
+    paged, paged_errors = tier_engines(engine, max(lengths, default=0) + 256)
     section["paged_errors"] = paged_errors
     with torch.inference_mode():
         # Longest first: the 30k row is the one with a target, so a spent budget should cost the 1k row instead.
@@ -49,7 +49,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
             engine.warm(prefix)
             floor = SuffixFloor(engine.model)
             engine.generate(prompt_for(prefix), 1)  # untimed: first-call allocations at this length
-            paged_rows = PagedRows(paged if not budget.expired() else {}, prefix, engine.encode(prompt_for(prefix)))
+            paged_rows = TierRows(paged if not budget.expired() else {}, prefix, engine.encode(prompt_for(prefix)))
             kvb, flo, full, store = [], [], [], []
             cached = prompt_tokens = 0
             for r in range(settings.prefix_repeats):

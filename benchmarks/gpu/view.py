@@ -64,18 +64,16 @@ def prefix_table(section: dict) -> RenderableType:
     table = Table(title=f"b. TTFT over a cached prefix, median ms [{_status(section)}]",
                   caption="floor = prefill of the same uncached suffix over a DynamicCache already holding the "
                           "prefix (timed on the same shape's second run: no cuDNN plan build); full = no cache; "
-                          "store = workspace forgotten, chunks copied from the store; "
-                          "placed = paged_kv, stored blocks copied into the workspace; table = paged_kv, attention "
-                          "over the stored blocks; host = the same with every block "
-                          "waiting in host memory" + (f"; {section['note']}" if section.get("note") else ""))
-    for col in ("prefix", "suffix tok", "full", "floor", "KVBoost", "KVB/floor", "store/floor", "placed/floor",
-                "table/floor", "host/floor"):
+                          "store = workspace forgotten, chunks copied from the store's device tier; host = every "
+                          "stored chunk in the host tier (device_kv_budget_bytes=0)"
+                          + (f"; {section['note']}" if section.get("note") else ""))
+    for col in ("prefix", "suffix tok", "full", "floor", "KVBoost", "KVB/floor", "store/floor", "host/floor"):
         table.add_column(col, justify="right")
     for r in section.get("rows", []):
-        paged = [_ms(r.get(f"{name}_over_floor"), 2) if f"{name}_over_floor" in r else
-                 ("error" if f"{name}_error" in r else "-") for name in ("store", "placed", "table", "host")]
+        tiers = [_ms(r.get(f"{name}_over_floor"), 2) if f"{name}_over_floor" in r else
+                 ("error" if f"{name}_error" in r else "-") for name in ("store", "host")]
         table.add_row(f"{r['prefix_tokens']:,}", str(r["suffix_tokens"]), _ms(r["full_ms"]), _ms(r["floor_ms"]),
-                      _ms(r["kvboost_ms"]), _ms(r["kvboost_over_floor"], 2), *paged)
+                      _ms(r["kvboost_ms"]), _ms(r["kvboost_over_floor"], 2), *tiers)
     return table
 
 
