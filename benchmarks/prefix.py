@@ -253,8 +253,9 @@ def _print(console: Console, rows: list[PrefixRow]) -> None:
     table = Table(title="Prefix reuse: TTFT, median ms", caption=(
         "full = no cache; kvb = KVBoost, prefix resident in its workspace; store = KVBoost, prefix copied from "
         "the chunk store; floor = prefill of the same uncached tokens over a DynamicCache already holding the "
-        "rest; host = every stored chunk placed from the host tier; X/kvb = X over kvb on the same prompt, each over the floor of its own cached tokens (median "
-        "over repeats); lookup = hashing + chain match; same = first token equals the floor's"))
+        "rest; host = every stored chunk placed from the host tier; X/kvb = X over kvb on the same prompt, each "
+        "over the floor of its own cached tokens (median over repeats); lookup = hashing + chain match; "
+        "same = first token equals the floor's"))
     paged = [name for name in TIER_ROWS if any(name + "_ms" in r.paged or name + "_error" in r.paged
                                                  for r in rows)]
     for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor", "store/kvb",

@@ -189,5 +189,5 @@ class HostSlot:
 
     def forget(self) -> None:
         """The sequence is over: its host (and device-resident) memory goes."""
-        self.engine.long_contexts.count(self.host.stats)
+        self.engine.long_contexts.count(self.host)
         self.host.release()

@@ -53,6 +53,7 @@ class LongContexts:
     staged: bool | None = None
     sequences: int = 0
     totals: HostStreamStats = field(default_factory=HostStreamStats)
+    pinned: bool | None = None  # whether the last host workspace's memory is page-locked (None: none built yet)
 
     def streams(self, n_positions: int) -> bool:
         return self.max_device_tokens is not None and n_positions > self.max_device_tokens
@@ -62,10 +63,13 @@ class LongContexts:
         if (self.staged or self.device.type != "cpu") and self.max_device_tokens:
             resident = self.max_device_tokens * bytes_per_position(self.shapes, self.dtype)
         self.sequences += 1
-        return HostWorkspace(self.shapes, self.dtype, self.device, resident_bytes=resident, staged=self.staged,
+        host = HostWorkspace(self.shapes, self.dtype, self.device, resident_bytes=resident, staged=self.staged,
                              max_positions=self.max_positions)
+        return host
 
-    def count(self, stats: HostStreamStats) -> None:
+    def count(self, host: HostWorkspace) -> None:
+        """A sequence is over: add what its forwards moved."""
+        stats, self.pinned = host.stats, host.pinned
         self.totals.forwards += stats.forwards
         self.totals.bytes_to_device += stats.bytes_to_device
         self.totals.bytes_to_host += stats.bytes_to_host
@@ -73,4 +77,4 @@ class LongContexts:
     def as_dict(self) -> dict:
         return {"max_device_tokens": self.max_device_tokens, "sequences": self.sequences,
                 "forwards": self.totals.forwards, "bytes_to_device": self.totals.bytes_to_device,
-                "bytes_to_host": self.totals.bytes_to_host}
+                "bytes_to_host": self.totals.bytes_to_host, "pinned": self.pinned}
