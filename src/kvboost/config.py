@@ -1,11 +1,28 @@
-"""Every engine knob in one validated dataclass."""
+"""Every engine option, grouped by concern, validated once; every combination that cannot run refused in one table.
+
+    cache        what is reused and how: chunking, reuse at other positions and its repair, tenants, write-back
+    tiers        where stored chunks live: memory (the device's on a GPU), host, disk, Redis, their budgets
+    execution    how forwards run: device, attention, fast path, CPU products, rows per step, long contexts
+    speculation  speculative decoding's defaults (requests may override them)
+
+`EngineConfig(**options)` takes the flat keyword names users pass to `KVBoost(...)`; `config.chunk_size` reads
+through to its group. Each option's own values are checked by its group (a mode is checked against the tuple its
+owner defines); combinations are checked by RULES, the one place that refuses them - with the model's and device's
+facts when the engine is built (Environment), without them when a config is made alone.
+"""
 from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 
+from .decoding.speculative import check_speculative_numbers, parse_method
+from .model.cpu_linear import CPU_LINEAR_MODES
+from .model.forward import ATTENTION_BACKENDS
+from .model.runner import FAST_PATHS
 from .results import RecomputeStrategy
+from .store.quant import KV_CACHE_BITS
 
 _GIB = 1024**3
 
@@ -20,17 +37,46 @@ def default_memory_budget() -> int:
 
 
 @dataclass
-class EngineConfig:
+class CacheOptions:
     chunk_size: int = 128
-    max_chunks: int | None = None  # entry cap for the memory tier; bytes decide when None
-    memory_budget_bytes: int | None = None  # None: default_memory_budget()
-    recompute_overlap: int = 16
+    # >0: cuts slide up to this many tokens to a word/sentence boundary (chunking.py).
+    chunk_boundary_window: int = 0
     # Reuse at another position (RAG): stored chunks found later in a prompt are re-positioned and repaired.
     # Approximate by nature, so off by default: generate() then gives output identical to plain generation.
     content_reuse: bool = False
     recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE
     recompute_ratio: float = 0.15
-    kv_cache_bits: int = 16
+    recompute_overlap: int = 16
+    sink_tokens: int = 0  # content is never placed before this position
+    cache_salt: str | None = None  # default tenant (requests and warm()); a request's own cache_salt overrides it
+    write_back: bool = True  # store new full chunks (prompt + output) after each request
+
+    def __post_init__(self) -> None:
+        self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
+        _require(_is_int(self.chunk_size) and 8 <= self.chunk_size <= 8192,
+                 f"chunk_size must be an int in [8, 8192], got {self.chunk_size!r}")
+        _require(_is_int(self.chunk_boundary_window) and self.chunk_boundary_window >= 0,
+                 f"chunk_boundary_window must be an int >= 0, got {self.chunk_boundary_window!r}")
+        _require(isinstance(self.content_reuse, bool), f"content_reuse must be a bool, got {self.content_reuse!r}")
+        _require(0.0 <= float(self.recompute_ratio) <= 1.0,
+                 f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        _require(self.recompute_overlap >= 0, f"recompute_overlap must be >= 0, got {self.recompute_overlap}")
+        _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        _require(self.cache_salt is None or isinstance(self.cache_salt, str),
+                 f"cache_salt must be a string or None, got {self.cache_salt!r}")
+        _require(isinstance(self.write_back, bool), f"write_back must be a bool, got {self.write_back!r}")
+
+
+@dataclass
+class TierOptions:
+    memory_budget_bytes: int | None = None  # None: default_memory_budget(); on a GPU the host tier's
+    max_chunks: int | None = None  # entry cap for the memory tier; bytes decide when None
+    # Stored chunks kept on the model's device: over this budget the coldest move to host memory, which holds
+    # memory_budget_bytes of them (page-locked on CUDA), and come back on a hit, instead of being dropped
+    # (store/host.py). None: on CUDA 30% of the device memory free at load; elsewhere no host tier (the device is
+    # host memory: one tier of memory_budget_bytes). Set on a CPU, it builds the host tier in RAM.
+    device_kv_budget_bytes: int | None = None
+    kv_cache_bits: int = 16  # 8 / 4: stored chunks quantized (KIVI), in memory and in the slow tiers
     disk_cache_dir: str | None = None
     disk_budget_bytes: int | None = None
     redis_url: str | None = None
@@ -39,113 +85,78 @@ class EngineConfig:
     # (a write that does not fit is dropped and counted); flush()/close() wait at most flush_timeout_s.
     write_queue_bytes: int = 256 * 1024**2
     flush_timeout_s: float = 10.0
-    cache_salt: str | None = None  # default tenant (requests and warm()); a request's own cache_salt overrides it
-    chunk_boundary_window: int = 0
-    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes is None:
+            self.memory_budget_bytes = default_memory_budget()
+        _require(_is_int(self.memory_budget_bytes) and self.memory_budget_bytes >= 0,
+                 f"memory_budget_bytes must be a non-negative int, got {self.memory_budget_bytes!r}")
+        _require(self.max_chunks is None or (_is_int(self.max_chunks) and self.max_chunks > 0),
+                 f"max_chunks must be a positive int or None, got {self.max_chunks!r}")
+        _require(self.device_kv_budget_bytes is None or (
+            _is_int(self.device_kv_budget_bytes) and self.device_kv_budget_bytes >= 0),
+                 f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
+        _require(self.kv_cache_bits in KV_CACHE_BITS,
+                 f"kv_cache_bits must be one of {', '.join(map(str, KV_CACHE_BITS))}, got {self.kv_cache_bits!r}")
+        _require(_is_int(self.write_queue_bytes) and self.write_queue_bytes > 0,
+                 f"write_queue_bytes must be a positive int, got {self.write_queue_bytes!r}")
+        _require(self.flush_timeout_s > 0, f"flush_timeout_s must be > 0, got {self.flush_timeout_s!r}")
+
+
+@dataclass
+class ExecutionOptions:
     device: str | None = None
-    write_back: bool = True  # store new full chunks (prompt + output) after each generate
-    # Batched rows that share a stored prefix attend to one copy of its K/V (cascade attention) instead of
-    # each holding its own; off: every row copies the prefix into its slot.
-    shared_prefix_attention: bool = True
-    # The most requests the engine's loop runs together (rows of one step); more wait their turn.
-    max_batch_size: int = 16
-    # The engine's own forwards: "auto" (the Triton kernels on CUDA where they run, else torch SDPA without cuDNN;
-    # the model's own attention elsewhere),
-    # "model", "sdpa", or "triton" (KVBoost's kernels; CUDA + triton). See model.forward.resolve_attention.
+    # The engine's own forwards: "auto", "model", "sdpa" or "triton" (model/forward.py: resolve_attention).
     attention_backend: str = "auto"
-    # Linear layers over 2-4 token rows (verifies, batched decode steps; 1-9 at 2+ threads) as W @ x^T,
-    # which CPU BLAS threads: "auto" (float32 on a CPU with MKL), "on" (refused where it does not apply), "off"
-    # (the model's own products, bit for bit). Installed on the model's nn.Linear modules, so every forward path
-    # rounds alike. See model.cpu_linear.
-    cpu_linear: str = "auto"
-    # Short forwards (decode steps, suffixes up to 256 tokens) over a static cache in fixed-size buckets:
-    # "auto" (CUDA graphs on CUDA with the Triton attention, off elsewhere), "graphs", "eager" (the static
-    # step without capture, any device), "off" (the ordinary eager forward). See model.runner.
+    # Short forwards (decode steps, suffixes up to 256 tokens) as fixed-shape steps: "auto", "graphs" (CUDA graphs),
+    # "compiled" (torch.compile, CPU), "eager", "off" (model/fast_path.py: make_runner).
     fast_path: str = "auto"
-    # Stored chunks kept on the model's device: over this budget the coldest move to host memory, which holds
-    # memory_budget_bytes of them (page-locked on CUDA), and come back on a hit, instead of being dropped
-    # (store/host.py). None: on CUDA 30% of the device memory free at load; elsewhere no host tier (the device is
-    # host memory: one tier of memory_budget_bytes). Set on a CPU, it builds the host tier in RAM.
-    device_kv_budget_bytes: int | None = None
+    # Linear layers over a few rows as W @ x^T, which CPU BLAS threads: "auto", "on", "off" (model/cpu_linear.py).
+    cpu_linear: str = "auto"
+    max_batch_size: int = 16  # the most requests the loop runs together; more wait their turn
+    # Rows of a batch that share a long stored prefix attend to one copy of its K/V (cascade attention).
+    shared_prefix_attention: bool = True
     # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host memory and each forward
-    # brings it to the device one layer at a time (the first device_kv_max_tokens positions stay on the device): it
-    # runs, identically, instead of running out of device memory. None: elsewhere than CUDA no limit; on CUDA none
-    # while the stored chunks' budget and two sequences of the model's longest context fit in 60% of the device
-    # memory free at load, else what 15% of it holds. Exact reuse only for such a sequence.
+    # brings it to the device one layer at a time (the first device_kv_max_tokens positions stay on the device).
+    # None: elsewhere than CUDA no limit; on CUDA none while the stored chunks' budget and two sequences of the
+    # model's longest context fit in 60% of the device memory free at load, else what 15% of it holds.
     device_kv_max_tokens: int | None = None
-    # Speculative decoding (decoding/): "prompt_lookup" (n-gram drafts from prompt + output), "draft" (a draft
-    # model: the engine's draft_model=), or None/"off". Requests may override it. Greedy output is identical.
+
+    def __post_init__(self) -> None:
+        _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of "
+                 f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        _require(self.fast_path in FAST_PATHS, f"fast_path must be one of {', '.join(FAST_PATHS)}, "
+                 f"got {self.fast_path!r}")
+        _require(self.cpu_linear in CPU_LINEAR_MODES, f"cpu_linear must be one of {', '.join(CPU_LINEAR_MODES)}, "
+                 f"got {self.cpu_linear!r}")
+        _require(_is_int(self.max_batch_size) and self.max_batch_size >= 1,
+                 f"max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
+        _require(isinstance(self.shared_prefix_attention, bool),
+                 f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
+        _require(self.device_kv_max_tokens is None or (_is_int(self.device_kv_max_tokens)
+                                                       and self.device_kv_max_tokens > 0),
+                 f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
+
+
+@dataclass
+class SpeculativeOptions:
+    # "prompt_lookup" (n-gram drafts from prompt + output), "draft" (the engine's draft_model=), or None/"off".
+    # Requests may override it. Greedy output is identical.
     speculative: str | None = None
     num_speculative_tokens: int = 8  # the most drafts verified per forward (adapted to acceptance below it)
     prompt_lookup_max_ngram: int = 3
-    # None ("auto"): 1 where a 2-token verify measures about a plain step (GPU; CPU with cpu_linear), else 2 - a
-    # lone recurring token is worth a verify only when verifies are cheap (decoding.speculative.lookup_min_ngram).
+    # None ("auto"): 1 where a 2-token verify measures about a plain step, else 2 (decoding.speculative).
     prompt_lookup_min_ngram: int | None = None
 
     def __post_init__(self) -> None:
-        self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
-        _require(self.cache_salt is None or isinstance(self.cache_salt, str),
-                 f"cache_salt must be a string or None, got {self.cache_salt!r}")
-        _require(isinstance(self.content_reuse, bool), f"content_reuse must be a bool, got {self.content_reuse!r}")
-        _require(isinstance(self.chunk_size, int) and 8 <= self.chunk_size <= 8192,
-                 f"chunk_size must be an int in [8, 8192], got {self.chunk_size!r}")
-        _require(self.max_chunks is None or (isinstance(self.max_chunks, int) and self.max_chunks > 0),
-                 f"max_chunks must be a positive int or None, got {self.max_chunks!r}")
-        if self.memory_budget_bytes is None:
-            self.memory_budget_bytes = default_memory_budget()
-        _require(isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes >= 0,
-                 f"memory_budget_bytes must be a non-negative int, got {self.memory_budget_bytes!r}")
-        _require(self.recompute_overlap >= 0, f"recompute_overlap must be >= 0, got {self.recompute_overlap}")
-        _require(0.0 <= float(self.recompute_ratio) <= 1.0,
-                 f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
-        _require(self.kv_cache_bits in (4, 8, 16), f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits!r}")
-        _require(self.chunk_boundary_window >= 0 and self.chunk_boundary_window < self.chunk_size // 2,
-                 f"chunk_boundary_window must be in [0, chunk_size/2), got {self.chunk_boundary_window}")
-        _require(isinstance(self.write_queue_bytes, int) and self.write_queue_bytes > 0,
-                 f"write_queue_bytes must be a positive int, got {self.write_queue_bytes!r}")
-        _require(self.flush_timeout_s > 0, f"flush_timeout_s must be > 0, got {self.flush_timeout_s!r}")
-        _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        _require(self.attention_backend in ("auto", "model", "sdpa", "triton"),
-                 f"attention_backend must be auto, model, sdpa or triton, got {self.attention_backend!r}")
-        _require(self.cpu_linear in ("auto", "on", "off"),
-                 f"cpu_linear must be auto, on or off, got {self.cpu_linear!r}")
-        _require(self.fast_path in ("auto", "graphs", "compiled", "eager", "off"),
-                 f"fast_path must be auto, graphs, compiled, eager or off, got {self.fast_path!r}")
-        from .decoding.speculative import check_speculative_numbers, parse_method
-
         self.speculative = parse_method(self.speculative)
         check_speculative_numbers(self.num_speculative_tokens, self.prompt_lookup_max_ngram,
                                   self.prompt_lookup_min_ngram)
-        _require(isinstance(self.max_batch_size, int) and not isinstance(self.max_batch_size, bool)
-                 and self.max_batch_size >= 1, f"max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
-        _require(isinstance(self.shared_prefix_attention, bool),
-                 f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
-        _require(self.device_kv_budget_bytes is None or (
-            isinstance(self.device_kv_budget_bytes, int) and self.device_kv_budget_bytes >= 0),
-                 f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
-        _require(self.device_kv_max_tokens is None or (
-            isinstance(self.device_kv_max_tokens, int) and not isinstance(self.device_kv_max_tokens, bool)
-            and self.device_kv_max_tokens > 0),
-                 f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
-    # Stored chunks kept on the model's device: over this budget the coldest move to host memory, which holds
-    # memory_budget_bytes of them (page-locked on CUDA), and come back on a hit, instead of being dropped
-    # (store/host.py). None: on CUDA 30% of the device memory free at load; elsewhere no host tier (the device is
-    # host memory: one tier of memory_budget_bytes). Set on a CPU, it builds the host tier in RAM.
 
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineConfig:
-        for name in sorted(set(kwargs) & set(DEPRECATED)):
-            value = kwargs.pop(name)
-            if name not in _warned:
-                _warned.add(name)
-                warnings.warn(f"{name}={value!r} is deprecated and ignored: {DEPRECATED[name]}", FutureWarning,
-                              stacklevel=3)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**kwargs)
 
+GROUPS: dict[str, type] = {"cache": CacheOptions, "tiers": TierOptions, "execution": ExecutionOptions,
+                           "speculation": SpeculativeOptions}
+OWNER = {f.name: group for group, cls in GROUPS.items() for f in fields(cls)}  # option -> its group
 
 # Options of removed designs: accepted (with one warning per process and name) and ignored.
 DEPRECATED = {
@@ -156,6 +167,129 @@ DEPRECATED = {
     "paged_attention": "there are no block tables: every request runs over a workspace row",
 }
 _warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The model's and device's facts the rules read (each None: nothing against it)."""
+
+    device: str  # device type: "cpu", "cuda", ...
+    attention_unsupported: str | None  # why KVBoost's attention cannot run this model's layers
+    triton_unavailable: str | None  # why the Triton kernels cannot run here
+    static_unsupported: str | None  # why the model cannot run over a static cache (fixed-shape steps)
+    cpu_linear_unsupported: str | None  # why W @ x^T does not apply
+    has_draft_model: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that cannot run: `check` returns why (None: fine). needs_environment: only checked once the
+    model and device are known."""
+
+    options: tuple[str, ...]
+    check: Callable[[EngineConfig, Environment | None], str | None]
+    needs_environment: bool = False
+
+
+def _fast_path(config: EngineConfig, env: Environment | None) -> str | None:
+    choice = config.fast_path
+    if choice in ("auto", "off"):
+        return None
+    if env.static_unsupported is not None:
+        return f"fast_path={choice!r}: {env.static_unsupported}"
+    if choice == "graphs" and env.device != "cuda":
+        return f"fast_path='graphs' needs a CUDA device, the model is on {env.device}"
+    if choice == "graphs" and (config.attention_backend not in ("auto", "triton") or env.triton_unavailable):
+        why = env.triton_unavailable or f"the engine attends with {config.attention_backend!r}"
+        return ("fast_path='graphs' needs attention_backend='triton' (the kernels read each row's valid length from "
+                f"device memory); {why}")
+    if choice == "compiled" and env.device != "cpu":
+        return f"fast_path='compiled' is the CPU path; on {env.device} use 'graphs' (or 'auto')"
+    return None
+
+
+def _attention(config: EngineConfig, env: Environment | None) -> str | None:
+    choice = config.attention_backend
+    if choice in ("sdpa", "triton") and env.attention_unsupported is not None:
+        return f"attention_backend={choice!r}: {env.attention_unsupported}"
+    if choice == "triton" and env.device != "cuda":  # the CPU interpreter is for tests, never for serving
+        return f"attention_backend='triton' needs a CUDA device, the model is on {env.device}"
+    if choice == "triton" and env.triton_unavailable is not None:
+        return f"attention_backend='triton' is not available here: {env.triton_unavailable}"
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("chunk_boundary_window", "chunk_size"), lambda c, e: None if c.chunk_boundary_window < c.chunk_size // 2
+         else f"chunk_boundary_window must be in [0, chunk_size/2), got {c.chunk_boundary_window}"),
+    Rule(("attention_backend",), _attention, needs_environment=True),
+    Rule(("fast_path", "attention_backend"), _fast_path, needs_environment=True),
+    Rule(("cpu_linear",), lambda c, e: f"cpu_linear='on': {e.cpu_linear_unsupported}"
+         if c.cpu_linear == "on" and e.cpu_linear_unsupported else None, needs_environment=True),
+    Rule(("speculative",), lambda c, e: "speculative='draft' needs draft_model= (a path, hub id or loaded model "
+         "sharing the tokenizer)" if c.speculative == "draft" and not e.has_draft_model else None,
+         needs_environment=True),
+)
+
+
+class EngineConfig:
+    """All options, by group (config.cache, .tiers, .execution, .speculation); flat names read through."""
+
+    cache: CacheOptions
+    tiers: TierOptions
+    execution: ExecutionOptions
+    speculation: SpeculativeOptions
+
+    def __init__(self, **options) -> None:
+        unknown = sorted(set(options) - set(OWNER))
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(OWNER))}")
+        for group, cls in GROUPS.items():
+            object.__setattr__(self, group, cls(**{k: v for k, v in options.items() if OWNER[k] == group}))
+        self.check()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """The keyword API: deprecated names warned once and ignored, the rest validated."""
+        for name in sorted(set(kwargs) & set(DEPRECATED)):
+            value = kwargs.pop(name)
+            if name not in _warned:
+                _warned.add(name)
+                warnings.warn(f"{name}={value!r} is deprecated and ignored: {DEPRECATED[name]}", FutureWarning,
+                              stacklevel=3)
+        return cls(**kwargs)
+
+    def __getattr__(self, name: str):
+        group = OWNER.get(name)
+        if group is None:
+            raise AttributeError(f"EngineConfig has no option {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in OWNER:
+            raise AttributeError(f"EngineConfig has no option {name!r}")
+        setattr(getattr(self, OWNER[name]), name, value)
+
+    def check(self, env: Environment | None = None) -> None:
+        """ValueError for the first combination in RULES that cannot run (with env: the model's and device's too)."""
+        for rule in RULES:
+            if rule.needs_environment and env is None:
+                continue
+            why = rule.check(self, env)
+            if why is not None:
+                raise ValueError(why)
+
+    def as_dict(self) -> dict[str, dict]:
+        """The options by group, as given and defaulted."""
+        return {group: {k: (v.value if isinstance(v, RecomputeStrategy) else v)
+                        for k, v in asdict(getattr(self, group)).items()} for group in GROUPS}
+
+    def __repr__(self) -> str:
+        return f"EngineConfig({self.as_dict()!r})"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -36,6 +36,7 @@ from .loading import eos_token_ids
 from .model.cpu_linear import install_cpu_linear
 from .model.fast_path import fast_path_stats, make_runner
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
+from .plan import describe, environment
 from .prompting import Messages
 from .request import Request
 from .request_factory import RequestFactory
@@ -91,6 +92,8 @@ class InferenceEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        # Every combination that cannot run on this model and device is refused here, before anything is built.
+        self.config.check(environment(model, has_draft_model=draft_model is not None))
         self.workspace_shapes, self.kv_dtype = probe_layer_shapes(model)
         self.attention, self.attention_reason = resolve_attention(self.config.attention_backend, model)
         self.cpu_linear = install_cpu_linear(self.config.cpu_linear, model)  # before any timed forward
@@ -118,6 +121,9 @@ class InferenceEngine:
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
         self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.kv_workspace,
                                                          self.attention, verifies=self.config.speculative is not None)
+        self.plan = describe(self.config, self.device, self.kv_dtype, self.attention, self.attention_reason,
+                             self.runner.mode if self.runner else "off", self.fast_path_reason, self.cpu_linear,
+                             self.kv.store.tier_names(), max_tokens)
         # Serializes every forward over the model and the workspace (steps of the loop, warm).
         self.lock = threading.RLock()
         self._warm_up()
@@ -125,9 +131,6 @@ class InferenceEngine:
         # Speculative decoding with a draft model: the draft runs in an engine of its own (its own workspace and
         # prefix reuse), used only under this engine's lock.
         self.draft = make_draft_engine(self, draft_model) if draft_model is not None else None
-        if self.config.speculative == "draft" and self.draft is None:
-            raise ValueError("speculative='draft' needs draft_model= (a path, hub id or loaded model sharing the "
-                             "tokenizer)")
         self.spec_counts = SpecCounts()  # summed over finished requests: cache_stats()["speculative"]
         self.spec_costs: dict[str, StepCosts] = {}  # measured step costs per method, shared by requests
 
@@ -325,7 +328,7 @@ class InferenceEngine:
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear)
-        return dict(self.kv.stats(), workspace_bytes=self.kv_workspace.nbytes, fast_path=fast,
+        return dict(self.kv.stats(), plan=self.plan.as_dict(), workspace_bytes=self.kv_workspace.nbytes, fast_path=fast,
                     streamed=self.long_contexts.as_dict(),
                     speculative=speculation_stats(self.config, self.spec_counts, self.spec_costs))
 

@@ -54,15 +54,12 @@ class Scheduler:
         which it cannot be exact keep the per-row path, and `shared_prefix_off_reason` says why."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        if shared_prefix_attention is None:
-            shared_prefix_attention = engine.config.shared_prefix_attention
-        if not isinstance(shared_prefix_attention, bool):
+        if shared_prefix_attention is not None and not isinstance(shared_prefix_attention, bool):
             raise TypeError(f"shared_prefix_attention must be a bool or None, got {shared_prefix_attention!r}")
         self.engine = engine
         self.kv = engine.kv
-        reason = unsupported_reason(engine.model) if shared_prefix_attention else "disabled"
-        self.shared_prefix_attention = reason is None
-        self.shared_prefix_off_reason = reason
+        self._shared_choice = shared_prefix_attention  # None: the engine's config, read at each admission
+        self._model_refusal = unsupported_reason(engine.model)
         # Ragged rows share one query offset in the mask; a sliding window computed from it would be wrong
         # for the shorter rows, so models with sliding-window layers decode one row at a time.
         self.max_batch_size = 1 if has_sliding_layers(engine.model) else max_batch_size
@@ -81,6 +78,16 @@ class Scheduler:
         self._streamed: list[Row] = []  # rows whose K/V lives in host memory (longer than the device holds)
         self._leased: set[int] = set()  # rows lent to a draft sequence or a warm (lease())
         self._lock = threading.Lock()
+
+    @property
+    def shared_prefix_attention(self) -> bool:
+        return self.shared_prefix_off_reason is None
+
+    @property
+    def shared_prefix_off_reason(self) -> str | None:
+        """Why rows sharing a prefix each hold their own copy (None: they read one shared prefix)."""
+        chosen = self.engine.config.shared_prefix_attention if self._shared_choice is None else self._shared_choice
+        return self._model_refusal if chosen else "disabled"
 
     @property
     def prefix(self) -> SharedPrefix | None:
@@ -128,8 +135,10 @@ class Scheduler:
         running (each handle gets the error) and re-raises; the loop itself stays usable."""
         with self.engine.lock, torch.inference_mode():
             self._drop_cancelled()
-            if not self._active and self.runner is not None and self.max_batch_size > 1:
-                self.runner.prepare_batched_verify()  # compiled before any step is timed (a scratch step: no rows)
+            if not self._active and len(self._pending) > 1 and self.runner is not None and self.max_batch_size > 1:
+                # Rows are about to run together: the batched verify compiles now (a scratch step over rows no
+                # request holds), not inside a step the drafting policy times. Once per model.
+                self.runner.prepare_batched_verify()
             self._admit()
             try:
                 for row in list(self._streamed):

@@ -73,7 +73,9 @@ def test_compiled_batched_verifies_give_each_rows_ordinary_logits(compiled_engin
     from kvboost.scheduler import Scheduler
 
     _, fast, _ = compiled_engines
-    steps = Scheduler(fast, max_batch_size=4).runner
+    scheduler = Scheduler(fast, max_batch_size=4)
+    scheduler.ws.ensure_rows(4)  # rows are added as a batch grows; this test drives the runner's steps itself
+    steps = scheduler.runner
     gen = torch.Generator().manual_seed(2)
     graphs = None
     with torch.inference_mode():

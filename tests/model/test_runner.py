@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.model.fast_path import make_runner
 from kvboost.model.runner import ModelRunner, bucket_for, static_path_unsupported_reason
 
 from ..tiny_models import make_tiny_model
@@ -100,11 +99,11 @@ def test_auto_and_refusals(tokenizer, device):
     engine = KVBoost(model, tokenizer)
     if device.type != "cuda":
         assert engine.runner is None and "auto on" in engine.fast_path_reason
-        with pytest.raises(ValueError, match="CUDA"):
-            make_runner("graphs", model, engine.workspace, engine.attention)
+        with pytest.raises(ValueError, match="fast_path='graphs' needs a CUDA device"):
+            KVBoost(model, tokenizer, fast_path="graphs")
     else:
         with pytest.raises(ValueError, match="CPU path"):
-            make_runner("compiled", model, engine.workspace, engine.attention)
+            KVBoost(model, tokenizer, fast_path="compiled")
     with pytest.raises(ValueError, match="fast_path must be"):
         KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="fast")
 
@@ -143,8 +142,8 @@ def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
     model = make_tiny_model("qwen2", tokenizer, device=device)
     backend = {"graphs": "triton"}.get(mode, "auto")
     engine = KVBoost(model, tokenizer, chunk_size=16, fast_path=mode, attention_backend=backend)
-    runner = Scheduler(engine, max_batch_size=3)  # a workspace of 4 rows: bucket 4 pads a row
-    assert runner.runner is not None and runner.ws.batch_size == 4
+    runner = Scheduler(engine, max_batch_size=3)
+    assert runner.runner is not None
     prompts = [text_with_tokens(tokenizer, 20 + 9 * i, seed=40 + i) for i in range(4)]
     budgets = [4, 11, 7, 9]
     handles = [runner.add(engine.encode(p), SamplingParams(max_new_tokens=n), p) for p, n in zip(prompts, budgets)]
@@ -153,6 +152,7 @@ def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
     for prompt, n, handle in zip(prompts, budgets, handles):
         assert handle.error is None
         assert handle.result.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), n)
+    assert runner.ws.batch_size == 4  # 3 rows at most: bucket 4 padded a row
     counts = runner.runner.stats.counts
     assert counts["steps"] > 0
     if mode == "graphs":

@@ -41,7 +41,7 @@ from torch import nn
 
 ROWS_ONE_THREAD = range(2, 5)  # row counts computed as W @ x^T at one thread ...
 ROWS_THREADED = range(1, 10)  # ... and at 2+ threads (9: a verify of the default 8 drafts)
-MODES = ("auto", "on", "off")
+CPU_LINEAR_MODES = ("auto", "on", "off")
 _MARK = "_kvboost_cpu_linear"  # set on a module whose forward this module replaced
 
 
@@ -82,17 +82,13 @@ def cpu_linear_reason(model: nn.Module) -> str | None:
 
 def install_cpu_linear(mode: str, model: nn.Module) -> str:
     """Apply EngineConfig.cpu_linear to the model's nn.Linear modules; returns what was done and why.
-    "auto": where cpu_linear_reason finds nothing against it; "on": the same, refused with a ValueError where it
-    does not apply; "off": the model's own products (undoing an earlier engine's install on the same model)."""
-    if mode not in MODES:
-        raise ValueError(f"cpu_linear must be one of {', '.join(MODES)}, got {mode!r}")
+    "auto" and "on": where cpu_linear_reason finds nothing against it (config.RULES refused "on" where it does not
+    apply); "off": the model's own products (undoing an earlier engine's install on the same model)."""
     if mode == "off":
         uninstall_cpu_linear(model)
         return "off"
     reason = cpu_linear_reason(model)
     if reason is not None:
-        if mode == "on":
-            raise ValueError(f"cpu_linear='on': {reason}")
         uninstall_cpu_linear(model)
         return f"off: {reason}"
     count = 0

@@ -7,7 +7,7 @@ import torch
 from ..kv.workspace import KVWorkspace
 from .compiled_step import packing_refusal
 from .layout import fastest_linear_layouts, relay_linears
-from .runner import FAST_PATHS, ModelRunner, static_path_unsupported_reason
+from .runner import ModelRunner, static_path_unsupported_reason
 
 
 def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) -> dict:
@@ -21,17 +21,15 @@ def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) ->
 
 def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,
                 verifies: bool = False) -> tuple[ModelRunner | None, str]:
-    """The engine's runner for EngineConfig.fast_path, and why. "auto": CUDA graphs on CUDA when the engine
-    attends with the Triton kernels and the model runs over a static cache, else the ordinary eager path
-    ("off"). "graphs" and "eager" raise ValueError where they cannot run. verifies: the engine speculates (its
-    verify step is made ready at load, and compiled in compiled mode)."""
-    if choice not in FAST_PATHS:
-        raise ValueError(f"fast_path must be one of {', '.join(FAST_PATHS)}, got {choice!r}")
+    """The engine's runner for EngineConfig.fast_path, and why (the choice is valid here: config.RULES refused those
+    that cannot run). "auto": CUDA graphs on CUDA when the engine attends with the Triton kernels and the model runs
+    over a static cache, else the ordinary eager path ("off"). verifies: the engine speculates (its verify step is
+    made ready at load, and compiled in compiled mode)."""
     if choice == "off":
         return None, "off"
     device = workspace.device
-    reason = static_path_unsupported_reason(model)
     if choice == "auto":
+        reason = static_path_unsupported_reason(model)
         if device.type != "cuda":
             return None, f"off: auto on {device.type} (CUDA graphs need a GPU)"
         if attention != "triton":
@@ -39,22 +37,12 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
         if reason is not None:
             return None, f"off: {reason}"
         return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=True,
-                           verifies=verifies), \
-            "CUDA graphs per bucket (auto)"
-    if reason is not None:
-        raise ValueError(f"fast_path={choice!r}: {reason}")
+                           verifies=verifies), "CUDA graphs per bucket (auto)"
     if choice == "graphs":
-        if device.type != "cuda":
-            raise ValueError(f"fast_path='graphs' needs a CUDA device, the model is on {device.type}")
-        if attention != "triton":
-            raise ValueError("fast_path='graphs' needs attention_backend='triton' (the kernels read each row's "
-                             f"valid length from device memory); the engine attends with {attention!r}")
         return ModelRunner(model, workspace, mode="graphs", backend="triton", verifies=verifies), \
             "CUDA graphs per bucket"
     backend = attention if attention in ("sdpa", "triton") else None
     if choice == "compiled":
-        if device.type != "cpu":
-            raise ValueError(f"fast_path='compiled' is the CPU path; on {device.type} use 'graphs' (or 'auto')")
         refusal = packing_refusal(model)
         # Set before anything is compiled, since a weight's strides are part of the compiled steps' guards. The
         # packed kernels read a copy of their own, so the model's weights stay in nn.Linear's order, in which the

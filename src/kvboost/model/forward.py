@@ -28,17 +28,14 @@ ATTENTION_BACKENDS = ("auto", "model", "sdpa", "triton")
 
 
 def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
-    """The attention the engine's own forwards use, and why. "model": the model's own implementation;
-    "sdpa": torch SDPA without the cuDNN backend (which builds a plan per new (q_len, kv_len), 46-91 ms per
-    layer on an H100: a spike on every chat turn); "triton": KVBoost's kernels (CUDA + triton). "auto": the
-    Triton kernels on CUDA where they run (they read valid lengths from device memory, which CUDA graphs
-    need; measured faster than SDPA flash on an H100), else sdpa on CUDA and CPU; the model's own where its
-    layers do not dispatch through AttentionInterface, and on other devices. On a CPU sdpa gives the model's
-    own logits bit for bit and is cheaper for several queries over a cache (a suffix, a speculative verify):
-    GQA runs with enable_gqa instead of transformers' repeated K/V copies (SmolLM2-135M, 1 thread, 1,100
-    cached tokens: an 8-token verify 118 ms instead of 130, a 2-token one 96 instead of 109)."""
-    if choice not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    """The attention the engine's own forwards use, and why (the choice is valid here: config.RULES refused those
+    that cannot run). "model": the model's own implementation; "sdpa": torch SDPA without the cuDNN backend (which
+    builds a plan per new (q_len, kv_len), 46-91 ms per layer on an H100: a spike on every chat turn); "triton":
+    KVBoost's kernels (CUDA + triton). "auto": the Triton kernels on CUDA where they run (they read valid lengths
+    from device memory, which CUDA graphs need; measured faster than SDPA flash on an H100), else sdpa on CUDA and
+    CPU; the model's own where its layers do not dispatch through AttentionInterface, and on other devices. On a
+    CPU sdpa gives the model's own logits bit for bit and is cheaper for several queries over a cache (a suffix, a
+    speculative verify): GQA runs with enable_gqa instead of transformers' repeated K/V copies."""
     device = next(model.parameters()).device
     if choice == "model" or (choice == "auto" and device.type not in ("cuda", "cpu")):
         return "model", "the model's own attention" if choice == "model" else f"auto on {device.type}"
@@ -46,22 +43,15 @@ def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
 
     reason = unsupported_reason(model)
     if reason is not None:
-        if choice == "auto":
-            return "model", reason
-        raise ValueError(f"attention_backend={choice!r}: {reason}")
+        return "model", reason
     if choice == "auto" and device.type == "cpu":
         return "sdpa", "torch SDPA with enable_gqa (auto on cpu)"
-    from .attention.backend import select_backend
-
     if choice == "triton":
-        if device.type != "cuda":  # the CPU interpreter is for tests, never for serving
-            raise ValueError(f"attention_backend='triton' needs a CUDA device, the model is on {device.type}")
-        picked, why = select_backend(device, next(model.parameters()).dtype, _head_dim(model), prefer="triton")
-        if picked != "triton":
-            raise ValueError(f"attention_backend='triton' is not available here: {why}")
-        return "triton", why
+        return "triton", "KVBoost's Triton kernels"
     if choice == "sdpa":
         return "sdpa", "torch SDPA, cuDNN excluded"
+    from .attention.backend import select_backend
+
     picked, why = select_backend(device, next(model.parameters()).dtype, _head_dim(model))
     if picked == "triton":
         return "triton", f"auto on cuda: {why}"

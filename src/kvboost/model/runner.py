@@ -414,10 +414,14 @@ class ModelRunner(GraphSteps):
         """Compiled mode, on a speculating engine: compile the batched verify now, with a scratch step of 2 rows x 2
         tokens at positions [0, 2), so that no row's step pays the compile (about a minute on a small CPU) and the
         drafting policy never times it. The caller has no rows in the workspace yet. Once per model."""
-        if not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY \
-                or self._decode_rows(2) is None:
+        if not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY:
+            return
+        self.workspace.ensure_rows(2)
+        if self._decode_rows(2) is None:
             return
         self.verify_batch([[0, 0], [0, 0]], [0, 0])
+        for resident in self.workspace.residents[:2]:  # their first positions now hold the scratch step's K/V
+            resident.clear()
         _BATCHED_VERIFY_READY.add(self.model)
 
     def warm_up(self, capacity: int = WARM_CAPACITY) -> int:

@@ -87,12 +87,13 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
 
 
 def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> float:
-    """Run one short greedy chat through the app's scheduler (the path requests take); the seconds it took.
+    """Run short greedy chats through the app's scheduler (the path requests take); the seconds it took.
 
-    The first generation in a process pays one-time costs (kernel selection and allocation on the device,
-    the chat template's compilation, the batch runner's setup); this makes the server pay them before it
-    listens. Mode BASELINE: nothing is looked up or written to the cache. Starts the scheduler's worker.
-    Raises whatever the generation raised: a server that cannot generate should not start.
+    The first generation in a process pays one-time costs (kernel selection and allocation on the device, the chat
+    template's compilation, a compiled engine's batched steps); this makes the server pay them before it listens: a
+    batching server runs two at once, so that its batched steps (and a speculating engine's batched verify) are
+    ready too. Mode BASELINE: nothing is looked up or written to the cache. Starts the scheduler's worker. Raises
+    whatever a generation raised: a server that cannot generate should not start.
     """
     state: ServerState = app.state.kvboost
     t0 = time.perf_counter()
@@ -103,16 +104,18 @@ def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> 
         text = state.engine.tokenizer.decode(ids)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     state.scheduler.start()
-    asyncio.run(_run_to_end(state.scheduler, ids, params, text, timeout_s))
+    asyncio.run(_run_to_end(state.scheduler, ids, params, text, timeout_s, 2 if state.scheduler.batched else 1))
     return time.perf_counter() - t0
 
 
 async def _run_to_end(scheduler: Scheduler, ids: list[int], params: SamplingParams, text: str,
-                      timeout_s: float) -> GenerationResult:
-    job = Job(ids, params, text, asyncio.get_running_loop(), mode=GenerationMode.BASELINE)
-    scheduler.submit(job)
+                      timeout_s: float, copies: int = 1) -> list[GenerationResult]:
+    loop = asyncio.get_running_loop()
+    jobs = [Job(ids, params, text, loop, mode=GenerationMode.BASELINE) for _ in range(copies)]
+    for job in jobs:
+        scheduler.submit(job)
 
-    async def result() -> GenerationResult:
+    async def result(job: Job) -> GenerationResult:
         async for kind, payload in job.stream():
             if kind == "error":
                 raise payload
@@ -121,9 +124,10 @@ async def _run_to_end(scheduler: Scheduler, ids: list[int], params: SamplingPara
         raise RuntimeError("the warm-up generation ended without a result")
 
     try:
-        return await asyncio.wait_for(result(), timeout_s)
+        return await asyncio.wait_for(asyncio.gather(*(result(job) for job in jobs)), timeout_s)
     finally:
-        job.cancel()  # a no-op once done; stops the worker's generation after a timeout
+        for job in jobs:
+            job.cancel()  # a no-op once done; stops the worker's generation after a timeout
 
 
 class GatewayMiddleware:

@@ -25,6 +25,7 @@ _FP16_MAX = 65504.0
 _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal): the floor for a scale
 
 DEFAULT_GROUP_SIZE = 128
+KV_CACHE_BITS = (16, 8, 4)  # kv_cache_bits: full precision, or quantized records (KIVI)
 
 
 @dataclass

@@ -58,6 +58,20 @@ class TieredStore:
     def tiers(self) -> list[ChunkStore]:
         return [t for t in (self.memory, self.host, self.disk, self.redis) if t is not None]
 
+    def tier_names(self) -> list[str]:
+        """Where stored chunks live, fastest first, with their budgets: for the engine's plan."""
+        def gib(n: int | None) -> str:
+            return "unbounded" if n is None else f"{n / 2**30:.2f} GiB"
+
+        names = [f"memory ({'device, ' if self.host is not None else ''}{gib(self.memory.budget_bytes)})"]
+        if self.host is not None:
+            names.append(f"host ({gib(self.host.budget_bytes)})")
+        if self.disk is not None:
+            names.append(f"disk ({getattr(self.disk, 'directory', '?')})")
+        if self.redis is not None:
+            names.append("redis")
+        return names
+
     @property
     def fast_tiers(self) -> list[MemoryStore]:
         return [t for t in (self.memory, self.host) if t is not None]
