@@ -17,12 +17,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
-from .decoding.speculative import check_speculative_numbers, parse_method
-from .model.cpu_linear import CPU_LINEAR_MODES
-from .model.forward import ATTENTION_BACKENDS
-from .model.runner import FAST_PATHS
 from .results import RecomputeStrategy
-from .store.quant import KV_CACHE_BITS
 
 _GIB = 1024**3
 
@@ -87,6 +82,8 @@ class TierOptions:
     flush_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        from .store.quant import KV_CACHE_BITS  # (owners imported when a config is made: `import kvboost` stays light)
+
         if self.memory_budget_bytes is None:
             self.memory_budget_bytes = default_memory_budget()
         _require(_is_int(self.memory_budget_bytes) and self.memory_budget_bytes >= 0,
@@ -123,6 +120,10 @@ class ExecutionOptions:
     device_kv_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        from .model.cpu_linear import CPU_LINEAR_MODES
+        from .model.forward import ATTENTION_BACKENDS
+        from .model.runner import FAST_PATHS
+
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of "
                  f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         _require(self.fast_path in FAST_PATHS, f"fast_path must be one of {', '.join(FAST_PATHS)}, "
@@ -149,6 +150,8 @@ class SpeculativeOptions:
     prompt_lookup_min_ngram: int | None = None
 
     def __post_init__(self) -> None:
+        from .decoding.speculative import check_speculative_numbers, parse_method
+
         self.speculative = parse_method(self.speculative)
         check_speculative_numbers(self.num_speculative_tokens, self.prompt_lookup_max_ngram,
                                   self.prompt_lookup_min_ngram)

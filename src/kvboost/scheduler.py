@@ -183,7 +183,7 @@ class Scheduler:
                 if len(new) >= room:
                     break
                 running = [*self._active, *self._streamed, *new]
-                cap = min([r.max_rows for r in (*running, row) if r.max_rows is not None], default=room)
+                cap = min([r.max_rows for r in (*running, row) if r.max_rows is not None], default=self.max_batch_size)
                 if len(running) + 1 > cap:
                     break  # in arrival order: a row that cannot join now waits, and so do the ones behind it
                 new.append(row)

@@ -177,22 +177,41 @@ def test_masked_penalized_and_sampled_rows_speculate_like_generate(tokenizer, op
         assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
 
 
-def test_seeded_sampled_rows_speculate_and_draw_what_plain_sampling_draws(tokenizer):
+class _Truth:
+    """A proposer that drafts what plain sampling emits for its request (known from a run without speculation): a
+    sampler that draws as without speculation keeps every draft."""
+
+    def __init__(self, truth: list[int], emitted: int):
+        self.truth, self.emitted = truth, emitted
+
+    def extend(self, tokens):
+        self.emitted += len(tokens)
+
+    def propose(self, k):
+        return list(self.truth[self.emitted:self.emitted + k])
+
+    def close(self, emitted):
+        pass
+
+
+def test_seeded_sampled_rows_speculate_and_draw_what_plain_sampling_draws(tokenizer, monkeypatch):
     """A sampled row's sampler draws once per emitted token whatever was drafted: a seeded speculative row gives
     the seeded non-speculative output, alone (generate) and verified beside other rows (generate_batch)."""
+    from kvboost.decoding import factory
+
     spec = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=16, speculative="prompt_lookup")
-    options = dict(temperature=0.7, seed=3)
-    plain = spec.generate(REPEATED, 24, speculative="off", **options).output_token_ids
-    alone = spec.generate(REPEATED, 24, **options)
-    assert alone.output_token_ids == plain and alone.speculative == "prompt_lookup"
+    prompts, seeds = [REPEATED, REPEATED + " orbit"], [3, 5]
+    plain = {p: spec.generate(p, 24, temperature=0.8, seed=s, speculative="off").output_token_ids
+             for p, s in zip(prompts, seeds)}
+    ids = {tuple(spec.encode(p)): p for p in prompts}
+    monkeypatch.setattr(factory, "make_proposer", lambda engine, request, context, costs=None: _Truth(
+        plain[ids[tuple(request.ids)]], len(context) - len(request.ids)))
+    alone = spec.generate(prompts[0], 24, temperature=0.8, seed=3)
+    assert alone.output_token_ids == plain[prompts[0]] and alone.accepted_tokens > 0
     runner = Scheduler(spec, max_batch_size=3)
-    got = _run(runner, [runner.add(spec.request(REPEATED, 24, **options)),
-                        runner.add(spec.request(REPEATED + " orbit", 24, temperature=0.9, seed=5)),
-                        runner.add(spec.request(REPEATED, 24))])
-    assert got[0].output_token_ids == plain
-    assert got[1].output_token_ids == spec.generate(REPEATED + " orbit", 24, temperature=0.9, seed=5,
-                                                    speculative="off").output_token_ids
-    assert got[0].draft_tokens + got[1].draft_tokens > 0  # they did draft
+    got = _run(runner, [runner.add(spec.request(p, 24, temperature=0.8, seed=s)) for p, s in zip(prompts, seeds)])
+    assert [g.output_token_ids for g in got] == [plain[p] for p in prompts]
+    assert sum(g.accepted_tokens for g in got) > 0
 
 
 def test_draft_model_rows_join_batches(tokenizer):

@@ -16,7 +16,9 @@ def _stored(engine) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("batch", [16, 1])
-def test_warm_up_runs_one_generation_through_the_worker_and_stores_nothing(tiny_engine, batch):
+def test_warm_up_runs_generations_through_the_worker_and_stores_nothing(tiny_engine, batch):
+    """A batching server warms up two requests at once (its batched steps are made ready too), a one-at-a-time one
+    a single request."""
     app = create_app(tiny_engine, ServerSettings(served_model_name=TINY_NAME, max_batch_size=batch))
     scheduler = app.state.kvboost.scheduler
     before = _stored(tiny_engine)
@@ -24,10 +26,12 @@ def test_warm_up_runs_one_generation_through_the_worker_and_stores_nothing(tiny_
     try:
         seconds = warm_up(app)
         assert seconds > 0 and scheduler.alive  # the worker keeps running for the requests to come
-        assert scheduler.stats.completed == 1 and scheduler.stats.failed == 0
+        runs = 2 if batch > 1 else 1
+        assert scheduler.stats.completed == runs and scheduler.stats.failed == 0
+        assert scheduler.stats.max_rows == runs  # together, in one batch
         assert _stored(tiny_engine) == before  # baseline mode: no lookup, no write-back
         after = tiny_engine.cache_stats()["requests_by_mode"]
-        assert after.get("baseline", 0) == by_mode.get("baseline", 0) + 1
+        assert after.get("baseline", 0) == by_mode.get("baseline", 0) + runs
     finally:
         scheduler.stop()
 
@@ -51,7 +55,7 @@ def test_a_warm_up_that_fails_stops_the_start(patchable_engine):
 def test_background_server_can_warm_up_first(tiny_engine):
     app = create_app(tiny_engine, ServerSettings(served_model_name=TINY_NAME))
     with BackgroundServer(app, warm_up=True) as srv:
-        assert srv.app.state.kvboost.scheduler.stats.completed == 1
+        assert srv.app.state.kvboost.scheduler.stats.completed == 2  # a batching server warms up two at once
 
 
 def test_startup_lines_name_device_dtype_context_budgets_times_and_batching(tiny_engine):
