@@ -45,6 +45,7 @@ from ..decoding.speculator import Speculator
 from ..errors import InvalidRequestError
 from ..kv.manager import Plan
 from ..kv.workspace import KVWorkspace
+from ..model.cache_arg import cache_kwargs
 from ..model.forward import attention_context
 from ..model.runner import BATCH_BUCKETS, ModelRunner
 from ..request import Request
@@ -256,7 +257,7 @@ class BatchRunner:
         else:
             ctx = attention_context(model, self.engine.attention)
         with ctx:
-            return model(past_key_values=cache, use_cache=True, logits_to_keep=keep, **inputs).logits
+            return model(**cache_kwargs(cache), use_cache=True, logits_to_keep=keep, **inputs).logits
 
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: Row) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from ..kv.block_table import BlockTable
 from ..kv.paged_cache import paged_cache
+from .cache_arg import cache_kwargs
 
 
 def paged_forward(model: torch.nn.Module, token_ids: list[int], table: BlockTable, *, backend: str | None = None,
@@ -21,7 +22,7 @@ def paged_forward(model: torch.nn.Module, token_ids: list[int], table: BlockTabl
     try:
         ids = torch.tensor([token_ids], dtype=torch.long, device=next(model.parameters()).device)
         with paged_attention_block(model, table, backend=backend):
-            out = model(input_ids=ids, past_key_values=paged_cache(table, start), use_cache=True,
+            out = model(input_ids=ids, **cache_kwargs(paged_cache(table, start)), use_cache=True,
                         logits_to_keep=logits_to_keep)
     except BaseException:
         table.truncate(start)

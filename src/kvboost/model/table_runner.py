@@ -35,6 +35,7 @@ from ..kv.blocks import BlockPool
 from ..kv.paged_cache import static_paged_cache, static_pool_rows
 from ..kv.static import set_length
 from .attention.paged_hf import static_paged_attention
+from .cache_arg import cache_kwargs
 from .graphs import GraphSteps, RunnerStats
 from .runner import PREFILL_BUCKETS, ModelRunner, bucket_for
 
@@ -142,7 +143,7 @@ class TableRunner(GraphSteps):
     def _run(self, step: _TableStep) -> torch.Tensor:
         verify = step.key[0] == "verify"
         with static_paged_attention(self.model):
-            out = self.model(input_ids=step.ids, position_ids=step.positions[None], past_key_values=step.cache,
+            out = self.model(input_ids=step.ids, position_ids=step.positions[None], **cache_kwargs(step.cache),
                              use_cache=True, logits_to_keep=0 if verify else step.last, kvboost_tables=step.tables,
                              kvboost_ends=step.ends, kvboost_backend=self.backend)
         logits = out.logits.float()  # [1, T or 1, vocab]
