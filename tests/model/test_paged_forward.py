@@ -11,6 +11,7 @@ from kvboost.kv.block_cache import BlockCache
 from kvboost.kv.block_table import BlockTable
 from kvboost.kv.blocks import BlockLayout, BlockPool
 from kvboost.kv.paged_kv import PagedKV
+from kvboost.model.cache_arg import cache_kwargs
 from kvboost.model.forward import probe_layer_shapes
 from kvboost.model.paged import paged_forward
 
@@ -30,11 +31,11 @@ def _reference(model, ids: list[int], steps: int) -> tuple[list[torch.Tensor], l
     """The model's own forward (DynamicCache): logits of the prompt's last position and of each greedy step."""
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
+    out = model(input_ids=torch.tensor([ids], device=device), **cache_kwargs(cache), use_cache=True)
     logits, fed = [out.logits[0, -1].float()], []
     for _ in range(steps):
         fed.append(int(logits[-1].argmax()))
-        out = model(input_ids=torch.tensor([[fed[-1]]], device=device), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([[fed[-1]]], device=device), **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits[0, -1].float())
     return logits, fed
 
