@@ -50,7 +50,9 @@ def _hf_call(model, rows: list[list[int]], pad: int, eos: set[int], outputs: dic
         if static:
             from transformers import StaticCache
 
-            kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=x.shape[1] + n)
+            from ..model.cache_arg import cache_kwargs
+
+            kwargs.update(cache_kwargs(StaticCache(config=model.config, max_cache_len=x.shape[1] + n)))
         with model_own_products(model):  # plain transformers as users run it, not the engine's CPU products
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                  do_sample=False, pad_token_id=pad, disable_compile=not compiled, **kwargs)

@@ -84,9 +84,11 @@ def greedy_over_cache(model, ids: list[int], cache: DynamicCache, start: int, n:
 def _greedy(model, ids: list[int], cache: DynamicCache, start: int, n: int, eos: set[int]) -> tuple[float, list[int]]:
     import torch
 
+    from ..model.cache_arg import cache_kwargs
+
     device = model.device
     t0 = time.perf_counter()
-    logits = model(input_ids=torch.tensor([ids[start:]], device=device), past_key_values=cache, use_cache=True,
+    logits = model(input_ids=torch.tensor([ids[start:]], device=device), **cache_kwargs(cache), use_cache=True,
                    logits_to_keep=1).logits
     token = int(logits[0, -1].argmax())
     ttft = (time.perf_counter() - t0) * 1e3
@@ -95,7 +97,7 @@ def _greedy(model, ids: list[int], cache: DynamicCache, start: int, n: int, eos:
         out.append(token)
         if len(out) >= n:
             break
-        logits = model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+        logits = model(input_ids=torch.tensor([[token]], device=device), **cache_kwargs(cache),
                        use_cache=True).logits
         token = int(logits[0, -1].argmax())
     return ttft, out

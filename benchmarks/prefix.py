@@ -93,6 +93,8 @@ class SuffixFloor:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _prepare(self, ids: list[int], split: int) -> None:
+        from ..model.cache_arg import cache_kwargs
+
         reuse = 0
         while reuse < min(len(self.ids), split) and self.ids[reuse] == ids[reuse]:
             reuse += 1
@@ -100,7 +102,7 @@ class SuffixFloor:
             self.ids, self.layers = [], []
         cache = self._fresh()
         if split > len(self.ids):
-            self.model(input_ids=self._tensor(ids[len(self.ids):split]), past_key_values=cache, use_cache=True,
+            self.model(input_ids=self._tensor(ids[len(self.ids):split]), **cache_kwargs(cache), use_cache=True,
                        logits_to_keep=1)
             self.layers = [(layer.keys, layer.values) for layer in cache.layers]
             self.ids = list(ids[:split])
@@ -121,17 +123,19 @@ class SuffixFloor:
     def ttft_ms(self, ids: list[int], split: int) -> tuple[float, int]:
         import torch
 
+        from ..model.cache_arg import cache_kwargs
+
         self._prepare(ids, split)
         suffix = self._tensor(ids[split:])
         cuda = bool(self.layers) and self.layers[0][0].is_cuda
         if cuda:  # cuDNN builds an attention plan per new (q_len, kv_len): ~50-90 ms per layer on its first call.
             # The floor is the suffix's compute, not that one-off cost, so the same shape runs once untimed first.
-            self.model(input_ids=suffix, past_key_values=self._fresh(), use_cache=True, logits_to_keep=1)
+            self.model(input_ids=suffix, **cache_kwargs(self._fresh()), use_cache=True, logits_to_keep=1)
         cache = self._fresh()
         if cuda:
             torch.cuda.synchronize()  # the clone above must not be billed to the timed prefill
         t0 = time.perf_counter()
-        logits = self.model(input_ids=suffix, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(input_ids=suffix, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
         token = int(logits[0, -1].argmax())  # .item() waits for the device: the clock sees the whole prefill
         return (time.perf_counter() - t0) * 1e3, token
 

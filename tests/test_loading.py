@@ -50,3 +50,29 @@ def test_dtype_choice():
     assert loading.choose_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         loading.choose_dtype("int3", torch.device("cpu"))
+
+
+def test_loading_prints_no_weight_bar_and_gives_back_the_users_tqdm_hook(tmp_path, tokenizer, capfd):
+    """transformers' "Loading weights" bar is off for KVBoost's loads, through the caller's own tqdm hook (which
+    still sees the bar built, so the bar was there to silence) and only for the load: the hook is put back."""
+    from transformers.utils import logging as hf_logging
+
+    from .tiny_models import make_tiny_model
+
+    make_tiny_model("llama", tokenizer, device="cpu").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    built: list[str | None] = []
+
+    def users_hook(factory, args, kwargs):
+        built.append(kwargs.get("desc"))
+        return factory(*args, **kwargs)
+
+    before = hf_logging.set_tqdm_hook(users_hook)
+    try:
+        capfd.readouterr()
+        loading.load_model_and_tokenizer(str(tmp_path), device="cpu")
+        err = capfd.readouterr().err
+    finally:
+        after = hf_logging.set_tqdm_hook(before)
+    assert "Loading weights" in built and "Loading weights" not in err
+    assert after is users_hook

@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvboost import KVBoost
 from kvboost.batch import cascade
+from kvboost.model.cache_arg import cache_kwargs, returned_cache
 from kvboost.sampling import SamplingParams
 from kvboost.scheduler import CASCADE_MIN_TOKENS, Scheduler
 
@@ -204,12 +205,12 @@ def test_write_back_stores_the_prefix_from_the_shared_tensor(tokenizer):
     for prompt, h in zip(prompts, handles):
         fed = engine.encode(prompt) + h.result.output_token_ids[:-1]
         with torch.inference_mode():
-            full = model(input_ids=torch.tensor([fed], device=model.device), past_key_values=DynamicCache(),
+            full = model(input_ids=torch.tensor([fed], device=model.device), **cache_kwargs(DynamicCache()),
                          use_cache=True)
         for chunk in engine.chunker.split(fed):
             record = engine.store.get(chunk.prefix_key)
             assert record is not None and record.token_ids == chunk.token_ids
-            for i, layer in enumerate(full.past_key_values.layers):
+            for i, layer in enumerate(returned_cache(full).layers):
                 torch.testing.assert_close(record.keys[i], layer.keys[0, :, chunk.start:chunk.end], atol=1e-5, rtol=0)
                 torch.testing.assert_close(record.values[i], layer.values[0, :, chunk.start:chunk.end],
                                            atol=1e-5, rtol=0)

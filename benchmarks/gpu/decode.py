@@ -60,6 +60,8 @@ def _hf(model, rows: list[list[int]], pad_id: int, static_len: int | None = None
     if static_len is not None:
         from transformers import StaticCache
 
+        from ...model.cache_arg import cache_kwargs
+
         # One cache of a fixed length for every call: compiled graphs see the same shapes and addresses.
         cache = StaticCache(config=model.config, max_cache_len=static_len)
 
@@ -67,7 +69,7 @@ def _hf(model, rows: list[list[int]], pad_id: int, static_len: int | None = None
         kwargs = {}
         if cache is not None:
             cache.reset()
-            kwargs["past_key_values"] = cache
+            kwargs.update(cache_kwargs(cache))
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                              pad_token_id=pad_id, disable_compile=not compiled, **kwargs)
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]

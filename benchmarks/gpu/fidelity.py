@@ -131,8 +131,10 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int:
 
 def hf_generate(model, ids: list[int], new_tokens: int, pad: int | None, cache=None) -> list[int]:
     """model.generate's greedy continuation of ids, EOS disabled; over a copy of `cache` when given."""
+    from ...model.cache_arg import cache_kwargs
+
     x = torch.tensor([ids], device=model.device)
-    extra = {} if cache is None else {"past_key_values": copy.deepcopy(cache)}
+    extra = {} if cache is None else cache_kwargs(copy.deepcopy(cache))
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
                          pad_token_id=pad, eos_token_id=None, **extra)
     return out[0, len(ids):].tolist()
@@ -146,6 +148,7 @@ def run_case(arch: str, model, tokenizer, work: FidelityWorkload, new_tokens: in
     """One model (already on its device, in its dtype): every question through the three systems; the row of
     the section's table."""
     from kvboost import KVBoost
+    from kvboost.model.cache_arg import returned_cache
 
     device, dtype = model.device, model.dtype
     t0 = time.monotonic()
@@ -161,7 +164,7 @@ def run_case(arch: str, model, tokenizer, work: FidelityWorkload, new_tokens: in
         same_as_recipe = eos_cut = 0
         cached: list[int] = []
         with torch.inference_mode():
-            prefix_cache = model(torch.tensor([work.prefix], device=device), use_cache=True).past_key_values
+            prefix_cache = returned_cache(model(torch.tensor([work.prefix], device=device), use_cache=True))
             engine.warm_ids(work.prefix)
             for question in work.questions:
                 if budget.expired():

@@ -6,6 +6,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,11 +60,33 @@ def embedded_model_dir() -> Path:
     return target
 
 
+@contextmanager
+def no_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights") off inside the block, for KVBoost's loads: every
+    command printed one. Through transformers' tqdm hook, which returns the hook it replaces, so the caller's own
+    hook (if any) is put back after and, meanwhile, still builds the (disabled) bars. Not `disable_progress_bar()`:
+    it also silences huggingface_hub, whose download bar a first run from the hub needs, and
+    `enable_progress_bar()` after it would overwrite a user's own hub setting. (The one-time GGUF conversion's
+    bar is plain tqdm, which no transformers switch reaches; it stays.)"""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        kwargs = {**kwargs, "disable": True}
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
 def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with no_transformers_bars():
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config
     # A GGUF-loaded model refuses save_pretrained; a plain model built from its config accepts its weights.
     if hasattr(config, "quantization_config"):
@@ -113,7 +137,8 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
     dev = choose_device(device)
     tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in hf_kwargs.items() if k in (
         "revision", "trust_remote_code", "token", "gguf_file")})
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
+    with no_transformers_bars():
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
     model.to(dev)
     model.eval()
     return model, tokenizer

@@ -14,6 +14,7 @@ from kvboost.batch.cascade import (
     shared_prefix_attention,
     unsupported_reason,
 )
+from kvboost.model.cache_arg import cache_kwargs
 
 from ..devices import assert_on
 from ..tiny_models import make_tiny_model
@@ -137,7 +138,7 @@ def test_cascade_forward_restores_the_model_and_refuses_a_partial_run(tokenizer)
     cache = DynamicCache()  # its layers expose no shared_prefix: the attention function must refuse
     with pytest.raises(SharedPrefixAttentionError, match="shared_prefix"), cascade_forward(model, cache), \
             torch.inference_mode():
-        model(input_ids=torch.tensor([[5, 6, 7]], device=model.device), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[5, 6, 7]], device=model.device), **cache_kwargs(cache), use_cache=True)
     assert model.config._attn_implementation == before
 
     class NoLayers:

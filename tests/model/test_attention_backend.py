@@ -21,6 +21,7 @@ from kvboost.model.attention import (
     sdpa_attention,
     select_backend,
 )
+from kvboost.model.cache_arg import cache_kwargs
 
 from ..tiny_models import make_tiny_model
 
@@ -110,10 +111,10 @@ def _run(model, chunks, attention_mask=None, wrap=None):
             seen += ids.shape[1]
             kw = {} if attention_mask is None else {"attention_mask": attention_mask[:, :seen]}
             if wrap is None:
-                outs.append(model(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits)
+                outs.append(model(input_ids=ids, **cache_kwargs(cache), use_cache=True, **kw).logits)
             else:
                 with wrap:
-                    outs.append(model(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits)
+                    outs.append(model(input_ids=ids, **cache_kwargs(cache), use_cache=True, **kw).logits)
     return outs
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kvboost.model.cache_arg import cache_kwargs, returned_cache
+
 from ..prompts import words
 
 CHUNK = 16
@@ -23,5 +25,5 @@ def full_forward(model, ids: list[int]):
 
     with torch.inference_mode():
         # No config: every layer is a full layer, sliding ones too, so all positions stay comparable.
-        out = model(torch.tensor([ids], device=model.device), past_key_values=DynamicCache(), use_cache=True)
-    return out.logits[0, -1].float(), out.past_key_values
+        out = model(torch.tensor([ids], device=model.device), **cache_kwargs(DynamicCache()), use_cache=True)
+    return out.logits[0, -1].float(), returned_cache(out)

@@ -12,6 +12,7 @@ import torch
 import transformers as tf
 
 from kvboost.errors import ModelNotSupportedError
+from kvboost.model.cache_arg import returned_cache
 from kvboost.reuse.rope import RotaryInfo, can_rerotate, rerotate_keys, rotary_info_for
 
 from ..devices import assert_on, current
@@ -80,7 +81,7 @@ def _keys(model: torch.nn.Module, positions: torch.Tensor | int) -> list[torch.T
     if isinstance(positions, int):
         positions = torch.arange(N_TOKENS) + positions
     out = model(input_ids=_ids(model.device), position_ids=positions.to(model.device)[None], use_cache=True)
-    return [layer.keys for layer in out.past_key_values.layers]
+    return [layer.keys for layer in returned_cache(out).layers]
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kv.workspace import KVWorkspace
+from ..model.cache_arg import cache_kwargs
 from ..model.forward import attention_context
 from .cascade import cascade_forward
 from .prefix import SharedPrefix
@@ -34,7 +35,7 @@ class RowForwards:
         ctx = cascade_forward(self.model, cache) if self.prefix is not None else \
             attention_context(self.model, self.attention)
         with ctx:
-            return self.model(past_key_values=cache, use_cache=True, logits_to_keep=keep, **inputs).logits
+            return self.model(**cache_kwargs(cache), use_cache=True, logits_to_keep=keep, **inputs).logits
 
     def cache(self, slots: slice, write_cols: torch.Tensor | int, past: int) -> Cache:
         return Cache(layers=[SlotLayer(self.ws, i, slots, write_cols, past, self.prefix)

@@ -7,6 +7,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kv.workspace import LayerShape
+from .cache_arg import cache_kwargs, returned_cache
 
 
 def probe_layer_shapes(model: torch.nn.Module) -> tuple[list[LayerShape], torch.dtype]:
@@ -14,7 +15,7 @@ def probe_layer_shapes(model: torch.nn.Module) -> tuple[list[LayerShape], torch.
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     shapes, dtype = [], None
     for layer in cache.layers:
         if layer.keys is None:
@@ -87,5 +88,5 @@ def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, 
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     with attention_context(model, attention):
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits.float()

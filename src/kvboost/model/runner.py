@@ -44,6 +44,7 @@ from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
+from .cache_arg import cache_kwargs
 from .compiled_step import CompiledStep, StepNotCompiled
 from .graphs import GraphSteps, RunnerStats
 
@@ -347,7 +348,7 @@ class ModelRunner(GraphSteps):
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor | None,
                 keep: int | torch.Tensor) -> torch.Tensor:
         """ends None: the cache's views hold exactly the valid keys (the compiled decode and verify steps)."""
-        out = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+        out = self.model(input_ids=ids, position_ids=position_ids, **cache_kwargs(cache), use_cache=True,
                          logits_to_keep=keep, kvboost_ends=ends, kvboost_exact_views=ends is None,
                          kvboost_backend=self.backend)
         return out.logits.float()

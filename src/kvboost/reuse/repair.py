@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kv.workspace import KVWorkspace
+from ..model.cache_arg import cache_kwargs
 from ..results import RecomputeStrategy
 
 CHECK_LAYER = 2  # layer 0's K/V equals the stored K/V (no context yet); layer 2 ranks better than 1 for ~equal cost
@@ -344,7 +345,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     try:
         out = model(input_ids=torch.tensor([ids], device=device).index_select(1, first),
                     position_ids=first[None], attention_mask=_mask(first[-1:], n, None, impl, dtype),
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()
