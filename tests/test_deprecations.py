@@ -5,7 +5,8 @@ forward's `past_key_values` to `cache` and drops the old name in 5.40, so a call
 breaks on the release that removes it. transformers also logs some notices (reading `output.past_key_values`)
 through its logger instead of `warnings`; those are caught too. The requests below go through every kind of
 model call the engine makes: the shape probe, prefill and decode over the workspace, exact and re-positioned
-reuse (with repair), a batch, speculative decoding, and a paged engine over its block tables.
+reuse (with repair), a batch, speculative decoding, over the host tier and long contexts streamed from host
+memory, and through the runner's fixed-shape steps.
 """
 from __future__ import annotations
 
@@ -64,15 +65,15 @@ def _requests(engine: KVBoost, tokenizer) -> None:
     engine.generate(system + " first question?", 6)
     engine.generate(system + " second question?", 6)  # exact reuse of the stored system prompt
     engine.generate(system + " third?", 4, mode="baseline")
-    if engine.config.paged_attention != "table":  # a table holds stored chunks where they were computed
-        engine.generate("A different opening. " + system + " fourth?", 4, content_reuse=True)  # re-positioned
+    engine.generate("A different opening. " + system + " fourth?", 4, content_reuse=True)  # re-positioned
     engine.generate_batch([system + " " + words(n, seed=n) for n in (3, 9)], max_new_tokens=4)
     repetitive = words(30, seed=21) + " " + words(30, seed=21)  # prompt lookup drafts get accepted
     engine.generate(repetitive, 12, speculative="prompt_lookup")
 
 
-@pytest.mark.parametrize("options", [{}, {"paged_kv": True}, {"paged_kv": True, "paged_attention": "table"}],
-                         ids=["default", "paged", "table"])
+@pytest.mark.parametrize("options", [{}, {"device_kv_budget_bytes": 1 << 14, "device_kv_max_tokens": 2 * CHUNK},
+                                     {"fast_path": "eager"}],
+                         ids=["default", "host-tier-and-streamed", "runner"])
 def test_kvboost_calls_raise_no_deprecation(tokenizer, options):
     model = make_tiny_model("llama", tokenizer)
     with deprecations() as found:
