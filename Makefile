@@ -24,7 +24,7 @@ workloads:  ## check the committed workload data against its generators (benchma
 bench:  ## the README's prefix-reuse benchmark
 	kvboost bench prefix --repeats 9 --json benchmarks/results/prefix.json --plot benchmarks/results/prefix.png
 
-gpu-check:  ## the fast suite on a CUDA GPU, with a one-screen summary
+gpu-check:  ## the GPU smoke tests and `kvboost bench gpu` on a CUDA GPU (9 minutes at most), one-screen summary
 	bash scripts/gpu_check.sh
 
 demo:  ## warm a long system prompt, answer questions, baseline vs reused TTFT

@@ -50,7 +50,7 @@ def _hf_call(model, rows: list[list[int]], pad: int, eos: set[int], outputs: dic
         if static:
             from transformers import StaticCache
 
-            from ..model.cache_arg import cache_kwargs
+            from kvboost.model.cache_arg import cache_kwargs
 
             kwargs.update(cache_kwargs(StaticCache(config=model.config, max_cache_len=x.shape[1] + n)))
         with model_own_products(model):  # plain transformers as users run it, not the engine's CPU products

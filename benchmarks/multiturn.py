@@ -84,7 +84,7 @@ def greedy_over_cache(model, ids: list[int], cache: DynamicCache, start: int, n:
 def _greedy(model, ids: list[int], cache: DynamicCache, start: int, n: int, eos: set[int]) -> tuple[float, list[int]]:
     import torch
 
-    from ..model.cache_arg import cache_kwargs
+    from kvboost.model.cache_arg import cache_kwargs
 
     device = model.device
     t0 = time.perf_counter()

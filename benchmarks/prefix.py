@@ -93,7 +93,7 @@ class SuffixFloor:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _prepare(self, ids: list[int], split: int) -> None:
-        from ..model.cache_arg import cache_kwargs
+        from kvboost.model.cache_arg import cache_kwargs
 
         reuse = 0
         while reuse < min(len(self.ids), split) and self.ids[reuse] == ids[reuse]:
@@ -123,7 +123,7 @@ class SuffixFloor:
     def ttft_ms(self, ids: list[int], split: int) -> tuple[float, int]:
         import torch
 
-        from ..model.cache_arg import cache_kwargs
+        from kvboost.model.cache_arg import cache_kwargs
 
         self._prepare(ids, split)
         suffix = self._tensor(ids[split:])

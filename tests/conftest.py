@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from . import devices  # noqa: E402
+from .gpu_smoke import is_gpu_smoke  # noqa: E402
 from .tiny_models import TINY_ARCHS, make_tiny_model  # noqa: E402
 
 
@@ -63,6 +64,18 @@ def pytest_configure(config):
         from kvboost.kv import device_budget
 
         device_budget.DEFAULT_DEVICE_KV_FRACTION = 0.01
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the GPU smoke subset (tests/gpu_smoke.py): `-m gpu_smoke` selects what scripts/gpu_check.sh runs."""
+    root = config.rootpath
+    for item in items:
+        try:
+            relative = item.path.relative_to(root).as_posix()
+        except ValueError:  # a test outside the repository (a path given on the command line)
+            continue
+        if is_gpu_smoke(relative):
+            item.add_marker(pytest.mark.gpu_smoke)
 
 
 def pytest_report_header(config):

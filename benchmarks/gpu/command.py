@@ -3,9 +3,10 @@ attention kernels, side by side in one process on one model, with a live table, 
 
 Default: random weights of the Qwen2.5-3B shape in bf16 on CUDA (no hub access), or the tiny shape on CPU.
 The run is budgeted (--time-limit, default 510 s, model build included): each section gets a share of the
-time left and stops between measurements when it is spent, saying so in the JSON; one measurement can
-overrun, so the default ends under 10 minutes on one H100. The JSON is rewritten after every section, so a
-run cut short still leaves what it measured.
+time left, or the seconds --budgets gives it, and stops between measurements when it is spent, saying so in
+the JSON; one measurement can overrun, so the default ends under 10 minutes on one H100. The JSON is rewritten
+after every row (a chat turn, a prefix length, a decode system, a fidelity case), so a run killed at a time
+limit still leaves everything it measured.
 """
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def fidelity_measured(section: dict) -> dict[str, Any]:
             out["fidelity_fp32_met"] = t["questions"] > 0 and t["kvboost_identical"] == t["questions"]
         elif short == "bf16":
             out["fidelity_bf16_met"] = t["questions"] > 0 and t["kvboost_identical"] >= t["recipe_identical"]
+        for system, steps in t.get("fp32_steps", {}).items():  # per step, teacher-forced against fp32
+            out[f"fidelity_{short}_{system}_fp32_argmax"] = f"{steps['fp32_argmax']}/{steps['steps']}"
+            if "duels" in steps:
+                d = steps["duels"]
+                out[f"fidelity_{short}_{system}_duels"] = f"{d['won']}-{d['lost']} ({d['near_tie']} near-tie)"
     return out
 
 
@@ -83,6 +89,7 @@ def run_gpu_bench(choice: ModelChoice, settings: GpuBenchSettings, json_path: st
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..plots import machine_info
     from .chat import run_chat
     from .decode import run_decode
     from .fidelity import ARCHS, DTYPES, run_fidelity
@@ -97,10 +104,11 @@ def run_gpu_bench(choice: ModelChoice, settings: GpuBenchSettings, json_path: st
         _warm_up(engine)
     report: dict[str, Any] = {"benchmark": "gpu", **choice.record(engine), "settings": settings.record(),
                               "load_s": time.monotonic() - started, "complete": False, "sections": {},
-                              "targets": TARGETS}
+                              "targets": TARGETS, "machine": machine_info()}
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                         TimeElapsedColumn(), console=console)
-    totals = {"fidelity": len(ARCHS) * len(DTYPES), "chat": settings.conversations * settings.turns,
+    fidelity_models = len(ARCHS) + (1 if settings.fidelity_bench_questions else 0)
+    totals = {"fidelity": fidelity_models * len(DTYPES), "chat": settings.conversations * settings.turns,
               "prefix": len(settings.prefix_lengths),
               "kernels": 1, "decode": (3 if settings.compile else 4) * len(settings.batch_sizes)}
     tasks = {name: progress.add_task(name, total=totals[name], start=False) for name in RUN_ORDER
@@ -113,12 +121,14 @@ def run_gpu_bench(choice: ModelChoice, settings: GpuBenchSettings, json_path: st
             write_json(json_path, report)
 
     def updater(name: str) -> Callable[[dict], None]:
-        def update(section: dict) -> None:
+        def update(section: dict) -> None:  # after every row: a run killed at a time limit keeps what it measured
             report["sections"][name] = section
             progress.advance(tasks[name])
+            save()
         return update
 
-    runners = {"fidelity": lambda b: run_fidelity(engine, settings, b, updater("fidelity")),
+    label = choice.shape or "bench"
+    runners = {"fidelity": lambda b: run_fidelity(engine, settings, b, updater("fidelity"), bench_label=label),
                "chat": lambda b: run_chat(engine, settings, b, updater("chat")),
                "prefix": lambda b: run_prefix(engine, settings, b, updater("prefix")),
                "kernels": lambda b: run_kernels(engine, settings, b),
@@ -126,8 +136,7 @@ def run_gpu_bench(choice: ModelChoice, settings: GpuBenchSettings, json_path: st
     with Live(LiveView(report, progress), console=console, refresh_per_second=4, transient=True):
         todo = [name for name in RUN_ORDER if name in settings.sections]
         for i, name in enumerate(todo):
-            left = settings.time_limit_s - (time.monotonic() - started)
-            budget = Budget(max(0.0, left) * SHARES[name] / sum(SHARES[n] for n in todo[i:]))
+            budget = Budget(section_seconds(settings, todo[i:], settings.time_limit_s - (time.monotonic() - started)))
             progress.start_task(tasks[name])
             t0 = time.monotonic()
             try:
@@ -152,6 +161,42 @@ def run_gpu_bench(choice: ModelChoice, settings: GpuBenchSettings, json_path: st
         console.print(f"wrote {plot_path}")
     console.print(f"total {report['wall_s']:.0f} s (model build {report['load_s']:.0f} s)")
     return report
+
+
+def section_seconds(settings: GpuBenchSettings, todo: list[str], left: float) -> float:
+    """Seconds for todo[0] with `left` seconds of the run left: its --budgets entry (capped by what is left), else
+    its share of what is left once the explicit budgets of the later sections are set aside."""
+    left = max(0.0, left)
+    name = todo[0]
+    if name in settings.budgets:
+        return min(settings.budgets[name], left)
+    reserved = sum(settings.budgets.get(n, 0.0) for n in todo[1:])
+    shared = [n for n in todo if n not in settings.budgets]
+    return max(0.0, left - reserved) * SHARES[name] / sum(SHARES[n] for n in shared)
+
+
+def _numbers(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"expected positive integers, got {text!r}", param_hint=option)
+    return values
+
+
+def _budgets(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, _, seconds = item.partition("=")
+        try:
+            out[name.strip()] = float(seconds)
+        except ValueError:
+            raise typer.BadParameter(f"expected section=seconds, got {item!r}", param_hint="--budgets") from None
+        if name.strip() not in SECTIONS or out[name.strip()] < 0:
+            raise typer.BadParameter(f"expected section=seconds with a section of {', '.join(SECTIONS)}, got "
+                                     f"{item!r}", param_hint="--budgets")
+    return out
 
 
 def _default_choice(model: str | None, shape: str | None, device: str | None) -> tuple[str | None, str]:
@@ -179,6 +224,13 @@ def bench_gpu_command(
                                                   "baseline (default: on CUDA, not with --quick).")] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", min=1.0, help="Seconds for the whole run, model "
                                                                             "build included.")] = 510.0,
+    budgets: Annotated[str, typer.Option("--budgets", help="Seconds per section instead of its share of the time "
+                                                           "left, e.g. fidelity=130,decode=120 (scripts/gpu_check.sh)."
+                                         )] = "",
+    prefix_lengths: Annotated[str | None, typer.Option("--prefix-lengths", help="Comma-separated prefix lengths "
+                                                                                "instead of 1k/4k/16k/30k.")] = None,
+    batch_sizes: Annotated[str | None, typer.Option("--batch-sizes", help="Comma-separated decode batch sizes "
+                                                                          "instead of 1,16.")] = None,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG with one panel per section.")] = None,
 ) -> None:
@@ -193,8 +245,11 @@ def bench_gpu_command(
                                  param_hint="--sections")
     import torch
 
-    settings = GpuBenchSettings.make(quick=quick, device_type=torch.device(device).type, max_prefix=max_prefix,
-                                     sections=chosen, compile_flag=compile_, time_limit_s=time_limit)
+    settings = GpuBenchSettings.make(
+        quick=quick, device_type=torch.device(device).type, max_prefix=max_prefix, sections=chosen,
+        compile_flag=compile_, time_limit_s=time_limit, budgets=_budgets(budgets),
+        prefix_lengths=_numbers(prefix_lengths, "--prefix-lengths") if prefix_lengths else None,
+        batch_sizes=tuple(_numbers(batch_sizes, "--batch-sizes")) if batch_sizes else None)
     report = run_gpu_bench(choice, settings, json_path, plot_path)
     failed = [name for name, s in report["sections"].items() if s.get("status") == "error"]
     if failed:

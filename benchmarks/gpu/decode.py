@@ -60,7 +60,7 @@ def _hf(model, rows: list[list[int]], pad_id: int, static_len: int | None = None
     if static_len is not None:
         from transformers import StaticCache
 
-        from ...model.cache_arg import cache_kwargs
+        from kvboost.model.cache_arg import cache_kwargs
 
         # One cache of a fixed length for every call: compiled graphs see the same shapes and addresses.
         cache = StaticCache(config=model.config, max_cache_len=static_len)

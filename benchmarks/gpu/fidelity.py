@@ -8,11 +8,17 @@ each question is appended to one fixed prefix and continued greedily by three sy
   recipe       the prefix's DynamicCache computed alone, deep-copied into model.generate(prefix + question)
   kvboost      the prefix stored once with engine.warm_ids, then engine.generate(input_ids=prefix + question)
 
-A question counts as identical when its continuation equals the reference token for token. The models are
-small, random and separate from the bench's main model (a llama and a mistral, seeded), so the section costs
-seconds and means the same on every run. Their weights are drawn in fp32 on the CPU and then moved to the
-bench's device and dtype: one seed gives the same model on every device, and the bf16 model is the fp32
-model rounded, so the two dtypes compare the same network.
+A question counts as identical when its continuation equals the reference token for token. The models: the
+bench's own (its shape, e.g. the Qwen2.5-3B one: the real head dim and depth; bf16 and an fp32 copy of the same
+weights), then two small random ones separate from it (a llama and a mistral, seeded: seconds, and the same on
+every run). The small models' weights are drawn in fp32 on the CPU and then moved to the bench's device and
+dtype: one seed gives the same model on every device, and the bf16 model is the fp32 model rounded, so the two
+dtypes compare the same network. Questions alternate between `fidelity_prefixes` prefixes of different lengths
+(different stored chunks and resident tails).
+
+Per step (agreement.py): every continuation is also teacher-forced through an fp32 copy of the row's weights
+(for a bf16 row, its bf16 weights in fp32; for an fp32 row, the model itself), which tells a system that rounds
+differently from HF-bf16 (leaves the fp32 argmax as often, at near-ties) from one that is less accurate.
 
 EOS: KVBoost stops at an EOS token (the engine's eos_token_ids, which include the tokenizer's) and does not
 return it. HF generate and the recipe run with EOS disabled (all new tokens, nothing suppressed: min_new_tokens
@@ -30,12 +36,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .agreement import Tally, duel, merge, score_steps, teacher_logprobs
 from .settings import GpuBenchSettings
 from .timing import Budget
 
 ARCHS = ("llama", "mistral")
 DTYPES = ("bfloat16", "float32")
 SYSTEMS = ("kvboost", "recipe")
+SCORED = ("reference", *SYSTEMS)  # the continuations scored step by step against the fp32 copy
+# Prefix p of a workload is PREFIX_STEP * p tokens longer than the first: another count of full chunks and
+# another resident tail (128-token chunks).
+PREFIX_STEP = 211
 SEED = 0
 # Without a window a mistral is a llama layer for layer, so one seed would build the same network twice.
 MODEL_SEEDS = {"llama": 0, "mistral": 1}
@@ -46,15 +57,23 @@ INIT_STD = 0.1
 
 @dataclass
 class FidelityWorkload:
-    prefix: list[int]
-    questions: list[list[int]]
+    prefixes: list[list[int]]
+    questions: list[list[int]]  # question i follows prefixes[i % len(prefixes)]
+
+    @property
+    def prefix(self) -> list[int]:
+        return self.prefixes[0]
+
+    def prefix_of(self, question: int) -> int:
+        return question % len(self.prefixes)
 
 
 def fidelity_workload(tokenizer, prefix_tokens: int, questions: int, seed: int = SEED,
-                      avoid: Sequence[int] = ()) -> FidelityWorkload:
-    """A prefix of `prefix_tokens` ids and `questions` questions of 10-30 ids, drawn with a seeded generator
-    from the tokenizer's vocabulary minus its special ids (and `avoid`, e.g. EOS ids), so no prompt holds an
-    EOS or BOS in the middle and every run of every device sees the same ids."""
+                      avoid: Sequence[int] = (), prefixes: int = 1) -> FidelityWorkload:
+    """`prefixes` prefixes (prefix_tokens ids, then PREFIX_STEP more each) and `questions` questions of 10-30 ids,
+    drawn with a seeded generator from the tokenizer's vocabulary minus its special ids (and `avoid`, e.g. EOS
+    ids), so no prompt holds an EOS or BOS in the middle and every run of every device sees the same ids. A
+    workload with fewer questions holds the first questions of one with more."""
     banned = set(tokenizer.all_special_ids) | set(avoid)
     allowed = torch.tensor([i for i in range(len(tokenizer)) if i not in banned], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
@@ -62,9 +81,9 @@ def fidelity_workload(tokenizer, prefix_tokens: int, questions: int, seed: int =
     def draw(n: int) -> list[int]:
         return allowed[torch.randint(len(allowed), (n,), generator=gen)].tolist()
 
-    prefix = draw(prefix_tokens)
+    heads = [draw(prefix_tokens + PREFIX_STEP * p) for p in range(max(1, prefixes))]
     # Lengths 10, 17, 24, 11, 18, 25, ...: spread over 10-30, and the first two (--quick) differ.
-    return FidelityWorkload(prefix, [draw(10 + (7 * i) % 21) for i in range(questions)])
+    return FidelityWorkload(heads, [draw(10 + (7 * i) % 21) for i in range(questions)])
 
 
 def fidelity_config(arch: str, tokenizer):
@@ -131,7 +150,7 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int:
 
 def hf_generate(model, ids: list[int], new_tokens: int, pad: int | None, cache=None) -> list[int]:
     """model.generate's greedy continuation of ids, EOS disabled; over a copy of `cache` when given."""
-    from ...model.cache_arg import cache_kwargs
+    from kvboost.model.cache_arg import cache_kwargs
 
     x = torch.tensor([ids], device=model.device)
     extra = {} if cache is None else cache_kwargs(copy.deepcopy(cache))
@@ -144,37 +163,57 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def run_case(arch: str, model, tokenizer, work: FidelityWorkload, new_tokens: int, budget: Budget) -> dict:
-    """One model (already on its device, in its dtype): every question through the three systems; the row of
-    the section's table."""
-    from kvboost import KVBoost
+def _caches(model, prefixes: Sequence[list[int]]) -> list:
+    """Each prefix's DynamicCache from one plain forward of `model` (the last position's logits only: the cache is
+    what is wanted, and a 49k-token vocabulary's logits at every position cost more than the layers)."""
     from kvboost.model.cache_arg import returned_cache
+
+    return [returned_cache(model(torch.tensor([p], device=model.device), use_cache=True, logits_to_keep=1))
+            for p in prefixes]
+
+
+def run_case(label: str, model, tokenizer, work: FidelityWorkload, new_tokens: int, budget: Budget, *,
+             teacher=None, engine=None) -> dict:
+    """One model (already on its device, in its dtype): every question through the three systems, each
+    continuation scored step by step by `teacher` (an fp32 copy of the same weights; None: not scored); the row
+    of the section's table. `engine`: a KVBoost already over `model` (the bench's own), else one is built."""
+    from kvboost import KVBoost
 
     device, dtype = model.device, model.dtype
     t0 = time.monotonic()
-    row: dict = {"model": arch, "dtype": str(dtype).removeprefix("torch."), "status": "running", "questions": 0,
-                 "new_tokens": new_tokens, "prefix_tokens": len(work.prefix)}
-    with exact_fp32(device, dtype):
-        engine = KVBoost(model, tokenizer, chunk_size=128)
+    row: dict = {"model": label, "dtype": str(dtype).removeprefix("torch."), "status": "running", "questions": 0,
+                 "new_tokens": new_tokens, "prefix_tokens": len(work.prefix),
+                 "prefix_lengths": [len(p) for p in work.prefixes]}
+    # TF32 off for the whole case: fp32 rows and the fp32 teacher of bf16 rows (bf16 matmuls ignore the flags).
+    with exact_fp32(device, torch.float32):
+        own = engine is None
+        if own:
+            engine = KVBoost(model, tokenizer, chunk_size=128)
+        engine.clear_cache()
         row["attention"] = engine.attention
         row["fast_path"] = engine.runner.mode if engine.runner is not None else engine.fast_path_reason
         eos, pad = set(engine.eos_token_ids), model.config.pad_token_id
         divergence: dict[str, list[int | None]] = {s: [] for s in SYSTEMS}
         identical = dict.fromkeys(SYSTEMS, 0)
+        tallies = {s: Tally() for s in SCORED}
         same_as_recipe = eos_cut = 0
         cached: list[int] = []
         with torch.inference_mode():
-            prefix_cache = returned_cache(model(torch.tensor([work.prefix], device=device), use_cache=True))
-            engine.warm_ids(work.prefix)
-            for question in work.questions:
+            prefix_caches = _caches(model, work.prefixes)
+            # An fp32 row is its own teacher: its prefix caches serve both (the teacher crops back what it adds).
+            teacher_caches = prefix_caches if teacher is model else _caches(teacher, work.prefixes) if teacher else []
+            for prefix in work.prefixes:
+                engine.warm_ids(prefix)
+            for i, question in enumerate(work.questions):
                 if budget.expired():
                     row["status"], row["reason"] = "truncated", f"time budget ({budget.seconds:.0f} s) spent"
                     break
-                ids = work.prefix + question
+                p = work.prefix_of(i)
+                ids = work.prefixes[p] + question
                 full = hf_generate(model, ids, new_tokens, pad)
                 reference = until_eos(full, eos)
                 eos_cut += len(reference) < len(full)
-                recipe = until_eos(hf_generate(model, ids, new_tokens, pad, prefix_cache), eos)
+                recipe = until_eos(hf_generate(model, ids, new_tokens, pad, prefix_caches[p]), eos)
                 result = engine.generate(input_ids=ids, max_new_tokens=new_tokens)
                 kvboost = until_eos(result.output_token_ids, eos)
                 cached.append(result.cached_tokens)
@@ -182,8 +221,14 @@ def run_case(arch: str, model, tokenizer, work: FidelityWorkload, new_tokens: in
                     divergence[name].append(None if tokens == reference else first_divergence(reference, tokens))
                     identical[name] += tokens == reference
                 same_as_recipe += kvboost == recipe
+                if teacher is not None:
+                    _score(teacher, teacher_caches[p], len(work.prefixes[p]), question,
+                           {"reference": reference, "recipe": recipe, "kvboost": kvboost}, tallies)
                 row["questions"] += 1
-        del engine, prefix_cache
+        engine.clear_cache()
+        del prefix_caches, teacher_caches
+        if own:
+            del engine
     if row["status"] == "running":
         row["status"] = "ok"
     for name in SYSTEMS:
@@ -195,18 +240,43 @@ def run_case(arch: str, model, tokenizer, work: FidelityWorkload, new_tokens: in
     row["kvboost_equals_recipe"] = same_as_recipe
     row["kvboost_cached_mean"] = _mean(cached)
     row["reference_eos_cut"] = eos_cut
+    if teacher is not None:
+        row["fp32_steps"] = {name: tallies[name].summary() for name in SCORED}
     row["wall_s"] = time.monotonic() - t0
     return row
 
 
+def _score(teacher, cache, cached_len: int, question: list[int], continuations: dict[str, list[int]],
+           tallies: dict[str, Tally]) -> None:
+    """Teacher-force each continuation (once per distinct one) and add its steps, and its duel with the
+    reference where it differs, to the tallies."""
+    passes: dict[tuple[int, ...], torch.Tensor] = {}
+    reference = continuations["reference"]
+    for name, tokens in continuations.items():
+        key = tuple(tokens)
+        if key not in passes:
+            passes[key] = teacher_logprobs(teacher, question, tokens, cache, cached_len)
+        tallies[name].add(score_steps(passes[key], tokens), tokens)
+        if name != "reference" and tokens != reference:
+            d = duel(passes[key], tokens, reference, first_divergence(reference, tokens))
+            if d is not None:
+                tallies[name].duels.append(d)
+
+
 def fidelity_totals(rows: Sequence[dict]) -> dict[str, dict]:
-    """Per dtype, summed over the models: questions and identical counts per system."""
+    """Per dtype, summed over the models: questions and identical counts per system, and (where the rows were
+    scored against fp32) each system's steps merged."""
     totals: dict[str, dict] = {}
+    steps: dict[str, dict[str, list[dict]]] = {}
     for row in rows:
         t = totals.setdefault(row["dtype"], {"questions": 0, "kvboost_identical": 0, "recipe_identical": 0,
                                              "kvboost_equals_recipe": 0})
         for key in t:
             t[key] += row.get(key, 0)
+        for name, summary in row.get("fp32_steps", {}).items():
+            steps.setdefault(row["dtype"], {}).setdefault(name, []).append(summary)
+    for dtype, per_system in steps.items():
+        totals[dtype]["fp32_steps"] = {name: merge(s) for name, s in per_system.items()}
     return totals
 
 
@@ -218,16 +288,62 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_fidelity(engine, settings: GpuBenchSettings, budget: Budget, on_row: Callable[[dict], None]) -> dict:
-    """Every (model, dtype) case in turn, bf16 before fp32; on_row(section) after each. `engine` is the
-    bench's: only its tokenizer, device and EOS ids are used."""
+def _fp32_copy(model):
+    """The same weights in fp32 (a bf16 model's upcast: exact), on the same device; the model itself if fp32."""
+    return model if model.dtype == torch.float32 else copy.deepcopy(model).to(torch.float32)
+
+
+def _small_cases(arch: str, tokenizer, device: torch.device) -> Iterator[tuple[object, object, None]]:
+    """(model, fp32 teacher, None) per dtype of a small seeded model: bf16 is the fp32 draw rounded, its
+    teacher that rounding upcast; fp32 is the draw, its own teacher."""
+    cpu_model = build_fidelity_model(arch, tokenizer)  # drawn once per model: the draw is the slow part on CPU
+    for dtype_name in DTYPES:
+        # The last dtype takes the CPU model itself (.to moves it in place); the others take a copy.
+        source = cpu_model if dtype_name == DTYPES[-1] else copy.deepcopy(cpu_model)
+        model = source.to(device=device, dtype=getattr(torch, dtype_name))
+        del source
+        yield model, _fp32_copy(model), None
+
+
+def _bench_cases(engine) -> Iterator[tuple[object, object, object]]:
+    """(model, fp32 teacher, engine or None) per dtype of the bench's own model: its own dtype through the bench's
+    engine, the other as a converted copy. On a GPU (a bf16 model) one fp32 copy serves as the bf16 row's teacher
+    and the fp32 row's model (12 GB for a 3B model); on a CPU (an fp32 model) the bf16 row is a rounded copy whose
+    teacher is that rounding upcast, as for the small models."""
+    own = engine.model
+    upcast = _fp32_copy(own)
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        if own.dtype == dtype:
+            yield own, upcast, engine
+        elif dtype == torch.float32:
+            yield upcast, upcast, None
+        else:
+            rounded = copy.deepcopy(own).to(dtype)
+            yield rounded, _fp32_copy(rounded), None
+            del rounded
+
+
+def run_fidelity(engine, settings: GpuBenchSettings, budget: Budget, on_row: Callable[[dict], None],
+                 bench_label: str = "bench") -> dict:
+    """Every (model, dtype) case in turn, the bench's own model first, bf16 before fp32; on_row(section) after
+    each. `engine` is the bench's: its model is one of the cases, its tokenizer, device and EOS ids are used."""
     tokenizer, device = engine.tokenizer, engine.device
-    work = fidelity_workload(tokenizer, settings.fidelity_prefix_tokens, settings.fidelity_questions,
-                             avoid=sorted(engine.eos_token_ids))
-    section: dict = {"status": "running", "rows": [], "totals": {}, "models": list(ARCHS), "dtypes": list(DTYPES),
-                     "prefix_tokens": len(work.prefix), "questions": len(work.questions),
-                     "question_tokens": [len(q) for q in work.questions], "new_tokens": settings.fidelity_new_tokens,
-                     "note": "continuations cut before the first EOS; HF generate and the recipe run with EOS off"}
+    avoid = sorted(engine.eos_token_ids)
+    work = fidelity_workload(tokenizer, settings.fidelity_prefix_tokens, settings.fidelity_questions, avoid=avoid,
+                             prefixes=settings.fidelity_prefixes)
+    bench_work = fidelity_workload(tokenizer, settings.fidelity_prefix_tokens, settings.fidelity_bench_questions,
+                                   avoid=avoid, prefixes=settings.fidelity_prefixes)
+    models = ([bench_label] if settings.fidelity_bench_questions else []) + list(ARCHS)
+    section: dict = {"status": "running", "rows": [], "totals": {}, "models": models, "dtypes": list(DTYPES),
+                     "prefix_tokens": len(work.prefix), "prefix_lengths": [len(p) for p in work.prefixes],
+                     "questions": len(work.questions), "question_tokens": [len(q) for q in work.questions],
+                     "new_tokens": settings.fidelity_new_tokens,
+                     "bench_questions": settings.fidelity_bench_questions,
+                     "bench_new_tokens": settings.fidelity_bench_new_tokens,
+                     "note": "continuations cut before the first EOS; HF generate and the recipe run with EOS off; "
+                             "fp32_steps: each continuation teacher-forced through an fp32 copy of the row's "
+                             "weights (agreement.py)"}
 
     def out_of_time() -> bool:
         expired = budget.expired()
@@ -235,26 +351,29 @@ def run_fidelity(engine, settings: GpuBenchSettings, budget: Budget, on_row: Cal
             section["status"], section["reason"] = "truncated", f"time budget ({budget.seconds:.0f} s) spent"
         return expired
 
-    for arch in ARCHS:
+    for label in models:
         if out_of_time():
             return section
-        cpu_model = build_fidelity_model(arch, tokenizer)  # drawn once per model: the draw is the slow part on CPU
-        for dtype_name in DTYPES:
+        bench = label == bench_label and settings.fidelity_bench_questions > 0
+        cases = _bench_cases(engine) if bench else _small_cases(label, tokenizer, device)
+        case_work = bench_work if bench else work
+        new_tokens = settings.fidelity_bench_new_tokens if bench else settings.fidelity_new_tokens
+        for model, teacher, case_engine in cases:
             if out_of_time():
-                return section
-            # The last dtype takes the CPU model itself (.to moves it in place); the others take a copy.
-            source = cpu_model if dtype_name == DTYPES[-1] else copy.deepcopy(cpu_model)
-            model = source.to(device=device, dtype=getattr(torch, dtype_name))
-            del source
-            row = run_case(arch, model, tokenizer, work, settings.fidelity_new_tokens, budget)
-            del model
+                break
+            row = run_case(label, model, tokenizer, case_work, new_tokens, budget, teacher=teacher,
+                           engine=case_engine)
+            del model, teacher, case_engine
             _release(device)
             section["rows"].append(row)
             section["totals"] = fidelity_totals(section["rows"])
             if row["status"] != "ok":
                 section["status"], section["reason"] = row["status"], row.get("reason")
             on_row(section)
-        del cpu_model
+        del cases
+        _release(device)
+        if section["status"] == "truncated":
+            return section
     if section["status"] == "running":
         section["status"] = "ok"
     return section

@@ -17,10 +17,16 @@ RUN_ORDER = ("fidelity", "chat", "prefix", "kernels", "decode")
 class GpuBenchSettings:
     quick: bool = False
     sections: tuple[str, ...] = SECTIONS
-    # fidelity: greedy tokens over a stored prefix vs HF generate, on small random llama/mistral models
+    # fidelity: greedy tokens over a stored prefix vs HF generate, on the bench's model (bf16 and an fp32 copy) and
+    # on small random llama/mistral models, each continuation also scored step by step against fp32. Per dtype
+    # 24 + 2 x 36 = 96 continuations: the bench's model costs ~1 s a question on an H100 (HF generate's eager
+    # steps at 36 layers), a small model ~0.3 s.
     fidelity_prefix_tokens: int = 700
-    fidelity_questions: int = 12
+    fidelity_prefixes: int = 2
+    fidelity_questions: int = 36
     fidelity_new_tokens: int = 24
+    fidelity_bench_questions: int = 24  # 0: the bench's own model is left out of the section
+    fidelity_bench_new_tokens: int = 16
     # a. chat turns: a ~900-token system prompt, 40-token user turns, short greedy replies
     conversations: int = 4
     turns: int = 6
@@ -39,11 +45,16 @@ class GpuBenchSettings:
     compile_reason: str = ""  # why compile is off, when it is
     # whole run
     time_limit_s: float = 510.0
+    # seconds for a section, instead of its share of the time left (--budgets; the shares split what the explicit
+    # budgets of later sections leave)
+    budgets: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def make(cls, *, quick: bool, device_type: str, max_prefix: int, sections: tuple[str, ...],
-             compile_flag: bool | None, time_limit_s: float) -> GpuBenchSettings:
-        s = cls(quick=quick, sections=sections, time_limit_s=time_limit_s)
+             compile_flag: bool | None, time_limit_s: float, prefix_lengths: list[int] | None = None,
+             batch_sizes: tuple[int, ...] | None = None, budgets: dict[str, float] | None = None) -> GpuBenchSettings:
+        """prefix_lengths / batch_sizes / budgets, where given, replace the defaults (and --quick's)."""
+        s = cls(quick=quick, sections=sections, time_limit_s=time_limit_s, budgets=dict(budgets or {}))
         if quick:  # every code path once, at sizes that take seconds (batch 4 runs batch 16's code on a CPU)
             s.conversations, s.reply_tokens = 1, 4
             s.prefix_lengths, s.prefix_repeats = [n for n in PREFIX_LENGTHS if n <= 4000], 1
@@ -51,6 +62,11 @@ class GpuBenchSettings:
             s.batch_sizes = (1, 16) if device_type == "cuda" else (1, 4)
             # 160 tokens: past one 128-token chunk, so a stored chunk and a resident tail are both reused
             s.fidelity_prefix_tokens, s.fidelity_questions, s.fidelity_new_tokens = 160, 2, 8
+            s.fidelity_prefixes, s.fidelity_bench_questions, s.fidelity_bench_new_tokens = 1, 2, 8
+        if prefix_lengths:
+            s.prefix_lengths = sorted(set(prefix_lengths))
+        if batch_sizes:
+            s.batch_sizes = tuple(batch_sizes)
         s.prefix_lengths = [n for n in s.prefix_lengths if n <= max_prefix]
         if compile_flag is not None:
             s.compile = compile_flag

@@ -21,25 +21,54 @@ def _status(section: dict) -> str:
     return f"{section.get('status', '?')}" + (f" ({reason})" if reason else "")
 
 
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def steps_cell(steps: dict | None) -> str:
+    """One system's fp32 step summary: share of steps at the fp32 argmax, and the off-argmax steps (how many
+    within NEAR_TIE_NATS, the largest deficit)."""
+    if not steps:
+        return "-"
+    off = steps["off_argmax"]
+    cell = _share(steps["fp32_argmax"], steps["steps"])
+    if off:
+        cell += f" ({steps['off_argmax_near_tie']}/{off} near, max {_ms(steps['deficit']['max'], 2)})"
+    return cell
+
+
+def duels_cell(steps: dict | None) -> str:
+    """Where a system first left the reference: duels the fp32 model gave it / the reference, and near-ties."""
+    duels = (steps or {}).get("duels")
+    if not duels:
+        return "-"
+    return f"{duels['won']}-{duels['lost']} ({duels['near_tie']} near)"
+
+
 def fidelity_table(section: dict) -> RenderableType:
     n, prefix = section.get("new_tokens", "?"), section.get("prefix_tokens", "?")
     table = Table(title=f"fidelity: questions whose {n} greedy tokens equal HF generate's, after a {prefix}-token "
                         f"stored prefix [{_status(section)}]",
                   caption="recipe = HF's manual prefix cache (prefix DynamicCache, deep-copied into generate); "
-                          "div = mean first differing step of the questions that differ; cut before EOS")
+                          "div = mean first differing step of the questions that differ; cut before EOS. "
+                          "fp32 argmax = steps whose token is an fp32 copy's argmax, teacher-forced (near = off the "
+                          "argmax by <= 0.1 nats, max = largest deficit, nats); duels = where KVBoost first left "
+                          "HF generate, fp32 preferred KVBoost-HF (near = margin <= 0.1 nats)")
     for col in ("model", "dtype", "KVBoost", "recipe", "KVB = recipe", "KVB div", "recipe div", "KVB cached",
-                "attention"):
+                "HF fp32 argmax", "KVB fp32 argmax", "KVB duels", "attention"):
         table.add_column(col, justify="left" if col in ("model", "dtype", "attention") else "right")
     for r in section.get("rows", []):
-        q = r["questions"]
+        q, steps = r["questions"], r.get("fp32_steps", {})
         table.add_row(r["model"], r["dtype"], f"{r['kvboost_identical']}/{q}", f"{r['recipe_identical']}/{q}",
                       f"{r['kvboost_equals_recipe']}/{q}", _ms(r.get("kvboost_first_divergence_mean")),
                       _ms(r.get("recipe_first_divergence_mean")), _ms(r.get("kvboost_cached_mean"), 0),
-                      str(r.get("attention", "")))
+                      steps_cell(steps.get("reference")), steps_cell(steps.get("kvboost")),
+                      duels_cell(steps.get("kvboost")), str(r.get("attention", "")))
     for dtype, t in section.get("totals", {}).items():
-        q = t["questions"]
+        q, steps = t["questions"], t.get("fp32_steps", {})
         table.add_row("all", dtype, f"{t['kvboost_identical']}/{q}", f"{t['recipe_identical']}/{q}",
-                      f"{t['kvboost_equals_recipe']}/{q}", "", "", "", "", style="bold")
+                      f"{t['kvboost_equals_recipe']}/{q}", "", "", "", steps_cell(steps.get("reference")),
+                      steps_cell(steps.get("kvboost")), duels_cell(steps.get("kvboost")), "", style="bold")
     return table
 
 

@@ -116,17 +116,25 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
         compiled = decode[("hf static+compile", batch)]
         assert compiled["status"] == "skipped" and compiled["reason"]  # CPU / --quick: said why
     fidelity = sections["fidelity"]
-    assert [(r["model"], r["dtype"]) for r in fidelity["rows"]] == [
+    assert [(r["model"], r["dtype"]) for r in fidelity["rows"]] == [  # the bench's own model first
+        ("tiny", "bfloat16"), ("tiny", "float32"),
         ("llama", "bfloat16"), ("llama", "float32"), ("mistral", "bfloat16"), ("mistral", "float32")]
     assert (fidelity["prefix_tokens"], fidelity["questions"]) == (160, 2)  # --quick sizes
     for r in fidelity["rows"]:
         assert r["questions"] == 2 and 0 <= r["kvboost_identical"] <= 2 and 0 <= r["recipe_identical"] <= 2
         assert r["kvboost_cached_mean"] >= 128  # the stored prefix was reused: at least its full chunk
+        for system, steps in r["fp32_steps"].items():  # every continuation scored step by step against fp32
+            assert 0 < steps["steps"] <= 2 * 8 and steps["off_argmax"] == len(steps["deficits"]), (r["model"], system)
+            assert steps["fp32_argmax"] + steps["off_argmax"] == steps["steps"]
+            if r["dtype"] == "float32" and device.type == "cpu":  # its own teacher, the same CPU kernels
+                assert steps["fp32_argmax"] == steps["steps"], (r["model"], system, steps)
     fp32 = fidelity["totals"]["float32"]
     if device.type == "cpu":  # fp32 on CPU: the same kernels as HF generate, so every token is identical
-        assert fp32["kvboost_identical"] == fp32["recipe_identical"] == fp32["questions"] == 4
-    assert data["measured"]["fidelity_fp32_kvboost"] == f"{fp32['kvboost_identical']}/4"
-    assert data["measured"]["fidelity_bf16_recipe"].endswith("/4")
+        assert fp32["kvboost_identical"] == fp32["recipe_identical"] == fp32["questions"] == 6
+    assert data["measured"]["fidelity_fp32_kvboost"] == f"{fp32['kvboost_identical']}/6"
+    assert data["measured"]["fidelity_bf16_recipe"].endswith("/6")
+    assert data["measured"]["fidelity_bf16_kvboost_fp32_argmax"].endswith(
+        f"/{fidelity['totals']['bfloat16']['fp32_steps']['kvboost']['steps']}")
     kernels = sections["kernels"]
     assert kernels["sdpa"] and kernels["kernel"]["status"] in ("ok", "unavailable")
     assert kernels["kernel"]["status"] == "ok" or kernels["kernel"]["reason"]
@@ -153,3 +161,62 @@ def test_kernel_rows_are_normalized_and_compared_with_flash_lower_right():
 
     assert _call(timings, {"device": "cpu", "dtype": torch.float32, "repeats": 3, "quick": True}) == {
         "device": "cpu", "dtype": torch.float32, "repeats": 3}
+
+
+def test_section_budgets_are_explicit_seconds_or_shares_of_what_the_explicit_ones_leave():
+    from benchmarks.gpu.command import section_seconds
+    from benchmarks.gpu.settings import SHARES, GpuBenchSettings
+
+    s = GpuBenchSettings(budgets={"fidelity": 130, "decode": 120})
+    assert section_seconds(s, ["fidelity", "chat", "prefix", "decode"], 330) == 130
+    assert section_seconds(s, ["fidelity"], 50) == 50  # capped by what is left of the run
+    # chat and prefix share what decode's 120 s leave of 200 s, by their shares
+    assert section_seconds(s, ["chat", "prefix", "decode"], 200) == pytest.approx(
+        80 * SHARES["chat"] / (SHARES["chat"] + SHARES["prefix"]))
+    assert section_seconds(s, ["decode"], 100) == 100 and section_seconds(s, ["chat", "decode"], -5) == 0
+    plain = GpuBenchSettings()  # no explicit budgets: the shares as before
+    assert section_seconds(plain, ["kernels", "decode"], 60) == pytest.approx(
+        60 * SHARES["kernels"] / (SHARES["kernels"] + SHARES["decode"]))
+
+
+def test_check_options_reach_the_settings_and_bad_ones_are_usage_errors(monkeypatch):
+    import benchmarks.gpu.command as command
+
+    seen = {}
+
+    def fake_run(choice, settings, json_path=None, plot_path=None):
+        seen["settings"] = settings
+        return {"sections": {}}
+
+    monkeypatch.setattr(command, "run_gpu_bench", fake_run)
+    out = _invoke(["bench", "gpu", "--shape", "tiny", "--device", "cpu", "--quick", "--budgets",
+                   "fidelity=130,decode=120.5", "--prefix-lengths", "30000,1000", "--batch-sizes", "1"])
+    assert out.exit_code == 0, out.output
+    s = seen["settings"]
+    assert s.budgets == {"fidelity": 130.0, "decode": 120.5} and s.prefix_lengths == [1000, 30000]
+    assert s.batch_sizes == (1,) and s.record()["budgets"] == {"fidelity": 130.0, "decode": 120.5}
+    for args in (["--budgets", "warp=3"], ["--budgets", "chat"], ["--prefix-lengths", "1k"], ["--batch-sizes", "0"]):
+        out = _invoke(["bench", "gpu", "--shape", "tiny", "--device", "cpu", *args])
+        assert out.exit_code == 2, (args, out.output)
+
+
+def test_the_json_is_rewritten_after_every_row(tmp_path, one_thread, monkeypatch):
+    """A check killed at its time limit keeps every finished row: each chat turn is on disk as it ends."""
+    import benchmarks.plots as plots
+    from benchmarks.gpu.command import run_gpu_bench
+    from benchmarks.gpu.settings import GpuBenchSettings
+    from benchmarks.model_options import ModelChoice
+
+    writes: list[int] = []
+    real = plots.write_json
+
+    def counting(path, obj):
+        writes.append(len(obj["sections"].get("chat", {}).get("samples", [])))
+        return real(path, obj)
+
+    monkeypatch.setattr(plots, "write_json", counting)
+    settings = GpuBenchSettings.make(quick=True, device_type="cpu", max_prefix=1000, sections=("chat",),
+                                     compile_flag=None, time_limit_s=300)
+    run_gpu_bench(ModelChoice(shape="tiny", device="cpu"), settings, str(tmp_path / "gpu.json"))
+    assert writes[:6] == [1, 2, 3, 4, 5, 6]  # one write per turn, then the section's and the final one
+    assert len(json.loads((tmp_path / "gpu.json").read_text())["sections"]["chat"]["samples"]) == 6
