@@ -124,6 +124,9 @@ class HostWorkspace:
         self.device = torch.device("cpu")  # where the buffers live (what place() and read() copy to and from)
         self.compute_device = torch.device(compute_device)
         self.staged = self.compute_device.type != "cpu" if staged is None else staged
+        if not self.staged and self.compute_device.type != "cpu":
+            raise ValueError(f"a model on {self.compute_device} cannot read K/V in host memory: its forwards must be "
+                             "staged through device buffers (staged=None or True)")
         self.max_positions = max_positions
         self.capacity = 0
         self.length = 0

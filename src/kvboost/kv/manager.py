@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -283,7 +283,40 @@ def _runs(pieces: list[_Piece]) -> list[list[_Piece]]:
     return runs
 
 
+# Records in host memory bound for a GPU workspace cross as their packed buffer, one copy per record, a group of
+# at most this many bytes at a time: per-layer slices would be one small copy each, and concatenating them on the
+# host first runs at pageable speed.
+_STAGE_BYTES = 64 << 20
+
+
 def _place_run(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> None:
+    for group in _staged_groups(run, workspace.device):
+        _place_group(group, workspace, row)
+
+
+def _staged_groups(run: list[_Piece], device: torch.device):
+    """Sub-runs of `run` (each still a run) whose packed host records were copied to `device`."""
+    if device.type == "cpu":
+        yield run
+        return
+    group: list[_Piece] = []
+    staged = 0
+    for p in run:
+        packed = None if isinstance(p.record, LazyQuantRecord) else p.record.packed_view()
+        if packed is not None and packed.device.type == "cpu":
+            r = p.record
+            p = replace(p, record=ChunkRecord.from_packed(r.key, r.parent_key, r.content_key, r.token_ids, r.start,
+                                                          packed.to(device)))
+            staged += packed.nbytes
+        group.append(p)
+        if staged >= _STAGE_BYTES:
+            yield group
+            group, staged = [], 0
+    if group:
+        yield group
+
+
+def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> None:
     sources = _LayerSources([p.record for p in run])
     head = run[0].offset
     tail = run[-1].record.n_tokens - run[-1].offset - run[-1].n
