@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 # Imported for their registrations in transformers' attention interfaces before the runner compiles a step: compile
-# guards on that registry's size, and a later registration (first batch / paged forward) would compile it again.
+# guards on that registry's size, and a later registration (the first batch) would compile it again.
 from .batch import cascade as _cascade  # noqa: F401
 from .batch.rows import SequenceHandle
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint

@@ -14,7 +14,7 @@ concatenation, so the result equals plain attention up to float rounding.
 
 Wiring into transformers: a function is registered in `AttentionInterface` (and `sdpa_mask` as its
 mask builder in `AttentionMaskInterface`) under CASCADE_ATTENTION. `cascade_forward()` switches a model's
-`config._attn_implementation` to it only around the BatchRunner's own forwards (under the engine lock)
+`config._attn_implementation` to it only around the scheduler's batched forwards (under the engine lock)
 and puts the forward's Cache in a thread-local; the function finds its layer's `shared_prefix` through
 `module.layer_idx`. A call from another thread during that window sees no context and runs plain sdpa,
 so other users of the same model object keep exact results.

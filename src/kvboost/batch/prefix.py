@@ -1,7 +1,7 @@
 """Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V.
 
 Public helpers from the product docs (find_common_chunk_prefix, broadcast_kv, group_by_prefix), and the
-SharedPrefix that batch.BatchRunner loads once and every row of a batch attends to (cascade.py).
+SharedPrefix that the Scheduler loads once and every row of a batch attends to (cascade.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A cache layer over slots of the batch's KVWorkspace: the Cache a BatchRunner forward runs with."""
+"""A cache layer over slots of the batch's KVWorkspace: the Cache a batched forward runs with."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """One sequence's speculative decode step: propose drafts, verify them in one forward, keep what the target agrees
 with, and report how far the sequence's K/V advanced (the rest is rolled back by the caller's length).
 
-The caller (InferenceEngine, BatchRunner) owns the K/V: it hands a `forward(tokens, start)` that runs tokens at
+The caller (a row's slot, batch/speculation.py) owns the K/V: it hands a `forward(tokens, start)` that runs tokens at
 positions [start, start + n) after the K/V of [0, start) and returns float32 logits [n, vocab]. K/V past the
 kept tokens is simply never counted: the caller's length advances by exactly the number of tokens returned,
 so the next forward overwrites the rejected positions and write-back never sees them.

@@ -3,26 +3,15 @@
 Decoding multiplies every weight by a thin matrix: 1 row per step, 2-8 for a speculative verify or a batched
 decode step. The BLAS in torch's CPU builds (MKL) runs x @ W^T for such an x on one thread - a 1-row product
 is a matrix-vector product, and 2-8 rows take 1.5-3x its time - whereas W @ x^T streams the weights once and
-threads. All Linear products of one forward, fp32, torch 2.13 + MKL, AMD EPYC, 2 cores, best of 3, in ms,
-x @ W^T / W @ x^T (a row alone as two equal columns, half of the product kept):
-
-    rows                               1          2          4          5          8          9         12
-    SmolLM2-135M, 1 thread        26.6/27.1  41.1/21.6  43.3/26.5  50.7/38.7  52.5/55.2  61.5/66.2
-    SmolLM2-135M, 2 threads       27.3/15.1  43.9/15.1  45.4/15.2  42.4/21.5  41.1/31.7  52.3/37.8  45.7/58.6
-    4 Qwen2.5-1.5B layers, 1 thr  29.7/32.9  64.9/32.9  61.5/54.9  70.8/81.2  75.5/109.3
-    4 Qwen2.5-1.5B layers, 2 thr  30.3/21.8  65.2/22.2  60.9/28.1  61.2/40.9  57.9/56.4  76.2/61.6  76.8/69.9
-
-So W @ x^T is used for 2-4 rows at one thread and for 1-9 rows at 2+ threads (9: a speculative verify of the
-default 8 drafts); more rows keep the model's own products, and so does bfloat16 (W @ x^T measured slower:
-11.7 / 14.5 ms for one row of the 1.5B layers). A decode step of the embedded model went from 35.0 to 23.4 ms
-at 2 threads; generate_batch of 4 prompts from 40 to 86 tok/s (2 threads) and 38 to 61 (1 thread).
-`python scripts/cpu_linear_timing.py [--threads N]` reproduces these (a later run's figures vary by ~10%).
+threads. So W @ x^T is used for 2-4 rows at one thread and for 1-9 rows at 2+ threads (9: a speculative verify
+of the default 8 drafts); more rows keep the model's own products, and so does bfloat16, where W @ x^T is slower.
+The measurements behind these bounds are in the CHANGELOG (0.2.0, CPU Linear).
 
 Numerics: the forms sum each element in another order, so logits move by float rounding (~1e-6 relative),
 as they do between the model's own 1-row and n-row products; greedy tokens were the same on the shipped
 benches. The choice depends on the row count and torch's thread count, never on timing, and it is installed
-on the model's nn.Linear modules rather than around some forwards, so every path (workspace, block table,
-streamed layers, the runner's steps, the model's own forward and generate on this model object) computes the
+on the model's nn.Linear modules rather than around some forwards, so every path (workspace rows,
+host workspaces, the runner's steps, the model's own forward and generate on this model object) computes the
 same rows the same way. `model_own_products` gives the model's own products back for a block.
 
 A weight stored input-major (model/layout.py: [in, out] contiguous, which a compiled step over ATen's kernels may

@@ -65,13 +65,11 @@ RUNNER_MODES = ("graphs", "compiled", "eager")
 # Compiled mode compiles the batch-1 decode step: it is the launch-bound one on CPU, and each further bucket
 # would cost another compile (tens of seconds on a small CPU). Prefill buckets run the same path eagerly; so does a
 # speculative verify where the runner is asked to compile it (compile_verify): an eager verify is padded to the
-# 16-token bucket and reads the weights through ATen's products, ~5x a compiled decode step on SmolLM2 (98 against
-# 18 ms at one thread), so drafts could never pay; compiled at the exact token count it costs 1.2-1.3x one for
-# 2-4 tokens and 2.5-3.1x for 5-10 (scripts/compiled_verify_timing.py).
+# 16-token bucket and reads the weights through ATen's products, several compiled decode steps' worth, so drafts
+# could never pay; compiled at the exact token count it costs little more than one step.
 COMPILED_STEPS = {("seq", 1)}
-# ... and the batched decode step, one graph for every row count from COMPILED_MIN_ROWS: measured on SmolLM2 at one
-# thread (scripts/compiled_rows_timing.py), a step of 2 / 4 / 8 rows costs 24 / 30 / 67 ms against 42 / 59 / 107 ms
-# eagerly, one compile (~90 s) at the model's first batched step.
+# ... and the batched decode step, one graph for every row count from COMPILED_MIN_ROWS (about 0.6x the eager
+# step's time at 2-8 rows), one compile at the model's first batched step.
 COMPILED_MIN_ROWS = 2
 # Models whose compiled batched verify has compiled (prepare_batched_verify): the graph is the model's, shared by
 # every batch runner over it (compiled_step.own_code).

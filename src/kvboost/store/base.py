@@ -20,7 +20,7 @@ class ChunkRecord:
     what lets a lookup find partial chunks at token granularity among a parent's children.
 
     packed, when set, is every layer's K and V in one tensor [layers, 2, kv_heads, n_tokens, head_dim] (the
-    block pool's layout, kv/blocks.py), and keys[i] / values[i] are its views packed[i, 0] / packed[i, 1]: a
+    layout a host-tier record crosses to the device in one copy), and keys[i] / values[i] are its views packed[i, 0] / packed[i, 1]: a
     record read from disk or Redis, or copied out of blocks, moves into a block in one copy. Build one with
     ChunkRecord.from_packed.
     """

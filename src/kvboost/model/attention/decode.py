@@ -256,7 +256,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def reduce_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, ends: torch.Tensor | None, *,
                   kv_heads: int, kv_len: int, plan: SplitPlan) -> None:
     """Merge split partials into out [B, Hq, q, d] by log-sum-exp. mid_o [B * Hkv, splits, GROUP * q, d] and
-    mid_l [B * Hkv, splits, GROUP * q] (fp32) are laid out as _split_kernel (or a paged variant) writes them:
+    mid_l [B * Hkv, splits, GROUP * q] (fp32) are laid out as _split_kernel writes them:
     normalised partial outputs and their log2-sum-exp, -inf for a split that saw no key."""
     b, hq, q_len, d = out.shape
     group = hq // kv_heads

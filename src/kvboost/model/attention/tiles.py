@@ -77,7 +77,7 @@ def attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride
     return acc, l_i, m_i
 
 
-# ---- the split-K programs' frame (decode.py, paged.py): which rows and keys a program owns, and its output ----
+# ---- the split-K programs' frame (decode.py): which rows and keys a program owns, and its output ----
 @triton.jit
 def split_frame(tile, split, split_len, end, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
