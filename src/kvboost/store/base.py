@@ -19,10 +19,9 @@ class ChunkRecord:
     parent_key is the prefix-chain key of the chunk before it (None for the first chunk), which is
     what lets a lookup find partial chunks at token granularity among a parent's children.
 
-    packed, when set, is every layer's K and V in one tensor [layers, 2, kv_heads, n_tokens, head_dim] (the
-    layout a host-tier record crosses to the device in one copy), and keys[i] / values[i] are its views packed[i, 0] / packed[i, 1]: a
-    record read from disk or Redis, or copied out of blocks, moves into a block in one copy. Build one with
-    ChunkRecord.from_packed.
+    packed, when set, is every layer's K and V in one tensor [layers, 2, kv_heads, n_tokens, head_dim], and
+    keys[i] / values[i] are its views packed[i, 0] / packed[i, 1]: a record in the host tier crosses to the device
+    in one copy. Build one with ChunkRecord.from_packed.
     """
 
     key: str
