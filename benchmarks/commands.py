@@ -52,6 +52,7 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
     from .quant import bench_quant_command
     from .rag import eval_rag_command
     from .serve import bench_serve_command
+    from .serve_chat import bench_serve_chat_command
     from .spec import bench_spec_command
     from .structured import bench_structured_command
 
@@ -59,6 +60,9 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
     bench_app.command("serve", help="Requests/s and TTFT under concurrent clients, reuse on vs off (needs the "
                                     "server extra and openai).")(
         _plot_needs_bench_extra("kvboost bench serve", bench_serve))
+    bench_app.command("serve-chat", help="One streamed chat through kvboost serve against generate_stream(): "
+                                         "decode rate and TTFT per turn (needs the server extra and openai).")(
+        _needs_extras("kvboost bench serve-chat", bench_serve_chat_command, "server", modules=("openai",)))
     bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
         _plot_needs_bench_extra("kvboost bench batch", bench_batch_command))
     rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."

@@ -42,7 +42,7 @@ class PrefixRow:
     cached_tokens: int
     identical_first_token: bool
     store_over_resident: float = float("nan")  # median over repeats, same prompt: (store / its floor) / (kvb / its)
-    paged: dict = field(default_factory=dict)  # --host-tier: host ms, over floor, errors (tier_rows.py)
+    tiers: dict = field(default_factory=dict)  # --host-tier: host ms, over floor, errors (tier_rows.py)
 
     @property
     def ratio(self) -> float:
@@ -146,7 +146,7 @@ def fitting_lengths(lengths: list[int], max_context: int | None, room: int = 64)
 
 
 def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeats: int, json_path: str | None,
-                     plot_path: str | None, paged: bool = False) -> list[PrefixRow]:
+                     plot_path: str | None, host_tier: bool = False) -> list[PrefixRow]:
     import torch
 
     from kvboost.reuse.match import match_exact
@@ -168,10 +168,10 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
     lengths = fitting
     from .tier_rows import TIER_ROWS, TierRows, tier_engines
 
-    paged_built, paged_errors = {}, {}
-    if paged:
-        paged_built, paged_errors = tier_engines(engine, max(lengths, default=0) + 256)
-        for name, why in paged_errors.items():
+    tiers_built, tier_errors = {}, {}
+    if host_tier:
+        tiers_built, tier_errors = tier_engines(engine, max(lengths, default=0) + 256)
+        for name, why in tier_errors.items():
             console.print(f"[red]tier row {name!r} not measured: {why}")
     questions = bench_questions()
     rows: list[PrefixRow] = []
@@ -193,7 +193,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                 return f"{prefix}\n\nQuestion: {questions[qi % len(questions)]} (case {qi})\nAnswer:"
 
             engine.generate(prompt_for(), 1)  # warm-up: first-call allocations, thread pools
-            paged_rows = TierRows(paged_built, prefix, engine.encode(prompt_for()))
+            tier_rows = TierRows(tiers_built, prefix, engine.encode(prompt_for()))
             # Every system starts from token ids: the floor is handed ids, so KVBoost is too (tokenizing a 7k
             # prompt costs tens of ms, the same for any system given text, and is no part of what is compared).
             for r in range(repeats):
@@ -219,7 +219,7 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
                 # Over resident: each over the floor of its own cached tokens (the workspace may reuse a few
                 # tokens more than the stored chunks), so the ratio compares the reuse, not the suffix lengths.
                 samples["store_over_ws"].append(store.ttft_ms / ms / resident_over_floor)
-                paged_rows.time(ids, floor, resident_over_floor)  # interleaved: drift cancels in the ratios
+                tier_rows.time(ids, floor, resident_over_floor)  # interleaved: drift cancels in the ratios
                 if r < max(1, min(3, repeats)):  # full prefill is slow at 7k; three samples suffice
                     samples["base"].append(engine.generate(input_ids=engine.encode(prompt_for()), max_new_tokens=1,
                                                            mode="baseline").ttft_ms)
@@ -227,12 +227,12 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
             med = {k: statistics.median(v) for k, v in samples.items()}
             row = PrefixRow(n, len(ids), med["base"], med["ws"], med["store"], med["floor"], med["floor_store"],
                             med["keys"], cached, agree, med["store_over_ws"])
-            paged_rows.into(row.paged)
+            tier_rows.into(row.tiers)
             rows.append(row)
     _print(console, rows)
     if json_path:
         write_json(json_path, {"benchmark": "prefix", **choice.record(engine),
-                               "threads": torch.get_num_threads(), "repeats": repeats, "paged_errors": paged_errors,
+                               "threads": torch.get_num_threads(), "repeats": repeats, "tier_errors": tier_errors,
                                "rows": [asdict(r) | {"ratio": r.ratio, "ratio_store": r.ratio_store} for r in rows]})
         console.print(f"wrote {json_path}")
     if plot_path:
@@ -243,9 +243,9 @@ def run_prefix_bench(model: str | ModelChoice | None, lengths: list[int], repeat
             "floor (suffix over HF cache)": [(r.prefix_tokens, r.floor_ms) for r in rows],
         }
         for name in TIER_ROWS:
-            if any(f"{name}_ms" in r.paged for r in rows):
-                series[f"KVBoost ({name} tier)"] = [(r.prefix_tokens, r.paged[f"{name}_ms"]) for r in rows
-                                                     if f"{name}_ms" in r.paged]
+            if any(f"{name}_ms" in r.tiers for r in rows):
+                series[f"KVBoost ({name} tier)"] = [(r.prefix_tokens, r.tiers[f"{name}_ms"]) for r in rows
+                                                     if f"{name}_ms" in r.tiers]
         plot_lines(series, "TTFT vs cached prefix length", "cached prefix tokens", "TTFT (ms)", plot_path)
         console.print(f"wrote {plot_path}")
     return rows
@@ -260,14 +260,14 @@ def _print(console: Console, rows: list[PrefixRow]) -> None:
         "rest; host = every stored chunk placed from the host tier; X/kvb = X over kvb on the same prompt, each "
         "over the floor of its own cached tokens (median over repeats); lookup = hashing + chain match; "
         "same = first token equals the floor's"))
-    paged = [name for name in TIER_ROWS if any(name + "_ms" in r.paged or name + "_error" in r.paged
+    tier_names = [name for name in TIER_ROWS if any(name + "_ms" in r.tiers or name + "_error" in r.tiers
                                                  for r in rows)]
     for col in ("prefix", "full", "kvb", "floor", "kvb/floor", "store", "floor", "store/floor", "store/kvb",
-                *(f"{name}/kvb" for name in paged), "speedup", "lookup", "same"):
+                *(f"{name}/kvb" for name in tier_names), "speedup", "lookup", "same"):
         table.add_column(col, justify="right")
     for r in rows:
-        extra = [f"{r.paged[name + '_over_resident']:.2f}" if name + "_over_resident" in r.paged else "error"
-                 for name in paged]
+        extra = [f"{r.tiers[name + '_over_resident']:.2f}" if name + "_over_resident" in r.tiers else "error"
+                 for name in tier_names]
         table.add_row(str(r.prefix_tokens), f"{r.baseline_ms:.0f}", f"{r.kvboost_ms:.1f}", f"{r.floor_ms:.1f}",
                       f"{r.ratio:.2f}", f"{r.kvboost_store_ms:.1f}", f"{r.floor_store_ms:.1f}", f"{r.ratio_store:.2f}",
                       f"{r.store_over_resident:.2f}", *extra, f"{r.baseline_ms / r.kvboost_ms:.1f}x",
@@ -281,7 +281,7 @@ def bench_prefix_command(
     repeats: int = typer.Option(5, min=1, help="Timed repeats per length (median reported)."),
     json_path: str | None = typer.Option(None, "--json", help="Write results as JSON."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG plot."),
-    paged: bool = typer.Option(False, "--host-tier", help="Also the host tier: every stored chunk placed from "
+    host_tier: bool = typer.Option(False, "--host-tier", help="Also the host tier: every stored chunk placed from "
                                "host memory (device_kv_budget_bytes=0)."),
 ) -> None:
     """TTFT of baseline, KVBoost and the floor (suffix prefill over a cache in place), side by side."""
@@ -291,4 +291,4 @@ def bench_prefix_command(
     except ValueError:
         raise typer.BadParameter(f"{lengths!r}: expected comma-separated token counts",
                                  param_hint="--lengths") from None
-    run_prefix_bench(choice, sizes, repeats, json_path, plot_path, paged)
+    run_prefix_bench(choice, sizes, repeats, json_path, plot_path, host_tier)

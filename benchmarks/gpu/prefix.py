@@ -36,8 +36,8 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
         asked += 1
         return f"{prefix}\n\nQuestion: {questions[asked % len(questions)]} (case {asked})\nAnswer:"
 
-    paged, paged_errors = tier_engines(engine, max(lengths, default=0) + 256)
-    section["paged_errors"] = paged_errors
+    tiers, tier_errors = tier_engines(engine, max(lengths, default=0) + 256)
+    section["tier_errors"] = tier_errors
     with torch.inference_mode():
         # Longest first: the 30k row is the one with a target, so a spent budget should cost the 1k row instead.
         for n in sorted(lengths, reverse=True):
@@ -49,7 +49,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
             engine.warm(prefix)
             floor = SuffixFloor(engine.model)
             engine.generate(prompt_for(prefix), 1)  # untimed: first-call allocations at this length
-            paged_rows = TierRows(paged if not budget.expired() else {}, prefix, engine.encode(prompt_for(prefix)))
+            tier_rows = TierRows(tiers if not budget.expired() else {}, prefix, engine.encode(prompt_for(prefix)))
             kvb, flo, full, store = [], [], [], []
             cached = prompt_tokens = 0
             for r in range(settings.prefix_repeats):
@@ -63,7 +63,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
                 ids = engine.encode(prompt_for(prefix))
                 res = engine.generate(input_ids=ids, max_new_tokens=1)
                 store.append(res.ttft_ms / floor.ttft_ms(ids, res.cached_tokens)[0])
-                paged_rows.time(engine.encode(prompt_for(prefix)), floor)  # interleaved: drift cancels
+                tier_rows.time(engine.encode(prompt_for(prefix)), floor)  # interleaved: drift cancels
                 if r < max(1, settings.prefix_repeats // 2):  # full prefill is the slow one; fewer samples do
                     full.append(engine.generate(input_ids=engine.encode(prompt_for(prefix)), max_new_tokens=1,
                                                 mode="baseline").ttft_ms)
@@ -75,7 +75,7 @@ def run_prefix(engine, settings: GpuBenchSettings, budget: Budget, on_row: Calla
                    "kvboost_ms": median(kvb), "samples": len(kvb)}
             row["kvboost_over_floor"] = row["kvboost_ms"] / row["floor_ms"] if row["floor_ms"] > 0 else float("nan")
             row["store_over_floor"] = median(store)
-            paged_rows.into(row)
+            tier_rows.into(row)
             section["rows"] = sorted([*section["rows"], row], key=lambda r: r["prefix_tokens"])
             del floor  # its cache copy of the prefix: up to ~1 GB at 30k tokens on a 3B model
             if engine.device.type == "cuda":

@@ -48,7 +48,7 @@ def test_prefix_host_tier_row(tmp_path, one_thread):
     assert out.exit_code == 0, out.output
     assert "host/kvb" in out.output
     (row,) = json.loads(js.read_text())["rows"]
-    tier = row["paged"]
+    tier = row["tiers"]
     assert tier["host_over_floor"] > 0 and tier["host_over_resident"] > 0, tier
     assert row["store_over_resident"] > 0
     assert tier["host_cached_tokens"] > 0
@@ -107,7 +107,7 @@ def test_bench_gpu_quick_writes_every_section(tmp_path, one_thread, device):
     assert set(chat["spike"]) == {"plain", "manual", "kvboost"}
     assert [r["prefix_tokens"] for r in sections["prefix"]["rows"]] == [1000]  # --max-prefix caps the sweep
     row = sections["prefix"]["rows"][0]
-    assert sections["prefix"]["paged_errors"] == {} and not any(k.endswith("_error") for k in row), row
+    assert sections["prefix"]["tier_errors"] == {} and not any(k.endswith("_error") for k in row), row
     assert row["store_over_floor"] > 0 and row["host_over_floor"] > 0
     assert row["host_restored_from_host"] >= 7  # the host row's chunks came from the host tier
     decode = {(r["system"], r["batch"]): r for r in sections["decode"]["rows"]}
