@@ -167,11 +167,9 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(stop_token_ids)
         self.capacity = capacity
         self.stats = CompileStats()
-        t0 = time.perf_counter()
         # Once per engine, at the first format (or server start-up).
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=self.stop_token_ids or None)
-        self.tokenizer_info_ms = (time.perf_counter() - t0) * 1e3
         self.closing = closing_vocab(tokenizer, vocab_size)
         # Our own LRU is the cache (bounded, observable); xgrammar's internal one would be unbounded.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)

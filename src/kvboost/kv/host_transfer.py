@@ -113,10 +113,6 @@ class CudaCopies:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
 
-    def read_on_side(self, tensor: torch.Tensor) -> None:
-        """`tensor` (the compute stream's) is read on the side stream: its memory is not reused before that is done."""
-        tensor.record_stream(self.side)
-
     def join(self) -> torch.cuda.Event:
         """The compute stream waits for all side work; returns an event the host can wait on for all of it."""
         compute = torch.cuda.current_stream(self.device)
@@ -139,9 +135,6 @@ class InlineCopies:
         return None
 
     def wait(self, done: None) -> None:
-        pass
-
-    def read_on_side(self, tensor: torch.Tensor) -> None:
         pass
 
     def join(self) -> None:
