@@ -1,13 +1,8 @@
 """Cut token ids into chunks and give each a prefix-chain key and a content key.
 
-Chunks are chunk_size tokens. With a boundary window W > 0 each cut may slide up to W tokens either way
-to a sentence/paragraph end or a word start (Chunker.spans), decided from the token ids alone.
-
-prefix_key = H(namespace ‖ parent_key ‖ tokens): equal only when every earlier token is equal too,
-so stored K/V (computed in full context) is exactly right. content_key = H(namespace ‖ tokens):
-equal wherever the same tokens appear, whatever came before; reuse through it is approximate.
-The namespace folds in the model fingerprint, dtype, chunk settings, KV bits and tenant salt, so
-keys from another model or tenant can never collide with ours.
+prefix_key = H(namespace, parent_key, tokens) is equal only when every earlier token is (exact reuse); content_key =
+H(namespace, tokens) wherever the tokens appear (approximate reuse). The namespace folds in the model fingerprint,
+dtype, chunk settings, KV bits and tenant salt.
 """
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ class Chunk:
     prefix_key: str
     content_key: str
     parent_key: str | None
-    # The cut after this chunk is decided: every longer sequence with the same tokens up to the decision has
-    # this very chunk. False for a sequence's trailing remainder (shorter than chunk_size with W = 0; with a
-    # boundary window, always the last chunk), which a longer sequence may cut elsewhere.
+    # The cut after this chunk is decided: every longer sequence with the same tokens up to the decision has this chunk.
+    # False for a trailing remainder.
     complete: bool = True
 
     @property
@@ -47,12 +41,9 @@ _CLASS_CACHE: weakref.WeakKeyDictionary[object, np.ndarray] = weakref.WeakKeyDic
 
 
 def boundary_classes(tokenizer) -> np.ndarray:
-    """uint8 per token id: BOUNDARY_END and/or BOUNDARY_WORD bits (0: cutting next to it splits a word).
-
-    Built once per tokenizer (about 0.2 s for 49k ids) and cached, so split() only indexes it. Decoded text
-    decides sentence ends (byte tokens and newlines come out as text); the raw token decides word starts
-    too, because SentencePiece decoders drop a lone token's leading space.
-    """
+    """uint8 per token id: BOUNDARY_END and/or BOUNDARY_WORD bits (0: a cut next to it splits a word). Cached per
+    tokenizer. Decoded text decides sentence ends; the raw token decides word starts too (SentencePiece decoders drop a
+    lone token's leading space)."""
     try:
         cached = _CLASS_CACHE.get(tokenizer)
     except TypeError:  # not weak-referenceable / hashable: build every time
@@ -94,14 +85,9 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 class Chunker:
-    """Cuts token ids into chunks and keys them.
-
-    boundary_window W = 0: fixed cuts every chunk_size tokens. W > 0: the cut after a chunk starting at s
-    is chosen in [s + chunk_size - W, s + chunk_size + W] by `boundary_classes` (see boundary_classes()):
-    right after a sentence/paragraph end if the window has one, else right before a word start, else at the
-    nominal s + chunk_size; the candidate closest to the nominal cut wins within a class, the earlier one on
-    a tie. Cuts depend on the token ids alone, so equal sequences always give equal chunks and keys.
-    """
+    """Cuts token ids into chunks and keys them. boundary_window W = 0: fixed cuts every chunk_size tokens. W > 0: the
+    cut after a chunk starting at s lies in [s + chunk_size - W, s + chunk_size + W]: after a sentence end if any, else
+    before a word start, else nominal; closest to nominal wins, earlier on a tie. Cuts depend on the ids alone."""
 
     def __init__(self, chunk_size: int, namespace: str, boundary_window: int = 0,
                  boundary_classes: np.ndarray | None = None):
@@ -120,8 +106,7 @@ class Chunker:
         return (self.namespace + "|salt=" + (salt or "")).encode()
 
     def root_key(self, salt: str | None = None) -> str:
-        """Parent of every chain's first chunk. Namespaced, so the token-granular search among a
-        parent's children never crosses models or tenants, even at the first chunk."""
+        """Parent of every chain's first chunk, namespaced so child searches never cross models or tenants."""
         return _digest(b"root", self._ns(salt))
 
     def prefix_key(self, parent_key: str | None, token_ids: Sequence[int], salt: str | None = None) -> str:
@@ -131,10 +116,9 @@ class Chunker:
         return _digest(b"content", self._ns(salt), _token_bytes(token_ids))
 
     def spans(self, token_ids: Sequence[int], end: int | None = None) -> list[tuple[int, int, bool]]:
-        """(start, stop, complete) of every chunk, in order; with `end`, only those with stop <= end (cut as in
-        the whole sequence). complete: the cut is decided, so every longer sequence with the same first `stop`
-        (W = 0) or first `start + chunk_size + W + 1` (W > 0) tokens has this very chunk; the trailing
-        remainder is not complete (with W > 0 it never is, and may hold up to chunk_size + W tokens)."""
+        """(start, stop, complete) of every chunk, in order; with `end`, only those with stop <= end (cut as in the
+        whole sequence). complete: every longer sequence sharing enough leading tokens has this very chunk; the trailing
+        remainder never is (with W > 0 it may hold up to chunk_size + W tokens)."""
         return self._spans(token_ids, len(token_ids), end)
 
     def _spans(self, token_ids: Sequence[int] | np.ndarray, n: int, end: int | None) -> list[tuple[int, int, bool]]:
@@ -142,8 +126,8 @@ class Chunker:
         limit = n if end is None else min(n, end)
         if w == 0:
             return [(s, min(s + size, n), s + size <= n) for s in range(0, limit, size) if min(s + size, n) <= limit]
-        # Cut c's class: 2 if token c-1 ends a sentence/paragraph, else 1 if token c starts a word, else 0.
-        # A cut at c <= limit is decided by tokens up to c + 2W at most, so nothing past that is classified.
+        # Cut c's class: 2 if token c-1 ends a sentence, 1 if token c starts a word, else 0; a cut at c <= limit depends
+        # on tokens up to c + 2W.
         m = n if end is None else min(n, end + 2 * w + 1)
         ids = np.asarray(token_ids[:m], dtype=np.int64)
         cls = self._classes[np.clip(ids, 0, len(self._classes) - 1)]
@@ -167,8 +151,8 @@ class Chunker:
 
     def split(self, token_ids: Sequence[int], salt: str | None = None, include_partial: bool = True,
               end: int | None = None) -> list[Chunk]:
-        """Chunks from position 0 (see spans()), plus the trailing incomplete chunk when include_partial; with
-        `end`, only chunks ending at or before it, cut as in the whole sequence."""
+        """Chunks from position 0 (see spans()), plus the trailing incomplete one when include_partial; with `end`, only
+        chunks ending at or before it."""
         chunks: list[Chunk] = []
         parent: str | None = self.root_key(salt)
         ns = self._ns(salt)

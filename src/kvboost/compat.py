@@ -28,11 +28,6 @@ UNSUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 
-def architecture_of(model) -> str:
-    archs = getattr(model.config, "architectures", None) or []
-    return archs[0] if archs else type(model).__name__
-
-
 def check_model_compatibility(model, strict: bool = True) -> str:
     """'supported' / 'untested'; raises ModelNotSupportedError (a ValueError) in strict mode for known-bad ones."""
     arch = type(model).__name__

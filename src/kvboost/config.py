@@ -1,14 +1,8 @@
-"""Every engine option, grouped by concern, validated once; every combination that cannot run refused in one table.
+"""Every engine option, grouped by concern (cache, tiers, execution, speculation), validated once.
 
-    cache        what is reused and how: chunking, reuse at other positions and its repair, tenants, write-back
-    tiers        where stored chunks live: memory (the device's on a GPU), host, disk, Redis, their budgets
-    execution    how forwards run: device, attention, fast path, CPU products, rows per step, long contexts
-    speculation  speculative decoding's defaults (requests may override them)
-
-`EngineConfig(**options)` takes the flat keyword names users pass to `KVBoost(...)`; `config.chunk_size` reads
-through to its group. Each option's own values are checked by its group (a mode is checked against the tuple its
-owner defines); combinations are checked by RULES, the one place that refuses them - with the model's and device's
-facts when the engine is built (Environment), without them when a config is made alone.
+`EngineConfig(**options)` takes the flat keyword names `KVBoost(...)` accepts; `config.chunk_size` reads through to its
+group. Each group checks its own values; combinations are refused in one table, RULES (with the model's and device's
+facts when the engine is built, without them for a config alone).
 """
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """The product site's GPU-cost calculator, as a pure function plus the ``kvboost cost`` CLI command.
 
-Part of the package, not of the benchmarks: ``kvboost cost`` runs after any install (plain arithmetic,
-no model); ``--from-bench`` reads the rates a benchmark run wrote.
-
-Model: every reused prefix token is a token the GPU does not have to prefill.
+Every reused prefix token is one the GPU does not prefill:
 
     tokens_saved_per_day = requests_per_day * prefix_tokens * reuse_rate
     gpu_seconds_per_day  = tokens_saved_per_day / prefill_tokens_per_s
-    gpu_hours_per_day    = gpu_seconds_per_day / 3600
-    usd_per_day          = gpu_seconds_per_day * usd_per_gpu_hour / 3600
-    usd_per_year         = 365 * usd_per_day
-    usd_per_month        = usd_per_year / 12      (an average month: 365/12 = 30.42 days)
+    usd_per_day          = gpu_seconds_per_day * usd_per_gpu_hour / 3600; usd_per_month = 365 * usd_per_day / 12
 
-Bench JSON schema read by ``read_bench_rates`` / ``--from-bench`` (any benchmark may emit it):
-
-    {"reuse_rate": 0.86, "prefill_tokens_per_s": 10000.0, ...}
-or  {"summary": {"reuse_rate": 0.86, "prefill_tokens_per_s": 10000.0}, ...}
-
-``reuse_rate`` is the fraction of prompt-prefix tokens served from cache (0..1); ``prefill_tokens_per_s``
-is the measured baseline prefill throughput. Top-level keys win over ``summary``; other keys are ignored.
+``--from-bench`` reads ``reuse_rate`` (0..1) and ``prefill_tokens_per_s`` from a bench JSON, top level or under
+``summary`` (top level wins).
 """
 from __future__ import annotations
 
@@ -117,11 +106,8 @@ def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefil
 
 def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: float, prefill_tokens_per_s: float,
                   usd_per_gpu_hour: float) -> CostEstimate:
-    """GPU time and money saved per day/month/year by reusing cached prefixes (formulas in the module doc).
-
-    Raises CostInputError (a ValueError naming the parameter) for negative volumes, a reuse rate outside
-    [0, 1], or a non-positive prefill rate or price.
-    """
+    """GPU time and money saved per day/month/year by reusing cached prefixes (module doc formulas). Raises
+    CostInputError for negative volumes, a reuse rate outside [0, 1], or a non-positive rate or price."""
     req, pre, reuse, rate, usd = _validate(requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
                                            usd_per_gpu_hour)
     tokens = req * pre * reuse
@@ -194,8 +180,7 @@ def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
 
 
 def write_estimate(path: str | Path, record: dict[str, Any]) -> Path:
-    """Write ``record`` as indented JSON, atomically (temp file + rename): an interrupted run never leaves a
-    truncated file behind. Returns the path written."""
+    """Write ``record`` as indented JSON atomically (temp file + rename); returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)

@@ -1,13 +1,8 @@
 """InferenceEngine (exported as KVBoost): the public API over one step loop.
 
-    request(...)  -> Request           the keyword API, validated once (request_factory.py)
-    scheduler.add(request)             every request is a row of the engine's scheduler (scheduler.py)
-    scheduler.step()                   admit (prefill through the KV-cache manager) -> one forward for all rows ->
-                                       sample, emit, finish (write-back)
-
-generate() is a batch of one that drains the loop; generate_stream() drains it as its caller reads; generate_batch()
-and generate_many() submit many rows; warm() prefills into a free workspace row and stores the chunks; the server
-submits to the same loop from its worker thread.
+Every request is validated once (request_factory.py) and becomes a row of the engine's scheduler (scheduler.py), whose
+step() admits rows (prefill through the KV-cache manager), runs one forward for all rows and samples, emits and finishes
+them. generate() drains the loop for one row; streams, batches, warm() and the server submit to the same loop.
 """
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-# Imported for their registrations in transformers' attention interfaces before the runner compiles a step: compile
-# guards on that registry's size, and a later registration (the first batch) would compile it again.
+# Imported for their attention-interface registrations before the runner compiles: a later registration would recompile.
 from .batch import cascade as _cascade  # noqa: F401
 from .batch.rows import SequenceHandle
 from .chunking import Chunker, boundary_classes, make_namespace, model_fingerprint
@@ -128,15 +122,13 @@ class InferenceEngine:
         self.lock = threading.RLock()
         self._warm_up()
         self.scheduler = Scheduler(self, self.config.max_batch_size, workspace=self.kv_workspace, runner=self.runner)
-        # Speculative decoding with a draft model: the draft runs in an engine of its own (its own workspace and
-        # prefix reuse), used only under this engine's lock.
+        # Speculation with a draft model: the draft runs in an engine of its own, under this engine's lock.
         self.draft = make_draft_engine(self, draft_model) if draft_model is not None else None
         self.spec_counts = SpecCounts()  # summed over finished requests: cache_stats()["speculative"]
         self.spec_costs: dict[str, StepCosts] = {}  # measured step costs per method, shared by requests
 
     def _warm_up(self) -> None:
-        """Compile the Triton kernels and capture the runner's graphs at load, so that no request, the first
-        included, pays for either (a Triton compile costs ~0.5-1 s per kernel variant on an H100)."""
+        """Compile the Triton kernels and capture the runner's graphs at load, so no request pays for either."""
         ahead = self.runner is not None and self.runner.mode in ("graphs", "compiled")  # capture / compile
         if self.attention != "triton" and not ahead:
             return

@@ -1,6 +1,6 @@
-"""RequestFactory: the keyword API turned into validated Requests, in one place for every path (generate, batches,
-the server): prompt encoding, sampling parameters, output formats compiled once (cached), speculation resolved
-against the engine's config, the context-length check. The engine holds one and delegates to it."""
+"""RequestFactory: the keyword API turned into validated Requests for every path (generate, batches, the server): prompt
+encoding, sampling parameters, output formats, speculation, the context-length check.
+"""
 from __future__ import annotations
 
 import threading
@@ -35,9 +35,8 @@ class RequestFactory:
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
                add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None,
                chat_template_kwargs: dict | None = None) -> list[int]:
-        """Token ids for a raw prompt (used as-is), chat messages (rendered by the chat template, with
-        chat_template_kwargs as extra template variables), or input_ids the caller tokenized itself (checked
-        against the model's vocabulary, used as-is)."""
+        """Token ids for a raw prompt (as-is), chat messages (the chat template, with chat_template_kwargs) or input_ids
+        (checked against the vocabulary)."""
         return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
                              add_generation_prompt, input_ids, chat_template_kwargs)
 
@@ -56,10 +55,9 @@ class RequestFactory:
                      content_reuse: bool | None = None, return_logits: bool = False,
                      t_start: float | None = None, output_format: OutputFormat | None = None,
                      speculative: SpeculativeParams | str | None = "default") -> Request:
-        """A validated Request from token ids. content_reuse None follows EngineConfig.content_reuse; the prompt
-        plus max_new_tokens must fit in the model's context (ContextLengthError otherwise, never a silent cut).
-        output_format: compiled here (cached), so a bad schema fails before anything runs. speculative:
-        "default" (EngineConfig.speculative), a method name, None/"off", or resolved params."""
+        """A validated Request from token ids. content_reuse None follows EngineConfig; the prompt plus max_new_tokens
+        must fit the context (ContextLengthError). output_format is compiled here (cached). speculative: "default", a
+        method name, None/"off", or resolved params."""
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         self.check_logit_bias(params)
@@ -90,8 +88,7 @@ class RequestFactory:
 
     @property
     def grammars(self):
-        """The engine's GrammarCompiler (compiled formats, LRU-cached); StructuredOutputUnavailableError without
-        the structured extra."""
+        """The GrammarCompiler (LRU-cached); StructuredOutputUnavailableError without the structured extra."""
         if self._grammars is None:
             from .decoding.grammar import GrammarCompiler
 
@@ -103,8 +100,8 @@ class RequestFactory:
     def speculation(self, speculative: str | None = "default", num_speculative_tokens: int | None = None,
                     prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None,
                     prediction: str | Sequence[int] | None = None) -> SpeculativeParams | None:
-        """A request's speculation, resolved against EngineConfig (None: off); see decoding.factory.
-        prediction: the expected output, as text or token ids (drafts come from it first)."""
+        """A request's speculation resolved against EngineConfig (None: off). prediction: the expected output, text or
+        ids (drafts come from it first)."""
         return resolve_speculation(self.config, self.has_draft, speculative, num_speculative_tokens,
                                    prompt_lookup_max_ngram, prompt_lookup_min_ngram, self.prediction_ids(prediction))
 
@@ -128,15 +125,12 @@ class RequestFactory:
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 logit_bias: dict[int, float] | None = None, prediction: str | Sequence[int] | None = None,
                 chat_template_kwargs: dict | None = None) -> Request:
-        """The keyword API as a Request: one of prompt (used as-is), messages (chat template) or input_ids.
-        frequency_penalty / presence_penalty / logit_bias (OpenAI's) and repetition_penalty (transformers') adjust
-        the logits before the choice (penalties.py). response_format ({"type": "json_object"} |
-        {"type": "json_schema", "json_schema": {...}}), regex or
-        grammar (EBNF) constrain the output (decoding/grammar.py); logprobs=k reports each token's log-probability
-        and its k best alternatives (GenerationResult.logprobs). speculative: "prompt_lookup", "draft",
-        None/"off", or "default" (the engine's); see speculation(). prediction: the expected output (text or ids,
-        OpenAI's Predicted Outputs): drafts are taken from it first, the output is exactly what it would be
-        without it."""
+        """The keyword API as a Request: one of prompt (as-is), messages (chat template) or input_ids. frequency_penalty
+        / presence_penalty / logit_bias / repetition_penalty adjust the logits (penalties.py). response_format ({"type":
+        "json_object"} | {"type": "json_schema", ...}), regex or grammar (EBNF) constrain the output. logprobs=k reports
+        each token's log-probability and k best alternatives. speculative: "prompt_lookup", "draft", None/"off" or
+        "default". prediction: expected output (OpenAI's Predicted Outputs): drafts come from it first; the output is
+        unchanged."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,

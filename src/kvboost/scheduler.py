@@ -1,24 +1,10 @@
-"""Scheduler: every request is a row of one step loop.
+"""Scheduler: every request is a row of one step loop (continuous batching).
 
-    add(request)  -> handle        queued; any thread
-    step()                         admit waiting rows (prefill) -> one forward for every row -> sample, emit, finish
-
-generate() is a batch of one that drains the loop; generate_stream() drains it as its caller reads; generate_batch(),
-warm() and the server submit to the same loop (engine.py). Rows join at any step and leave when done (continuous
-batching). Each row owns one row ("slot") of the engine's KV workspace (slot.py): its prefill, and its forwards while
-it runs alone, go through the engine's runner (CUDA graphs, the compiled CPU step) exactly as one request always
-did; rows running together are stepped in one batched forward (the runner's fixed-shape rows step, else
-batch/forwards.py).
-
-Shared prefix (batch/cascade.py): when every row starts with the same stored chunk-aligned prefix of P tokens, its
-K/V is loaded once into a SharedPrefix and rows hold only positions [P, length) in their slots (KVWorkspace.base =
-P). A row that arrives without that prefix shrinks it to what all rows still share: the dropped part is copied into
-every active row. The prefix never grows while rows are active and is dropped when the batch empties. A lone row
-never reads one (it keeps the runner's steps).
-
-Speculation (prompt lookup, a draft model; speculative= on the request or the engine): a row alone verifies its
-drafts in one forward of its token and up to k drafts; beside other rows, a step verifies every row's drafts at once
-in a ragged step (batch/speculation.py); a seeded row's output is the seed's alone, whatever it was verified beside.
+add(request) queues a row from any thread; step() admits waiting rows (prefill), runs one forward for every row, then
+samples, emits and finishes. Each row owns a slot of the engine's KV workspace (slot.py); a lone row runs through the
+engine's runner, rows together through one batched forward. When all rows share a stored chunk-aligned prefix, its K/V
+is loaded once (batch/cascade.py) and rows hold only positions past it; the prefix never grows while rows are active.
+Speculating rows verify their drafts alone or in one ragged step (batch/speculation.py).
 """
 from __future__ import annotations
 
@@ -40,18 +26,16 @@ from .results import GenerationMode
 from .sampling import SamplingParams, sample_rows
 from .slot import HostSlot, Slot
 
-# With a runner (CUDA graphs), rows share a prefix through cascade attention only from this length on: a
-# shorter one is copied per row so that decode steps replay as graphs. At 1k shared tokens x 16 rows of a 3B
-# model the copies add ~0.2 ms of reads per step to ~2 ms of weights, while a graph removes ~30 ms of launches.
+# With a runner, rows share a prefix through cascade attention only from this length on: a shorter one is copied per row
+# so decode steps replay as graphs.
 CASCADE_MIN_TOKENS = 2048
 
 
 class Scheduler:
     def __init__(self, engine, max_batch_size: int = 16, shared_prefix_attention: bool | None = None,
                  workspace: KVWorkspace | None = None, runner: ModelRunner | None = None):
-        """workspace / runner: the engine's own (its scheduler); None builds a separate pair (a scheduler of its own
-        beside the engine's, e.g. a test's). shared_prefix_attention: None follows the engine's config; models for
-        which it cannot be exact keep the per-row path, and `shared_prefix_off_reason` says why."""
+        """workspace / runner: the engine's own; None builds a separate pair. shared_prefix_attention: None follows the
+        engine's config; models where it cannot be exact keep per-row copies (`shared_prefix_off_reason` says why)."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if shared_prefix_attention is not None and not isinstance(shared_prefix_attention, bool):
@@ -60,8 +44,7 @@ class Scheduler:
         self.kv = engine.kv
         self._shared_choice = shared_prefix_attention  # None: the engine's config, read at each admission
         self._model_refusal = unsupported_reason(engine.model)
-        # Ragged rows share one query offset in the mask; a sliding window computed from it would be wrong
-        # for the shorter rows, so models with sliding-window layers decode one row at a time.
+        # Ragged rows share one query offset in the mask, so sliding-window models decode one row at a time.
         self.max_batch_size = 1 if has_sliding_layers(engine.model) else max_batch_size
         if workspace is None:
             workspace = KVWorkspace(engine.workspace_shapes, engine.kv_dtype, engine.device,
@@ -101,9 +84,8 @@ class Scheduler:
     # ---- public -------------------------------------------------------------------------------
     def add(self, request: Request | list[int], params: SamplingParams | None = None, prompt_text: str | None = None,
             *, max_rows: int | None = None, **options) -> SequenceHandle:
-        """Queue a Request (built by engine.request / engine.make_request); token ids, SamplingParams and
-        make_request's options are accepted as a shorthand. max_rows: run it only in steps of at most that many
-        rows (generate_batch's max_batch_size)."""
+        """Queue a Request (or token ids, SamplingParams and make_request's options as a shorthand). max_rows: run it
+        only in steps of at most that many rows."""
         if not isinstance(request, Request):
             request = self.engine.make_request(request, params if params is not None else SamplingParams(),
                                                prompt_text, **options)
@@ -123,21 +105,20 @@ class Scheduler:
         return len(self._active) + len(self._streamed)
 
     def kv_bytes(self) -> dict[str, int]:
-        """K/V bytes live now: `shared` (the prefix, once), `rows` (each row's own columns), and `allocated`
-        (the workspace buffers: every slot's columns from the prefix's end to the capacity, used or not)."""
+        """K/V bytes now: `shared` (the prefix, once), `rows` (each row's own columns), `allocated` (the workspace
+        buffers)."""
         per_token = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in self.ws.shapes) * self.ws.dtype.itemsize
         p = self.prefix.length if self.prefix is not None else 0
         return {"shared": self.prefix.nbytes if self.prefix is not None else 0,
                 "rows": sum(r.length - p for r in self._active) * per_token, "allocated": self.ws.nbytes}
 
     def step(self) -> None:
-        """Admit waiting rows, then one forward for every active row. A step that raises fails the rows it was
-        running (each handle gets the error) and re-raises; the loop itself stays usable."""
+        """Admit waiting rows, then one forward for every active row. A step that raises fails the rows it ran (each
+        handle gets the error) and re-raises; the loop stays usable."""
         with self.engine.lock, torch.inference_mode():
             self._drop_cancelled()
             if not self._active and len(self._pending) > 1 and self.runner is not None and self.max_batch_size > 1:
-                # Rows are about to run together: the batched verify compiles now (a scratch step over rows no
-                # request holds), not inside a step the drafting policy times. Once per model.
+                # The batched verify compiles now, not inside a step the drafting policy times.
                 self.runner.prepare_batched_verify()
             self._admit()
             try:
@@ -157,8 +138,8 @@ class Scheduler:
         return Slot(self.engine, self.ws.row(index), self.runner)
 
     def lease(self) -> Slot:
-        """A row no request uses, lent until release(): a draft model's sequence, a warm. The first row when it is
-        free (the runner's steps run over it), else the next free one (the workspace grows a row if need be)."""
+        """A row no request uses, lent until release() (a draft sequence, a warm): the first row when free, else the
+        next free one."""
         if self.ws.base:  # rows share a prefix now (no row holds positions from 0): a private one-row workspace
             return Slot(self.engine, self._private_workspace())
         busy = set(range(len(self._active))) | self._leased
@@ -221,8 +202,7 @@ class Scheduler:
         self._after_sample(row)
 
     def _ensure_rows(self, n: int) -> None:
-        """Workspace rows for n active rows: a batch bucket's worth where the runner steps rows (the compiled rows
-        step takes two at least: a lone row then runs the runner's single-row step anyway)."""
+        """Workspace rows for n active rows (a batch bucket's worth where the runner steps rows)."""
         if self.runner is not None and n > 1:
             n = next((b for b in BATCH_BUCKETS if b >= max(n, self.runner.least_rows)), n)
         self.ws.ensure_rows(n)
@@ -239,8 +219,7 @@ class Scheduler:
             if len(group) >= 2:
                 common = find_common_chunk_prefix([r.ids for r in group], size, engine.chunker)
                 if common:
-                    # Cut as part of the full prompt, so the stored chunks are the ones its rows look up (with a
-                    # boundary window, ids[:common] alone could be cut differently near its end).
+                    # Cut as part of the full prompt, so the stored chunks are the ones its rows look up.
                     engine.warm_ids(group[0].ids[:common], group[0].salt, cut_ids=group[0].ids)
 
     # ---- the shared prefix ----------------------------------------------------------------------
@@ -263,9 +242,7 @@ class Scheduler:
             return 0
         if any(r.mode is GenerationMode.BASELINE for r in rows) or len({r.salt for r in rows}) != 1:
             return 0
-        # ids[:-1]: every row keeps at least its last prompt token after the prefix for its own prefill.
-        # With a boundary window, n is a cut of every row (its cuts below len - 1 are cuts of its full ids too),
-        # which _prefill relies on: it looks up the row's chunks from the first one starting at n.
+        # ids[:-1]: every row keeps its last prompt token for its own prefill; n is a cut of every row.
         n = find_common_chunk_prefix([r.ids[:-1] for r in rows], self.engine.config.chunk_size, self.engine.chunker)
         if self.runner is not None and n < CASCADE_MIN_TOKENS:
             return 0  # rows copy a short prefix, so their decode steps run through the runner (graphs)
@@ -274,8 +251,7 @@ class Scheduler:
 
     def _load_prefix(self, row: Row, target: int) -> SharedPrefix | None:
         """Assemble prefix K/V from the store, once for the whole batch (None if the store lacks it)."""
-        # The row's own chunks (cut as in its full ids: split(ids[:target]) could cut its last chunks elsewhere
-        # under a boundary window), whole chunks only, so n is a cut of every row too.
+        # The row's own chunks, cut as in its full ids, whole chunks only.
         plan = self.kv.lookup(row.ids, row.salt, GenerationMode.PREFIX_CACHE)
         n = min(target, plan.reuse_len)
         return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments, self.engine.device) if n else None
@@ -310,13 +286,11 @@ class Scheduler:
         row.ttft_ms = (time.perf_counter() - request.t_start) * 1e3
 
     def _prefill_over_prefix(self, row: Row):
-        """A row whose positions below the batch's shared prefix are read from it: only its own chunks after the
-        prefix are looked up and placed into its slot."""
+        """A row reading positions below the shared prefix from it: only its own chunks are placed."""
         request, shared = row.request, self.prefix.length
         plan = self.kv.lookup(request.ids, request.salt, request.mode, request.approximate, skip_before=shared)
         if plan.has_content:
-            # Content placed at new positions is repaired over one contiguous sequence from position 0: a private
-            # one-row workspace does exactly what a lone row does; the row's own positions are copied over.
+            # Placed content is repaired over one contiguous sequence: a private one-row workspace, copied over.
             scratch = Slot(self.engine, self._private_workspace())
             pre = scratch.prefill(request)
             keys, values = scratch.ws.read(shared, len(request.ids))
@@ -360,8 +334,8 @@ class Scheduler:
         self._after_sample(row)
 
     def forward_alone(self, tokens: list[int], start: int) -> torch.Tensor:
-        """float32 logits [n, vocab] of tokens run at positions [start, start + n) of the only row (slot 0) after the
-        K/V of its [0, start): a verify, or without drafts the row's plain step."""
+        """float32 logits [n, vocab] of tokens at positions [start, start + n) of the only row (slot 0): a verify, or
+        the row's plain step."""
         assert len(self._active) == 1 and self._active[0].slot == 0
         if self.prefix is None:
             return self.slot(0).forward(tokens, start, all_logits=True).float()
@@ -406,9 +380,8 @@ class Scheduler:
         elif self.prefix is None:  # the slot holds it all from position 0: it stays resident for the next request
             self.slot(row.slot).finish(request, plan, fed)
         elif request.uses_cache and self.engine.config.write_back:
-            # Only the exact part may be stored under prefix-chain keys (after placed content, every later token
-            # attended to approximate K/V). The slot holds no columns below the shared prefix: PrefixedRows reads
-            # those from the prefix.
+            # Only the exact part may be stored under prefix-chain keys; PrefixedRows reads the columns below the
+            # prefix.
             exact = fed[: plan.reuse_len] if plan.needs_repair else fed
             self.kv.write_back(exact, request.salt, PrefixedRows(self.ws, self.prefix), row=row.slot)
 
@@ -426,9 +399,8 @@ class Scheduler:
             row.handle.finished = True
 
     def _release(self, row: Row) -> None:
-        """Free the row's slot; the last active row moves into it so active slots stay 0..n-1 (only its own
-        columns move: those below the shared prefix are not the row's). The row lets go of its plan here, and with
-        it the plan's holds on stored blocks, whoever still holds the row (a caller's handle never does)."""
+        """Free the row's slot; the last active row moves into it so active slots stay 0..n-1. The row lets go of its
+        plan (and its holds on stored blocks) here."""
         row.plan, row.spec = None, None
         if row.host is not None:
             self._streamed.remove(row)

@@ -1,15 +1,8 @@
 """Slot: one row of the engine's KV workspace, and every forward a single sequence runs over it.
 
-A request admitted by the scheduler is given a row. Its prefill goes through the KV-cache manager exactly once:
-
-    lookup(ids, resident)   what the row already holds (a finished request's K/V left there) and what the store has
-    place                   stored K/V copied into the row (content found at other positions re-rotated too)
-    forward / repair        the rest of the prompt: the runner's fixed-shape step (CUDA graphs, compiled CPU step)
-                            when the row is the workspace's first and the suffix fits a bucket, else the eager forward
-    finish                  the exact K/V stays resident for the row's next request and is written to the store
-
-Decode and verify forwards of a row running alone come through forward(); rows running together are stepped by the
-scheduler in one batched forward. A draft model's sequences (decoding/draft.py) and warm() use slots too.
+A row's prefill goes through the KV-cache manager once (lookup, place, forward or repair, finish: the exact K/V stays
+resident and is stored). A row running alone decodes through forward(); rows together are stepped by the scheduler.
+Draft sequences and warm() use slots too.
 """
 from __future__ import annotations
 
@@ -43,8 +36,8 @@ class Prefill:
 
 class Slot:
     def __init__(self, engine: InferenceEngine, ws: RowView | KVWorkspace, runner: ModelRunner | None = None):
-        """ws: a row of a scheduler's workspace (RowView), or a private one-row workspace. runner: the fixed-shape
-        steps over that workspace's first row, if any."""
+        """ws: a scheduler workspace's row or a private one-row workspace. runner: fixed-shape steps over its first row.
+        """
         self.engine, self.ws, self.runner = engine, ws, runner
         self._cache: Cache | None = None  # the eager forwards' cache over the row, its layers' lengths set per call
 
@@ -64,8 +57,7 @@ class Slot:
         """Put the prompt's K/V into the row: reuse what the plan finds, prefill (or repair) the rest."""
         engine, kv, ws, ids = self.engine, self.engine.kv, self.ws, request.ids
         plan = kv.lookup(ids, request.salt, request.mode, request.approximate, self.resident(request.salt))
-        # From here until the forward succeeds the row holds no trustworthy prefix: writes past the plan's resident
-        # part may overwrite what the previous request left.
+        # Until the forward succeeds the row holds no trustworthy prefix.
         ws.resident_tag = None
         ws.ensure_capacity(len(ids) + request.params.max_new_tokens, keep=plan.resident)
         kv.place(plan, ws, ids)
@@ -84,8 +76,7 @@ class Slot:
         return Prefill(plan, logits)
 
     def warm(self, ids: list[int], salt: str | None, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
-        """Compute and store the K/V of ids (every one of them: one more position is looked up, so that the last id
-        may be reused too); returns (chunks stored, chunks already there)."""
+        """Compute and store the K/V of every id; returns (chunks stored, chunks already there)."""
         kv, ws = self.engine.kv, self.ws
         plan = kv.lookup(ids + [0], salt, GenerationMode.CHUNK_KV_REUSE, resident=self.resident(salt))
         ws.resident_tag = None
@@ -99,8 +90,7 @@ class Slot:
     # ---- forwards -----------------------------------------------------------------------------
     def forward(self, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
         """Run tokens at positions [start, start + n) after the K/V of [0, start): float32 logits [vocab] of the last
-        token, or [n, vocab] of every one (all_logits: a speculative verify), overwriting what lay past start.
-        The runner's result is a buffer its next step overwrites: clone what must outlive that."""
+        token, or [n, vocab] (all_logits). The runner's buffer is overwritten by its next step."""
         runner = self.runner
         if self.on_runner and runner.fits(len(tokens)):
             if all_logits and len(tokens) > 1:  # one token (no drafts) is the decode step
@@ -126,8 +116,8 @@ class Slot:
         return ws.resident_ids if ws.resident_tag == self.engine.kv.tag(salt) else []
 
     def claim(self, request: Request, plan: Plan, fed: list[int]) -> None:
-        """Record which exact K/V the row now holds: after a placed (approximate) position every later token
-        attended to approximate K/V, so only the exact prefix may be trusted by the next request."""
+        """Record which exact K/V the row now holds: after a placed (approximate) position only the exact prefix may be
+        trusted."""
         exact = fed[: plan.reuse_len] if plan.needs_repair else fed
         self.ws.resident_ids, self.ws.resident_tag = list(exact), self.engine.kv.tag(request.salt)
 
@@ -143,10 +133,8 @@ class Slot:
 
 
 class HostSlot:
-    """A sequence longer than the device holds (device_kv_max_tokens): its K/V in a host workspace, every forward
-    bringing it to the device one layer at a time (kv/host_workspace.py, model/streamed_forward.py). Same calls as
-    a Slot; it runs its own forwards (it is never stepped in a batched forward). Exact reuse only: a chunk found at
-    another position would need the repair forward over a contiguous device workspace."""
+    """A sequence longer than the device holds: its K/V in a host workspace, streamed to the device a layer at a time.
+    Same calls as a Slot, never batched; exact reuse only."""
 
     index = -1
 

@@ -1,23 +1,10 @@
 """Shared-prefix ("cascade") attention: rows of a batch read one prefix K/V tensor, never B copies of it.
 
-Rows that share a prompt prefix (a system prompt) would otherwise each hold a copy of its K/V, and every
-decode step would read all B copies. Here the prefix K/V lives once per layer as [1, kv_heads, P, d];
-each row's own K/V after it sits in the row's workspace slot. Attention is computed in two parts that
-share one softmax:
-
-  prefix: queries of every row, GQA group and query position folded into the matmul M dimension,
-          [kv_heads, B*groups*q, d] @ [kv_heads, d, P]  -> the prefix is read once per step;
-  suffix: each row over its own columns [P, end) under the usual causal/padding mask.
-
-The scores are merged by a log-sum-exp softmax over both parts, which is the same softmax as over the
-concatenation, so the result equals plain attention up to float rounding.
-
-Wiring into transformers: a function is registered in `AttentionInterface` (and `sdpa_mask` as its
-mask builder in `AttentionMaskInterface`) under CASCADE_ATTENTION. `cascade_forward()` switches a model's
-`config._attn_implementation` to it only around the scheduler's batched forwards (under the engine lock)
-and puts the forward's Cache in a thread-local; the function finds its layer's `shared_prefix` through
-`module.layer_idx`. A call from another thread during that window sees no context and runs plain sdpa,
-so other users of the same model object keep exact results.
+The prefix K/V lives once per layer as [1, kv_heads, P, d]; each row's own K/V sits in its workspace slot. Attention
+runs in two parts merged by one log-sum-exp softmax (equal to plain attention up to rounding): the prefix, with rows,
+GQA groups and queries folded into the matmul M dimension, and each row's suffix under its own mask. cascade_forward()
+switches the model's attention implementation to CASCADE_ATTENTION only around the scheduler's batched forwards (under
+the engine lock); a call from another thread meanwhile runs plain sdpa.
 """
 from __future__ import annotations
 
@@ -43,12 +30,9 @@ class SharedPrefixAttentionError(KVBoostError, RuntimeError):
 
 def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
                             prefix_value: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Attention of query [B, Hq, q, d] over prefix_key/value [1, Hkv, P, d] (seen by every query) followed by
-    key/value [B, Hkv, S, d] under `mask` ([B or 1, 1, q, S]: bool = may attend, float = additive bias;
-    None = causal aligned to the last query, i.e. query i sees suffix keys j <= i + S - q).
-
-    Returns [B, Hq, q, dv]. Scores are taken in the input dtype and the softmax in float32, as eager does.
-    """
+    """Attention of query [B, Hq, q, d] over prefix_key/value [1, Hkv, P, d] then key/value [B, Hkv, S, d] under `mask`
+    ([B or 1, 1, q, S]: bool = may attend, float = bias; None = bottom-right causal). Returns [B, Hq, q, dv]; scores in
+    the input dtype, softmax in float32, as eager does."""
     b, hq, q, d = query.shape
     hkv, p = prefix_key.shape[1], prefix_key.shape[2]
     s, dv = key.shape[2], value.shape[-1]
@@ -124,8 +108,7 @@ def _cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
 
 
 AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention_forward)
-# Masks are built exactly as for sdpa (bool, [B, 1, q, kv_length] from the cache's kv_offset), so the
-# sdpa fallback above receives the format it expects.
+# Masks are built exactly as for sdpa, so the sdpa fallback gets the format it expects.
 AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
 
 
@@ -146,12 +129,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 @contextmanager
 def cascade_forward(model: torch.nn.Module, cache) -> Iterator[None]:
-    """Run the model's forwards inside this block through shared-prefix attention over `cache`'s layers.
-
-    Callers must hold the lock that serializes the model's other forwards (the engine lock): the switch is
-    on the model's config. On exit the previous implementation is restored, and a forward in which not
-    every cache layer's attention went through the shared prefix raises instead of returning wrong output.
-    """
+    """Run the model's forwards in this block through shared-prefix attention over `cache`'s layers. Hold the engine
+    lock (the switch is on the model's config). A forward in which some layer bypassed the shared prefix raises instead
+    of returning wrong output."""
     ctx = _Context(cache)
     previous = getattr(_local, "ctx", None)
     _local.ctx = ctx

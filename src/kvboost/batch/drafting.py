@@ -1,27 +1,14 @@
 """How many tokens each row of a busy batch verifies in one step: the width of a ragged verify.
 
-With several rows active, a step is one forward of q tokens per row: each prompt-lookup row's last token and up to
-q - 1 of its drafts, the other rows' token padded to q (padding positions are computed and never counted). A wider
-step costs every row, so the width is picked for the whole batch, to maximize tokens emitted per second:
+A step is one forward of q tokens per row (each row's last token and up to q - 1 drafts, other rows padded). A wider
+step costs every row, so q is picked for the whole batch to maximize tokens per second: rate(1) = n / plain(n); rate(q)
+= sum_i E_i(min(q - 1, drafts_i)) / verify(n * q), with E_i from the row's AdaptiveK and costs as measured (a total not
+timed yet is not guessed cheap: a wrong guess costs every row).
 
-    rate(1) = n / plain(n)                                   n rows, one token each
-    rate(q) = sum over rows of E_i(min(q - 1, drafts_i)) / verify(n * q)
-
-E_i(k): the tokens a verify of k drafts is expected to emit for row i (its AdaptiveK's acceptance; 1 for a row
-without drafts). plain(n): measured per row count. verify(T): measured per total tokens T = n * q, as timed at T,
-else on the line fitted through the verifies timed so far, else (no slope yet) in proportion to T. On a CPU a
-forward's cost grows with its tokens (SmolLM2-135M, one thread: 2 rows x 2 tokens ~50 ms, 4 x 3 ~93 ms, 4 x 9
-~176 ms, a plain step of 4 rows ~50 ms), so a length not timed yet is not guessed cheap as the single path guesses:
-here a wrong guess costs every row.
-
-The first steps are plain (their time is the yardstick) and the first verify is a probe of PROBE_K drafts. A batch
-whose verifies stop paying pauses drafting and retries one draft when the pause ends, doubling the pause while it
-keeps losing (as AdaptiveK does for one sequence); a pause is never shorter than what keeps retries under
-RETRY_SHARE of the decode time (long where a verify costs several plain steps: on a GPU, a ragged step over a
-shared prefix runs eagerly while plain steps replay as CUDA graphs). Where no width could pay even if every draft
-were kept, rows do not even propose, bar one probe every REPROBE_STEPS. A new row's acceptance starts from what the
-batch's rows have had (`prior`): AdaptiveK's own prior (0.8) would have every fresh row of a chat batch look worth a
-wide verify until it had failed a few.
+The first steps are plain, then one probe of PROBE_K drafts. A batch whose verifies stop paying pauses drafting,
+doubling the pause while it keeps losing, never shorter than keeps retries under RETRY_SHARE of decode time. Where no
+width could pay, rows do not propose, bar one probe every REPROBE_STEPS. A new row's acceptance starts from the batch's
+(`prior`).
 """
 from __future__ import annotations
 
@@ -37,8 +24,7 @@ RETRY_SHARE = 0.03  # the most of a batch's decode time that retries after a los
 
 @dataclass
 class RowDrafts:
-    """One row's proposal for this step: its drafts (possibly none) and the AdaptiveK whose acceptance they are
-    judged at (None: the row does not speculate)."""
+    """One row's drafts this step and the AdaptiveK judging them (None: the row does not speculate)."""
 
     drafts: list[int]
     adaptive: AdaptiveK | None = None
@@ -82,10 +68,8 @@ class BatchDrafting:
         self._hopeless.clear()
 
     def proposing(self, rows: int) -> bool:
-        """Whether this step's rows propose drafts at all: not before a plain step of this many rows is measured,
-        not while paused, and not where no verify could pay even if every draft were kept (many rows on a CPU, where
-        a verify costs what its tokens do): there, one probe every REPROBE_STEPS re-measures, and the rows skip
-        proposing (prompt lookup's search costs host time every step) until then."""
+        """Whether this step's rows propose at all: not before a plain step of this many rows is measured, not while
+        paused, and not where no verify could pay (then one probe every REPROBE_STEPS)."""
         if rows not in self.plain_s:
             return False
         if self.wait > 0:
@@ -97,8 +81,8 @@ class BatchDrafting:
         return True
 
     def hopeless(self, rows: int) -> bool:
-        """No width beats a plain step even if every row kept all its drafts (needs a verify timed). Asked every
-        step: remembered until a step is timed again."""
+        """No width beats a plain step even if every draft were kept (needs a verify timed); remembered until a step is
+        timed again."""
         if rows not in self._hopeless:
             plain = rows / self.plain_s[rows]
             self._hopeless[rows] = all(rows * q / max(self.verify_cost(rows * q), 1e-12) <= plain
@@ -106,8 +90,8 @@ class BatchDrafting:
         return self._hopeless[rows]
 
     def width(self, proposals: Sequence[RowDrafts], limit: int) -> int:
-        """Tokens per row for this step (1 = plain), at most `limit` (the workspace's room past the longest row);
-        call when proposing() said so."""
+        """Tokens per row for this step (1 = plain), at most `limit` (the room past the longest row); call when
+        proposing() said so."""
         n = len(proposals)
         longest = max((len(p.drafts) for p in proposals), default=0)
         limit = min(limit, longest + 1)
@@ -124,9 +108,7 @@ class BatchDrafting:
             rates[q] = emitted[q] / max(self.verify_cost(n * q), 1e-12)
         best = max(rates, key=lambda q: (rates[q], -q))
         if best == 1:  # drafting does not pay now: pause, then retry with one draft to re-measure
-            # A retry costs what a 2-wide verify costs over a plain step: pauses are long enough to keep retries
-            # under RETRY_SHARE of the decode time (where a verify costs several plain steps, longer than
-            # max_pause), and double while drafting keeps losing.
+            # Pauses keep retries under RETRY_SHARE of the decode time and double while drafting keeps losing.
             extra = max(0.0, self.verify_cost(2 * n) - self.plain_s[n])
             shortest = math.ceil(extra / (RETRY_SHARE * self.plain_s[n]))
             self.wait = max(self.pause, shortest)
@@ -135,17 +117,15 @@ class BatchDrafting:
         return best
 
     def verify_cost(self, total: int) -> float:
-        """Seconds of a verify of `total` tokens in all: as timed at that total, else on the fitted line; before two
-        totals far enough apart have given the line a slope, in proportion to the nearest total timed below it
-        (never cheaper than one timed above: a wider step costs at least as much). Cautious on purpose: a
-        flat guess would send the next step to the widest verify, which costs every row."""
+        """Seconds of a verify of `total` tokens: as timed, else on the fitted line, else (no slope yet) in proportion
+        to the nearest total timed below, never cheaper than one timed above. Cautious on purpose: a flat guess would
+        pick the widest verify."""
         c = self.verify
         if total in c.by_length:
             timed = c.by_length[total]
             if c.samples.get(total, 0) >= 2:
                 return timed
-            # Timed once: not trusted above what the totals below it say (a first run may have captured a CUDA
-            # graph or paged memory in; left as it is, it would never be chosen, hence never timed again).
+            # Timed once: not trusted above what the totals below it say (a first run may have paid one-off costs).
             below = [t for t in c.by_length if t < total]
             return min(timed, c.by_length[max(below)] * total / max(below)) if below else timed
         if c.extra is not None:
@@ -176,8 +156,8 @@ class BatchDrafting:
         self._hopeless.pop(rows, None)
 
     def timed_verify(self, rows: int, width: int, seconds: float, kept_whole: bool) -> None:
-        """A ragged verify of `width` tokens per row took `seconds`; kept_whole: some row kept all its drafts
-        (drafting pays again: the pause starts short)."""
+        """A ragged verify of `width` tokens per row took `seconds`; kept_whole: some row kept all its drafts (the pause
+        starts short)."""
         self.record_verify(rows * width, seconds)
         self.verifies += 1
         if kept_whole:

@@ -1,7 +1,4 @@
 """Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V.
-
-Public helpers from the product docs (find_common_chunk_prefix, broadcast_kv, group_by_prefix), and the
-SharedPrefix that the Scheduler loads once and every row of a batch attends to (cascade.py).
 """
 from __future__ import annotations
 
@@ -21,13 +18,8 @@ if TYPE_CHECKING:
 
 def find_common_chunk_prefix(all_token_ids: Sequence[Sequence[int]], chunk_size: int,
                              chunker: Chunker | None = None) -> int:
-    """Length of the longest chunk-aligned prefix shared by every prompt.
-
-    Without a chunker (or with one whose boundary window is 0) chunks are fixed: multiples of chunk_size.
-    With a boundary window the cuts depend on each prompt's tokens, so the answer is the furthest cut of the
-    first prompt's complete chunks (chunker.spans) up to which every prompt has the same tokens and the same
-    sequence of complete cuts: a prefix that ends on a chunk boundary of each prompt, chained by the same keys.
-    """
+    """Length of the longest chunk-aligned prefix shared by every prompt. With a boundary window: the furthest of the
+    first prompt's complete cuts up to which every prompt has the same tokens and the same complete cuts."""
     if not all_token_ids:
         return 0
     if chunker is not None and chunker.boundary_window:
@@ -51,8 +43,7 @@ def _common_variable_prefix(all_token_ids: Sequence[Sequence[int]], chunker: Chu
         same = int(diff[0]) if len(diff) else m
     if same == 0:
         return 0
-    # Each prompt's complete cuts up to `same`, in order (decided with its own tokens past `same`); the
-    # answer is the last cut of the longest run the prompts agree on, so their chunk chains agree up to it.
+    # Each prompt's complete cuts up to `same`; the answer is the last cut of the longest run they agree on.
     cuts = [[stop for _, stop, complete in chunker.spans(ids, end=same) if complete] for ids in all_token_ids]
     n = 0
     for k, stop in enumerate(cuts[0]):
@@ -75,8 +66,7 @@ def broadcast_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_size: in
 
 def group_by_prefix(prompts: Sequence[str], token_ids_list: Sequence[Sequence[int]], chunk_size: int,
                     n_prefix_chunks: int = 3, chunker: Chunker | None = None) -> dict[tuple, list[int]]:
-    """Prompt indices grouped by their first n_prefix_chunks chunks (shorter prompts by all full chunks).
-    With a chunker the chunks are its complete ones (their lengths vary with a boundary window)."""
+    """Prompt indices grouped by their first n_prefix_chunks chunks (the chunker's complete ones)."""
     if len(prompts) != len(token_ids_list):
         raise ValueError("prompts and token_ids_list differ in length")
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -92,8 +82,8 @@ def group_by_prefix(prompts: Sequence[str], token_ids_list: Sequence[Sequence[in
 
 @dataclass(repr=False)
 class SharedPrefix:
-    """K/V of a batch's common first `length` tokens: one [1, kv_heads, length, d] tensor per layer, read by
-    every row (never copied into rows). `salt` is the tenant whose namespace the K/V was stored under."""
+    """K/V of a batch's common first `length` tokens, one [1, kv_heads, length, d] tensor per layer read by every row.
+    `salt`: the tenant it was stored under."""
 
     ids: tuple[int, ...]
     salt: str | None
@@ -117,10 +107,8 @@ class SharedPrefix:
     @classmethod
     def from_segments(cls, ids: Sequence[int], salt: str | None, segments: Sequence[Segment],
                       device: torch.device | str | None = None) -> SharedPrefix:
-        """Concatenate stored chunk records covering positions [0, len(ids)) into one tensor per layer, on
-        `device` (records from the disk or Redis tier live on the CPU; attention needs them beside the queries).
-
-        Records hold one chunk each, so a multi-chunk prefix is assembled once here; that is the only copy."""
+        """Concatenate stored records covering positions [0, len(ids)) into one tensor per layer on `device`: the only
+        copy."""
         n = len(ids)
         parts = [(seg, min(seg.n_tokens, n - seg.start)) for seg in segments if seg.start < n]
         ends = [0] + [seg.start + k for seg, k in parts]
@@ -145,9 +133,8 @@ class SharedPrefix:
 
 
 class PrefixedRows:
-    """Reads a batch row's K/V as if it were contiguous: positions below the shared prefix's length come from
-    the prefix, the rest from the row's workspace slot. Same `read` contract as KVWorkspace.read (owned copies),
-    so the engine's write-back stores correct chunks even though the slot's prefix columns are empty."""
+    """Reads a batch row's K/V as if contiguous (below the prefix from the prefix, the rest from the slot), with
+    KVWorkspace.read's contract, so write-back stores correct chunks."""
 
     def __init__(self, ws: KVWorkspace, prefix: SharedPrefix | None):
         self.ws, self.prefix = ws, prefix

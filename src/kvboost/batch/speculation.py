@@ -1,16 +1,7 @@
-"""Speculation for the scheduler's rows: one implementation, per row.
-
-A speculating row (prompt lookup, a draft model) holds a Speculator: its proposer and its sampler's acceptance rule.
-Alone, the row verifies its drafts as one sequence always did: one forward of its token and up to k drafts over its
-slot (the runner's verify step where there is one), k sized by its AdaptiveK from the engine's measured step costs.
-Beside other rows, a step verifies every row's drafts at once: a ragged step of q tokens per row (each row's token,
-then its own drafts, padded to q), under a mask that keeps each query to its own row's columns up to itself. Each row
-keeps what its sampler accepts and its length moves by that; padding and rejected drafts leave K/V past the length,
-which the next step overwrites. The width q is the batch's (drafting.py: the expected tokens emitted per second, from
-every row's acceptance and the measured step costs), so a batch whose drafts do not pay decodes plainly.
-
-A sampled row's sampler draws once per emitted token whatever was drafted (Speculator.pick), so a seeded row's output
-is its non-speculative output, alone or beside any rows.
+"""Speculation for the scheduler's rows. A row alone verifies its drafts in one forward over its slot, k sized by its
+AdaptiveK; beside other rows, a ragged step verifies every row's drafts at once (q tokens per row, each masked to its
+own columns), with q chosen for the batch (drafting.py). Each row keeps what its sampler accepts; a seeded row's output
+is its non-speculative output.
 """
 from __future__ import annotations
 
@@ -42,8 +33,7 @@ class RowSpeculation:
         engine = self.scheduler.engine
         costs = engine.spec_costs.setdefault(params.method, StepCosts())  # one per engine and method
         proposer = factory.make_proposer(engine, request, row.ids + [row.next_token], costs)
-        # The forward is a bound method, not a closure over the row: a row -> speculator -> row cycle would keep the
-        # row's plan alive until the garbage collector ran.
+        # A bound method, not a closure: a row -> speculator -> row cycle would keep the plan alive until GC.
         forward = self.scheduler.forward_alone if row.host is None else row.host.forward_all
         spec = Speculator(proposer, row.sampler, params, forward, costs)
         self.drafting.prior(spec.adaptive)
@@ -81,17 +71,13 @@ class RowSpeculation:
         return True
 
     def timed_plain(self, rows: list[Row], t0: float) -> None:
-        """A plain step of these rows, started at t0, is done (its tokens reached the host): its time is the
-        yardstick the batch's verify widths are judged against."""
+        """A plain step of these rows, started at t0, is done: the yardstick for verify widths."""
         if len(rows) > 1 and any(r.spec is not None for r in rows):
             self.drafting.timed_plain(len(rows), time.perf_counter() - t0)
 
     def _verify_rows(self, rows: list[Row], proposals: list[RowDrafts], width: int, room: int) -> None:
-        """One forward of `width` tokens per row: each row's token, then its drafts (cut to width - 1), padded with
-        its token; each speculating row keeps what its sampler accepts, the others sample their first position.
-        With a runner (CUDA graphs, compiled steps) the step is its fixed-shape batched verify, the width rounded up
-        to one of its widths (the extra positions carry more drafts where rows have them: they cost nothing more
-        there), or cut to the widest step there is for that many rows."""
+        """One forward of `width` tokens per row (its token, then drafts cut to width - 1, padded); each speculating row
+        keeps what its sampler accepts. With a runner the width is rounded to one of its steps' widths."""
         scheduler = self.scheduler
         t0 = time.perf_counter()
         lengths = [r.length for r in rows]

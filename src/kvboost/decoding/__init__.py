@@ -21,7 +21,6 @@ class OutputTracker:
         self.emitted = 0
         self.finished = False
         self.finish_reason = "length"
-        self.last_token_fed_to_model = True  # False when the final sampled token was never run through the model
 
     def feed(self, token: int) -> str:
         """Register one sampled token; returns the new visible text (possibly empty)."""
@@ -34,10 +33,9 @@ class OutputTracker:
         if cut >= 0:
             self.text = self.text[:cut]
             self.finished, self.finish_reason = True, "stop"
-            self.last_token_fed_to_model = False
             return self._flush()
         if len(self.tokens) >= self.max_new_tokens:
-            self.finished, self.last_token_fed_to_model = True, False
+            self.finished = True
             return self._flush()
         safe = len(self.text) - held_back_length(self.text, self.stop)
         if self.text.endswith("\ufffd"):  # incomplete UTF-8: wait for the next bytes

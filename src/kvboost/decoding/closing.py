@@ -1,18 +1,10 @@
 """Finishing structured output inside max_new_tokens: the shortest way a grammar may still stop, found greedily.
 
-A model that loops inside a JSON value (a list that never ends, a number with ever more digits) would run into
-max_new_tokens with the JSON unfinished: not parseable, whatever the grammar allowed on the way. With a token
-budget, the constraint (constraint.py) looks, over the budget's last HORIZON tokens, for a continuation of
-single-character tokens that lets the grammar stop, and once that continuation needs every token left it forces
-it: the output then ends exactly at the budget (finish reason "length", as before) and parses.
-
-The continuation is found greedily, not searched, one character at a time: inside a string (a letter and '"'
-both allowed) close it; otherwise the first allowed character of CLOSING_CHARS, closers first, then the
-shortest values ('0', '""', null), then what keys, literals and patterns may force. The text found is then
-written with the tokenizer's own tokens ('{"tags":[],"note":"","n":0}': 27 characters, 13 SmolLM2 tokens) when
-the grammar takes them. Every plan is checked token by token against the grammar (the matcher is rolled back
-after), so a forced token is always one the grammar allows; when no continuation within HORIZON tokens lets the
-grammar stop, nothing is forced.
+A model looping inside a JSON value would hit max_new_tokens with unparseable output. With a budget, the constraint
+looks over the last HORIZON tokens for a continuation that lets the grammar stop and forces it once it needs every token
+left (finish reason "length", output parses). The continuation is built one character at a time (close a string; else
+closers first, then the shortest values, then what the grammar forces), then written with the tokenizer's longer tokens
+where the grammar takes them; every plan is checked against the grammar.
 """
 from __future__ import annotations
 
@@ -27,8 +19,8 @@ CLOSING_CHARS = ('}]"0ntf[{,:' + "123456789-." + "abcdefghijklmnopqrstuvwxyz" + 
 
 @dataclass(frozen=True)
 class ClosingVocab:
-    """What the planner writes with: the single-character tokens of CLOSING_CHARS, in that order, and the
-    tokenizer's encode (no special tokens), which packs a planned text into fewer, longer tokens."""
+    """What the planner writes with: the single-character tokens of CLOSING_CHARS, in order, and the tokenizer's encode
+    (packs a planned text into fewer tokens)."""
 
     chars: tuple[tuple[str, int], ...]
     encode: Callable[[str], list[int]]
@@ -63,10 +55,8 @@ class ClosingPlanner:
         self._words = self.bitmask[0].numpy()  # int32 words; reading a few is cheaper than copying them all out
 
     def plan(self, limit: int) -> list[int] | None:
-        """Tokens, at most `limit`, after which the grammar may stop ([]: it may stop now); None if this greedy
-        continuation does not get there within `limit`. The continuation is found one character at a time, then
-        written with the tokenizer's own (longer) tokens where the grammar takes them. The matcher is left as it
-        was."""
+        """Tokens, at most `limit`, after which the grammar may stop ([]: now); None if the greedy continuation does not
+        get there within `limit`. The matcher is left as it was."""
         chars = self._characters(2 * limit)  # a text of n characters is at most n tokens, often far fewer
         if chars is None:
             return None

@@ -1,9 +1,6 @@
-"""Per-sequence grammar state: which tokens may come next, applied to logits as a mask.
-
-One TokenConstraint per generated sequence (a batch row, a server choice). The sampler calls mask() before
-choosing and advance() after; accepts()/rollback() let a verifier check draft tokens (speculative decoding)
-and undo the ones it rejects. EOS is allowed exactly where the grammar accepts termination: the engine's
-EOS ids are the matcher's stop tokens.
+"""Per-sequence grammar state: which tokens may come next, applied to logits as a mask. The sampler calls mask() before
+choosing and advance() after; accepts()/rollback() let a verifier check and undo drafts. EOS is allowed exactly where
+the grammar may terminate.
 """
 from __future__ import annotations
 
@@ -22,8 +19,8 @@ class GrammarViolationError(KVBoostError, RuntimeError):
 class TokenConstraint:
     def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int], budget: int | None = None,
                  closing: ClosingVocab | None = None):
-        """budget: the sequence's max_new_tokens; with `closing` (what decoding/closing.py writes with) its last
-        tokens are forced to finish the output where it would otherwise be cut unfinished."""
+        """budget: the sequence's max_new_tokens; with `closing` (decoding/closing.py) its last tokens are forced to
+        finish the output rather than cut it."""
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -37,11 +34,9 @@ class TokenConstraint:
             if budget is not None and closing is not None else None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [vocab] (any device) with every token the grammar forbids at -inf: in place when they are
-        contiguous float32 (the engine's always are), else in a float32 copy. In place because a copy of the row
-        is the one cost here that scales with the vocabulary: on the loaded 2-core box this was measured on, one
-        200 kB copy took ~15 ms (thread wake-ups), fill + apply ~0.05 ms. Where the budget's last tokens must
-        close the output, every token but the closing one is masked."""
+        """logits [vocab] with every forbidden token at -inf: in place when contiguous float32 (a copy of the row is the
+        one cost that scales with the vocabulary), else in a float32 copy. Where the budget's last tokens must close the
+        output, every token but the closing one is masked."""
         out = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
         forced = self._closing_token()
         if forced is not None:
@@ -58,8 +53,8 @@ class TokenConstraint:
                 self._device_bitmask = torch.empty_like(bitmask, device=out.device)
             self._device_bitmask.copy_(bitmask, non_blocking=True)
             bitmask = self._device_bitmask
-        # The model's vocabulary may be padded past the tokenizer's: the mask covers vocab_size tokens. On the CPU
-        # the C++ kernel is named: "auto" picked a torch path there that costs ~15 ms a token (0.03 ms this way).
+        # The vocabulary may be padded past the tokenizer's: the mask covers vocab_size tokens. On the CPU the C++
+        # kernel is named: "auto" picks a much slower torch path there.
         backend = "cpu" if out.device.type == "cpu" else "auto"
         self._xgr.apply_token_bitmask_inplace(row, bitmask, vocab_size=min(self.vocab_size, row.shape[-1]),
                                               backend=backend)
@@ -106,10 +101,9 @@ class TokenConstraint:
             self.emitted -= n
 
     def _closing_token(self) -> int | None:
-        """The token that must come next for the output to finish within the budget, or None (the model picks).
-        Looked for over the budget's last HORIZON tokens; once the closing needs all but CLOSING_MARGIN of what is
-        left, every later token is forced (the model's own next token could open something longer to close),
-        ending with a stop token. `forced` counts them: the result then reports finish_reason "length"."""
+        """The token that must come next to finish within the budget, or None (the model picks). Once closing needs all
+        but CLOSING_MARGIN of what is left, every later token is forced, ending with a stop token; `forced` counts them
+        (finish_reason "length")."""
         if self._closing is None or self.matcher.is_terminated():
             return None
         left = self.budget - self.emitted

@@ -1,14 +1,8 @@
 """Output formats (JSON object, JSON schema, regex, EBNF grammar) compiled once per tokenizer and cached.
 
-The grammar library is xgrammar (the `structured` extra), chosen by measurement on SmolLM2's tokenizer
-(CPU): ~0.3-0.4 ms p50 per token to fill and apply a mask, against ~12 ms p50 (with multi-second stalls)
-for llguidance 1.9; xgrammar compiles a typical schema in ~8-20 ms (llguidance ~2 ms, lazily). It is
-imported only here and in constraint.py, and only when a format is actually compiled, so `pip install
-kvboost` without the extra runs everything else; asking for a format without it raises
-StructuredOutputUnavailableError.
-
-An OutputFormat is validated without the library (so a server answers a malformed response_format with a
-400 even where the extra is missing); compile errors become GrammarError naming the library's complaint.
+The library is xgrammar (the `structured` extra; chosen over llguidance for its per-token mask cost), imported only when
+a format is compiled: without the extra, asking for a format raises StructuredOutputUnavailableError. An OutputFormat is
+validated without the library; compile errors become GrammarError.
 """
 from __future__ import annotations
 
@@ -24,9 +18,8 @@ from ..errors import InvalidRequestError, KVBoostError
 from .closing import ClosingVocab, closing_vocab
 
 FORMAT_KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
-# JSON may hold whitespace between tokens, at most this many characters in a row: models write the indented JSON
-# they were trained on (a compact-only grammar pushed SmolLM2 out of distribution: it closed a string with "}" and
-# looped), while a model that would fill its budget with newlines cannot.
+# Whitespace allowed between JSON tokens, at most this many characters: models write the indented JSON they were trained
+# on (compact-only pushed SmolLM2 out of distribution), but cannot fill the budget with newlines.
 MAX_JSON_WHITESPACE = 20
 
 
@@ -40,8 +33,8 @@ class StructuredOutputUnavailableError(KVBoostError, ImportError):
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """What the output must match. `source` is the cache key's text (a schema as compact JSON in its own key
-    order: property order is the order the output follows, so it is part of the grammar)."""
+    """What the output must match. `source` is the cache key's text (a schema as compact JSON in its own key order,
+    which the output follows)."""
 
     kind: str
     source: str = ""
@@ -54,13 +47,10 @@ class OutputFormat:
 
 def parse_output_format(response_format: Any = None, regex: str | None = None,
                         grammar: str | None = None) -> OutputFormat | None:
-    """The one format a request asks for, or None for free text. At most one of the three may be given.
-
-    response_format: None | {"type": "text"} | {"type": "json_object"} |
-        {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}} (OpenAI's shape;
-        a bare schema under "json_schema" is accepted too) | a pydantic model class.
-    regex: a regular expression the whole output must match. grammar: EBNF (GBNF style, root rule `root`).
-    """
+    """The one format a request asks for (at most one of the three), or None for free text. response_format: None |
+    {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}} (OpenAI's shape; a bare
+    schema accepted) | a pydantic model class. regex: matches the whole output. grammar: EBNF (GBNF style, root rule
+    `root`)."""
     given = [name for name, v in (("response_format", _format_given(response_format)), ("regex", regex),
                                   ("grammar", grammar)) if v]
     if len(given) > 1:
@@ -119,9 +109,8 @@ def json_schema_format(schema: Any, param: str = "response_format") -> OutputFor
 
 
 def structural_tag_format(spec: dict[str, Any], param: str = "tools") -> OutputFormat:
-    """Free text in which each `begin` trigger opens a constrained section (tool calls for tool_choice=auto):
-    spec = {"triggers": [...], "tags": [{"begin": ..., "schema": {...}, "end": ...}, ...]}, and optionally
-    "stop_after_first": true (the output ends with the first section: parallel_tool_calls false)."""
+    """Free text in which each `begin` trigger opens a constrained section (tool_choice=auto): spec = {"triggers":
+    [...], "tags": [{"begin", "schema", "end"}, ...]}, optionally "stop_after_first": true."""
     return OutputFormat("structural_tag", json.dumps(spec, separators=(",", ":")), param)
 
 
@@ -145,8 +134,8 @@ class CompiledFormat:
     closing: ClosingVocab | None = None  # what may finish an output cut by its budget (closing.py)
 
     def constraint(self, budget: int | None = None):
-        """A fresh decoding.constraint.TokenConstraint (the per-sequence grammar state); with budget (the
-        sequence's max_new_tokens) its last tokens finish the output rather than leave it cut."""
+        """A fresh TokenConstraint (per-sequence grammar state); with budget (max_new_tokens) its last tokens finish the
+        output rather than cut it."""
         from .constraint import TokenConstraint
 
         return TokenConstraint(self.compiled, self.vocab_size, self.stop_token_ids, budget, self.closing)
@@ -160,10 +149,8 @@ class CompileStats:
 
 
 class GrammarCompiler:
-    """Compiles OutputFormats against one tokenizer; a bounded LRU keeps the compiled grammars.
-
-    Thread-safe: the server compiles while validating a request (event loop) and the worker builds matchers.
-    """
+    """Compiles OutputFormats against one tokenizer; a bounded LRU keeps the compiled grammars. Thread-safe (the server
+    compiles on the event loop while the worker builds matchers)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], capacity: int = 256):
         try:
@@ -180,11 +167,9 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(stop_token_ids)
         self.capacity = capacity
         self.stats = CompileStats()
-        t0 = time.perf_counter()
-        # ~0.3 s for a 49k vocabulary: once per engine, at the first format (or at server start-up).
+        # Once per engine, at the first format (or server start-up).
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=self.stop_token_ids or None)
-        self.tokenizer_info_ms = (time.perf_counter() - t0) * 1e3
         self.closing = closing_vocab(tokenizer, vocab_size)
         # Our own LRU is the cache (bounded, observable); xgrammar's internal one would be unbounded.
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
@@ -214,8 +199,7 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if fmt.kind == "json_object":
-                # OpenAI's json_object is an object (xgrammar's builtin JSON grammar would allow any value), with
-                # any keys (strict_mode off: not additionalProperties=false).
+                # json_object: an object (xgrammar's builtin allows any value) with any keys (strict_mode off).
                 return c.compile_json_schema('{"type": "object"}', strict_mode=False,
                                              max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if fmt.kind == "json_schema":

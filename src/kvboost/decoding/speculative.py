@@ -1,20 +1,10 @@
-"""Speculative decoding: which tokens of a verified draft to keep.
+"""Speculative decoding: which tokens of a verified draft to keep, and how many to propose.
 
-A proposer (prompt lookup, a draft model) guesses the next k tokens d1..dk. The target model runs the last
-sampled token t0 and the drafts in ONE forward, which yields its logits after t0, d1, ..., dk: k + 1
-distributions p0..pk. This module decides how many drafts to keep and which token follows them:
-
-* greedy: keep d_{i+1} while it equals argmax(p_i); the first disagreement is replaced by the argmax (a
-  "correction"), and when every draft is kept argmax(p_k) is a free "bonus" token. The output is the greedy
-  output, token for token: every kept token is the argmax of the target's own distribution.
-* sampling: drafts are deterministic proposals (q is a point mass on d), so the standard rule (Leviathan et
-  al. 2023, Chen et al. 2023) reads: keep d_{i+1} with probability min(1, p_i(d)/q(d)) = p_i(d); on the first
-  rejection sample from the residual max(0, p_i - q), i.e. p_i with d removed, renormalized; after k kept
-  drafts sample the bonus from p_k. Drawing t ~ p_i and keeping d_{i+1} while t equals it has exactly that
-  distribution, and draws once per emitted token (speculator.sample_through): that is how it is done.
-
-AdaptiveK sizes the next proposal from measured acceptance, so text the proposer cannot predict does not pay
-for verifying long drafts that get rejected.
+The target runs the last sampled token and k drafts in one forward, giving k + 1 distributions p0..pk. Greedy keeps
+d_{i+1} while it equals argmax(p_i), then emits the argmax (a correction, or a bonus when all are kept): the output is
+the greedy output token for token. Sampling: drafts are point-mass proposals, so the standard rule (Leviathan et al.
+2023) reduces to drawing t ~ p_i and keeping d_{i+1} while t equals it (speculator.sample_through). AdaptiveK sizes the
+next proposal from measured acceptance and step cost.
 """
 from __future__ import annotations
 
@@ -28,14 +18,11 @@ from ..errors import InvalidRequestError
 METHODS = ("prompt_lookup", "draft", "off")
 MAX_SPECULATIVE_TOKENS = 15  # k + 1 verified tokens fit the runner's smallest suffix bucket (16)
 MAX_NGRAM = 16
-# Drafts in the first verify, before its cost is known: on a CPU a verify of k + 1 tokens costs ~(1 + 0.4 k)
-# plain steps, so two failed 8-draft probes at the start of a short open-ended answer cost ~10% of it.
+# Drafts in the first verify, before its cost is known: failed long probes would cost a short answer much.
 PROBE_K = 2
 STREAK_ACCEPTANCE = 0.9  # the acceptance lengths are judged at right after a proposal was kept whole
-# prompt_lookup_min_ngram None ("auto"): a lone recurring token is worth drafting from only where a short verify
-# costs about a plain step (a GPU; a CPU with cpu_linear: 2 tokens 36 ms against 35 at one thread); where it costs
-# nearly two (a CPU without it: 195 against 107 ms) drafts need a 2-gram match. `kvboost bench spec`, one thread,
-# back to back: min n-gram 1 rag / code / extract / chat 1.34 / 2.35 / 3.15 / 1.07x, 2: 1.29 / 2.19 / 3.07 / 1.02x.
+# prompt_lookup_min_ngram None (auto): a 1-gram match is worth drafting from only where a short verify costs about a
+# plain step; where it costs nearly two, drafts need a 2-gram match.
 UNIGRAM_VERIFY_OVER_STEP = 1.25
 
 
@@ -109,17 +96,15 @@ def accept_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
 # ---- how many drafts to propose ---------------------------------------------------------------------
 @dataclass
 class StepCosts:
-    """What a step costs on this engine, for one speculative method: a plain step (t1) and a verify of n >= 2
-    tokens (base + extra (n - 2), from decaying least-squares sums `fit`). A property of the model, the device
-    and the method rather than of a request, so an engine keeps one per method and every request starts from it
-    (the first request measures it; later ones skip the plain first step and the probe)."""
+    """What a step costs on this engine for one speculative method: a plain step (t1) and a verify of n >= 2 tokens
+    (base + extra (n - 2), from decaying least-squares sums `fit`). A property of the model, device and method, so an
+    engine keeps one per method and later requests skip the first plain step and the probe."""
 
     t1: float | None = None  # seconds of a plain step
     base: float | None = None  # seconds of a 2-token verify
     extra: float | None = None  # seconds per verified token beyond 2 (the slope)
     fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decaying sums over verifies: w, n, t, n^2, n t
-    # Seconds per verify of each length timed (a decaying mean): on a CPU the cost is not a line in n - MKL's
-    # kernels change with the row count (model/cpu_linear.py: 4 rows 39 ms, 5 rows 64 ms at one thread).
+    # Seconds per verify of each timed length (a decaying mean): on a CPU the cost is not a line in n.
     by_length: dict[int, float] = field(default_factory=dict)
     samples: dict[int, int] = field(default_factory=dict)  # verifies timed per length
 
@@ -136,11 +121,9 @@ class StepCosts:
         return None if s is None else 1e3 * s
 
     def estimate_s(self, n_tokens: int) -> float:
-        """Seconds per verify of n_tokens, for choosing a length: as timed at that length; a length not timed yet
-        is taken to cost what the longest timed length below it did (optimistic, so that it gets tried and its own
-        time counts), or the fit's line when none below was timed. A length timed once only is not trusted above
-        that optimistic figure either: one slow outlier (a page fault, another process) would otherwise rule it
-        out for good. Needs a verify timed (base is not None)."""
+        """Seconds per verify of n_tokens, for choosing a length: as timed at that length; else what the longest timed
+        length below it cost (optimistic, so it gets tried), else the fit's line. A length timed once is not trusted
+        above that optimistic figure (one outlier would rule it out for good). Needs base."""
         timed = self.by_length
         below = [n for n in timed if n < n_tokens]
         optimistic = timed[max(below)] if below else self.verify_s(n_tokens)
@@ -171,8 +154,8 @@ class StepCosts:
         self.base = max(0.0, st / w - slope * (sn / w - 2))
 
     def as_dict(self, lengths: tuple[int, ...] = tuple(range(2, MAX_SPECULATIVE_TOKENS + 2))) -> dict:
-        """What the engine measured, in ms: a plain step, and verifies of a few lengths with their cost per
-        verified token over a plain step's (below 1: verifying n tokens beats n plain steps)."""
+        """What the engine measured, in ms: a plain step, and verifies of a few lengths with their cost per verified
+        token over a plain step's (below 1: verifying n tokens beats n plain steps)."""
         t1 = None if self.t1 is None else 1e3 * self.t1
         verify = {n: self.verify_ms(n) for n in lengths}
         return {"plain_step_ms": t1, "verify_ms": {str(n): v for n, v in verify.items()},
@@ -182,27 +165,14 @@ class StepCosts:
 
 
 class AdaptiveK:
-    """The number of drafts to propose next: the k that maximizes expected tokens per second, from measured
-    acceptance and measured step cost.
+    """The number of drafts to propose next: the k maximizing expected tokens per second.
 
-    Acceptance: each proposal ends in a rejection or with every draft kept, so a per-draft acceptance
-    probability a is estimated as kept / (kept + rejections) over recent proposals (decaying counts). With k
-    drafts a verify emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average (the kept drafts and the target's
-    own token).
-    Cost: a plain step takes t1; a verify of n >= 2 tokens takes what it measured at that length (the better of
-    its first two timings, then a decaying mean; timed once only, it is not trusted above the optimistic figure
-    below). The cost is not a line in n: on a CPU one token is a matrix-vector product and several a
-    matrix product whose kernel changes with the row count (SmolLM2-135M, 1 thread, cpu_linear: 1-4 tokens 35-45
-    ms, 5-9 tokens 64-76 ms); on a GPU n barely matters. A length not timed yet is taken to cost what the longest
-    timed length below it did - optimistic, so each length worth trying is tried once and then known - and
-    below every timed length the line base + slope (n - 2) fitted by decaying least squares over all verifies
-    stands in (slope 0 until two lengths were timed). The first step is plain (t1), the first verify carries
-    PROBE_K drafts; from then on the model decides. Right after a proposal kept whole (copying from the prompt
-    comes in spans) the lengths are judged at an acceptance of at least STREAK_ACCEPTANCE. k = 0 (a plain
-    decode step) is picked when no k beats 1 / t1; proposing then pauses for `pause` steps, doubling up to
-    `max_pause` while it keeps losing, and retries with one draft: open-ended text pays for about one short
-    verify per pause. The costs (StepCosts) may be shared: an engine hands its requests one object per method,
-    so only the first request pays for the plain first step, the probe and trying each length once.
+    Acceptance a = kept / (kept + rejections) over recent proposals (decaying counts); k drafts emit E(k) = (1 -
+    a^(k+1)) / (1 - a) tokens per verify. Cost: a verify of n tokens costs what it measured at that length
+    (StepCosts.estimate_s); it is not a line in n on a CPU, where the matrix kernel changes with the row count. The
+    first step is plain (t1), the first verify carries PROBE_K drafts. After a proposal kept whole, lengths are judged
+    at an acceptance of at least STREAK_ACCEPTANCE. k = 0 is picked when no k beats 1 / t1; proposing then pauses for
+    `pause` steps, doubling up to `max_pause`, and retries with one draft. Costs may be shared across requests.
     """
 
     def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7, costs: StepCosts | None = None):
@@ -219,8 +189,7 @@ class AdaptiveK:
 
     @property
     def judged_acceptance(self) -> float:
-        """The acceptance draft lengths are judged at: right after a proposal kept whole, a copied span tends to go
-        on (acceptance comes in bursts), so at least STREAK_ACCEPTANCE then."""
+        """The acceptance lengths are judged at: at least STREAK_ACCEPTANCE after a proposal kept whole."""
         return max(self.acceptance, STREAK_ACCEPTANCE) if self.streak else self.acceptance
 
     def expected(self, k: int, acceptance: float | None = None) -> float:
@@ -245,16 +214,14 @@ class AdaptiveK:
     def best_k(self) -> int:
         if self.base is None:  # what a verify costs is not measured yet: probe with a few
             return self.k_max if self.streak else min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
-        # Right after a proposal kept whole, a copied span tends to go on (acceptance comes in bursts): the
-        # lengths are judged at a high acceptance, which picks the longest whose cost does not jump.
+        # After a proposal kept whole a copied span tends to go on: judge lengths at a high acceptance.
         a = self.judged_acceptance
         rates = {0: 1.0 / self.t1} if self.t1 else {0: 0.0}
         rates.update({k: self.expected(k, a) / max(self.verify_cost(k + 1), 1e-12) for k in range(1, self.k_max + 1)})
         return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
-        """Drafts to propose now (0: decode one token normally). budget: tokens that may still be emitted
-        after this step's own token."""
+        """Drafts to propose now (0: a plain step). budget: tokens that may still follow this step's own token."""
         if self.t1 is None:  # the first step is plain: its time is the yardstick every k is judged against
             return 0
         if self.wait > 0:

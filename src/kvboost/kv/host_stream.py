@@ -1,22 +1,10 @@
 """A transformers Cache for one forward over a host workspace: each layer's K/V reaches the device as it runs.
 
-HostStreamCache(host, start, q) serves one forward of q tokens at positions [start, start + q). Layer i's update()
-writes the step's K/V [1, kv_heads, q, d] into the host buffers and hands attention [1, kv_heads, start + q, d]:
-every earlier position of that layer followed by the step's own, as a workspace layer would, so the model's own
-attention (masks included) runs unchanged and its outputs equal the all-resident run's.
-
-Where the model runs on the host (CPU) nothing moves: attention reads views of the host buffers (InPlaceLayer's
-way). Elsewhere the forward is staged through device buffers (StagedFeed, CUDA's order of work):
-
-  compute stream  | layer i: wait ready[i]; scratch[i%2] <- resident [0, m) and the step's K/V; attention ...
-  side stream     |   after the compute work queued so far: host <- the step's K/V of layer i (scratch[i%2]);
-                  |   scratch[(i+1)%2] <- host positions [m, start) of layer i + 1; record ready[i + 1]
-
-so layer i + 1's positions cross while layer i computes, the compute stream waits only on layer i's event, and the
-side stream overwrites a scratch pair only after the compute stream is done with it (layer i - 1's attention was
-queued before layer i's update). Positions [0, m) are the device's resident copy (HostWorkspace.resident); a
-forward keeps there what it brought or computed below the resident capacity. After the forward the compute stream
-waits for the side stream, and the host waits on an event (HostWorkspace.pending) before it touches the buffers.
+HostStreamCache(host, start, q): layer i's update() writes the step's K/V into the host buffers and hands attention [1,
+kv_heads, start + q, d], so the model's attention runs unchanged. On a CPU attention reads host views. Elsewhere the
+forward is staged (StagedFeed): a side stream copies layer i + 1's positions [m, start) into scratch[(i+1) % 2] and
+writes layer i's new K/V back while layer i computes; positions [0, m) are the device-resident copy. The host waits on
+HostWorkspace.pending before touching the buffers.
 """
 from __future__ import annotations
 
@@ -62,8 +50,8 @@ class HostStreamLayer(CacheLayerMixin):
 
 
 class HostStreamCache(Cache):
-    """One forward of q tokens at positions [start, start + q) over `host`; positions past `start` are dropped
-    first (a rejected draft's). Call finish(ok) after the forward, whether it raised or not."""
+    """One forward of q tokens at positions [start, start + q) over `host` (positions past `start` dropped first). Call
+    finish(ok) after the forward, whether it raised or not."""
 
     def __init__(self, host: HostWorkspace, start: int, q: int):
         if start > host.capacity:

@@ -1,14 +1,9 @@
 """Copies between a host workspace's buffers and the compute device, and how they are ordered.
 
-A host workspace (kv/host_workspace.py) keeps each layer's K/V as [1, kv_heads, capacity, d] in host memory. What a
-forward moves is a range of positions of every head: [kv_heads, n, d] with each head's [n, d] contiguous and the
-heads `capacity * d` elements apart. torch's `copy_` of such a strided host tensor first gathers it into pageable
-memory on the CPU (blocking, and an extra pass over the bytes); the DMA engine copies it as it is, in one
-cudaMemcpy2DAsync (rows = heads, pitch = the head stride), through the runtime torch loaded (kv/cuda_runtime.py).
-Without that runtime (or where a call fails) each head is one `copy_`: still asynchronous from pinned memory.
-
-CudaCopies runs copies on a side stream, ordered against the compute stream by events; InlineCopies keeps the same
-protocol where every copy completes as it is issued (any device; the tests run CUDA's staged path on a CPU with it).
+A forward moves [kv_heads, n, d] ranges whose heads are `capacity * d` apart. torch's `copy_` of such a strided host
+tensor gathers it into pageable memory first; one cudaMemcpy2DAsync (rows = heads) copies it as it is, through the
+runtime torch loaded (kv/cuda_runtime.py), else one `copy_` per head. CudaCopies orders a side stream against the
+compute stream by events; InlineCopies keeps the protocol where copies complete as issued (tests).
 """
 from __future__ import annotations
 
@@ -54,10 +49,8 @@ def strided_copy_status() -> str:
 
 
 def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst <- src, both [kv_heads, n, d] with every head's [n, d] contiguous; enqueued on the current stream. Between
-    host and CUDA memory one strided copy (asynchronous when the host side is pinned); elsewhere one copy per head
-    (asynchronous only where CUDA orders it: another device's non-blocking copy to the host may land after the host
-    reads it)."""
+    """dst <- src, both [kv_heads, n, d] with each head's [n, d] contiguous, on the current stream: one strided copy
+    between host and CUDA (asynchronous from pinned memory), else one copy per head."""
     if dst.shape[1] == 0:
         return
     if not _copy_2d(dst, src):
@@ -113,10 +106,6 @@ class CudaCopies:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
 
-    def read_on_side(self, tensor: torch.Tensor) -> None:
-        """`tensor` (the compute stream's) is read on the side stream: its memory is not reused before that is done."""
-        tensor.record_stream(self.side)
-
     def join(self) -> torch.cuda.Event:
         """The compute stream waits for all side work; returns an event the host can wait on for all of it."""
         compute = torch.cuda.current_stream(self.device)
@@ -139,9 +128,6 @@ class InlineCopies:
         return None
 
     def wait(self, done: None) -> None:
-        pass
-
-    def read_on_side(self, tensor: torch.Tensor) -> None:
         pass
 
     def join(self) -> None:

@@ -1,18 +1,9 @@
 """One sequence's K/V in host memory, for contexts longer than the device holds (device_kv_max_tokens).
 
-HostWorkspace is a KVWorkspace whose buffers live in host memory: per layer K and V [1, kv_heads, capacity, d],
-contiguous, page-locked at their exact size when the model runs on CUDA (kv/pinned.py), growing like a
-KVWorkspace. It has the surface the KV manager uses on a workspace (`shapes`, `ensure_capacity`, `write_layer`,
-`write`, `read`), so `KVCacheManager.place(plan, host_ws, ids)` fills it from stored chunks and
-`write_back(seq, salt, host_ws)` stores from it unchanged. Forwards over it run through kv/host_stream.py, which
-brings each layer's K/V to the device as that layer runs.
-
-What a staged forward (a device that is not the host) needs on the device also lives here, since it outlives one
-forward: `scratch` (two alternating layer-sized K/V buffers) and `resident` (the first positions of every layer,
-kept on the device within a byte budget so they are not copied again each forward).
-
-Positions [0, length) hold the sequence's K/V. Positions past `length` may hold anything (a rejected draft's K/V,
-a failed forward's partial writes): they are never read.
+HostWorkspace keeps per-layer K and V [1, kv_heads, capacity, d] in host memory (page-locked on CUDA) with the workspace
+surface the KV manager uses, so place() and write_back() work on it unchanged; kv/host_stream.py brings each layer to
+the device as it runs. Device state that outlives a forward lives here too: `scratch` and `resident`. Positions past
+`length` may hold anything and are never read.
 """
 from __future__ import annotations
 
@@ -45,8 +36,8 @@ def _grown(needed: int, capacity: int, max_positions: int | None) -> int:
 
 
 class DeviceResident:
-    """Positions [0, filled) of every layer kept on the compute device, [1, kv_heads, capacity, d] per layer:
-    `capacity` is what the byte budget affords. Allocated at the first staged forward."""
+    """Positions [0, filled) of every layer kept on the compute device ([1, kv_heads, capacity, d], capacity per the
+    byte budget). Allocated at the first staged forward."""
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, budget_bytes: int):
         per_position = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
@@ -75,9 +66,8 @@ class DeviceResident:
 
 
 class Scratch:
-    """Two pairs of device K/V buffers that layers take in turn (layer i: pair i % 2), so layer i + 1's positions
-    are copied into one while layer i's attention reads the other. One flat buffer per pair and K/V, viewed as each
-    layer's [1, kv_heads, columns, d]; reused by every forward (grown when a forward needs more columns)."""
+    """Two pairs of device K/V buffers that layers take in turn (layer i: pair i % 2), so layer i + 1 is copied in while
+    layer i's attention reads the other; grown as forwards need."""
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device):
         self.shapes, self.dtype, self.device = shapes, dtype, device
@@ -107,12 +97,11 @@ class Scratch:
 
 
 class HostWorkspace:
-    """Per-layer K/V of one sequence in host memory (see the module docstring).
+    """Per-layer K/V of one sequence in host memory.
 
-    shapes, dtype: the model's cached K/V (model/forward.py: probe_layer_shapes). compute_device: where the model
-    runs. resident_bytes: device memory for keeping the sequence's first positions there (staged forwards only).
-    staged: None (default) stages K/V through device buffers when the compute device is not the host; True on a
-    CPU runs that same path with copies that complete as issued (tests); False: attention reads host memory.
+    shapes, dtype: the model's cached K/V. compute_device: where the model runs. resident_bytes: device memory for the
+    first positions (staged forwards). staged: None stages through device buffers when the compute device is not the
+    host; True does so on a CPU too (tests); False: attention reads host memory.
     """
 
     batch_size = 1
@@ -182,8 +171,7 @@ class HostWorkspace:
         return self._k[layer_idx], self._v[layer_idx]
 
     def set_length(self, length: int) -> None:
-        """The sequence holds positions [0, length): a rollback (a verify's rejected drafts), or positions placed
-        from stored chunks."""
+        """The sequence holds positions [0, length) (a rollback, or positions placed from chunks)."""
         if not 0 <= length <= self.capacity:
             raise ValueError(f"length {length} is outside this host workspace's {self.capacity} positions")
         self.length = length
@@ -256,8 +244,8 @@ def _check_row(row: int | None) -> None:
 
 
 def _concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
-    """dst [kv_heads, n, d] (host) <- the pieces concatenated along positions. Pieces from a device (a device tier's
-    records) are concatenated there first: one transfer instead of one per piece."""
+    """dst [kv_heads, n, d] (host) <- the pieces concatenated along positions; device pieces are concatenated there
+    first (one transfer)."""
     devices = {p.device for p in pieces}
     if len(pieces) > 1 and len(devices) == 1 and dst.device not in devices:
         dst.copy_(torch.cat(pieces, dim=-2))

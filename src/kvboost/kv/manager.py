@@ -1,16 +1,8 @@
 """The KV-cache manager: what K/V a prompt can reuse, placing it into a workspace, storing new chunks.
 
-Every request path (generate, generate_stream, generate_batch / generate_many, the server's batch runner)
-goes through one manager per engine, in the order data flows:
-
-    lookup(ids, salt, mode, approximate, resident) -> Plan   where each position's K/V comes from
-    place(plan, workspace, row)                               copy it into a workspace (row) in place
-    ... the caller prefills the live tokens and decodes ...
-    write_back(seq, salt, source, row)                        store the sequence's new chunks
-    record(mode, prompt_tokens, plan)                         count the request
-
-The manager owns the chunk store (all tiers), the chunker (cuts and keys), and the content index used for
-reuse at another position. It never runs the model: warming is the engine's forward followed by write_back.
+Every request path goes through one manager per engine: lookup() -> Plan, place() into a workspace, the caller's prefill
+and decode, write_back() of the new chunks, record(). It owns the chunk store (all tiers), the chunker and the content
+index; it never runs the model.
 """
 from __future__ import annotations
 
@@ -42,9 +34,8 @@ class KVSource(Protocol):
 
 @dataclass
 class Plan:
-    """Where a prompt's K/V comes from: exact positions [0, reuse_len), of which [0, resident) are already in
-    the target workspace and the rest come from `segments` (stored chunks); content matches after reuse_len
-    are placed re-positioned (approximate) by place(), which records them in `assembly`."""
+    """Where a prompt's K/V comes from: exact positions [0, reuse_len), of which [0, resident) are already in the
+    workspace and the rest come from `segments`; content matches after reuse_len are placed re-positioned by place()."""
 
     n_prompt: int
     reuse_len: int = 0
@@ -101,20 +92,15 @@ class KVCacheManager:
         self._count_lock = threading.Lock()
 
     def tag(self, salt: str | None) -> str:
-        """What a workspace's resident prefix is labelled with: reusable only by the same model namespace and
-        tenant."""
+        """The label of a workspace's resident prefix: reusable only by the same namespace and tenant."""
         return self.namespace + "|" + (salt or "")
 
     # ---- lookup -----------------------------------------------------------------------------------
     def lookup(self, ids: Sequence[int], salt: str | None, mode: GenerationMode, approximate: bool = False,
                resident: Sequence[int] = (), skip_before: int = 0) -> Plan:
-        """Decide where every position's K/V comes from; reads the store, writes nothing.
-
-        resident: token ids whose exact K/V (same tenant) already sits at the target workspace's first
-        positions. skip_before: positions below it are provided by the caller (a batch's shared prefix), so
-        chunks starting before it are not looked up. approximate: also find stored chunks elsewhere in the
-        prompt (CHUNK_KV_REUSE only); place() puts them at their new positions.
-        """
+        """Decide where every position's K/V comes from; reads the store, writes nothing. resident: ids whose exact K/V
+        already sits at the workspace's first positions. skip_before: positions below it come from the caller (a shared
+        prefix). approximate: also find stored chunks elsewhere (CHUNK_KV_REUSE only)."""
         t0 = time.perf_counter()
         ids = list(ids)
         plan = Plan(len(ids))
@@ -143,9 +129,8 @@ class KVCacheManager:
 
     # ---- place ------------------------------------------------------------------------------------
     def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
-        """Copy the plan's stored K/V into `workspace` (every row, or one `row`); positions the workspace
-        already holds (plan.resident) are not copied. Content matches are re-positioned and verified again
-        against the prompt's ids; a piece whose record is gone is left for prefill."""
+        """Copy the plan's stored K/V into `workspace` (every row, or one `row`), skipping resident positions. Content
+        matches are re-positioned and re-verified; a piece whose record is gone is left for prefill."""
         t0 = time.perf_counter()
         for run in _runs(_exact_pieces(plan)):
             _place_run(run, workspace, row)
@@ -159,9 +144,8 @@ class KVCacheManager:
     # ---- write-back --------------------------------------------------------------------------------
     def write_back(self, seq: Sequence[int], salt: str | None, source: KVSource, row: int = 0,
                    cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
-        """Store every chunk of seq not stored yet (its K/V is readable from `source` row `row`); returns
-        (new, existing). With cut_ids (a longer sequence that starts with seq), seq is cut as part of it: only
-        its chunks that end within seq are stored, as that sequence's own chunks."""
+        """Store every chunk of seq not stored yet, read from `source` row `row`; returns (new, existing). cut_ids: a
+        longer sequence starting with seq, whose cuts are used (only chunks ending within seq)."""
         seq = list(seq)
         new = existing = 0
         chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
@@ -186,9 +170,8 @@ class KVCacheManager:
         return new, existing
 
     def _drop_superseded(self, parent_key: str | None, token_ids: tuple[int, ...]) -> None:
-        """A partial sibling that a complete chunk extends is dead weight. With a boundary window a shorter
-        sibling may itself be a complete chunk of another sequence (cut earlier) with children of its own; only
-        one shorter than any complete chunk (size - W), or childless, is a remainder."""
+        """Drop a partial sibling that a complete chunk extends. Under a boundary window only one shorter than any
+        complete chunk (size - W), or childless, is a remainder."""
         n = len(token_ids)
         floor = self.config.chunk_size - self.config.chunk_boundary_window
         for meta in self.store.children(parent_key):
@@ -221,8 +204,8 @@ class KVCacheManager:
         }
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait (at most timeout_s, default config.flush_timeout_s) until chunks queued for the disk and Redis
-        tiers are written; False if the wait ran out."""
+        """Wait (at most timeout_s, default config.flush_timeout_s) until queued disk / Redis writes land; False if the
+        wait ran out."""
         return self.store.flush(self.config.flush_timeout_s if timeout_s is None else timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
@@ -236,11 +219,8 @@ class KVCacheManager:
 
 
 # ---- placing exact segments ---------------------------------------------------------------------------
-# A 30k-token prefix is ~235 stored chunks; copying them one by one is 235 x layers x 2 (K, V) copies, each a
-# kernel launch on a GPU (~17,000 on a 36-layer model), where the bytes themselves move in under a millisecond.
-# Consecutive chunks are therefore written as one run: per layer, the chunks' K (and V) go into the workspace
-# with one concatenation (KVWorkspace.write_layer), and quantized chunks are dequantized together (QuantRun).
-# One layer at a time: nothing of the size layers x tokens is ever built.
+# Consecutive chunks are placed as one run, per layer one concatenation (KVWorkspace.write_layer) and quantized chunks
+# dequantized together (QuantRun): copying chunk by chunk is chunks x layers x 2 kernel launches.
 
 
 @dataclass
@@ -270,8 +250,7 @@ def _exact_pieces(plan: Plan) -> list[_Piece]:
 
 
 def _runs(pieces: list[_Piece]) -> list[list[_Piece]]:
-    """Pieces written together: consecutive positions, and every boundary inside a run falls between whole
-    records (only a run's first piece may skip leading tokens, only its last may stop short), so a run's K/V
+    """Pieces written together: consecutive positions, with every inner boundary between whole records, so a run's K/V
     is its records' tokens concatenated, trimmed at both ends."""
     runs: list[list[_Piece]] = []
     for p in pieces:
@@ -283,9 +262,8 @@ def _runs(pieces: list[_Piece]) -> list[list[_Piece]]:
     return runs
 
 
-# Records in host memory bound for a GPU workspace cross as their packed buffer, one copy per record, a group of
-# at most this many bytes at a time: per-layer slices would be one small copy each, and concatenating them on the
-# host first runs at pageable speed.
+# Host records bound for a GPU cross as their packed buffer, one copy per record, in groups of at most this many bytes
+# (per-layer slices would be many small copies).
 _STAGE_BYTES = 64 << 20
 
 
@@ -326,8 +304,7 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
 
 
 class _LayerSources:
-    """Full-precision K/V of consecutive records, one layer at a time: plain records as stored, runs of
-    quantized ones (from the memory tier, not yet dequantized) dequantized together."""
+    """Full-precision K/V of consecutive records, one layer at a time (quantized runs dequantized together)."""
 
     def __init__(self, records: list[ChunkRecord]):
         self.parts: list[ChunkRecord | QuantRun] = []

@@ -1,11 +1,9 @@
 """Forward pieces over a pooled, preallocated KV workspace.
 
-Hugging Face's DynamicCache concatenates the whole cache on every forward. On a long prefix that is
-a fresh allocation (page faults included) of every layer's K and V per step: at 7k tokens on
-SmolLM2 it costs more than the suffix's own compute. The workspace keeps one buffer per layer
-that lives across requests; cache layers write new K/V into it in place and hand attention views.
-It also remembers which token ids its first positions hold, so a request that shares a prefix with
-the previous one (a chat's next turn, a repeated system prompt) finds that K/V already in place.
+DynamicCache concatenates the whole cache on every forward (a fresh allocation per layer and step, which on a long
+prefix costs more than the suffix's compute). The workspace keeps one buffer per layer across requests; cache layers
+write new K/V in place and hand attention views. It also remembers which ids its first positions hold, so a request
+sharing the previous one's prefix finds that K/V in place.
 """
 from __future__ import annotations
 
@@ -92,9 +90,8 @@ class InPlaceLayer(CacheLayerMixin):
 class KVWorkspace:
     """Per-layer K/V buffers [batch, kv_heads, columns, head_dim] reused across requests.
 
-    Column c holds position `base + c`. The engine's own workspace keeps base 0; a batch whose rows share a
-    prefix of P tokens (read from one SharedPrefix tensor) sets base = P, so no row allocates those columns.
-    `capacity`, `write`, `read` and `ensure_capacity` speak in positions; `buffers` returns raw columns.
+    Column c holds position `base + c`; a batch whose rows share a P-token prefix sets base = P. `capacity`, `write`,
+    `read` and `ensure_capacity` speak in positions; `buffers` returns raw columns.
     """
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, batch_size: int = 1,
@@ -108,8 +105,7 @@ class KVWorkspace:
         self._v: list[torch.Tensor] = []
         self.base = 0
         self.capacity = 0  # positions [0, capacity) are addressable; [base, capacity) are allocated
-        # Per row: token ids whose K/V (computed in full context, under the tag) sit at its positions [0, len):
-        # what a finished request left there, which the next request given that row may reuse without a copy.
+        # Per row: token ids whose exact K/V (under the tag) sit at its positions [0, len), reusable without a copy.
         self.residents: list[Resident] = [Resident() for _ in range(batch_size)]
         self.generation = 0  # bumped each time the buffers are reallocated
         self._allocate(0)
@@ -154,14 +150,12 @@ class KVWorkspace:
 
     # ---- buffers ------------------------------------------------------------------------------
     def _allocate(self, capacity: int, keep: int = 0, base: int | None = None) -> None:
-        """New buffers for positions [base, capacity), keeping the old contents of positions [base, keep)
-        that the old buffers held."""
+        """New buffers for positions [base, capacity), keeping the old contents of [base, keep)."""
         base = self.base if base is None else base
         capacity = max(capacity, base)
         lo = max(base, self.base)  # kept positions must exist in both layouts
         new_k, new_v = [], []
-        # Zeroed, not empty: a batched step attends over other rows' padding columns with a mask, and
-        # masked garbage that happens to be NaN still poisons the softmax (0 * NaN = NaN).
+        # Zeroed: batched steps mask other rows' padding columns, and masked NaN garbage still poisons the softmax.
         for i, s in enumerate(self.shapes):
             cols = capacity - base
             k = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_k, dtype=self.dtype, device=self.device)
@@ -176,9 +170,8 @@ class KVWorkspace:
         self.generation += 1
 
     def rebase(self, base: int, keep: int = 0) -> None:
-        """Make column 0 hold position `base`; positions [max(base, old base), keep) keep their contents.
-        Positions [base, old base) start zeroed: the caller fills them (e.g. from a shared prefix it drops).
-        Rows no longer hold a prefix from position 0: nothing stays resident."""
+        """Make column 0 hold position `base`; positions [max(base, old base), keep) keep their contents, [base, old
+        base) start zeroed for the caller to fill. Nothing stays resident."""
         if base != self.base:
             self._allocate(max(self.capacity, keep), keep=keep, base=base)
             self.forget_residents()
@@ -192,15 +185,13 @@ class KVWorkspace:
         return target
 
     def ensure_capacity(self, needed: int, keep: int = 0) -> None:
-        """Room for positions [0, needed). Growing keeps every row's columns up to `keep` and anything rows hold
-        resident (a later request may reuse it)."""
+        """Room for positions [0, needed), keeping every row's columns up to `keep` and what rows hold resident."""
         if needed > self.capacity:
             resident = max((len(r.ids) for r in self.residents), default=0)
             self._allocate(self._grown(needed), keep=min(max(keep, resident), self.capacity))
 
     def ensure_layer_capacity(self, layer_idx: int, needed: int) -> None:
-        # Growth during a forward (decode past the planned length): grow every layer together, keeping
-        # what each holds; layers not yet updated this step keep their shorter valid length.
+        # Growth during a forward: every layer grows together, keeping what each holds.
         if needed > self.capacity:
             self._allocate(self._grown(needed), keep=self.capacity)
 
@@ -215,8 +206,8 @@ class KVWorkspace:
     # ---- contents -----------------------------------------------------------------------------
     def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
               n_tokens: int | None = None, row: int | None = None) -> None:
-        """Copy one chunk's per-layer K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to positions start...
-        of every row, or of one `row`."""
+        """Copy one chunk's per-layer K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to positions start... of every
+        row, or of one `row`."""
         c = self._column(start)
         rows = slice(None) if row is None else row
         for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
@@ -226,10 +217,8 @@ class KVWorkspace:
 
     def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                     row: int | None = None) -> None:
-        """Copy consecutive pieces of one layer's K/V ([kv_heads, n_i, d] each) to positions start... of every
-        row, or of one `row`: the pieces are concatenated straight into the buffer, so placing a long run of
-        stored chunks costs a few copies per layer instead of one per chunk (on a GPU, launches, not bytes,
-        are what many small copies cost)."""
+        """Copy consecutive pieces of one layer's K/V ([kv_heads, n_i, d] each) to positions start... of every row, or
+        one `row`, concatenated straight into the buffer: a few copies per layer, not one per chunk."""
         c = self._column(start)
         for pieces, buf in ((keys, self._k[layer_idx]), (values, self._v[layer_idx])):
             n = sum(p.shape[-2] for p in pieces)
@@ -245,8 +234,7 @@ class KVWorkspace:
         """dst ([kv_heads, n, d], a strided view of a buffer) <- the pieces concatenated along tokens."""
         many = len(pieces) > _FEW_PIECES
         if many and all(p.device == dst.device and p.dtype == dst.dtype for p in pieces):
-            # cat(out=) writes the strided slice directly: no temporary. CUDA takes its batched cat kernel
-            # only when every input is contiguous, so the (at most two) sliced partial chunks are made so.
+            # cat(out=) writes the strided slice directly; CUDA's batched cat needs contiguous inputs.
             torch.cat([p.contiguous() for p in pieces], dim=-2, out=dst)
         elif many and all(p.device == pieces[0].device for p in pieces):
             # Records from a CPU tier into a device workspace: one transfer per layer instead of one per chunk.
@@ -281,7 +269,7 @@ class KVWorkspace:
 @dataclass
 class Resident:
     """What one workspace row holds at positions [0, len(ids)): exact K/V of `ids` under `tag` (model namespace and
-    tenant), left by a finished request."""
+    tenant)."""
 
     ids: list[int] = field(default_factory=list)
     tag: str | None = None
@@ -291,9 +279,8 @@ class Resident:
 
 
 class RowView:
-    """One row of a KVWorkspace with the workspace's own surface (buffers [1, kv_heads, columns, d] are views of
-    the parent's row): single-sequence code - prefill, repair, placement, write-back - runs on any row of the
-    engine's workspace unchanged. Growth goes to the parent, which keeps every row's contents."""
+    """One row of a KVWorkspace with the workspace's own surface (buffers [1, kv_heads, columns, d] are views of the
+    parent's row), so single-sequence code runs on any row. Growth goes to the parent."""
 
     batch_size = 1
 

@@ -1,34 +1,15 @@
 """CompiledStep: the CPU decode step under torch.compile, its matrix-vector products as packed GEMV kernels.
 
-A batch-1 decode step on CPU is a chain of matrix-vector products whose cost is reading every weight once. ATen's
-GEMV (MKL) streams SmolLM2's weight shapes at 9-19 GB/s on this project's 2-core CPU, where a plain read of the
-same memory runs at ~23 GB/s. Inductor's C++ GEMM template (`max_autotune_gemm_backends="CPP"`) reads a weight
-that it has re-packed into its own blocked layout at compile time, which needs the weights to be compile-time
-constants: the step is compiled with `freezing`. Measured on the embedded model (1,016-token prompt, 2 threads):
-~28 ms per decode step against ~58 ms compiled over ATen's GEMV.
+A batch-1 CPU decode step costs reading every weight once, and ATen's GEMV streams small models' weight shapes well
+below memory bandwidth. Inductor's C++ GEMM template reads weights re-packed at compile time, which needs them as
+constants: the step is compiled with `freezing`. Costs, acceptable for an opt-in CPU mode: a second copy of the Linear
+weights; weights changed after load need a new engine; every load compiles (frozen graphs are not cached on disk). Where
+the host lacks memory for the copy (packing_refusal) or the template cannot compile, the step runs over ATen's kernels
+and says why (`fallback`). `freezing` is set around every call, since dynamo reads it while tracing.
 
-What freezing costs, and why it is acceptable for an opt-in CPU mode:
-* the packed weights are a second copy of the Linear weights (the eager forwards - prefills, batched rows,
-  verifies - keep reading the model's own parameters);
-* the step reads the weights as they were when it compiled (at load): changing the model's weights afterwards
-  needs a new engine;
-* a frozen graph is not kept in inductor's on-disk cache, so every load compiles (about a minute here).
-Where the host lacks the memory for that copy (packing_refusal), the step runs ATen's kernels and says why.
-
-Dynamo reads `freezing` while it traces (to keep parameters as attributes, not inputs), before torch.compile's
-`options` are applied, so the flag is set around every call of the step - a recompile is frozen too - rather than
-for the whole process. Where the template cannot compile (a CPU without the vector ISA it needs, a dtype it does
-not take), the step is compiled again over ATen's kernels and the reason is kept in `fallback`.
-
-Dynamo keeps compiled graphs per *code object* and lets each hold `recompile_limit` of them (8 in torch 2.13); past
-that it runs the function eagerly and only logs. Every runner compiles the same method (ModelRunner._logits), so
-with one shared code object a fifth speculating engine in a process (2 graphs each) ran its steps eagerly while
-reporting them compiled. So the steps of each model compile a copy of the function with a code object of the
-model's own (`own_code`): its graphs are that model's, counted against their own limit, and freed with the model.
-Steps over the same model (an engine created again on it, a batch runner's) share that code object and reuse its
-graphs: the frozen weights are the same. The limit can still be reached by one model's steps (a step recompiled
-for many shapes): the call then raises StepNotCompiled, which the runner turns into an eager run of that kind of
-step, counted and reported.
+Dynamo keeps graphs per code object, up to `recompile_limit`, then silently runs eagerly. So each model's steps compile
+a copy of the function with a code object of its own (`own_code`), shared by steps over the same model; reaching the
+limit raises StepNotCompiled, which the runner turns into a counted, reported eager run.
 """
 from __future__ import annotations
 
@@ -44,8 +25,8 @@ import torch
 log = logging.getLogger(__name__)
 
 PACKED_GEMM_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
-# Host memory the packing needs, over the Linear weights' bytes: the packed copy stays, and compiling holds
-# transient copies (measured on the embedded model: resident memory +1.7x the weights over ATen's compiled step).
+# Host memory the packing needs, over the Linear weights' bytes: the packed copy stays, and compiling holds transient
+# copies.
 PACKING_MEMORY_FACTOR = 2.0
 
 
@@ -71,8 +52,8 @@ def linear_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def packing_refusal(model: torch.nn.Module, available: int | None = None) -> str | None:
-    """Why the decode step should not pack `model`'s weights here (None: it may): too little host memory for a
-    second copy. Unknown free memory does not refuse (the packed copy is the documented cost of the mode)."""
+    """Why the decode step should not pack `model`'s weights here (None: it may): too little host memory for a second
+    copy. Unknown free memory does not refuse."""
     available = available_host_bytes() if available is None else available
     need = int(PACKING_MEMORY_FACTOR * linear_weight_bytes(model))
     if available is not None and available < need:
@@ -90,9 +71,8 @@ _CODE_OF_OWNER: weakref.WeakKeyDictionary[object, dict[types.CodeType, types.Cod
 
 
 def own_code(fn: Callable[..., torch.Tensor], owner: object | None = None) -> Callable[..., torch.Tensor]:
-    """`fn` (a function or bound method) over a copy of its code object, so that dynamo's compiled graphs and
-    recompile limit are this caller's alone; with `owner` (weakly held), every caller passing the same owner
-    gets the same copy (and so shares its graphs)."""
+    """`fn` over a copy of its code object, so dynamo's graphs and recompile limit are this caller's alone; callers
+    passing the same `owner` (weakly held) share one copy."""
     func = fn.__func__ if inspect.ismethod(fn) else fn
     if owner is None:
         code = func.__code__.replace()
@@ -106,8 +86,8 @@ def own_code(fn: Callable[..., torch.Tensor], owner: object | None = None) -> Ca
 class CompiledStep:
     def __init__(self, fn: Callable[..., torch.Tensor], packed: bool = True, unpacked_reason: str | None = None,
                  owner: object | None = None):
-        """owner: what the compiled graphs belong to (the model whose weights they freeze): steps with the same
-        owner share one code object, others never do (None: this step's alone)."""
+        """owner: the model whose weights the graphs freeze; steps with the same owner share one code object (None: this
+        step's alone)."""
         self._fn = own_code(fn, owner)
         self.packed = packed
         self.fallback: str | None = None  # why the packed kernels failed to compile (None: they did, or not tried)

@@ -1,22 +1,10 @@
 """Linear layers over few token rows on a CPU: W @ x^T, which the BLAS threads, instead of x @ W^T.
 
-Decoding multiplies every weight by a thin matrix: 1 row per step, 2-8 for a speculative verify or a batched
-decode step. The BLAS in torch's CPU builds (MKL) runs x @ W^T for such an x on one thread - a 1-row product
-is a matrix-vector product, and 2-8 rows take 1.5-3x its time - whereas W @ x^T streams the weights once and
-threads. So W @ x^T is used for 2-4 rows at one thread and for 1-9 rows at 2+ threads (9: a speculative verify
-of the default 8 drafts); more rows keep the model's own products, and so does bfloat16, where W @ x^T is slower.
-The measurements behind these bounds are in the CHANGELOG (0.2.0, CPU Linear).
-
-Numerics: the forms sum each element in another order, so logits move by float rounding (~1e-6 relative),
-as they do between the model's own 1-row and n-row products; greedy tokens were the same on the shipped
-benches. The choice depends on the row count and torch's thread count, never on timing, and it is installed
-on the model's nn.Linear modules rather than around some forwards, so every path (workspace rows,
-host workspaces, the runner's steps, the model's own forward and generate on this model object) computes the
-same rows the same way. `model_own_products` gives the model's own products back for a block.
-
-A weight stored input-major (model/layout.py: [in, out] contiguous, which a compiled step over ATen's kernels may
-choose) keeps F.linear: W @ x^T over such a weight measured 4-15x slower than F.linear on it (1-9 rows, 2 threads:
-8.8 against 0.9 ms for eight 576 x 1536 weights at one row), where the output-major W @ x^T took 0.6.
+MKL runs x @ W^T for a thin x on one thread, whereas W @ x^T streams the weights once and threads: it is used for 2-4
+rows at one thread and 1-9 rows at 2+ threads (9: a verify of 8 drafts); more rows, bfloat16 and input-major weights
+(model/layout.py) keep F.linear. Measurements: CHANGELOG (0.2.0, CPU Linear). Logits move by float rounding only. The
+choice depends on row and thread counts, never on timing, and is installed on the model's nn.Linear modules so every
+path computes the same rows the same way.
 """
 from __future__ import annotations
 
@@ -70,9 +58,8 @@ def cpu_linear_reason(model: nn.Module) -> str | None:
 
 
 def install_cpu_linear(mode: str, model: nn.Module) -> str:
-    """Apply EngineConfig.cpu_linear to the model's nn.Linear modules; returns what was done and why.
-    "auto" and "on": where cpu_linear_reason finds nothing against it (config.RULES refused "on" where it does not
-    apply); "off": the model's own products (undoing an earlier engine's install on the same model)."""
+    """Apply EngineConfig.cpu_linear to the model's nn.Linear modules; returns what was done and why. "auto"/"on": where
+    cpu_linear_reason finds nothing against it; "off": the model's own products."""
     if mode == "off":
         uninstall_cpu_linear(model)
         return "off"
@@ -99,10 +86,8 @@ def uninstall_cpu_linear(model: nn.Module) -> None:
 
 @contextmanager
 def model_own_products(model: nn.Module) -> Iterator[None]:
-    """The model's own Linear products inside the block (e.g. a plain-transformers baseline on the same model
-    object), the engine's choice again after it: the same forward objects, because a compiled step
-    (fast_path="compiled") guards on their identity - new ones would drop every compiled step of the model, each
-    compiled again (a minute or more) on its next call."""
+    """The model's own Linear products inside the block, the engine's choice again after it. Same forward objects, since
+    compiled steps guard on their identity."""
     installed = {m: m.forward for m in model.modules() if getattr(m, _MARK, False)}
     uninstall_cpu_linear(model)
     try:

@@ -1,10 +1,8 @@
 """CUDA graph capture of a fixed-shape step for the runner's steps over the workspace (runner.py).
 
-A step is first run for real on a side stream (it compiles kernels and sets up cuBLAS; an error there is the
-model's own and propagates), then captured. The real run computes exactly what the replay that follows
-recomputes, so capturing mid-request is safe. A capture that cannot be made raises CaptureFailed, and the caller
-decides: run eagerly from now on (auto mode) or raise. A capture refused for want of device memory (CaptureRefused)
-is only this step's: it runs eagerly (auto mode) and a later step captures.
+A step is first run for real on a side stream (its errors are the model's own), then captured; the real run computes
+what the replay recomputes, so capturing mid-request is safe. CaptureFailed: the caller runs eagerly from now on (auto
+mode) or raises. CaptureRefused (too little device memory) is only this step's.
 """
 from __future__ import annotations
 
@@ -19,8 +17,8 @@ import torch
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-# Device memory a capture must find free. Measured on an H100 with the device full (other processes): a capture
-# that ran out of memory aborted the process (its failed CUDAGraph is destroyed), where an eager forward raises.
+# Device memory a capture must find free: a capture that runs out of memory aborts the process, where an eager forward
+# raises.
 CAPTURE_MIN_FREE_BYTES = 256 << 20
 
 
@@ -37,8 +35,7 @@ class CaptureRefused(CaptureFailed):
 
 
 def capture_room(device: torch.device) -> int:
-    """Device memory a capture can have: what the driver has free, and what torch's allocator holds cached but
-    unused (a capture empties that cache first)."""
+    """Device memory a capture can have: the driver's free memory plus the allocator's unused cache."""
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
@@ -53,11 +50,8 @@ def capture_refusal(device: torch.device) -> str | None:
 
 
 def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
-    """(graph, what run() returned inside it): replaying the graph recomputes that output in place.
-
-    The capture runs on `device` (whatever the current device is) on a stream of its own, in thread-local mode: the
-    store's write-behind thread may be copying K/V off the device meanwhile, which a global-mode capture would
-    forbid (failing that thread's copy or the capture)."""
+    """(graph, what run() returned inside it): replaying the graph recomputes that output in place. Captured on `device`
+    on its own stream in thread-local mode, since the write-behind thread may copy K/V off the device meanwhile."""
     refusal = capture_refusal(device)
     if refusal is not None:
         raise CaptureRefused(RuntimeError(refusal))
@@ -69,8 +63,7 @@ def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda
             run()  # an error here is the model's own: it propagates
         main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # A private memory pool per graph: graphs are dropped and recaptured when the workspace grows, and
-        # pools shared across such generations trip the caching allocator's bookkeeping (torch 2.11).
+        # A private pool per graph: pools shared across recapture generations trip the caching allocator (torch 2.11).
         pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
@@ -82,11 +75,8 @@ def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda
 
 
 def abandon_capture(device: torch.device, stream: torch.cuda.Stream, pool: Any) -> None:
-    """Undo what torch's graph context leaves behind when its capture fails. Its exit ends the capture before it
-    restores the stream and before the allocator stops routing the capture's allocations to the graph's pool; when
-    ending fails (it does, after any error inside the capture) neither happens. The thread would then run all
-    later work on the capture stream, unordered with other threads' work on the default stream, and the allocator,
-    still seeing a capture underway, would stop recycling memory used across streams."""
+    """Undo what torch's graph context leaves behind when its capture fails: when ending the capture fails, it neither
+    restores the stream nor stops routing allocations to the graph's pool."""
     torch.cuda.set_stream(stream)
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
@@ -104,11 +94,9 @@ class RunnerStats:
 
 
 class GraphSteps:
-    """What the runners share: a fixed-shape step runs eagerly, or replays its graph (captured on first use); a
-    capture that fails gives graphs up for good (auto mode: the steps run eagerly, counted, `failure` says why) or
-    raises; one refused for want of memory runs that step eagerly (auto mode, counted) or raises. Subclasses set
-    mode, fallback_on_failure, stats and failure, and define _run, _device and _forget_graphs; a step has `graph`
-    and `logits`."""
+    """What the runners share: a fixed-shape step runs eagerly or replays its graph (captured on first use). A failed
+    capture gives graphs up (auto mode, counted, `failure` says why) or raises. Subclasses set mode,
+    fallback_on_failure, stats and failure, and define _run, _device and _forget_graphs."""
 
     mode: str
     fallback_on_failure: bool

@@ -1,21 +1,9 @@
-"""Weight layout for decode on CPU: each Linear weight shape is stored in whichever memory order this machine's
-matrix-vector product streams fastest, chosen by measurement at load.
+"""Weight layout for decode on CPU: each Linear weight shape is stored in the memory order this machine's matrix-vector
+product streams fastest, chosen by measurement at load.
 
-A decode step is a chain of matrix-vector products whose cost is reading every weight once from memory. How fast
-torch's CPU GEMV streams a matrix depends on its memory order, and the better order differs by shape. Measured on
-this project's 2-core CPU (GB/s, input-major = [in, out] contiguous, output-major = nn.Linear's own [out, in]):
-
-    shape (in x out)           input-major   output-major
-    576 x 1536 (gate/up)       10-12.5       7.6-8.3
-    1536 x 576 (down)          7.3-7.8       11.6-12.6
-    576 x 192  (k/v, GQA)      4.8-5.5       7.8-9.2
-
-so no single order wins: SmolLM2-135M's compiled decode ran 13.5 tok/s with every weight input-major and 16.5 with
-k/v/down left output-major (same run conditions). `measured_layouts` times both orders per distinct weight
-shape on the model's own weights and `relay_linears` applies the winners. Values never change: a parameter keeps
-its shape [out, in] and becomes a transposed view of input-major storage where that order won, so F.linear hands
-BLAS the contiguous [in, out] matrix. Tied weights stay tied (the shared Parameter is re-laid once). Embedding
-lookups read strided rows then, a negligible cost.
+The faster order differs by shape, so `measured_layouts` times both per distinct shape and `relay_linears` applies the
+winners. Values never change: a parameter keeps its [out, in] shape and becomes a transposed view of input-major storage
+where that won. Tied weights stay tied.
 """
 from __future__ import annotations
 
@@ -63,9 +51,8 @@ def _products(x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None
 
 
 def measured_layouts(model: torch.nn.Module, budget_bytes: int = 64 << 20) -> dict[Shape, bool]:
-    """For each distinct Linear weight shape of `model`: True when x @ W in input-major order is faster than in
-    nn.Linear's order on this machine (one-row x, as a decode step). Times up to SAMPLE_WEIGHTS of the model's own
-    weights of that shape, about `budget_bytes` read per order and trial (well under a second in all)."""
+    """For each distinct Linear weight shape: True when a one-row x @ W is faster input-major than in nn.Linear's order
+    here. Times up to SAMPLE_WEIGHTS weights, about `budget_bytes` per order and trial."""
     by_shape: dict[Shape, list[torch.Tensor]] = defaultdict(list)
     for weight in _linear_weights(model).values():
         by_shape[(weight.shape[0], weight.shape[1], weight.dtype)].append(weight.detach())
@@ -85,8 +72,8 @@ def measured_layouts(model: torch.nn.Module, budget_bytes: int = 64 << 20) -> di
 
 
 def relay_linears(model: torch.nn.Module, input_major: Callable[[Shape], bool]) -> int:
-    """Re-lay every Linear weight of `model` in place into the order `input_major(shape)` picks (values and
-    shapes unchanged). Returns how many parameters changed order."""
+    """Re-lay every Linear weight in place into the order `input_major(shape)` picks; returns how many parameters
+    changed order."""
     changed = 0
     for weight in _linear_weights(model).values():
         want = input_major((weight.shape[0], weight.shape[1], weight.dtype))

@@ -1,34 +1,11 @@
-"""ModelRunner: the engine's short forwards - decode steps and chat-turn suffixes - over fixed shapes.
+"""ModelRunner: the engine's short forwards (decode steps, chat-turn suffixes) as fixed-shape steps.
 
-An eager forward of a 3B model is launch-bound on a GPU: ~36 layers x ~15 kernels, each queued by Python,
-cost more than the math of a 40-token suffix (measured on an H100: 50.6 ms eager, 11.8 ms as one CUDA graph).
-The runner runs every forward of up to `max_tokens` tokens as a *step* of a fixed bucket size (1 for decode;
-16/32/64/128/256 for suffixes), padding the tokens at its end:
-
-    positions  [start, start + bucket)   written into the workspace by a static cache (kv/static.py)
-    ends       start + bucket            the attention's valid length, a device tensor
-    logits     of the last real token    (picked by a device index, so padding changes nothing)
-
-Padded tokens sit after the real ones, so causal attention keeps them out of every real token's view; their
-K/V land past the prompt and are overwritten by the next step. Nothing in a step reads a host value, so:
-
-* mode "graphs" (CUDA): each bucket is captured as a CUDA graph the first time it runs over the current
-  workspace buffers (or at warm-up) and replayed afterwards: one launch per step;
-* mode "compiled": the decode step (batch 1) and the batched decode step (rows) run under torch.compile, the
-  others as in eager: CPU, where the eager forward's ~10 small ops per layer cost as much as its matrix-vector
-  products; the compiled steps read their weights through inductor's packed GEMV kernels (compiled_step.py), a
-  copy of their own, and the eager steps the model's weights in nn.Linear's order through ATen's (or, where
-  packing is refused, every step ATen's, each weight shape laid out in the memory order this machine's GEMV
-  streams fastest in: layout.py). The rows step is one graph whose row and length axes are dynamic (2-16 rows,
-  run at the exact count; a lone row runs beside a free slot, since torch would specialize a size of 1), compiled
-  the first time a batch runner of the model steps. With compile_verify (an engine that speculates), speculative
-  verifies are compiled too: one graph whose token axis is dynamic, run at the exact draft count (no bucket
-  padding), and a batch's ragged verify ("rows_verify"): one graph whose row and token axes are dynamic, run at
-  the exact rows and width, compiled before a batch runner's first row (prepare_batched_verify);
-* mode "eager": the same step, run directly: any device; tests exercise the bucket logic through it on CPU.
-
-A workspace reallocation (growth past its capacity) changes the buffers' addresses: the graphs are dropped
-and recaptured on next use. Longer prefills stay on the ordinary eager path (their kernels dominate).
+An eager forward of a large model on a GPU is launch-bound, so every forward of up to `max_tokens` tokens runs as a step
+of a fixed bucket size (1 for decode, 16-256 for suffixes), padded at its end: padded tokens sit after the real ones, so
+causal attention hides them, and their K/V is overwritten by the next step. Nothing in a step reads a host value, so
+mode "graphs" captures each bucket as a CUDA graph, "compiled" runs the decode, rows and verify steps under
+torch.compile (CPU; compiled_step.py), and "eager" runs the same step directly. A workspace reallocation drops the
+graphs; longer prefills stay on the eager path.
 """
 from __future__ import annotations
 
@@ -54,28 +31,22 @@ log = logging.getLogger(__name__)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 BATCH_BUCKETS = (1, 2, 4, 8, 16)  # rows of a batched decode step (continuous batching)
 VERIFY_WIDTHS = (2, 4, 8, 16)  # tokens per row of a batched verify step (each row's token and its drafts)
-# Tokens in all of a batched verify step (bucket rows x width): each captured step keeps float32 logits of every
-# token ([rows, width, vocab]: 16 x 16 x 152k = 155 MB for Qwen2.5), in a graph's private memory pool.
+# Tokens in a batched verify step: each captured step keeps float32 logits [rows, width, vocab] in a graph's private
+# pool.
 MAX_VERIFY_STEP_TOKENS = 64
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-# compiled step kinds as cache_stats() says them
 _KIND_NAMES = {"seq": "decode", "rows": "rows", "verify": "verify", "rows_verify": "rows_verify"}
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
 RUNNER_MODES = ("graphs", "compiled", "eager")
-# Compiled mode compiles the batch-1 decode step: it is the launch-bound one on CPU, and each further bucket
-# would cost another compile (tens of seconds on a small CPU). Prefill buckets run the same path eagerly; so does a
-# speculative verify where the runner is asked to compile it (compile_verify): an eager verify is padded to the
-# 16-token bucket and reads the weights through ATen's products, several compiled decode steps' worth, so drafts
-# could never pay; compiled at the exact token count it costs little more than one step.
+# Compiled mode compiles the batch-1 decode step (the launch-bound one on CPU; each more bucket is another compile). A
+# speculative verify (compile_verify) is compiled at the exact token count: padded to a bucket through ATen it would
+# cost several decode steps.
 COMPILED_STEPS = {("seq", 1)}
-# ... and the batched decode step, one graph for every row count from COMPILED_MIN_ROWS (about 0.6x the eager
-# step's time at 2-8 rows), one compile at the model's first batched step.
+# ... and the batched decode step: one graph for every row count from COMPILED_MIN_ROWS.
 COMPILED_MIN_ROWS = 2
-# Models whose compiled batched verify has compiled (prepare_batched_verify): the graph is the model's, shared by
-# every batch runner over it (compiled_step.own_code).
+# Models whose batched verify has compiled: the graph is shared by every batch runner over the model.
 _BATCHED_VERIFY_READY: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-# Graph mode sizes the workspace in steps this large, so a conversation growing token by token does not
-# reallocate (and recapture) often; warm-up starts it at WARM_CAPACITY positions.
+# Graph mode grows the workspace in steps this large, so a growing conversation rarely recaptures.
 CAPACITY_STEP = 1024
 WARM_CAPACITY = 4096
 
@@ -114,12 +85,10 @@ def batch_bucket_for(n_rows: int, max_rows: int) -> int | None:
 
 @dataclass
 class _Step:
-    """One bucket's fixed inputs and output; in graph mode also its captured graph.
+    """One bucket's fixed inputs and output (and its CUDA graph in graph mode).
 
-    A prefill/decode step of one sequence: ids [1, T], positions [T] (the same columns for the row), ends [1],
-    last [1] (index of the last real token), logits [vocab]. A batched decode step of B rows: ids [B, 1],
-    positions [B, 1] (each row's own column), ends [B], last None (one token per row), logits [B, vocab]. A batched
-    verify of B rows x W tokens: ids and positions [B, W] (each row's own columns), ends [B], logits [B, W, vocab].
+    One sequence: ids [1, T], positions [T], ends [1], last [1], logits [vocab]. B decode rows: ids and positions [B,
+    1], ends [B], last None, logits [B, vocab]. B verify rows x W: ids and positions [B, W], logits [B, W, vocab].
     """
 
     key: tuple  # ("seq", tokens), ("verify", tokens), ("rows", rows) or ("rows_verify", rows, width)
@@ -139,8 +108,7 @@ class ModelRunner(GraphSteps):
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False, packed_gemv: bool = True,
                  unpacked_reason: str | None = None, verifies: bool = False, reports_to: ModelRunner | None = None):
-        """reports_to: the engine's runner, for a batch runner's (a step dynamo refuses is recorded there too, so
-        cache_stats() says it)."""
+        """reports_to: the engine's runner, where a batch runner records the steps dynamo refuses."""
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
         if mode == "graphs" and workspace.device.type != "cuda":
@@ -152,15 +120,13 @@ class ModelRunner(GraphSteps):
         self.generation = workspace.generation
         self.stats = RunnerStats()
         self.failure: str | None = None  # why graphs were given up (auto mode): the steps then run eagerly
-        # verifies: the engine speculates, so its verify step is made ready at load (captured in graph mode); in
-        # compiled mode it is also compiled, at the exact token count, rather than run eagerly in a padded bucket.
+        # verifies: the verify step is made ready at load; compiled mode compiles it at the exact token count.
         self.verifies = verifies
         self.compile_verify = verifies and mode == "compiled"
-        # Compiled mode: the decode step's forward under torch.compile (inductor), its capacity axis dynamic so
-        # a growing workspace does not recompile, its weights frozen into packed GEMV kernels (compiled_step.py).
+        # Compiled mode: torch.compile with a dynamic capacity axis and packed GEMV weights (compiled_step.py).
         self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason,
                                       owner=model) if mode == "compiled" else None
-        self.uncompiled: dict[str, str] = {}  # compiled mode: kinds of step dynamo refused to compile, and why
+        self.uncompiled: dict[str, str] = {}  # kinds dynamo refused, and why
         self.reports_to = reports_to
         self.least_rows = COMPILED_MIN_ROWS if mode == "compiled" else 1  # the smallest batched decode step
 
@@ -171,8 +137,7 @@ class ModelRunner(GraphSteps):
 
     @property
     def compiled_steps(self) -> list[str]:
-        """Compiled mode: which kinds of step run compiled ("decode", "rows": a batch runner's decode step over
-        this model, and with compile_verify "verify" and "rows_verify", a batch's ragged verify)."""
+        """Compiled mode: the kinds of step that run compiled (decode, rows, verify, rows_verify)."""
         if self._compiled is None:
             return []
         kinds = ("seq", "rows", "verify", "rows_verify") if self.compile_verify else ("seq", "rows")
@@ -191,11 +156,9 @@ class ModelRunner(GraphSteps):
 
     # ---- one step -----------------------------------------------------------------------------
     def forward(self, tokens: Sequence[int] | torch.Tensor, start: int) -> torch.Tensor:
-        """Run `tokens` at positions [start, start + n) after the K/V of [0, start) in the workspace.
-
-        Returns float32 logits [vocab] of the last token: a buffer the next call overwrites (clone to keep).
-        The caller holds the engine lock, under torch.inference_mode().
-        """
+        """Run `tokens` at positions [start, start + n) after the K/V of [0, start) in the workspace. Returns float32
+        logits [vocab] of the last token, in a buffer the next call overwrites. The caller holds the engine lock, under
+        torch.inference_mode()."""
         n = len(tokens)
         size = bucket_for(n, self.buckets)
         if size is None:
@@ -212,9 +175,8 @@ class ModelRunner(GraphSteps):
         return self._execute(step)
 
     def verify(self, tokens: Sequence[int], start: int) -> torch.Tensor:
-        """Like forward(), but returns float32 logits [n, vocab] of every token: a speculative step verifies the
-        last sampled token and its drafts in one step (its own bucket kind, so the prefill steps keep computing
-        one row of logits). A compiled verify runs the exact count (its token axis is dynamic): nothing padded."""
+        """Like forward(), but float32 logits [n, vocab] of every token (the last sampled token and its drafts). A
+        compiled verify runs the exact count, unpadded."""
         n = len(tokens)
         size = bucket_for(max(n, 2), self.buckets)  # never the 1-token decode bucket: that one keeps 1 row
         if self.compile_verify and size is not None:
@@ -235,8 +197,8 @@ class ModelRunner(GraphSteps):
         return ws.base == 0 and batch_bucket_for(n_rows, ws.batch_size) is not None
 
     def _decode_rows(self, n_rows: int) -> int | None:
-        """The batched decode step that runs n_rows rows, or None. Compiled: exactly n_rows (at least least_rows),
-        since its one graph takes any row count - 5 rows padded to the 8-row bucket would compute 3 for nothing."""
+        """The batched decode step that runs n_rows rows, or None. Compiled: exactly n_rows (at least least_rows), since
+        its one graph takes any row count."""
         ws = self.workspace
         if ws.base != 0:
             return None
@@ -246,9 +208,8 @@ class ModelRunner(GraphSteps):
         return batch_bucket_for(n_rows, ws.batch_size)
 
     def decode_batch(self, tokens: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-        """One decode step for rows 0..n-1 of the workspace: row i feeds tokens[i] at position lengths[i] (the
-        K/V of its positions [0, lengths[i]) is in place). Returns float32 logits [n, vocab], overwritten by the
-        next call. Rows past n up to the bucket are free slots: they compute a throwaway token at position 0."""
+        """One decode step for rows 0..n-1: row i feeds tokens[i] at position lengths[i]. Returns float32 logits [n,
+        vocab], overwritten by the next call; rows past n up to the bucket compute throwaway tokens at position 0."""
         n = len(tokens)
         rows = self._decode_rows(n)
         if rows is None:
@@ -270,9 +231,8 @@ class ModelRunner(GraphSteps):
         return batch_bucket_for(n_rows, self.workspace.batch_size) if self.workspace.base == 0 else None
 
     def verify_width(self, n_rows: int, width: int) -> int | None:
-        """The batched-verify width to run `width` tokens per row of n_rows rows at: the smallest step width that
-        holds them, else the widest step there is for that many rows (fewer drafts); None where the rows fit no
-        batch bucket. A compiled verify runs any width of 2-16 as it is (its token axis is dynamic)."""
+        """The width to verify `width` tokens per row of n_rows rows at: the smallest step width holding them, else the
+        widest there is; None where the rows fit no batch bucket."""
         rows = self._verify_rows(n_rows)
         if rows is None:
             return None
@@ -281,10 +241,9 @@ class ModelRunner(GraphSteps):
         return next((w for w in widths if w >= width), widths[-1] if widths else None)
 
     def verify_batch(self, tokens: Sequence[Sequence[int]], lengths: Sequence[int]) -> torch.Tensor:
-        """One verify step for rows 0..n-1 of the workspace: row i feeds tokens[i] (its last token and drafts, all
-        rows the same count W, a VERIFY_WIDTHS value) at positions [lengths[i], lengths[i] + W), each token seeing
-        its own row's keys up to itself. Returns float32 logits [n, W, vocab], overwritten by the next call. Rows
-        past n up to the bucket are free slots: they compute throwaway tokens at positions [0, W)."""
+        """One verify step for rows 0..n-1: row i feeds tokens[i] (W tokens, the same W for every row) at positions
+        [lengths[i], lengths[i] + W). Returns float32 logits [n, W, vocab], overwritten by the next call; rows past n up
+        to the bucket compute throwaway tokens."""
         n, width = len(tokens), len(tokens[0])
         rows = self._verify_rows(n)
         if rows is None or self.verify_width(n, width) != width or any(len(t) != width for t in tokens):
@@ -306,10 +265,8 @@ class ModelRunner(GraphSteps):
         keep = 0 if step.all_logits else (1 if step.last is None else step.last)  # 0: every position
         compiled = self._runs_compiled(step.key)
         if compiled:
-            # The compiled decode step attends over views of exactly the valid keys (no mask, no reading past the
-            # end); its length axis is dynamic, but a length of 1 would compile another graph (torch specializes
-            # sizes 0 and 1), so that one step - a 1-token prompt with nothing cached - runs eagerly instead. The
-            # rows step's views end at its longest row, each row masked to its own end.
+            # Compiled steps attend over views of exactly the valid keys; a length of 1 would compile another graph
+            # (torch specializes sizes 0 and 1), so that step runs eagerly.
             compiled = step.end >= 2
             set_views(step.cache, self.workspace, step.end if compiled else None, rows=self._view_rows(step))
         with static_attention(self.model):
@@ -321,8 +278,8 @@ class ModelRunner(GraphSteps):
         return logits[0] if step.last is not None else logits
 
     def _compiled_logits(self, step: _Step, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
-        """The step's compiled forward; where dynamo refuses to compile it (StepNotCompiled), this kind of step
-        runs eagerly from now on, counted in stats and said in `failure` - never silently."""
+        """The step's compiled forward; a kind of step dynamo refuses (StepNotCompiled) runs eagerly from then on,
+        counted in stats and said in `failure`."""
         assert self._compiled is not None
         ends = step.ends if step.key[0].startswith("rows") else None  # rows of different lengths: masked to their
         # ends (and each row's verified tokens causal among themselves: the ends align them bottom-right)
@@ -410,9 +367,8 @@ class ModelRunner(GraphSteps):
         return step
 
     def prepare_batched_verify(self) -> None:
-        """Compiled mode, on a speculating engine: compile the batched verify now, with a scratch step of 2 rows x 2
-        tokens at positions [0, 2), so that no row's step pays the compile (about a minute on a small CPU) and the
-        drafting policy never times it. The caller has no rows in the workspace yet. Once per model."""
+        """Compiled mode, speculating engine: compile the batched verify now on a scratch 2 x 2 step, so no timed row
+        step pays the compile. The workspace holds no rows yet. Once per model."""
         if not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY:
             return
         self.workspace.ensure_rows(2)
@@ -424,9 +380,8 @@ class ModelRunner(GraphSteps):
         _BATCHED_VERIFY_READY.add(self.model)
 
     def warm_up(self, capacity: int = WARM_CAPACITY) -> int:
-        """Size the workspace and capture every bucket now, so the first request meets no capture or compile.
-        Writes scratch K/V at the first positions: the caller forgets the workspace's resident prefix.
-        Returns the number of buckets run."""
+        """Size the workspace and run every bucket now, so the first request meets no capture or compile. Writes scratch
+        K/V at the first positions (the caller forgets the resident prefix). Returns buckets run."""
         ws = self.workspace
         if self.mode != "graphs":  # nothing is captured per buffer address: no need to size it ahead
             capacity = min(capacity, CAPACITY_STEP)
@@ -434,8 +389,8 @@ class ModelRunner(GraphSteps):
         self._ensure_capacity(max(cap, self.max_tokens), keep=0)
         for size in (1, *self.buckets):
             self.forward([0] * size, 1 if size == 1 else 0)  # decode after one position, as every real one is
-        if self.verifies:  # one verify (compiled: the dynamic graph every draft count runs; graphs: the
-            self.verify([0] * 2, 1)  # smallest bucket, which holds the most drafts a request may ask for)
+        if self.verifies:  # one verify (compiled: the dynamic graph; graphs: the
+            self.verify([0] * 2, 1)  # smallest bucket, holding the most drafts)
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
         return 1 + len(self.buckets) + int(self.verifies)

@@ -1,13 +1,8 @@
 """Place content matches into the workspace at their new positions.
 
-A stored chunk's keys carry the rotary phase of the position they were computed at. Moving them to another
-offset is one exact rotation per token by the position difference, with the model's own rotary settings
-(reuse/rope.py). Values carry no position and are copied. Whatever cannot be rotated exactly is refused
-here, before anything is written, so the engine prefills those tokens instead: a silent wrong position
-would be worse than no reuse.
-
-The result is approximate by design: K/V of a document computed after other text (or alone) is not the K/V
-it would have after this prompt's text, except in layer 0. reuse/repair.py decides what to recompute.
+Keys are moved by an exact rotation per token (reuse/rope.py); values are copied. Whatever cannot be rotated exactly is
+refused before anything is written, and prefilled instead. The result is approximate by design; reuse/repair.py decides
+what to recompute.
 """
 from __future__ import annotations
 
@@ -42,11 +37,8 @@ class Assembly:
 
 
 def rotation_support(model: torch.nn.Module) -> tuple[list[RotaryInfo] | None, str | None]:
-    """Per-layer rotary settings when every layer's keys can be moved exactly; else (None, reason).
-
-    No src/dst lengths are passed on purpose: we do not know the length of the forward pass that produced a
-    stored chunk, so length-dependent schemes (dynamic NTK, longrope) are refused rather than guessed.
-    """
+    """Per-layer rotary settings when every layer's keys can be moved exactly; else (None, reason). Length-dependent
+    schemes are refused: a stored chunk's source pass length is unknown."""
     infos = rotary_info_for(model)
     if not infos:
         return None, "model has no decoder layers"
@@ -68,12 +60,8 @@ def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:
 
 def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentIndex, ids: list[int],
                    segments: list[ContentSegment], infos: list[RotaryInfo], row: int | None = None) -> Assembly:
-    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at the piece's positions
-    (of every workspace row, or of one `row`).
-
-    A piece whose record is gone (evicted) or whose ids disagree is dropped and its positions are left for
-    prefill; the run after a dropped piece starts a new segment (it has a seam again).
-    """
+    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at the piece's positions (every row,
+    or one `row`). A piece whose record is gone or disagrees is left for prefill."""
     records: dict[str, ChunkRecord | None] = {}
     groups = _groups(infos)
     placed: list[ContentSegment] = []
@@ -145,8 +133,8 @@ class ContentState:
 
     def find(self, store: ChunkStore, ids: list[int], start: int, stop: int, salt: str | None
              ) -> tuple[list[ContentSegment], list[RotaryInfo] | None, str | None]:
-        """Content matches in ids[start:stop] and the rotary settings to move them with; ([], None, reason)
-        when matches exist but cannot be placed exactly (the caller prefills them instead)."""
+        """Content matches in ids[start:stop] and the rotary settings to move them with; ([], None, reason) when they
+        cannot be placed exactly."""
         if self.index.prune_due():
             self.index.prune(store.contains)
         if stop - start <= 0 or not len(self.index):

@@ -1,16 +1,9 @@
 """Find warmed content anywhere in a prompt, at token granularity.
 
-Exact reuse (reuse/match.py) only covers a prompt's prefix. A RAG prompt holds several warmed documents
-in any order, after a system prompt and separators, so their tokens sit at arbitrary offsets. This module
-keeps an index of every stored chunk's token windows (a polynomial hash over WINDOW consecutive ids, salted
-per tenant) and scans the prompt with the same hash at every offset. A hit is only a candidate: it is
-verified against the stored token ids, then extended token by token through the chunk and on into its
-stored chain children, so a whole warmed document comes back as one segment even when its first token
-tokenizes differently after a separator (the seed simply lands one token later).
-
-The index is in-process and advisory: it may name chunks a store has since evicted or deleted. The engine
-drops those when store.get() misses (ContentIndex.discard), and every token is re-checked against the
-loaded record before its K/V is used, so a stale entry or a hash collision never produces wrong output.
+An index of every stored chunk's token windows (a polynomial hash over WINDOW ids, salted per tenant) is scanned with
+the same hash at every prompt offset. A hit is verified against the stored ids, then extended through the chunk and its
+stored chain children, so a warmed document comes back as one segment. The index is advisory (stale entries are dropped
+on a store miss) and every token is re-checked against the loaded record.
 """
 from __future__ import annotations
 
@@ -34,11 +27,8 @@ def _salt_seed(salt: str | None) -> np.uint64:
 
 
 def window_hashes(token_ids: Sequence[int] | np.ndarray, window: int, salt: str | None = None) -> np.ndarray:
-    """Hash of every run of `window` consecutive ids: out[i] covers ids[i:i + window]. uint64, wraps mod 2^64.
-
-    Polynomial in the ids (sum of id * BASE^(window-1-j)) plus the tenant seed * BASE^window, so two tenants'
-    identical documents never share an index entry. Vectorized: one pass per window offset, not per position.
-    """
+    """Hash of every run of `window` consecutive ids (out[i] covers ids[i:i + window]); uint64, wrapping. Includes the
+    tenant seed, so tenants never share an entry."""
     ids = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
     n = ids.shape[0] - window + 1
     if n <= 0:
@@ -52,11 +42,8 @@ def window_hashes(token_ids: Sequence[int] | np.ndarray, window: int, salt: str 
 
 @dataclass(frozen=True)
 class Piece:
-    """Tokens [offset, offset + n_tokens) of stored chunk `key`, placed at prompt positions [start, end).
-
-    src_start is the absolute position the stored K/V was computed at (record.start + offset), so the keys
-    move by delta = start - src_start.
-    """
+    """Tokens [offset, offset + n_tokens) of stored chunk `key`, placed at prompt positions [start, end); src_start
+    (record.start + offset) is where the K/V was computed, so keys move by delta = start - src_start."""
 
     key: str
     offset: int
@@ -125,8 +112,7 @@ class ContentIndex:
             self._index_windows(meta, salt)
 
     def _index_windows(self, meta: ChunkMeta, salt: str | None) -> None:
-        # A chunk shorter than a window (a short partial tail) gets no seeds: it is reached by extension
-        # from its parent chunk, which is how it occurs in a warmed document.
+        # A chunk shorter than a window gets no seeds: it is reached by extension from its parent.
         for offset, h in enumerate(window_hashes(meta.token_ids, self.window, salt).tolist()):
             bucket = self._windows.setdefault(h, [])
             bucket.append((meta.key, offset))
@@ -182,11 +168,8 @@ class ContentIndex:
     # ---- matching ----------------------------------------------------------------------------------
     def find(self, ids: Sequence[int], start: int, stop: int, salt: str | None = None,
              min_match: int = MIN_MATCH) -> list[ContentSegment]:
-        """Non-overlapping segments of ids[start:stop] whose tokens equal stored chunk content, left to right.
-
-        Greedy: at each position take the candidate that extends furthest (ties: the smallest position shift),
-        then continue after it. Positions in no segment are left for prefill.
-        """
+        """Non-overlapping segments of ids[start:stop] equal to stored chunk content, left to right; greedily the
+        candidate extending furthest (ties: smallest shift). The rest is left for prefill."""
         ids = [int(t) for t in ids]
         w = self.window
         if stop - start < max(w, min_match) or not self._metas:
@@ -203,8 +186,7 @@ class ContentIndex:
                     meta = self._metas.get(key)
                     if meta is None or meta.token_ids[offset:offset + w] != target:
                         continue  # evicted chunk or a hash collision
-                    # Windows never straddle two chunks, so a run may start a few tokens before its first
-                    # seed (at the end of a parent chunk): walk back first, then forward.
+                    # Windows never straddle chunks, so a run may start before its first seed: walk back, then forward.
                     begin, key, offset = self._extend_back(ids, pos, floor, key, offset)
                     pieces = self._extend(ids, begin, stop, key, offset)
                     total = pieces[-1].end - begin

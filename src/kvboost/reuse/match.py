@@ -30,7 +30,6 @@ class Segment:
 @dataclass
 class ExactMatch:
     segments: list[Segment] = field(default_factory=list)
-    chunks_probed: int = 0
 
     @property
     def length(self) -> int:
@@ -52,7 +51,6 @@ def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = T
     """
     match = ExactMatch()
     for i, chunk in enumerate(chunks):
-        match.chunks_probed += 1
         if chunk.complete:
             record = store.get(chunk.prefix_key)
             # A key hit counts only once the stored ids equal the prompt's: a hash collision must never

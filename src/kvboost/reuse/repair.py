@@ -1,27 +1,13 @@
 """Repair re-positioned K/V and prefill the rest of the prompt, layer by layer, over the workspace.
 
-After assembly the workspace holds, for a prompt of N tokens: exact K/V at [0, exact_len) (never touched
-here), approximate K/V at the placed positions, and nothing yet at the live positions (separators, the
-question, anything unmatched). One forward of the model runs over a *query set* of positions that may
-shrink from layer to layer; every query's new K/V is scattered to its own position and attention always
-reads keys [0, N) under an explicit causal (and, per layer, sliding-window) mask. Positions outside the
-query set keep the K/V already there.
+After assembly the workspace holds exact K/V at [0, exact_len), approximate K/V at placed positions and nothing at live
+positions. One forward runs over a query set of positions that may shrink from layer to layer; each query's K/V is
+scattered to its position and attention reads keys [0, N) under an explicit causal (and sliding) mask.
 
-Strategies (RecomputeStrategy):
-  none        queries = live positions in every layer; placed K/V used as is.
-  selective   queries = live positions + the first `overlap` placed tokens after each seam, in every layer:
-              the tokens that most need the new preceding context see it.
-  cacheblend  layers before CHECK_LAYER run every non-exact position (cheap: 2 of ~30 layers). At the check
-              layer a probe computes the K/V of every placed token (the projections only, ~1/6 of a layer),
-              ranks the tokens by how far that K/V deviates from the stored one, and only the top
-              min(1, 2r) run the rest of the layer; the next layer probes those and keeps the top r (gradual
-              filtering). From then on only the top r and the live positions run. Cost ~ (CHECK_LAYER + r *
-              rest) of a prefill: it grows with r, not with the prompt. r = 0 is exactly `none`, r = 1 a full
-              prefill.
-
-The per-layer query sets are applied with forward pre-hooks on the decoder layers, so the model's own
-embedding (scaling included), rotary module, norms and head run unchanged; only the hidden-state rows,
-their rotary rows, position ids and the mask are narrowed before each layer.
+Strategies: none (live positions only), selective (plus the first `overlap` placed tokens after each seam), and
+cacheblend (every non-exact position up to CHECK_LAYER; there a probe ranks placed tokens by K/V deviation and keeps the
+top 2r, then r; cost grows with r, not the prompt). Query sets are applied by forward pre-hooks on the decoder layers,
+so the model's own embedding, rotary, norms and head run unchanged.
 """
 from __future__ import annotations
 
@@ -93,11 +79,9 @@ class _Probed(Exception):
 class ScatterLayer(CacheLayerMixin):
     """Cache layer whose update writes K/V at arbitrary workspace positions and returns keys [0, end).
 
-    The driver sets `positions` (the query rows of the current call, sorted) and `end` (last position + 1)
-    before each call. After score(candidates), update() first measures how far the incoming K/V of candidate
-    positions deviate from what the buffer holds there (the placed, stored K/V): CacheBlend's selection signal,
-    kept in `deviation` (aligned with `candidates`). In `probing` mode update() raises _Probed once the K/V is
-    written, so a probe call pays for the projections but not for attention and the MLP.
+    The driver sets `positions` (sorted query rows) and `end` before each call. After score(candidates), update()
+    records in `deviation` how far the incoming K/V of those positions is from the stored K/V (CacheBlend's signal); in
+    `probing` mode it raises _Probed once the K/V is written, skipping attention and the MLP.
     """
 
     is_sliding = False
@@ -180,12 +164,8 @@ class _Fixed:
 
 
 class _Blend:
-    """CacheBlend: every non-exact position up to the check layer, then placed tokens filtered by deviation.
-
-    At the check layer and the one after it, a probe computes the K/V of the placed tokens still in the pool
-    (and stops before attention), ranks them by deviation from the placed K/V and keeps the top GRADUAL * r,
-    then the top r; only those and the live positions run the layer and every layer after it.
-    """
+    """CacheBlend: every non-exact position up to the check layer, then placed tokens filtered by deviation (top GRADUAL
+    * r, then top r) with the live positions."""
 
     def __init__(self, everything: torch.Tensor, live: torch.Tensor, placed: torch.Tensor, ratio: float,
                  n_layers: int):
@@ -254,11 +234,8 @@ def _schedule(strategy: RecomputeStrategy, ratio: float, overlap: int, n: int, e
 def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int], exact_len: int,
                    placed: torch.Tensor, seams: list[int], strategy: RecomputeStrategy | str, ratio: float,
                    overlap: int) -> RepairResult:
-    """Fill workspace positions [exact_len, len(ids)) and return the last position's logits.
-
-    `placed` is a bool [len(ids)] mask of positions holding assembled (approximate) K/V; the last position
-    must be live (its logits pick the first new token). Callers run this under torch.inference_mode().
-    """
+    """Fill workspace positions [exact_len, len(ids)) and return the last position's logits. `placed`: bool [len(ids)]
+    of positions holding approximate K/V; the last position must be live. Run under inference_mode."""
     n = len(ids)
     device = workspace.device
     placed = placed.to(device)
@@ -295,8 +272,8 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
             queries = schedule.queries(layer_idx)
             hidden = narrow(args[0] if args else kwargs.pop("hidden_states"), queries)
             if schedule.probes(layer_idx):
-                # K/V of every row (written: it is this layer's true K/V), scored, then selection; the layer's
-                # attention and MLP run below for the kept rows only.
+                # Every row's K/V is written (this layer's true K/V) and scored; attention and MLP run for the kept rows
+                # only.
                 layer.score(schedule.pool)
                 layer.positions, layer.end, layer.probing = queries, n, True
                 kw = dict(kwargs, position_ids=queries[None], attention_mask=probe_mask)

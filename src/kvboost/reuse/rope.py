@@ -1,17 +1,9 @@
 """Move cached RoPE keys to new positions.
 
-Hugging Face caches store keys *after* the rotary embedding, so a key computed at position p is
-``s * R(p * inv_freq) k`` on its rotary dims (``s`` = the model's ``attention_scaling``, e.g. the YaRN mscale).
-Rotations compose, so ``R(delta * inv_freq)`` maps it to position ``p + delta`` exactly - provided we use the
-model's own ``inv_freq`` (linear / llama3 / yarn scaling all live there) and apply a *pure* rotation: ``s`` is
-already baked into the stored key once and must not be applied again.
-
-Schemes whose ``inv_freq`` depends on the sequence length of the forward pass (dynamic NTK, longrope) are only
-exact when both the source and the destination pass used the same frequencies; without those lengths they are
-reported ``exact=False`` so the engine falls back to recomputing.
-
-Everything here reads the model's live rotary module (``decoder.rotary_emb``) rather than re-deriving the
-formulas, so a future scaling variant with a static ``inv_freq`` works without changes here.
+HF caches keys after the rotary embedding (``s * R(p * inv_freq) k``), and rotations compose, so ``R(delta * inv_freq)``
+moves a key to ``p + delta`` exactly, using the model's own ``inv_freq`` and a pure rotation (``s`` is already in the
+stored key). Length-dependent schemes (dynamic NTK, longrope) are exact only when both passes used the same frequencies;
+otherwise they report ``exact=False``. Everything reads the model's live rotary module rather than re-deriving formulas.
 """
 from __future__ import annotations
 
@@ -33,12 +25,8 @@ _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chun
 
 @dataclass(eq=False)
 class RotaryInfo:
-    """How to re-rotate the cached keys of one decoder layer.
-
-    ``inv_freq`` is float32, length ``rotary_dim // 2``; the rotary dims are the first ``rotary_dim`` of
-    ``head_dim`` in rotate-half (not interleaved) layout. ``rotary_dim == 0`` means a NoPE layer: keys carry no
-    position and re-rotation is the identity.
-    """
+    """How to re-rotate the cached keys of one decoder layer: ``inv_freq`` float32 [rotary_dim // 2] over the first
+    ``rotary_dim`` dims of ``head_dim`` in rotate-half layout; ``rotary_dim == 0`` is a NoPE layer."""
 
     inv_freq: torch.Tensor
     rotary_dim: int
@@ -89,8 +77,7 @@ def _model_level_reason(rotary: nn.Module | None, config) -> str | None:
     for params in _rope_param_dicts(config):
         if any(str(k).startswith("mrope") for k in params):
             return "multimodal M-RoPE (3-D positions) is not re-rotated"
-    # Some families (Cohere, GLM, ...) pair dims interleaved. Probe the modeling file's own rotate_half rather
-    # than trusting a list of names; no rotate_half at all (complex-number RoPE, custom kernels) is also unknown.
+    # Some families pair dims interleaved: probe the modeling file's own rotate_half rather than a list of names.
     module = sys.modules.get(type(rotary).__module__)
     fn = getattr(module, "rotate_half", None)
     if fn is None:
@@ -133,8 +120,7 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
         return info(_attr(rotary, "inv_freq", layer_key))
 
     if "dynamic" in rope_type:
-        # The module regrows inv_freq once a pass exceeds max_position_embeddings and only resets it on a pass
-        # strictly shorter than that, so only "both passes strictly shorter" pins the original frequencies.
+        # The module regrows inv_freq past max_position_embeddings and resets it only on a strictly shorter pass.
         limit = int(getattr(rotary, "original_max_seq_len", rotary.config.max_position_embeddings))
         if src_len is not None and dst_len is not None and max(src_len, dst_len) < limit:
             return info(_attr(rotary, "original_inv_freq", layer_key))
@@ -167,12 +153,9 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
 
 def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
                     dst_len: int | None = None) -> list[RotaryInfo]:
-    """One RotaryInfo per decoder layer, read from the model's own rotary module.
-
-    ``src_len`` / ``dst_len`` only matter for length-dependent schemes (dynamic NTK, longrope): they are
-    ``max(position_ids) + 1`` of the forward pass that produced the cached keys, and of the pass that would
-    produce them at the destination. Never raises for unsupported models; it reports ``exact=False``.
-    """
+    """One RotaryInfo per decoder layer, read from the model's rotary module. ``src_len`` / ``dst_len``
+    (``max(position_ids) + 1`` of the source and destination passes) only matter for length-dependent schemes. Never
+    raises for unsupported models; it reports ``exact=False``."""
     decoder = _decoder(model)
     config = getattr(decoder, "config", None) or model.config.get_text_config()
     layers = getattr(decoder, "layers", None)
@@ -220,12 +203,9 @@ def rerotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, info: RotaryInf
                   src_positions: int | torch.Tensor | None = None) -> torch.Tensor:
     """Rotate post-RoPE ``keys`` [..., kv_heads, n_tokens, head_dim] from position p to p + delta.
 
-    ``delta`` is an int or a tensor of shape [n_tokens] (per-token), may be negative. Returns a new tensor in
-    ``keys.dtype``; the math runs in float32.
-
-    ``src_positions`` (int start or [n_tokens] tensor), when given, makes the result match a fresh forward
-    pass more closely at large positions: the model rounds ``p * inv_freq`` in float32, and ``delta * inv_freq``
-    does not compose with that rounding; with absolute positions we rebuild the model's own angles instead.
+    ``delta``: int or [n_tokens] tensor, may be negative. Returns a new tensor in ``keys.dtype`` (math in float32).
+    ``src_positions`` (int start or [n_tokens]): rebuild the model's own float32 angles, which match a fresh forward
+    more closely at large positions than composing ``delta * inv_freq``.
     """
     if not info.exact:
         raise ModelNotSupportedError(f"keys are not exactly re-rotatable: {info.reason}")

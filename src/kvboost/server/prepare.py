@@ -1,18 +1,9 @@
 """From a validated OpenAI request to what the worker needs: token ids, SamplingParams, prompt text.
 
-Everything a client can get wrong is found here, before the request is queued or a stream starts, so it
-reaches the client as an HTTP 400 with the OpenAI error body (never as a broken stream).
-
-Sampling follows OpenAI semantics: temperature omitted → 1.0 (sampling), temperature 0 → greedy
-(argmax, no division), top_p omitted → 1.0. Chat without max_tokens may use the rest of the context
-window; /v1/completions without max_tokens generates 16 tokens (OpenAI's legacy default), fewer when
-fewer positions are left. An explicit max_tokens that does not fit beside the prompt is a 400
-`context_length_exceeded`, as OpenAI and vLLM answer it (never a reply silently cut short); an omitted
-one is never rejected.
-
-Structured output: response_format and the tools' call grammar (server/tools.py) are compiled here, so a schema
-the grammar library rejects is a 400 naming the problem before anything is queued. n > 1 becomes n rows of
-the same prompt (app.py submits them together, so a batching worker prefills the shared prompt once).
+Everything a client can get wrong is found here, before queueing, and answered as an HTTP 400 with OpenAI's error body.
+OpenAI semantics: temperature omitted -> 1.0, 0 -> greedy; chat without max_tokens may use the rest of the context,
+/v1/completions defaults to 16; an explicit max_tokens that does not fit is a 400 `context_length_exceeded`.
+response_format and tool grammars are compiled here; n > 1 becomes n rows.
 """
 from __future__ import annotations
 
@@ -128,7 +119,6 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
 
 # ---- pieces ------------------------------------------------------------------------------------------
 # OpenAI fields that would change the reply and that this server does not implement: refused, never ignored.
-# (Fields that change nothing here - user, metadata, store, service_tier, prompt_cache_key... - are accepted.)
 _UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported by this server (text models only)",
     "web_search_options": "web search is not supported by this server",
@@ -138,9 +128,8 @@ _UNSUPPORTED_FIELDS = {
 
 
 def _prediction_text(prediction: dict | None) -> str | None:
-    """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | [text parts]}), or None.
-    It drafts tokens for speculative decoding (the reply is exactly what it would be without it), which runs one
-    request at a time (a batching server runs such a request on its own, between batches)."""
+    """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | parts}), or None; it drafts tokens
+    for speculative decoding without changing the reply."""
     if prediction is None:
         return None
     content = prediction.get("content")
@@ -160,8 +149,8 @@ _SPECULATION_FIELDS = ("speculative", "num_speculative_tokens", "prompt_lookup_m
 
 
 def _speculation(engine, req: SamplingRequest, prediction: str | None):
-    """The request's speculation as the engine resolves generate()'s keywords of the same names ("default" when
-    it sets none of them and has no prediction: the engine's own setting). `speculative: null` is off."""
+    """The request's speculation as the engine resolves generate()'s keywords ("default" when none is set and there is
+    no prediction). `speculative: null` is off."""
     given = req.model_fields_set.intersection(_SPECULATION_FIELDS)
     if not prediction and not given:
         return "default"
@@ -281,11 +270,9 @@ def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
 
 
 def _token_budget(engine, n_prompt: int, requested: int | None, default: int | None, param: str) -> int:
-    """max_new_tokens for this request; ContextLengthError (→ 400) when the prompt and the request don't fit.
-
-    requested: the client's max_tokens (None: omitted). default: the endpoint's budget when omitted (None: all
-    the context the prompt leaves, as vLLM does), lowered to what is left rather than rejected.
-    """
+    """max_new_tokens for this request; ContextLengthError (400) when prompt and request don't fit. requested: the
+    client's max_tokens (None: omitted). default: the endpoint's budget when omitted (None: all the context left),
+    lowered to what is left rather than rejected."""
     limit = engine.max_context
     if limit is None:  # a model that declares no context size: nothing to check against
         return requested or default or _FALLBACK_MAX_TOKENS

@@ -1,15 +1,9 @@
-"""The one worker thread that steps the engine's loop for the server, and the bounded queue that feeds it.
+"""The one worker thread that steps the engine's loop for the server, and the bounded queue feeding it.
 
-torch and the engine's KV workspace are not for concurrent use, so all engine work happens on a single worker
-thread. Requests enter a bounded queue (full -> QueueFullError -> HTTP 429); the worker submits them to the engine's
-step loop (scheduler.py) as rows - up to max_batch_size at once, the rest wait here in arrival order - steps the loop,
-and pushes each request's events (text deltas, then the result or an error) back to the asyncio side with
-`loop.call_soon_threadsafe`. An idle worker waits up to the batch window for more requests, so that requests arriving
-together prefill together (rows sharing prefix chunks prefill against one copy of the shared K/V); between steps,
-newly queued requests join the running rows and finished or cancelled rows leave (continuous batching). With
-max_batch_size 1 requests run one at a time through the same loop.
-
-A request's failure is delivered to that request only; the worker survives everything.
+torch and the KV workspace are not for concurrent use, so all engine work runs on one worker. Requests enter a bounded
+queue (full -> 429); the worker submits them as rows of the engine's loop (up to max_batch_size), steps it and pushes
+each request's events back with `loop.call_soon_threadsafe`. An idle worker waits up to the batch window so requests
+arriving together prefill together. A request's failure reaches that request only.
 """
 from __future__ import annotations
 
@@ -256,8 +250,7 @@ class Scheduler:
         new.append(job)
 
     def _request(self, job: Job):
-        """The job as the engine's Request (validated and counted with the ids it came with: never tokenized
-        again)."""
+        """The job as the engine's Request (validated with the ids it came with: never tokenized again)."""
         return self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
                                         cache_salt=job.cache_salt, content_reuse=job.content_reuse,
                                         t_start=job.t_start, output_format=job.output_format,
@@ -282,12 +275,8 @@ class Scheduler:
 
 
 class _FirstTokenPump:
-    """While one step prefills several new rows, hand out each row's first token as soon as it exists.
-
-    Without it every row of an admission wave would see its first token only after the last row's
-    prefill. take_deltas() is thread-safe; the pump is joined before the worker takes deltas itself,
-    so a request's deltas stay in order.
-    """
+    """While one step prefills several new rows, hand out each row's first token as soon as it exists. take_deltas() is
+    thread-safe; the pump is joined before the worker takes deltas itself."""
 
     def __init__(self, rows: list[tuple[Job, Any]], interval_s: float = 0.005):
         self.rows = rows

@@ -1,24 +1,10 @@
 """Tools in a chat request: checking them, putting them in the prompt, and the grammar a call must follow.
 
-Rendering. Where the model's chat template uses `tools` (Qwen2.5, Llama 3.1, Hermes...), tools and the history's
-tool calls / results go through the template (HF's `tools=` / `tool_calls` conventions). Elsewhere (SmolLM2's
-plain ChatML, for one) the generic format is used:
-* a system message lists the functions (name, description, JSON Schema of the parameters) and says that a
-  call is written as  <tool_call>{"name": "<function>", "arguments": {...}}</tool_call>;
-* an assistant turn that called tools is rendered as those <tool_call> lines (after its text, if any);
-* a tool result is rendered as a user turn "<tool_response name=...>{content}</tool_response>", since many
-  templates know no `tool` role.
-
-Output, by tool_choice:
-* none (or no tools): free text; nothing is parsed as a call.
-* required / a named function: the output is constrained to one call object
-  {"name": <one of the functions, or the named one>, "arguments": <that function's parameters schema>}
-  (compact JSON), parsed as the reply's only tool call.
-* auto (the default with tools): free text in which the trigger "<tool_call>" opens a call whose object is
-  constrained as above up to "</tool_call>" (an xgrammar structural tag); the text outside calls is the
-  reply's content, each call one tool_call.
-One call per constrained reply for required/named; auto may produce several, unless parallel_tool_calls is
-false: then the grammar ends the reply with the first call (xgrammar's stop_after_first).
+Templates that use `tools` render tools and tool turns themselves; elsewhere a generic format is used: a system message
+lists the functions, calls are <tool_call>{"name": ..., "arguments": {...}}</tool_call> lines, and tool results are user
+turns in <tool_response> tags. tool_choice none: free text; required / named: the output is one constrained call object;
+auto: free text where "<tool_call>" opens a constrained call (an xgrammar structural tag), ending the reply at the first
+call when parallel_tool_calls is false.
 """
 from __future__ import annotations
 
@@ -98,8 +84,8 @@ def template_supports_tools(tokenizer) -> bool:
 
 def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSetup,
                     native: bool) -> list[dict[str, Any]]:
-    """Chat messages for the template, tool turns included (texts: each message's content as plain text).
-    Checks that tool results answer calls made earlier in the history (400 otherwise)."""
+    """Chat messages for the template, tool turns included (texts: each message's plain content). Tool results must
+    answer calls made earlier (400 otherwise)."""
     calls: dict[str, str] = {}  # tool_call id -> function name, from assistant turns so far
     out: list[dict[str, Any]] = []
     for i, (m, text) in enumerate(zip(messages, texts)):

@@ -15,13 +15,9 @@ log = logging.getLogger("kvboost.store")
 class ChunkRecord:
     """One chunk's K/V, computed in full context at positions [start, start + len(token_ids)).
 
-    keys[i] / values[i] are layer i's tensors shaped [kv_heads, n_tokens, head_dim] (batch dim dropped).
-    parent_key is the prefix-chain key of the chunk before it (None for the first chunk), which is
-    what lets a lookup find partial chunks at token granularity among a parent's children.
-
-    packed, when set, is every layer's K and V in one tensor [layers, 2, kv_heads, n_tokens, head_dim], and
-    keys[i] / values[i] are its views packed[i, 0] / packed[i, 1]: a record in the host tier crosses to the device
-    in one copy. Build one with ChunkRecord.from_packed.
+    keys[i] / values[i]: layer i's [kv_heads, n_tokens, head_dim]. parent_key: the prefix-chain key of the chunk before
+    (None for the first). packed, when set: every layer in one [layers, 2, kv_heads, n_tokens, head_dim] tensor that
+    keys / values view (ChunkRecord.from_packed), so a host record crosses in one copy.
     """
 
     key: str
@@ -43,8 +39,7 @@ class ChunkRecord:
                    list(packed[:, 1].unbind(0)), packed)
 
     def packed_view(self) -> torch.Tensor | None:
-        """`packed` while keys / values are still its views (None otherwise: a record whose layers were
-        replaced after it was built must not be read through a stale pack)."""
+        """`packed` while keys / values are still its views, else None."""
         p = self.packed
         if p is None or len(self.keys) != p.shape[0] or len(self.values) != p.shape[0]:
             return None
@@ -101,12 +96,8 @@ class TierStats:
 
 
 class TierHealth:
-    """How a tier degraded: events and dropped writes counted by reason, each reason logged once.
-
-    A tier that degrades (full Redis, damaged index, read-only directory...) keeps serving what it can;
-    the operator learns about it from one WARNING per reason (not one per request) and from the counts
-    in cache_stats()["tiers"][name]["events"] / ["dropped_writes"].
-    """
+    """How a tier degraded: events and dropped writes counted by reason (cache_stats()["tiers"][name]), each reason
+    logged once at WARNING."""
 
     def __init__(self, tier: str):
         self.tier = tier
@@ -140,11 +131,8 @@ class TierHealth:
 
 
 class CountedTier:
-    """Hit/miss/error accounting shared by the tiers that can fail (disk, Redis).
-
-    Subclasses provide `_get(key)` (may raise: a failing tier is a miss, never a failed request),
-    `_lock`, `_stats` (TierStats), `_counters` (extra named counters) and `health` (TierHealth).
-    """
+    """Hit/miss/error accounting for the tiers that can fail (disk, Redis). Subclasses provide `_get(key)` (may raise: a
+    miss), `_lock`, `_stats`, `_counters` and `health`."""
 
     def get(self, key: str) -> ChunkRecord | None:
         try:
@@ -168,11 +156,8 @@ class CountedTier:
 
 @runtime_checkable
 class ChunkStore(Protocol):
-    """A tier. get() returns full-precision K/V (tiers that quantize dequantize on load) or None.
-
-    A tier never raises on a damaged or unreachable backend during get/put: it counts an error
-    and behaves as a miss, because a cache must never fail a request.
-    """
+    """A tier. get() returns full-precision K/V or None. A damaged or unreachable backend never raises from get/put: it
+    counts an error and behaves as a miss."""
 
     name: str
 

@@ -1,23 +1,10 @@
 """Disk tier: one verified file per chunk plus a SQLite index, safe to share between processes.
 
-Crash safety comes from ordering, not from hoping nothing dies:
-  1. the blob is written to a temp file in the target directory and fsynced (a kill here leaves a
-     temp file, swept at the next open);
-  2. inside one SQLite write transaction (BEGIN IMMEDIATE: one writer across all processes) the temp
-     file is renamed over the final name and the index row is upserted (a kill between the two
-     leaves an unindexed file, not served until the next exclusive open verifies and indexes it);
-  3. every read re-verifies the blob's checksum, namespace and key; a bad file is deleted with its row
-     and counted, never served.
-Eviction and deletes remove the row and unlink the file inside the same kind of transaction, so a
-concurrent writer of the same key either lands before (and is evicted) or after (and survives).
-
-Degrading instead of failing (each counted in stats().extra["events"] / ["dropped_writes"] and logged
-once at WARNING):
-  - a damaged index is rebuilt from the chunk files' own verified headers (disk_index.py): every valid
-    file is kept, only files that fail verification are removed;
-  - a read-only directory (or mount, or one that turns read-only later) serves hits; writes are skipped;
-  - a full disk drops writes until space comes back.
-Every public method swallows backend errors (counted in stats().errors): a cache must not fail a request.
+Crash safety by ordering: the blob goes to an fsynced temp file; one SQLite write transaction (BEGIN IMMEDIATE) renames
+it into place and upserts the index row; every read re-verifies checksum, namespace and key, deleting a bad file.
+Eviction and deletes run in the same kind of transaction. A damaged index is rebuilt from the files' verified headers
+(disk_index.py); a read-only directory serves hits; a full disk drops writes. Every public method swallows backend
+errors (counted): a cache must not fail a request.
 """
 from __future__ import annotations
 
@@ -61,8 +48,7 @@ class DiskStore(CountedTier):
         self.stale_tmp_s = stale_tmp_s
         self._ns_dir = self.directory / "chunks" / idx.namespace_dir(namespace)
         self._host = socket.gethostname().replace(".", "_")
-        # Two connections: requests read (and count hits) on one while the write-behind thread holds write
-        # transactions on the other, so a read never queues behind a write, in this process or another.
+        # Two connections, so a read never queues behind the write-behind thread's write transactions.
         self._lock = threading.RLock()  # guards _conn (reads)
         self._write_lock = threading.RLock()  # guards _wconn (write transactions)
         self._stats = TierStats(self.name, budget_bytes=self.budget_bytes)
@@ -436,9 +422,8 @@ class DiskStore(CountedTier):
             self._count("errors")
 
     def _sweep(self, everything: bool) -> tuple[int, int]:
-        """Remove dead writers' temp files; when alone, also rows without files, and index the files without
-        rows that verify (a rebuilt index, or a writer killed between rename and commit), removing the others.
-        Returns (files adopted, files removed)."""
+        """Remove dead writers' temp files; when alone, also rows without files, and index the verified files without
+        rows. Returns (files adopted, files removed)."""
         chunks_root = self.directory / "chunks"
         now = time.time()
         files: set[str] = set()
@@ -474,8 +459,7 @@ class DiskStore(CountedTier):
 
 
 def _writable(directory: Path) -> bool:
-    """Whether we may write the directory (or, if it does not exist yet, create it). access() reports a
-    read-only mount even to root, for whom permission bits do not count."""
+    """Whether we may write (or create) the directory; access() reports a read-only mount even to root."""
     probe = directory
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

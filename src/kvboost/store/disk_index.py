@@ -1,10 +1,5 @@
-"""The disk tier's SQLite index, how to rebuild it from the chunk files alone, and its file helpers.
-
-The index is a convenience: every chunk file is self-describing (a framed safetensors blob whose
-checksummed header names its namespace, key, parent, content key and start, with the token ids as a
-tensor; see serialize.py). So an index that is damaged, missing, or unreadable (read-only medium) is
-rebuilt by reading the files: a file that verifies is indexed again, only one that fails verification
-(or lies where its key would never put it) is given up.
+"""The disk tier's SQLite index, how to rebuild it from the chunk files alone, and its file helpers. Every chunk file is
+self-describing (serialize.py), so a damaged, missing or unreadable index is rebuilt from the files that verify.
 """
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ def row_meta(row: tuple) -> ChunkMeta:
 
 # ---- connections ------------------------------------------------------------------------------------
 def connect(directory: Path, busy_timeout_s: float, check: bool = False) -> sqlite3.Connection:
-    """The shared, writable index (WAL). check=True also runs PRAGMA quick_check (done by the first opener:
-    a damaged page anywhere would otherwise surface later, as errors on requests)."""
+    """The shared, writable index (WAL). check=True runs PRAGMA quick_check (by the first opener)."""
     conn = sqlite3.connect(directory / INDEX, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
@@ -100,8 +94,8 @@ def connect(directory: Path, busy_timeout_s: float, check: bool = False) -> sqli
 
 
 def connect_read_only(directory: Path) -> sqlite3.Connection:
-    """The index of a directory we may not write. A WAL index needs its -shm file, which only exists while
-    a writer has it open; without one, open it immutable (every file read is verified anyway)."""
+    """The index of a directory we may not write: immutable when no writer holds the WAL's -shm file (every file read is
+    verified anyway)."""
     uri = (directory / INDEX).resolve().as_uri()
     last: Exception | None = None
     for flags in ("?mode=ro", "?mode=ro&immutable=1"):
@@ -156,8 +150,8 @@ def read_chunk_file(path: Path) -> tuple[str, ChunkMeta, bytes]:
 
 
 def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) -> tuple[int, list[str]]:
-    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not verify). Files of a
-    newer format are neither: left alone, unindexed."""
+    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not verify). Files of a newer
+    format are left alone, unindexed."""
     kept, bad = 0, []
     for rel in sorted(relpaths):
         try:

@@ -1,21 +1,10 @@
 """The host tier: stored chunks the device tier evicts move to host memory instead of being dropped.
 
-    device tier (TieredStore.memory, a byte budget on the model's device) evicts its coldest chunk
-        -> HostStore.put(record): one copy into one host allocation (store/host_pack.py), page-locked on CUDA
-    HostStore evicts its coldest chunk (its own budget)
-        -> the disk tier, through the write-behind queue (as the memory tier's evictions go without a host tier)
-    a get() of a host chunk
-        -> HostStore.fetch(key): the host record, and its copy back on the device (one copy) that the tiered store
-           promotes into the device tier when it fits there; the host copy then goes (a key lives in one of them)
-
-A HostStore is a MemoryStore (same budget, LFU-with-aging order, parent and content indexes) whose codec is the move:
-encode copies a record to the host, decode is the record over host memory. A quantized device tier's records arrive
-as their quantized payloads and stay so here (2-4x more chunks in the same bytes, less to copy either way, and the
-record that comes back is bit for bit the one the device held: nothing is quantized twice).
-
-A move that fails (no host memory, a failed copy) is counted in `failures` and keeps nothing here: the chunk goes on
-as if this tier were not there (to disk when it takes overflow, else dropped), and is recomputed on its next use at
-worst; a request never fails for it.
+The device tier's evictions move here (one host allocation each, store/host_pack.py, page-locked on CUDA); this tier's
+evictions go on to disk through the write-behind queue; a get() copies a record back to the device, and the tiered store
+promotes it there (a key lives in one of the two). A HostStore is a MemoryStore whose codec is the move; quantized
+records stay quantized (nothing is quantized twice). A failed move is counted and keeps nothing: the chunk goes on as if
+this tier were absent.
 """
 from __future__ import annotations
 
@@ -31,11 +20,8 @@ log = logging.getLogger("kvboost.store.host")
 
 
 class HostCodec:
-    """MemoryStore Codec of the host tier: encode moves a record into host memory, decode is the record over it.
-
-    pin: page-lock the host copies (on CUDA: copies out become DMA, enqueued together); where page-locking is
-    refused the copy is pageable, counted in `pageable_moves`, and `unpinned_reason` says why.
-    """
+    """MemoryStore Codec of the host tier: encode moves a record into host memory, decode is the record over it. pin:
+    page-lock the copies; where refused they are pageable (`pageable_moves`, `unpinned_reason`)."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -80,13 +66,8 @@ class HostCodec:
 
 
 class HostStore(MemoryStore):
-    """A MemoryStore of `budget_bytes` of host memory holding records moved off the device (see the module doc).
-
-    Stats (cache_stats()["tiers"]["host"]): the MemoryStore's (entries, bytes, hits, misses, evictions to the tier
-    below), `promotions` (set by the tiered store: hits moved back to the device tier), and the moves': `offloaded`
-    (records moved in), `failures` (reason -> moves that kept nothing: alloc, copy_to_host, copy_to_device),
-    `pinned` (page-locking asked for and never refused), `unpinned_reason`, `pageable_moves`.
-    """
+    """A MemoryStore of `budget_bytes` of host memory holding records moved off the device. Stats add `promotions`,
+    `offloaded`, `failures` (reason -> count), `pinned`, `unpinned_reason` and `pageable_moves`."""
 
     name = "host"
 
@@ -96,8 +77,7 @@ class HostStore(MemoryStore):
         super().__init__(budget_bytes, codec=self.mover, on_evict=on_evict)
 
     def put(self, record: ChunkRecord) -> bool:
-        """Move `record` here (a copy: the caller's stays valid). False when it is larger than the budget (nothing
-        copied) or the move failed (counted)."""
+        """Move (copy) `record` here. False when larger than the budget or the move failed (counted)."""
         if not self.contains(record.key) and host_nbytes(record) > self.budget_bytes:
             return False
         try:
@@ -106,9 +86,8 @@ class HostStore(MemoryStore):
             return False
 
     def fetch(self, key: str, copy_back_bytes: int) -> tuple[ChunkRecord, ChunkRecord | None] | None:
-        """A get() (counted, touched) that also copies the record back to the device it came from when it weighs
-        at most copy_back_bytes there: (the host record, the device copy or None). None when the key is not here.
-        The host keeps its copy: the caller deletes it once the device tier holds the key."""
+        """A counted get() that also copies the record back to its device when it weighs at most copy_back_bytes there:
+        (host record, device copy or None); None when absent. The host keeps its copy."""
         payload = self.get_payload(key)
         if payload is None:
             return None

@@ -1,17 +1,9 @@
-"""A stored chunk's K/V moved into ONE host allocation, and back to the device it came from in one copy.
+"""A stored chunk's K/V moved into ONE host allocation, and back to its device in one copy.
 
-What the host tier (store/host.py) keeps of a record the device tier evicted:
-
-- full precision, every layer alike: a [layers, 2, kv_heads, n_tokens, head_dim] tensor (ChunkRecord.from_packed, the
-  layout disk and Redis serialize in one piece), so the move back is one copy and a spill to disk one write;
-- anything else (layers of different shapes; a quantized record's codes, scales and minimums, of several dtypes): one
-  byte buffer that every tensor is an aligned view of.
-
-One allocation per record, not one per tensor: page-locking (cudaHostRegister) and its release cost per call, and a
-record of 36 layers would otherwise make 72 of each. On CUDA the buffer is page-locked at its exact size (kv/pinned.py;
-torch's pinned allocator would round every record up to a power of two), so the copies out are DMA enqueued together
-and waited for once; where page-locking is refused the buffer is pageable (the copies block) and the reason is
-reported. A failed allocation or copy raises HostMoveError: the host tier counts it and keeps nothing.
+Full-precision records with alike layers become one [layers, 2, kv_heads, n_tokens, head_dim] tensor (the layout disk
+and Redis serialize); anything else one byte buffer of aligned views. One allocation per record, since page-locking
+costs per call; on CUDA it is page-locked at its exact size (kv/pinned.py), else pageable with the reason reported. A
+failed allocation or copy raises HostMoveError.
 """
 from __future__ import annotations
 
@@ -38,8 +30,8 @@ class HostMoveError(RuntimeError):
 
 @dataclass
 class HostPayload:
-    """One record in host memory: every tensor of `record` (full precision) or `quant` (quantized) is a view of
-    `buffer`; `source` is the device the record came from, where a promotion takes it back."""
+    """One record in host memory: every tensor of `record` or `quant` is a view of `buffer`; `source` is the device a
+    promotion takes it back to."""
 
     meta: ChunkMeta
     buffer: torch.Tensor
@@ -65,8 +57,8 @@ class HostPayload:
         return self.record
 
     def to_device(self) -> ChunkRecord:
-        """The record on `source`, in one copy of the buffer. Blocking on purpose: the host buffer may be freed (and
-        its memory reused) as soon as this returns, which an asynchronous copy could still be reading."""
+        """The record on `source`, in one copy. Blocking on purpose: the host buffer may be freed as soon as this
+        returns."""
         try:
             moved = self.buffer.to(self.source)  # (on the CPU, the same memory: nothing to copy)
         except RuntimeError as exc:  # out of device memory
@@ -153,9 +145,8 @@ def _rebase(old: torch.Tensor, new: torch.Tensor) -> Callable[[torch.Tensor], to
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> None:
-    """dst <- src for every pair. Into page-locked memory from a CUDA device the copies are enqueued together and
-    waited for once (a reader of the host record - the disk writer's thread, a CPU dequantization - needs them
-    done); otherwise each copy blocks."""
+    """dst <- src for every pair. Into page-locked memory from CUDA the copies are enqueued together and waited for
+    once; otherwise each blocks."""
     devices = {src.device for _, src in pairs}
     source = next(iter(devices))
     overlap = pinned and len(devices) == 1 and source.type == "cuda"

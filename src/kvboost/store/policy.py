@@ -1,17 +1,8 @@
 """LFU with dynamic aging (LFU-DA): the one eviction order shared by the memory tier and the block cache.
 
-priority = age floor + hits. A system prompt hit on every request keeps climbing; a chunk that was popular long
-ago is overtaken as the age floor rises with each eviction (the floor becomes the victim's priority). Among equal
-priorities the deepest entry (a chain's tail: largest start) and then the stalest go first, so chains never lose
-their heads while their tails remain.
-
-The policy only orders keys; the owner decides what "over budget" means and which keys may not go (a block a
-running sequence reads), and tells the policy what it evicted.
-
-The order is a heap with lazy deletion (a touch pushes a fresh entry; stale ones are skipped when popped), so an
-eviction costs O(log n) instead of sorting every key: a full cache of 5,000 chunks evicts on every put, and the
-sort made a 235-chunk write-back cost 430 ms of bookkeeping (tests/store/test_policy.py checks the heap against
-the sorted order).
+priority = age floor + hits; the floor rises to each victim's priority, so long-ago popularity is overtaken. Among equal
+priorities the deepest entry (a chain's tail) and then the stalest go first. The owner decides what over budget means
+and which keys may not go. A heap with lazy deletion makes an eviction O(log n).
 """
 from __future__ import annotations
 
@@ -89,9 +80,8 @@ class LfuAging(Generic[K]):
                                                   self._ranks[k].last_tick))
 
     def evict_while(self, over_budget: Callable[[], bool], evict: Callable[[K], bool]) -> list[K]:
-        """Offer keys to `evict` in order while `over_budget()`; `evict(key)` drops the owner's entry and returns
-        True, or returns False to keep it (pinned, protected). Returns the keys evicted (the floor rose for each).
-        Costs O(log n) per key offered: kept keys are offered once per call and go back in the heap after it."""
+        """Offer keys to `evict` in order while `over_budget()`; `evict(key)` returns True when it dropped the entry,
+        False to keep it. Returns the keys evicted. O(log n) per key offered."""
         done: list[K] = []
         kept: list[tuple[float, int, int, K]] = []
         while self._heap and over_budget():

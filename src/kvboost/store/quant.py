@@ -1,16 +1,8 @@
 """KIVI-style asymmetric K/V quantization (int8 / int4) for the memory tier and the wire format.
 
-K is quantized per channel: each (head, channel) gets its own scale/minimum per group of tokens, because
-key outliers live in fixed channels (KIVI, Liu et al. 2024). V is quantized per token: each token's value
-vector gets a scale/minimum per group of channels, because values have no channel outliers and the
-attention output mixes them per token.
-
-Scales and minimums are stored as fp16 (2 bytes each, 4 bytes per group). With the fp16 baseline at
-2 bytes/element, int8 data alone is 0.5x, so groups must hold >= 100 elements for int8 to stay under
-0.52x. K groups span the chunk's tokens (128 by default); the memory tier uses V groups of up to 256
-channels of a token's flattened [heads * head_dim] vector (tiered.build_store), i.e. one group per token
-for models with <= 256 K/V channels per layer. Measured on SmolLM2-135M (3 KV heads x 64): int8 0.516x,
-int4 0.266x of fp16 (`kvboost bench quant`); V groups of 128 gave 0.521x / 0.271x.
+K is quantized per channel (a scale/minimum per (head, channel) and group of tokens: key outliers live in fixed
+channels, KIVI, Liu et al. 2024); V per token (a scale/minimum per group of a token's channels). Scales and minimums are
+fp16 (4 bytes per group), so groups must hold >= 100 elements for int8 to stay near 0.5x of fp16.
 """
 from __future__ import annotations
 
@@ -30,11 +22,8 @@ KV_CACHE_BITS = (16, 8, 4)  # kv_cache_bits: full precision, or quantized record
 
 @dataclass
 class QuantTensor:
-    """A tensor quantized in groups along `axis`.
-
-    data: uint8 codes in the original element order of the axis-moved-last view (int4: two per byte,
-    low nibble first). scale/zero: fp16, shaped [*other_dims, n_groups]; x ~= code * scale + zero.
-    """
+    """A tensor quantized in groups along `axis`. data: uint8 codes of the axis-moved-last view (int4: two per byte, low
+    nibble first); scale/zero: fp16 [*other_dims, n_groups]; x ~= code * scale + zero."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -73,11 +62,8 @@ def quantizable(x: torch.Tensor) -> bool:
 
 
 def quantize_tensor(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_SIZE, axis: int = -1) -> QuantTensor:
-    """Quantize `x` in groups of `group_size` consecutive elements along `axis` (the last group may be short).
-
-    Error bound: |x - dequantize(q)| <= scale / 2 per element (plus float rounding), where
-    scale = (group max - group min) / (2**bits - 1) rounded up to fp16.
-    """
+    """Quantize `x` in groups of `group_size` consecutive elements along `axis` (the last may be short). Error: |x -
+    dequantize(q)| <= scale / 2 per element, scale = (max - min) / (2**bits - 1) rounded up."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if group_size < 1:
@@ -86,7 +72,7 @@ def quantize_tensor(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_
         raise ValueError("tensor is empty, not floating point, non-finite or outside fp16 range")
     axis = axis % x.dim()
     qmax = (1 << bits) - 1
-    moved = x.detach().movedim(axis, -1).float().contiguous()  # strided reductions are ~50x slower on CPU
+    moved = x.detach().movedim(axis, -1).float().contiguous()  # strided reductions are much slower on CPU
     length = moved.shape[-1]
     g = min(group_size, length)
     n_groups = -(-length // g)
@@ -182,8 +168,7 @@ class QuantCodec:
 
     def encode(self, record: ChunkRecord) -> QuantRecord:
         if isinstance(record, LazyQuantRecord) and record.payload.bits == self.bits:
-            # Already quantized alike (a chunk back from the host tier or the write queue): quantizing its
-            # dequantized values again would only add error, and the payload is what a put would make of it.
+            # Already quantized alike (back from the host tier or the write queue): re-quantizing would add error.
             return record.payload
         return QuantRecord(record.meta(), [self.encode_key(k) for k in record.keys],
                            [self.encode_value(v) for v in record.values], self.bits)
@@ -217,12 +202,8 @@ def decode_record(payload: QuantRecord) -> tuple[list[torch.Tensor], list[torch.
 
 
 class LazyQuantRecord(ChunkRecord):
-    """A ChunkRecord over a QuantRecord, dequantized on first access to keys/values.
-
-    What the quantized memory tier hands out: a lookup walks hundreds of chunks but reads only their ids and
-    start, and place() dequantizes a layer of many consecutive chunks in a few ops (QuantRun) from `payload`,
-    so dequantizing each chunk's layers one by one at lookup (~a dozen ops per layer, K and V) is never paid.
-    """
+    """A ChunkRecord over a QuantRecord, dequantized on first access to keys/values: a lookup reads only ids and start,
+    and place() dequantizes many chunks together (QuantRun)."""
 
     def __init__(self, payload: QuantRecord):  # not the dataclass __init__: keys/values are computed
         m = payload.meta
@@ -261,22 +242,17 @@ def _decoded_nbytes(t: Encoded) -> int:
 
 # ---- many chunks at once -------------------------------------------------------------------------
 class QuantRun:
-    """One layer of many consecutive chunks' K/V dequantized together, for placing a long stored prefix.
-
-    Dequantizing chunk by chunk costs ~a dozen ops per layer for K and for V: at 235 chunks x 36 layers
-    that is ~200,000 small ops (kernel launches on a GPU). Here each layer's consecutive, alike-encoded
-    chunks are concatenated first and dequantized in one go, with the same elementwise arithmetic
-    (code * scale + zero in fp32, then the original dtype), so the values are bit-identical to decode_key /
-    decode_value. Chunks that cannot join a batch (raw tensors, odd int4 rows) are decoded alone.
-    """
+    """One layer of many consecutive chunks' K/V dequantized together (few ops instead of a dozen per chunk and layer).
+    Same elementwise arithmetic as decode_key / decode_value, so values are bit-identical; chunks that cannot join a
+    batch (raw tensors, odd int4 rows) are decoded alone."""
 
     def __init__(self, payloads: Sequence[QuantRecord]):
         self.payloads = list(payloads)
         self._group_index: dict[tuple, torch.Tensor] = {}  # K token -> group, shared by every layer alike
 
     def layer(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Layer i's K and V of every chunk in order, as pieces [heads, tokens, head_dim] (a piece may span
-        several chunks) that together hold every chunk's tokens."""
+        """Layer i's K and V of every chunk in order, as pieces [heads, tokens, head_dim] (a piece may span several
+        chunks)."""
         layer_keys = [p.keys[i] for p in self.payloads]
         cap = _batch_tokens(layer_keys[0])
         keys = [k for run in _runs(layer_keys, _key_batch_kind, _key_tokens, cap) for k in self._keys(run)]
@@ -293,8 +269,8 @@ class QuantRun:
         qs: list[QuantTensor] = run  # type: ignore[assignment]
         heads, _, head_dim = qs[0].shape
         rows = heads * head_dim
-        # K is stored as codes of [heads, head_dim, tokens] (groups run along tokens): chunks concatenate
-        # along the last axis. int4 rows of an even token count hold whole bytes, so the packed codes do too.
+        # K codes are [heads, head_dim, tokens]: chunks concatenate along the last axis (even int4 rows are whole
+        # bytes).
         if qs[0].bits == 8:
             codes = torch.cat([q.data.reshape(rows, q.shape[1]) for q in qs], dim=1)
         else:
@@ -320,16 +296,13 @@ class QuantRun:
 
 
 def _batch_tokens(t: Encoded) -> int:
-    """Tokens dequantized in one go. On a CPU a batch's fp32 temporaries should stay in the caches: measured
-    on a Qwen2.5-3B-shaped layer (2 x 128 channels), batches of 4-8 chunks ran 3x faster than chunk by chunk
-    and whole 30k-token runs no faster than chunk by chunk. On a GPU every op is a launch: one batch per run
-    (bounded, so one layer's temporaries stay a few tens of MB)."""
+    """Tokens dequantized in one go: on a CPU a batch's fp32 temporaries should stay in the caches; on a GPU one batch
+    per run (bounded to a few tens of MB)."""
     return 1024 if t.data.device.type == "cpu" else 1 << 16
 
 
 def _runs(items: list, kind, tokens, cap: int) -> list[list]:
-    """Consecutive items of one batchable kind (kind(item) not None and equal) grouped, up to `cap` tokens
-    per group; others alone."""
+    """Consecutive items of one batchable kind grouped, up to `cap` tokens per group; others alone."""
     runs: list[list] = []
     last, held = None, 0
     for item in items:
@@ -371,8 +344,7 @@ def _value_batch_kind(item: tuple[Encoded, int]) -> tuple | None:
 
 
 def _values(run: list[tuple[Encoded, int]]) -> list[torch.Tensor]:
-    """V is stored as codes of [tokens, heads * head_dim] (groups run along channels): chunks concatenate
-    along tokens into one QuantTensor that dequantize_tensor handles as it would each chunk."""
+    """V is stored as codes of [tokens, heads * head_dim]: chunks concatenate along tokens into one QuantTensor."""
     if _value_batch_kind(run[0]) is None or len(run) == 1:
         return [_decode_value_alone(v, heads) for v, heads in run]
     qs: list[QuantTensor] = [v for v, _ in run]  # type: ignore[misc]

@@ -1,21 +1,11 @@
 """Redis tier: the disk tier's verified binary format, shared across hosts, bounded in latency.
 
-Keys (all under kvboost:{namespace}:):
-  chunk:{key}            the serialized record (TTL)
-  meta:{key}             JSON ChunkMeta, so children()/by_content() never download K/V (TTL)
-  children:{json(parent)} set of child keys      content:{content_key} set of keys (TTL, refreshed on use)
-Redis may evict any of these under maxmemory or let them expire independently, so every index entry is
-checked against its blob: a member whose blob is gone is a miss and is removed from the index.
-
-Redis being down, hung, full or read-only must never fail or slow a request: every call has a socket
-timeout of ~0.25 s, redis-py's own retries are disabled, and two circuit breakers skip what fails,
-probing again after an exponentially growing backoff:
-  - `breaker` opens on a connection failure or timeout, or on an error reply to a read: Redis is skipped
-    entirely, and probed with a PING from a background thread, so a hung server costs requests one
-    timeout in all (the call that found it hung), not one per probe;
-  - `write_breaker` opens on an error reply to a write (OOM under maxmemory + noeviction, READONLY from a
-    replica, anything else): writes are skipped, reads keep being served (a full Redis still has hits).
-Writes normally arrive from the tiered store's write-behind thread, never from a request.
+Keys under kvboost:{namespace}: chunk:{key} (the record), meta:{key} (JSON ChunkMeta), children:{json(parent)} and
+content:{content_key} (sets of keys); all with TTLs. Redis may drop any of them independently, so an index entry whose
+blob is gone is a miss and is removed. Redis down, hung, full or read-only never fails or slows a request: short socket
+timeouts, no redis-py retries, and two circuit breakers: `breaker` (connection failures, timeouts, error replies to
+reads; probed with PING from a background thread) and `write_breaker` (error replies to writes; reads keep being
+served).
 """
 from __future__ import annotations
 
@@ -36,9 +26,8 @@ try:  # optional dependency: kvboost[redis]
 except ImportError:  # pragma: no cover - exercised only without redis-py
     _redis = None
 
-# Failures that mean "the server is unreachable" (they open `breaker`), and error replies: the server
-# answered but refused (OOM, READONLY, unknown command...), which open `breaker` for a read and
-# `write_breaker` for a write.
+# Failures meaning the server is unreachable (they open `breaker`), and error replies, which open `breaker` for a read
+# and `write_breaker` for a write.
 _UNREACHABLE: tuple[type[BaseException], ...] = (OSError,)
 _ERROR_REPLY: tuple[type[BaseException], ...] = ()
 _READ_ONLY: tuple[type[BaseException], ...] = ()
@@ -50,10 +39,8 @@ if _redis is not None:
 
 @dataclass
 class CircuitBreaker:
-    """closed -> (threshold consecutive failures) -> open -> (backoff elapsed) -> one probe -> closed/open.
-
-    Each failed probe doubles the backoff up to max_backoff_s; a success resets it.
-    """
+    """closed -> (threshold consecutive failures) -> open -> (backoff elapsed) -> one probe -> closed/open. Each failed
+    probe doubles the backoff up to max_backoff_s; a success resets it."""
 
     failure_threshold: int = 1  # one timeout is all a request may pay
     base_backoff_s: float = 1.0
@@ -256,8 +243,8 @@ class RedisStore(CountedTier):
             self._count("short_circuited")                          # down or refusing writes
             self.health.dropped("breaker_open")
             return False
-        # A memoryview, not bytes: when Redis refuses the command, redis-py writes the command's arguments
-        # into the error message, and decoding a multi-MB blob for that took ~1.6 s per refused write.
+        # A memoryview: redis-py writes a refused command's arguments into the error message, and decoding a multi-MB
+        # blob there is slow.
         blob = memoryview(dumps(record, self.namespace, self.codec))
         meta = json.dumps({"parent_key": record.parent_key, "content_key": record.content_key,
                            "start": record.start, "token_ids": list(record.token_ids)})
@@ -378,10 +365,8 @@ class RedisStore(CountedTier):
 
     def _forget(self, entries: list[tuple[str, bytes | None]], counter: str | None,
                 also_from: str | None = None) -> None:
-        """Remove keys' blobs, metas and index memberships in one round trip (best effort).
-
-        entries: (key, its raw meta if known), the meta naming the index sets the key belongs to.
-        """
+        """Remove keys' blobs, metas and index memberships in one round trip (best effort). entries: (key, its raw meta
+        if known, naming the key's index sets)."""
         def drop(pipe):
             for key, raw_meta in entries:
                 meta = _parse_meta(key, raw_meta)

@@ -1,18 +1,9 @@
 """ChunkRecord <-> bytes, shared by the disk and Redis tiers.
 
-Layout: a 24-byte frame (magic, body length, xxh3_64 of the body) followed by a safetensors body whose
-tensors are the token ids and the K/V, and whose metadata holds one JSON header (format version, key,
-parent_key, content_key, start, bits, dtype, namespace, layout, per-tensor quantization layout).
-
-K/V layouts: "packed" (format 2, full precision, every layer the same shape): one tensor "kv"
-[layers, 2, kv_heads, n_tokens, head_dim], the block pool's own layout, so a record moves into a block in one
-copy; "layers" (format 1, and quantized or mixed-shape records): "k.{i}" / "v.{i}" per layer, raw or the
-codes/scales/minimums of a QuantTensor. Format 1 files (every record before 0.2.0) are still read; a record of a
-format this code does not know is refused with UnsupportedFormatError (counted by the tiers, never deleted:
-a newer kvboost sharing the directory may have written it).
-
-The checksum covers the whole body, header included, so a flipped byte anywhere - a shape, a dtype, a key - is
-caught before any tensor is trusted. Nothing here uses pickle: a cache file is untrusted input.
+A 24-byte frame (magic, body length, xxh3_64 of the body) then a safetensors body: token ids, K/V, and one JSON header.
+K/V layouts: "packed" (format 2: one "kv" tensor [layers, 2, kv_heads, n_tokens, head_dim]) and "layers" (format 1,
+quantized or mixed-shape: "k.{i}" / "v.{i}"). Unknown formats raise UnsupportedFormatError (never deleted: a newer
+kvboost may share the directory). The checksum covers the whole body; no pickle.
 """
 from __future__ import annotations
 
@@ -105,11 +96,8 @@ def frame_checksum(blob: bytes) -> int | None:
 
 
 def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> ChunkRecord:
-    """Verify and decode; K/V come back in their original dtype (dequantized), on CPU.
-
-    Raises CorruptRecordError for any damage and NamespaceMismatchError when the record belongs to
-    another namespace or key than expected.
-    """
+    """Verify and decode; K/V come back in their original dtype, on CPU. Raises CorruptRecordError for damage,
+    NamespaceMismatchError for another namespace or key."""
     header, tensors = _verify(blob)
     if namespace is not None and header["namespace"] != namespace:
         raise NamespaceMismatchError(f"record namespace {header['namespace']!r} != {namespace!r}")
@@ -234,8 +222,8 @@ def _check_quant(q: QuantTensor, name: str) -> None:
 
 
 def _packed(record: ChunkRecord) -> torch.Tensor | None:
-    """[layers, 2, kv_heads, n_tokens, head_dim] of a full-precision record: its own pack, else its layers
-    stacked; None when the layers differ in shape or dtype (those records keep the per-layer layout)."""
+    """[layers, 2, kv_heads, n_tokens, head_dim] of a full-precision record (its pack, else its layers stacked); None
+    when layers differ in shape or dtype."""
     packed = record.packed_view()
     if packed is not None:
         return packed

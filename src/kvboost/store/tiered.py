@@ -1,17 +1,10 @@
 """Memory -> host -> disk -> Redis, behind the one ChunkStore interface the engine uses.
 
-get() walks the tiers fastest first and promotes a lower-tier hit into memory, so the next request
-for a hot chunk pays no deserialization. put() writes memory synchronously; writes to the slow tiers
-(disk, Redis) go through a bounded write-behind queue drained by one background thread, so a slow,
-full or refusing backend never costs a request time (see writeback.py). A chunk still queued is served
-from the queue. Redis, when configured, gets every put (it is the tier shared with other hosts). The
-disk tier either receives what memory evicts, through the memory tier's on_evict hook (overflow only:
-chunks still in memory are gone when the process exits), or, with write_through_disk, every put (what
-other processes sharing the directory and the next run can see).
-
-With a host tier (store/host.py; on CUDA by default), the memory tier is the device's: what it evicts moves to host
-memory, and what the host evicts goes on to disk as described above. A key lives in exactly one of memory and host:
-every move between them happens under one lock (`_fast`), so no reader sees it in both or, mid-move, in neither.
+get() walks the tiers fastest first and promotes lower-tier hits into memory. put() writes memory synchronously; disk
+and Redis writes go through a bounded write-behind queue (writeback.py), so a slow backend never costs a request time,
+and queued chunks are served from the queue. Redis gets every put; the disk gets memory's evictions or, with
+write_through_disk, every put. With a host tier (store/host.py) the memory tier is the device's and its evictions move
+to host memory. A key lives in exactly one of memory and host: moves happen under one lock (`_fast`).
 """
 from __future__ import annotations
 
@@ -117,16 +110,15 @@ class TieredStore:
         return self._counted(record)
 
     def _from_host(self, key: str) -> ChunkRecord | None:
-        """The host's record of `key` (None: not there); moved back into the memory tier when it fits there, and
-        then the device copy is what the caller gets (placing it costs no host transfer). Called under `_fast`."""
+        """The host's record of `key` (None: absent), moved back into the memory tier when it fits there. Called under
+        `_fast`."""
         got = self.host.fetch(key, copy_back_bytes=self.memory.budget_bytes)
         if got is None:
             return None
         host_record, device_record = got
         if device_record is None:  # larger than the memory budget, or no device memory for it now
             return host_record
-        # Out of the host first: the memory tier's evictions below move in there, and a full host must not drop
-        # one of them for a copy that is leaving (a swap of two chunks loses neither).
+        # Out of the host first, so the memory tier's evictions below cannot push out a copy that is leaving.
         self.host.delete(key)
         if self.memory.put(device_record):
             self._promoted(self.host.name)
@@ -135,8 +127,8 @@ class TieredStore:
         return host_record
 
     def _store_fast(self, record: ChunkRecord) -> bool:
-        """`record` into the memory tier, or the host's: where the key is already (a use, nothing copied), or when
-        it is larger than the memory budget (encoded as the memory tier would have: the host keeps its form)."""
+        """`record` into the memory tier, or the host's where the key already is or it is larger than the memory budget.
+        """
         with self._fast:
             if self.host is not None and self.host.contains(record.key):
                 return self.host.put(record)
@@ -187,8 +179,7 @@ class TieredStore:
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
-        """Memory (or host) now; disk/Redis behind. True when memory or host holds it or it is queued for a slower
-        tier."""
+        """Memory (or host) now; disk/Redis behind. True when a fast tier holds it or it is queued."""
         stored = self._store_fast(record)
         slow = []
         if self.disk is not None and (self.write_through_disk or not stored):
@@ -232,9 +223,8 @@ class TieredStore:
 
     # ---- stats -----------------------------------------------------------------------------------
     def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's own stats, with `promotions` = hits that tier served which were promoted to memory (for the
-        host tier: moved back to the device tier), and for disk/Redis the write-behind queue's counts
-        (queued_writes, written_behind, dropped_writes)."""
+        """Each tier's stats, with `promotions` (hits promoted to memory) and, for disk/Redis, the write-behind queue's
+        counts."""
         out: dict[str, TierStats] = {}
         with self._lock:
             promotions = dict(self._promotions)
@@ -303,21 +293,16 @@ def _merge(lists) -> list[ChunkMeta]:
 
 def build_store(config, namespace: str, write_through_disk: bool = True, device_budget_bytes: int | None = None,
                 pin_host: bool = False) -> TieredStore:
-    """The tiers an EngineConfig asks for. `namespace` must identify the model (and salt) whose K/V these are.
-    device_budget_bytes: stored chunks live on a device (kv/device_budget.py: on CUDA by default) that keeps this
-    many bytes of them: the memory tier gets this budget, and a host tier (store/host.py, page-locked with pin_host)
-    of memory_budget_bytes takes what it evicts. None: one memory tier, as without a device.
-
-    A configured disk directory is written through by default: a cache directory that only ever held
-    memory's overflow would come back empty after a restart and share nothing between processes.
-    """
-    # Another store in this process may still be writing to the same directory / Redis (an engine
-    # rebuilt on the same cache): let it land first, so this one starts from what that one stored.
+    """The tiers an EngineConfig asks for; `namespace` must identify the model (and salt). device_budget_bytes: the
+    memory tier lives on the device with this budget and a host tier of memory_budget_bytes takes its evictions (None:
+    one memory tier). A configured disk is written through by default, so it is not empty after a restart and is shared
+    between processes."""
+    # Another store in this process may still be writing to the same target: let it land first.
     flush_timeout_s = config.flush_timeout_s
     flush_targets(_targets(config.disk_cache_dir, config.redis_url), flush_timeout_s)
     bits = config.kv_cache_bits
-    # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per
-    # token instead of several keeps int8 at <= 0.52x of fp16 bytes on small-head models like SmolLM2.
+    # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per token keeps
+    # int8 near 0.52x of fp16.
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
     budget = config.memory_budget_bytes
     host = None

@@ -1,17 +1,8 @@
 """Write-behind for the slow tiers (disk, Redis): their writes never sit on a request's path.
 
-put() queues the record and returns; one background thread per store drains the queue, oldest first,
-into each target tier. The queue is bounded in bytes: when it is full a write is dropped (the chunk
-stays in memory; it is only not persisted) and counted, which is what a cache should do when its
-backing store cannot keep up. A record stays readable from the queue until it has been written, so a
-chunk that memory could not hold is served, never recomputed, while it waits.
-
-Deletes go through the same queue as tombstones (FIFO with the puts, so a delete queued after a put
-lands after it), and a key with a pending tombstone reads as absent.
-
-flush(timeout_s) waits until everything queued has landed; close() flushes with a bounded wait, and an
-exit hook flushes every live queue (bounded) so a process that stores chunks and exits still leaves
-them on disk for the next run.
+put() queues the record; one background thread per store drains the queue, oldest first. The queue is bounded in bytes:
+a write that does not fit is dropped and counted. Queued records stay readable; deletes are queued as tombstones (FIFO
+with puts). flush() waits for everything queued; close() and an exit hook flush with a bounded wait.
 """
 from __future__ import annotations
 
@@ -258,8 +249,7 @@ def flush_targets(targets: frozenset[str], timeout_s: float = DEFAULT_FLUSH_TIME
 
 
 def _after_fork_in_child() -> None:
-    # The writer thread does not survive fork() and its lock may have been held: the child starts empty
-    # (the parent still writes what it queued).
+    # The writer thread does not survive fork() and its lock may be held: the child starts empty.
     for queue in list(_LIVE):
         queue._init_state()
 

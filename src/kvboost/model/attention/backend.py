@@ -1,12 +1,8 @@
 """Which attention implementation runs, and one entry point that runs it.
 
-`attention()` computes, for query [B, Hq, q, d] over key/value [B, Hkv, kv, d]: per batch row b with valid
-length end_b, query i (at position end_b - q + i) sees key j iff j <= end_b - q + i (bottom-right causal, as
-prefill over a cache needs) and key_valid[b, j]. end_b = lengths[b] if given, else past + q, else kv.
-Keys past end_b are never read, so callers may hand the whole workspace buffer.
-
-"triton" (prefill.py / decode.py) runs on CUDA when triton is installed; "sdpa" (reference.py) everywhere
-else: torch SDPA with the cuDNN backend excluded. Neither builds anything per (q_len, kv_len).
+`attention()`: query [B, Hq, q, d] over key/value [B, Hkv, kv, d], bottom-right causal per row up to its valid length,
+plus an optional key_valid mask; keys past a row's end are never read. "triton" (prefill.py / decode.py) on CUDA with
+triton installed, "sdpa" (reference.py, cuDNN excluded) elsewhere.
 """
 from __future__ import annotations
 
@@ -28,8 +24,8 @@ from .support import (
 Backend = Literal["triton", "sdpa"]
 # Folded rows (GQA group x queries) up to which the split-K kernel always runs: one row tile, decode and drafts.
 DECODE_MAX_ROWS = 128
-# use_split_kernel's cost model, fitted on an H100 (Qwen2.5-3B shape, bf16): the split path's fixed cost (reduce
-# launch and pass, partial results) in key-tile time, and the margin it must win by.
+# use_split_kernel's cost model (fitted on an H100, Qwen2.5-3B shape, bf16): the split path's fixed cost in key-tile
+# time, and the margin it must win by.
 SPLIT_OVERHEAD_KEYS = 512
 SPLIT_MARGIN = 0.9
 
@@ -64,8 +60,8 @@ def _select(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, *,
                    head_dim_v: int | None = None, prefer: str | None = None) -> tuple[Backend, str]:
-    """("triton" | "sdpa", why). prefer="triton" lets the CPU run the kernels under TRITON_INTERPRET=1 (tests);
-    prefer="sdpa" forces the fallback. Cached per argument tuple: cheap enough to call on every forward."""
+    """("triton" | "sdpa", why). prefer="triton" runs the kernels under TRITON_INTERPRET=1 on CPU (tests); prefer="sdpa"
+    forces the fallback. Cached per argument tuple."""
     device_type = torch.device(device).type
     return _select(device_type, dtype, int(head_dim), int(head_dim if head_dim_v is None else head_dim_v),
                    prefer, interpreted())
@@ -73,14 +69,9 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int
 
 def use_split_kernel(q_len: int, kv_len: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, sms: int) -> bool:
-    """Whether the split-K kernel (decode.py) runs rather than the prefill kernel; shapes only, no sync.
-
-    Always for up to DECODE_MAX_ROWS folded rows (GQA group x queries: one row tile). Above that, by the
-    keys the slowest program walks: the prefill grid (q tiles x B * Hq) runs in waves of `sms` programs that
-    each walk up to kv_len keys; the split grid in waves that each walk split_len keys, plus the reduce pass
-    and partial-result traffic (SPLIT_OVERHEAD_KEYS). Split-K must win by SPLIT_MARGIN: where the two are
-    close (causal prefill, q ~ kv) the prefill kernel's causal tile skipping is measured faster.
-    """
+    """Whether the split-K kernel (decode.py) runs rather than the prefill kernel; shapes only. Always up to
+    DECODE_MAX_ROWS folded rows; above, by the keys the slowest program walks in each grid (plus SPLIT_OVERHEAD_KEYS for
+    split-K), which must win by SPLIT_MARGIN."""
     from .decode import split_plan
     from .prefill import default_blocks
 
@@ -136,11 +127,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, pa
               scale: float | None = None, backend: str | None = None) -> torch.Tensor:
     """Bottom-right causal attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d] -> [B, Hq, q, d].
 
-    past: tokens cached before the queries (valid length past + q <= kv; default kv - q);
-    lengths [B]: per-row valid lengths (ragged batches; clamped to past + q); key_valid [B, >= kv]: per-key
-    padding, True = may attend; scale: default d ** -0.5; backend: None (auto), "triton" (raises
-    KernelUnsupportedError where it cannot run) or "sdpa". A query that sees no key returns zeros; the output
-    is in the input dtype.
+    past: tokens cached before the queries (default kv - q); lengths [B]: per-row valid lengths (clamped to past + q);
+    key_valid [B, >= kv]: True = may attend; scale: default d ** -0.5; backend: None (auto), "triton" (raises
+    KernelUnsupportedError where it cannot run) or "sdpa". A query seeing no key returns zeros; output dtype = input.
     """
     return dispatch(query, key, value, past=past, lengths=lengths, key_valid=key_valid, scale=scale,
                     backend=backend)[0]

@@ -1,25 +1,14 @@
-"""Split-K attention (flash-decoding) for any number of queries: decode, short drafts and short query blocks
-over long caches, where the prefill kernel's (q tiles) x (B * Hq) grid would leave most of the GPU idle while
-each program walks the whole cache alone.
+"""Split-K attention (flash-decoding) for any number of queries over long caches, where the prefill kernel's grid would
+leave most of the GPU idle.
 
-  split kernel   grid (row tiles, n_splits, B * Hkv). The GROUP query heads of one kv head and the q query
-                 positions are folded into the matmul M dimension, query-major: folded row r is query
-                 r // GROUP of head hk * GROUP + r % GROUP. A K/V tile is then loaded once for every query head
-                 that reads it, a short query block still fills BLOCK_M rows, and a tile of rows covers a
-                 narrow range of query positions (its causal bound stays tight). The rows are cut into tiles
-                 of BLOCK_M and the keys into splits of `split_len`; each program writes its partial result
-                 normalised by its own softmax sum, plus that sum's log2-sum-exp (lse = -inf: saw no key).
-  reduce kernel  grid (row tiles of the reduce, B * Hkv): merges the splits by log-sum-exp into [B, Hq, q, d]
-                 in the input dtype, reading only the splits below the row's valid length.
+split kernel, grid (row tiles, n_splits, B * Hkv): the GROUP query heads of one kv head and the q positions are folded
+into the matmul M dimension (row r is query r // GROUP of head hk * GROUP + r % GROUP), so a K/V tile is loaded once for
+every head reading it. Each program writes its split's normalised partial and log2-sum-exp (-inf: saw no key). reduce
+kernel, grid (row tiles, B * Hkv): merges the splits into [B, Hq, q, d].
 
-Semantics are the prefill kernel's (prefill.py): bottom-right causal per row, per-row ends, an optional
-per-key padding vector, 0 for a query that sees no key. Runtime values: q_len, kv_len, split_len, n_splits
-and the lengths; constexpr: head dim, dtype, GROUP, BLOCK_M, BLOCK_N and the optional-input flags.
-
-CUDA graphs: the grid, split_len and the partial buffers depend on shapes only (B, heads, q_len, kv_len, head
-dim), never on the values in `ends`, and nothing here reads a device value on the host. A split that lies
-past its row's end (a static workspace is mostly stale tail) skips its loads, stores lse = -inf and is never
-read by the reduce.
+Semantics are prefill.py's (bottom-right causal, per-row ends, optional padding vector, 0 for a query seeing no key).
+Launches depend on shapes only, never on `ends` values, so CUDA graphs replay them; splits past a row's end skip their
+loads and are never read.
 """
 from __future__ import annotations
 
@@ -111,9 +100,7 @@ def _reduce_kernel(MidO, MidL, Out, Ends,
                    n_kv_heads, q_len, kv_len, split_len, n_splits,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENDS: tl.constexpr):
-    # BLOCK_S splits per step, loaded as one [M, S, D] tile: a step's loads are independent of each other, so
-    # the merge costs n_splits / BLOCK_S memory round trips instead of n_splits (a one-split loop was
-    # latency-bound: 0.35 ms for 64 splits of 128 rows on an H100).
+    # BLOCK_S splits per step, loaded as one [M, S, D] tile: n_splits / BLOCK_S memory round trips instead of n_splits.
     tile = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // n_kv_heads).to(tl.int64)
@@ -184,9 +171,8 @@ class SplitPlan:
 def split_plan(q_len: int, kv_len: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
                dtype: torch.dtype, sms: int, *, split_len: int | None = None, block_m: int | None = None,
                block_n: int | None = None) -> SplitPlan:
-    """Tiles and split length: row tiles of up to 128 (64 for fp32 or d > 128: registers and shared memory),
-    then as many splits as (row tiles x splits x B * Hkv) programs fit in WAVES x `sms`, each split at least
-    MIN_SPLIT_TILES key tiles long. Depends on shapes only, never on `ends`: CUDA graphs replay it as is."""
+    """Tiles and split length: row tiles of up to 128 (64 for fp32 or d > 128), then as many splits as fit WAVES x `sms`
+    programs, each at least MIN_SPLIT_TILES key tiles. Shapes only, never `ends`."""
     d_pad = padded_head_dim(head_dim)
     rows = q_heads // kv_heads * q_len
     small = dtype == torch.float32 or d_pad > 128
@@ -194,7 +180,7 @@ def split_plan(q_len: int, kv_len: int, batch: int, q_heads: int, kv_heads: int,
     bn = block_n or (32 if small else 64)
     row_tiles = max(1, triton.cdiv(rows, bm))
     if split_len is None:
-        # Rounded down: one program past a full wave costs a whole second wave (measured 1.3-1.4x on an H100).
+        # Rounded down: one program past a full wave costs a whole second wave.
         want = max(1, WAVES * sms // (batch * kv_heads * row_tiles))
         per = max(triton.cdiv(max(kv_len, 1), want), MIN_SPLIT_TILES * bn)
         split_len = triton.cdiv(per, bn) * bn
@@ -202,7 +188,7 @@ def split_plan(q_len: int, kv_len: int, batch: int, q_heads: int, kv_heads: int,
         raise KernelUnsupportedError(f"split_len {split_len} is not a positive multiple of block_n {bn}")
     n_splits = max(1, triton.cdiv(kv_len, split_len))
     warps = 8 if bm * d_pad >= 128 * 128 else 4  # the fp32 accumulator [BLOCK_M, D_PAD] lives in registers
-    # 3 stages of K/V tiles in flight (48-96 KB of shared memory): 20-25% faster than 2 on long splits (H100).
+    # 3 stages of K/V tiles in flight (48-96 KB of shared memory) beat 2 on long splits.
     return SplitPlan(bm, bn, split_len, n_splits, row_tiles, warps, 3)
 
 
@@ -210,12 +196,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      kv_len: int | None = None, ends: torch.Tensor | None = None,
                      key_valid: torch.Tensor | None = None, split_len: int | None = None,
                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Split-K attention of query [B, Hq, q, d] (any q) over key/value [B, Hkv, kv, d]; same arguments and result
-    as prefill.prefill_attention. Raises KernelUnsupportedError for inputs it cannot run.
-
-    The launch depends on shapes and kv_len only: a CUDA-graph capture over a static workspace passes
-    kv_len = capacity (the default) and per-row `ends` (a device tensor updated in place between replays).
-    """
+    """Split-K attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d]; arguments and result as
+    prefill.prefill_attention. Raises KernelUnsupportedError for inputs it cannot run. A CUDA-graph capture passes
+    kv_len = capacity and per-row device `ends`."""
     reason = kernel_refusal(query, key, value)
     if reason:
         raise KernelUnsupportedError(reason)
@@ -255,9 +238,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def reduce_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, ends: torch.Tensor | None, *,
                   kv_heads: int, kv_len: int, plan: SplitPlan) -> None:
-    """Merge split partials into out [B, Hq, q, d] by log-sum-exp. mid_o [B * Hkv, splits, GROUP * q, d] and
-    mid_l [B * Hkv, splits, GROUP * q] (fp32) are laid out as _split_kernel writes them:
-    normalised partial outputs and their log2-sum-exp, -inf for a split that saw no key."""
+    """Merge split partials into out [B, Hq, q, d] by log-sum-exp: mid_o [B * Hkv, splits, GROUP * q, d] and mid_l [B *
+    Hkv, splits, GROUP * q] (fp32), as _split_kernel writes them."""
     b, hq, q_len, d = out.shape
     group = hq // kv_heads
     rows = group * q_len

@@ -1,19 +1,10 @@
-"""transformers wiring: KVBoost's attention as an `AttentionInterface` implementation, for KVBoost's forwards only.
+"""transformers wiring: KVBoost's attention as an `AttentionInterface` implementation, for its forwards only.
 
-`kvboost_attention(model)` switches the model's `config._attn_implementation` to KVBOOST_ATTENTION inside the
-block (the caller holds the engine lock, as for batch/cascade.py) and restores it after. Inside:
-
-* masks are built by `kvboost_mask` (registered in AttentionMaskInterface). When the mask is the plain causal
-  one aligned bottom-right (q_offset + q == kv_offset + kv: every cache layer the engine builds) it returns
-  None if there is no padding, which the attention function reads as bottom-right causal over all keys; with a
-  2D padding mask it builds sdpa's bool mask (for the fallback) and remembers, per thread, that this mask is
-  "causal & key_valid" with the padding row it came from, so the kernel reads the [B, kv] padding vector
-  instead of the [B, 1, q, kv] mask - with no device sync. Every other pattern (sliding window, chunked,
-  packed, static-cache prefill) is built by sdpa_mask with no causal skip, so it always arrives materialized.
-* `kvboost_attention_forward` runs `backend.attention` (Triton on CUDA, else SDPA without cuDNN) where the
-  mask is None or one it recognised. Anything it cannot do exactly goes to a fallback on purpose, counted in
-  the context's stats: softcap / attention sinks -> the model's own eager attention with an additive mask;
-  sliding window, non-causal, dropout, position bias, a foreign mask -> torch SDPA with the mask, cuDNN excluded.
+`kvboost_attention(model)` switches `config._attn_implementation` inside the block (under the engine lock).
+`kvboost_mask` returns None for the plain bottom-right causal mask, and for causal + 2D padding remembers the padding
+row so the kernel reads a [B, kv] vector with no device sync; other patterns arrive materialized. Anything the kernels
+cannot do exactly falls back on purpose, counted: softcap / sinks -> the model's eager attention; sliding window,
+non-causal, dropout, bias, a foreign mask -> torch SDPA without cuDNN.
 """
 from __future__ import annotations
 
@@ -47,8 +38,8 @@ class AttentionContext:
     """What one `kvboost_attention` block did: calls per path (for tests, logs and bench)."""
 
     backend: str | None = None  # None: auto; "triton" / "sdpa": forced
-    # [B] valid lengths of the keys handed to attention, as a device tensor: a static cache (kv/static.py)
-    # hands the whole workspace buffer, and a captured graph can read its ends only from device memory.
+    # [B] valid key lengths as a device tensor: a static cache hands the whole buffer, and a graph reads ends only from
+    # device memory.
     lengths: torch.Tensor | None = None
     counts: Counter = field(default_factory=Counter)
 
@@ -126,8 +117,8 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               attention_mask: torch.Tensor | None, dropout: float = 0.0,
                               scaling: float | None = None, is_causal: bool | None = None,
                               **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """AttentionInterface entry: query [B, Hq, q, d], key/value [B, Hkv, kv, d] (cache included), mask None or
-    [B, 1, q, kv]. Returns ([B, q, Hq, d], None) as transformers expects."""
+    """AttentionInterface entry: query [B, Hq, q, d], key/value [B, Hkv, kv, d], mask None or [B, 1, q, kv]. Returns
+    ([B, q, Hq, d], None)."""
     ctx: AttentionContext | None = getattr(_local, "ctx", None)
     counts = ctx.counts if ctx is not None else Counter()  # another thread mid-block: exact, just not counted
     backend = ctx.backend if ctx is not None else None
@@ -183,11 +174,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 @contextmanager
 def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None,
                       lengths: torch.Tensor | None = None) -> Iterator[AttentionContext]:
-    """Run the model's forwards in this block through KVBoost's attention; yields the block's AttentionContext.
-
-    The switch is on the model's config: the caller must hold the lock that serializes the model's forwards.
-    The previous implementation is restored on exit, also when the block raises. lengths: see AttentionContext.
-    """
+    """Run the model's forwards in this block through KVBoost's attention; yields its AttentionContext. Hold the lock
+    serializing the model's forwards; the previous implementation is restored on exit."""
     ctx = AttentionContext(backend, lengths)
     previous = getattr(_local, "ctx", None), getattr(_local, "record", None)
     _local.ctx, _local.record = ctx, None

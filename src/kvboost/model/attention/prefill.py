@@ -1,17 +1,9 @@
 """Prefill over a cached prefix: a FlashAttention-2 style Triton kernel (tiled queries x keys, online softmax).
 
-Semantics, per batch row b with valid key length end_b (= min(ends[b], kv_len), or kv_len):
-  query i (of q) sits at position end_b - q + i and sees key j iff j <= end_b - q + i (bottom-right causal,
-  as prefill over a cache needs) and key_valid[b, j] (optional padding vector); keys at j >= end_b are never
-  read, so a workspace buffer longer than its valid length costs nothing. A query that sees no key returns 0.
-
-Compile keys: only (head dim, dtype, block sizes, GQA group, the optional-input flags) are constexpr; q_len,
-kv_len, per-row ends and strides are runtime values, so a new (q_len, kv_len) pair never recompiles.
-
-Grid: (cdiv(q, BLOCK_M), B * Hq). Query head h reads kv head h // GROUP (GQA/MQA without repeating K/V).
-The key loop is split into tiles that every query of the block sees in full (no mask work) and the tiles on
-the causal diagonal / at the valid-length edge (masked). Accumulators are fp32; P is cast to V's dtype for
-the second matmul (as FlashAttention does); fp32 inputs use IEEE matmuls (no TF32) so fp32 stays fp32.
+Per row b with valid length end_b (min(ends[b], kv_len)): query i sits at end_b - q + i and sees key j iff j <= end_b -
+q + i and key_valid[b, j]; keys past end_b are never read; a query seeing no key returns 0. Only head dim, dtype, block
+sizes, GQA group and flags are constexpr, so new lengths never recompile. Grid (cdiv(q, BLOCK_M), B * Hq); head h reads
+kv head h // GROUP. fp32 accumulators; fp32 inputs use IEEE matmuls (no TF32).
 """
 from __future__ import annotations
 
@@ -97,8 +89,8 @@ def _prefill_kernel(Q, K, V, Out, Ends, Valid,
 
 
 def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a GPU: fixed per (head dim, dtype), never per shape, so no
-    autotuning pass runs when a new length shows up. Wide heads and fp32 halve the tiles to fit shared memory."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per (head dim, dtype), never per shape, so no autotuning runs on
+    a new length."""
     d_pad = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return (64, 32, 4, 2) if d_pad <= 128 else (32, 32, 4, 1)
@@ -113,12 +105,10 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       kv_len: int | None = None, ends: torch.Tensor | None = None,
                       key_valid: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int | None = None) -> torch.Tensor:
-    """Attention of query [B, Hq, q, d] over the first kv_len (default: all) keys of key/value [B, Hkv, kv, d].
-
-    ends [B]: per-row valid lengths (clamped to kv_len); key_valid [B, >= kv_len]: per-key padding (True = may
-    attend). Returns [B, Hq, q, d] in the input dtype, a view of a [B, q, Hq, d] buffer so that transformers'
-    `out.transpose(1, 2).reshape(B, q, -1)` is free. Raises KernelUnsupportedError for inputs it cannot run.
-    """
+    """Attention of query [B, Hq, q, d] over the first kv_len (default all) keys of key/value [B, Hkv, kv, d]. ends [B]:
+    per-row valid lengths; key_valid [B, >= kv_len]: True = may attend. Returns [B, Hq, q, d] in the input dtype, a view
+    of a [B, q, Hq, d] buffer (so transformers' reshape is free). Raises KernelUnsupportedError for inputs it cannot
+    run."""
     reason = kernel_refusal(query, key, value)
     if reason:
         raise KernelUnsupportedError(reason)

@@ -1,11 +1,6 @@
-"""The torch fallback (used where Triton or a GPU is absent) and a plain-math reference for tests.
-
-Both compute the kernels' semantics (prefill.py): per batch row b with valid length end_b, query i sees key j
-iff j <= end_b - q + i (bottom-right causal) and key_valid[b, j]; keys at j >= end_b are never attended.
-
-The fallback runs torch SDPA inside `sdpa_kernel(FALLBACK_BACKENDS)`: the cuDNN backend is excluded because it
-builds an execution plan per new (q_len, kv_len), 46-91 ms per layer the first time each shape is seen (H100,
-torch 2.11), and a chat hits a new shape every turn. Flash / efficient / math need no per-shape plan.
+"""The torch fallback (where Triton or a GPU is absent) and a plain-math reference for tests, both with the kernels'
+semantics (prefill.py). The fallback runs SDPA without cuDNN, which builds a plan per new (q_len, kv_len): a spike on
+every chat turn.
 """
 from __future__ import annotations
 
@@ -39,22 +34,21 @@ def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *,
                    scale: float | None, is_causal: bool = False, dropout: float = 0.0) -> torch.Tensor:
-    """torch SDPA [B, Hq, q, d] x [B, Hkv, kv, d] with GQA, cuDNN excluded. `mask`: bool (True = attend) or an
-    additive float bias, broadcastable to [B, Hq, q, kv]; is_causal is torch's top-left causal (mask None)."""
+    """torch SDPA [B, Hq, q, d] x [B, Hkv, kv, d] with GQA, cuDNN excluded. `mask`: bool (True = attend) or additive
+    float, broadcastable to [B, Hq, q, kv]; None is torch's top-left causal."""
     b, hq, q_len, d = query.shape
     group = hq // key.shape[1]
     if group > 1 and q_len == 1 and mask is not None and mask.shape[1] == 1 and not is_causal:
-        # One query per head: fold the group into the query axis ([B, Hkv, group, d]), an MHA-shaped call that
-        # needs neither enable_gqa nor repeated K/V, with the mask [B, 1, 1, kv] broadcast over the group. This is
-        # what transformers' sdpa does for decode, so the fallback matches it bit for bit on CPU.
+        # One query per head: fold the group into the query axis (an MHA-shaped call, mask broadcast over the group), as
+        # transformers' sdpa does for decode, so the fallback matches it bit for bit on CPU.
         packed = query.reshape(b, hq // group, group, d)
         with sdpa_kernel(FALLBACK_BACKENDS):
             out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
         return out.reshape(b, hq, 1, value.shape[-1])
     gqa = {}
     if group > 1:
-        # CUDA's flash/efficient kernels take enable_gqa only without a mask (transformers' use_gqa_in_sdpa says
-        # the same); with one, repeating K/V keeps the efficient kernel instead of falling back to math.
+        # CUDA's flash/efficient kernels take enable_gqa only without a mask; with one, repeated K/V keeps the efficient
+        # kernel.
         if mask is None or query.device.type != "cuda":
             gqa = {"enable_gqa": True}
         else:
@@ -67,12 +61,8 @@ def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
                    kv_len: int | None = None, ends: torch.Tensor | None = None,
                    key_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels' semantics through torch SDPA (cuDNN excluded). Returns [B, Hq, q, d] in the input dtype.
-
-    Plain bottom-right causal with q == 1 or q == kv needs no mask (is_causal aligns the same way there); other
-    cases take an explicit bool mask, which the issue measured at 0.12-0.24 ms per call on an H100 with cuDNN off.
-    Queries that see no key return 0 (SDPA would return NaN for a fully masked row).
-    """
+    """The kernels' semantics through torch SDPA (cuDNN excluded); [B, Hq, q, d] in the input dtype. Bottom-right causal
+    with q == 1 or q == kv needs no mask; other cases take a bool mask. Queries seeing no key return 0."""
     q_len, kv_cap = query.shape[2], key.shape[2]
     kv_len = kv_cap if kv_len is None else int(kv_len)
     if kv_len != kv_cap:  # a workspace view longer than its valid length: read only the valid columns

@@ -1,9 +1,5 @@
-"""The tile math both kernels share (Triton device functions, inlined where called).
-
-The loop over key tiles, and in it a key tile's scores, the online-softmax update of the running max m and
-denominator l (base 2), and the probability-weighted values. Precision follows the kernels' flags: IEEE for
-fp32 inputs (no TF32), DOT_F32 under the CPU interpreter, which multiplies bf16 tiles wrongly unless they are
-widened first.
+"""The tile math both kernels share (Triton device functions): the loop over key tiles with the online softmax (base 2).
+IEEE precision for fp32 inputs; DOT_F32 under the CPU interpreter, which multiplies bf16 tiles wrongly unless widened.
 """
 from __future__ import annotations
 
@@ -51,11 +47,9 @@ def attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride
                  offs_m, offs_d, n_lo, n_hi, end, diag, qk_scale,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold key tiles [n_lo, n_hi) into the running (acc [M, D], l [M], m [M]); returns them updated.
-
-    Keys at j >= end are never read (masked loads). MASKED applies the bottom-right causal mask (query offs_m
-    sees j <= offs_m + diag), the `end` bound and, with HAS_VALID, the padding vector; unmasked calls must only
-    cover tiles that every query of the block sees in full."""
+    """Fold key tiles [n_lo, n_hi) into the running (acc [M, D], l [M], m [M]); returns them updated. MASKED applies the
+    bottom-right causal mask, the `end` bound and the padding vector; unmasked calls must only cover tiles every query
+    of the block sees in full."""
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM  # all-true unless the head dim was padded (80, 96 -> 128)
     for start_n in range(n_lo, n_hi, BLOCK_N):
@@ -81,10 +75,8 @@ def attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride
 @triton.jit
 def split_frame(tile, split, split_len, end, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """A split-K program's rows and keys. Rows fold the GQA group into the query axis (GROUP * q_len rows: row r
-    is query r // GROUP of head r % GROUP). Returns rows [M], row_ok, qi (each row's query), diag (query i sees
-    keys j <= i + diag), the split's keys [lo, split_end), hi (keys past it are hidden from every row here) and
-    full (tiles below it are visible to the tile's first query, hence to all of its rows: no mask needed)."""
+    """A split-K program's rows (row r: query r // GROUP of head r % GROUP) and keys. Returns rows [M], row_ok, qi, diag
+    (query i sees keys j <= i + diag), the split's keys [lo, split_end), hi and full (tiles below it need no mask)."""
     diag = end - q_len
     n_rows = GROUP * q_len
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -115,8 +107,8 @@ def load_group_queries(q_base, hk, rows, row_ok, qi, stride_qh, stride_qm,
 
 @triton.jit
 def store_partial(acc, l_i, m_i, o_base, rows, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr):
-    """Store the split's normalized output at o_base [rows, HEAD_DIM]; returns each row's log-sum-exp (base 2),
-    -inf for rows that saw no key (not stored: the reduce skips them by their lse)."""
+    """Store the split's normalized output at o_base [rows, HEAD_DIM]; returns each row's log2-sum-exp,
+    -inf for rows that saw no key (not stored)."""
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
