@@ -213,3 +213,34 @@ def test_one_at_a_time_the_worker_survives_engine_errors():
         s.stop()
     assert out == [("", "error:bad row"), ("o mid ", "error:mid-stream failure"), ("o k ", "done")]
     assert max(len(step) for step in s.engine.steps) == 1
+
+
+def test_run_here_runs_the_loop_in_the_calling_thread_until_stopped():
+    """kvboost serve runs the loop on the main thread (Scheduler.run_here): start() then spawns nothing, requests are
+    served by the calling thread, and stop() from another thread ends it without waiting for that thread to exit."""
+    import threading
+
+    engine = FakeEngine()
+    seen_threads: list[threading.Thread] = []
+    step = engine.step
+    engine.step = lambda: (seen_threads.append(threading.current_thread()), step())[1]
+    s = Scheduler(engine=engine, max_batch_size=2, batch_window_ms=1, max_queue=8)
+    caller = threading.Thread(target=s.run_here, name="caller")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        caller.start()
+        while not s.alive:
+            await asyncio.sleep(0.01)
+        s.start()  # the app's lifespan calls it: a no-op here
+        job = _job(loop, "one two")
+        s.submit(job)
+        return await _drain(job)
+
+    assert asyncio.run(main()) == ("one two ", "done")
+    assert seen_threads and set(seen_threads) == {caller}
+    t0 = time.monotonic()
+    s.stop()
+    assert time.monotonic() - t0 < 2.0
+    caller.join(2.0)
+    assert not caller.is_alive()

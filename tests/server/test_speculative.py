@@ -41,9 +41,23 @@ def test_speculative_server_is_identical_and_reports_acceptance(tokenizer, tiny_
         assert stats["batched_proposals"] == 0
 
 
+def test_a_batching_server_with_a_draft_model_is_identical(tokenizer, tiny_model_dir):
+    """`kvboost serve --speculative draft` batching: a draft model's rows join batches like any other row."""
+    model = make_tiny_model("llama", tokenizer)
+    plain = KVBoost(model, tokenizer, chunk_size=16)
+    spec = KVBoost(model, tokenizer, chunk_size=16, speculative="draft",
+                   draft_model=make_tiny_model("llama", tokenizer, seed=1))
+    prompts = ["river stone lantern quiet orbit " * 6, "quiet orbit " * 9, "lantern stone river " * 7]
+    lengths = [24, 8, 12]
+    want = [plain.generate(p, n).output_text for p, n in zip(prompts, lengths)]
+    with live_server(spec, model=str(tiny_model_dir), max_batch_size=4) as live:
+        got = live.complete_at_once(prompts, lengths)
+    assert got == want
+    assert spec.cache_stats()["speculative"]["draft_tokens"] > 0
+
+
 def test_flag_combinations_that_cannot_run_are_refused():
-    with pytest.raises(ValueError, match="max-batch-size 1"):
-        check_speculative_flags("draft", "some/draft", 16)
+    check_speculative_flags("draft", "some/draft", 16)  # draft-model rows join batches
     check_speculative_flags("prompt_lookup", None, 16)  # its rows verify their drafts in the batch
     with pytest.raises(ValueError, match="--draft-model"):
         check_speculative_flags("draft", None, 1)

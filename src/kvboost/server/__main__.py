@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import signal
+import threading
 import time
 
 import typer
@@ -43,9 +45,8 @@ def serve_command(
         "that starts with it then costs what later ones do.")),
     speculative: str | None = typer.Option(None, help="Speculative decoding for every request: prompt_lookup "
                                                       "(n-gram drafts from prompt + output), draft (needs "
-                                                      "--draft-model; one request at a time: "
-                                                      "--max-batch-size 1) or off. With batching, prompt-lookup "
-                                                      "rows verify their drafts together in each step."),
+                                                      "--draft-model) or off. With batching, speculating rows "
+                                                      "verify their drafts together in each step."),
     num_speculative_tokens: int = typer.Option(8, help="Most drafts verified per forward (1-15)."),
     draft_model: str | None = typer.Option(None, help="Draft model (path or hub id) sharing the tokenizer, for "
                                                       "--speculative draft."),
@@ -134,15 +135,29 @@ def serve_command(
                    err=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=10)
-    uvicorn.Server(config).run(sockets=[sock])
+    run_on_main_thread(uvicorn.Server(config), sock, app.state.kvboost.scheduler)
+
+
+def run_on_main_thread(server, sock, scheduler) -> None:
+    """HTTP on a thread of its own, the engine's loop on this (the main) thread, which loaded the model: see
+    Scheduler.run_here for why. Ctrl-C / SIGTERM shut the server down gracefully; a second one exits at once."""
+    def handle_exit(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle_exit)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvboost-http", daemon=True)
+    http.start()
+    # However uvicorn ends (shutdown, a failure to start), the loop here ends with it.
+    threading.Thread(target=lambda: (http.join(), scheduler.stop()), name="kvboost-http-watch", daemon=True).start()
+    scheduler.run_here()
+    http.join()
 
 
 def check_speculative_flags(speculative: str | None, draft_model: str | None, max_batch_size: int) -> None:
     """ValueError for flag combinations that cannot run (never a silently ignored flag)."""
-    if speculative == "draft" and max_batch_size > 1:
-        raise ValueError("--speculative draft runs one request at a time (a draft model proposes through forwards "
-                         "of its own per sequence, not in a batch): add --max-batch-size 1, or use --speculative "
-                         "prompt_lookup, whose rows verify their drafts in the batch")
     if speculative == "draft" and draft_model is None:
         raise ValueError("--speculative draft needs --draft-model")
     if draft_model is not None and speculative != "draft":

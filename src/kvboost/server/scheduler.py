@@ -109,6 +109,8 @@ class Scheduler:
         self._active = 0
         self._rows: dict[Job, Any] = {}  # submitted jobs -> their handles in the engine's loop
         self._start_lock = threading.Lock()
+        self._in_caller = False  # run_here(): the loop runs in the thread that called it, start() spawns nothing
+        self._caller_done: threading.Event | None = None  # set when run_here's loop has ended
 
     # ---- control, from any thread ----------------------------------------------------------------
     @property
@@ -121,16 +123,38 @@ class Scheduler:
 
     def start(self) -> None:
         with self._start_lock:
-            if self._thread is not None and self._thread.is_alive():
+            if self._in_caller or (self._thread is not None and self._thread.is_alive()):
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._main, name="kvboost-worker", daemon=True)
             self._thread.start()
 
+    def run_here(self) -> None:
+        """Run the worker loop in the calling thread until stop() is called from another one.
+
+        `kvboost serve` runs it on the main thread, which loaded the model, with uvicorn on a thread of its own. With
+        GNU OpenMP (torch's CPU builds), a second thread running parallel regions while the main thread's team
+        exists makes OpenMP count more threads than cores and stop spinning between regions: on 2 cores a decode
+        step then took about twice as long in a worker thread as on the main thread."""
+        self.stop()  # a worker thread started earlier (the warm-up's) ends first
+        with self._start_lock:
+            self._in_caller = True
+            self._thread = threading.current_thread()
+            self._caller_done = threading.Event()
+            self._stop.clear()
+        try:
+            self._main()
+        finally:
+            self._in_caller = False
+            self._caller_done.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            if self._caller_done is not None:  # the loop runs in a thread that lives on after it (run_here)
+                self._caller_done.wait(timeout)
+            else:
+                self._thread.join(timeout)
         while True:  # whoever still waits gets an answer
             try:
                 job = self._queue.get_nowait()
