@@ -244,3 +244,47 @@ def test_run_here_runs_the_loop_in_the_calling_thread_until_stopped():
     assert time.monotonic() - t0 < 2.0
     caller.join(2.0)
     assert not caller.is_alive()
+
+
+def test_requests_queued_between_run_in_caller_and_run_here_are_served_and_a_stop_is_kept():
+    """kvboost serve claims the calling thread before HTTP starts (run_in_caller) and loops later (run_here): a
+    request that arrives in between waits for the loop instead of failing, and a stop() in between (HTTP failed
+    to start) makes run_here return at once."""
+    import threading
+
+    s = Scheduler(engine=FakeEngine(), max_batch_size=2, batch_window_ms=1, max_queue=8)
+    claimed, go = threading.Event(), threading.Event()
+
+    def caller():
+        s.run_in_caller()
+        claimed.set()
+        go.wait(5)
+        s.run_here()
+
+    thread = threading.Thread(target=caller)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        thread.start()
+        while not claimed.is_set():
+            await asyncio.sleep(0.01)
+        s.start()  # the app's lifespan: spawns nothing now
+        job = _job(loop, "early bird")
+        s.submit(job)
+        await asyncio.sleep(0.1)
+        assert job.events.empty()  # nobody runs it yet, nobody failed it
+        go.set()
+        return await _drain(job)
+
+    assert asyncio.run(main()) == ("early bird ", "done")
+    s.stop()
+    thread.join(2.0)
+    assert not thread.is_alive()
+
+    stopped = Scheduler(engine=FakeEngine(), max_batch_size=2, batch_window_ms=1, max_queue=8)
+    stopped.run_in_caller()
+    threading.Thread(target=stopped.stop).start()  # from another thread, before the loop runs
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    stopped.run_here()  # returns at once: the stop is kept
+    assert time.monotonic() - t0 < 1.0

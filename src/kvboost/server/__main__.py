@@ -148,6 +148,7 @@ def run_on_main_thread(server, sock, scheduler) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle_exit)
+    scheduler.run_in_caller()  # before HTTP starts: no request can meet the warm-up's worker being stopped
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvboost-http", daemon=True)
     http.start()
     # However uvicorn ends (shutdown, a failure to start), the loop here ends with it.

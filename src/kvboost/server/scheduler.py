@@ -129,23 +129,31 @@ class Scheduler:
             self._thread = threading.Thread(target=self._main, name="kvboost-worker", daemon=True)
             self._thread.start()
 
-    def run_here(self) -> None:
-        """Run the worker loop in the calling thread until stop() is called from another one.
-
-        `kvboost serve` runs it on the main thread, which loaded the model, with uvicorn on a thread of its own. With
-        GNU OpenMP (torch's CPU builds), a second thread running parallel regions while the main thread's team
-        exists makes OpenMP count more threads than cores and stop spinning between regions: on 2 cores a decode
-        step then took about twice as long in a worker thread as on the main thread."""
-        self.stop()  # a worker thread started earlier (the warm-up's) ends first
+    def run_in_caller(self) -> None:
+        """From now on the loop runs where run_here() is called, and start() spawns nothing. Ends a worker thread
+        started earlier (the warm-up's) first: call it before requests can arrive. Requests submitted after it wait
+        in the queue for run_here()."""
+        self.stop()
         with self._start_lock:
             self._in_caller = True
             self._thread = threading.current_thread()
             self._caller_done = threading.Event()
             self._stop.clear()
+
+    def run_here(self) -> None:
+        """Run the worker loop in the calling thread until stop() is called from another one (at once, if it was
+        called since run_in_caller()).
+
+        `kvboost serve` runs it on the main thread, which loaded the model, with uvicorn on a thread of its own. With
+        GNU OpenMP (torch's CPU builds), a second thread running parallel regions while the main thread's team
+        exists makes OpenMP count more threads than cores and stop spinning between regions: on 2 cores a decode
+        step then took about twice as long in a worker thread as on the main thread."""
+        if not self._in_caller or self._thread is not threading.current_thread():
+            self.run_in_caller()
+        assert self._caller_done is not None
         try:
             self._main()
         finally:
-            self._in_caller = False
             self._caller_done.set()
 
     def stop(self, timeout: float = 10.0) -> None:
