@@ -1,14 +1,5 @@
-"""Where `kvboost bench` and `kvboost eval` find their commands: the repository's top-level `benchmarks` package.
-
-The benchmarks are not part of the installed package (their workloads, generators and committed results
-belong to the repository), so nothing in `kvboost` imports them; the CLI loads them by name when they are
-there:
-
-1. importable already: the current directory is a clone (``python -m kvboost.cli``), or PYTHONPATH names one;
-2. else beside this package's source, for an editable install of a clone: ``<clone>/src/kvboost`` is this
-   package, so the benchmarks are ``<clone>/benchmarks``;
-3. else not found: `kvboost bench` exits 2 with ``NEEDS_A_CHECKOUT``.
-"""
+"""Where `kvboost bench` and `kvboost eval` find the repository's top-level `benchmarks` package (never installed):
+importable already, else beside this package's source in a clone (``<clone>/benchmarks``), else NEEDS_A_CHECKOUT."""
 from __future__ import annotations
 
 import importlib
@@ -39,8 +30,7 @@ def _import_commands() -> ModuleType | None:
 
 
 def find_benchmark_commands(beside: Path | None = None) -> ModuleType | None:
-    """The `benchmarks.commands` module, or None where no checkout holds it. beside: where to look when it is
-    not importable already (default: ``checkout_beside_package()``)."""
+    """The `benchmarks.commands` module, or None without a checkout (beside: default checkout_beside_package())."""
     module = _import_commands()
     if module is not None:
         return module

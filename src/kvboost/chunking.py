@@ -1,9 +1,5 @@
-"""Cut token ids into chunks and give each a prefix-chain key and a content key.
-
-prefix_key = H(namespace, parent_key, tokens) is equal only when every earlier token is (exact reuse); content_key =
-H(namespace, tokens) wherever the tokens appear (approximate reuse). The namespace folds in the model fingerprint,
-dtype, chunk settings, KV bits and tenant salt.
-"""
+"""Cut token ids into chunks and give each a prefix-chain key H(namespace, parent_key, tokens) (exact reuse) and a
+content key H(namespace, tokens) (approximate reuse). The namespace folds in model, dtype, chunking, KV bits, tenant."""
 from __future__ import annotations
 
 import json
@@ -151,8 +147,7 @@ class Chunker:
 
     def split(self, token_ids: Sequence[int], salt: str | None = None, include_partial: bool = True,
               end: int | None = None) -> list[Chunk]:
-        """Chunks from position 0 (see spans()), plus the trailing incomplete one when include_partial; with `end`, only
-        chunks ending at or before it."""
+        """Chunks from position 0 (see spans()), plus the trailing incomplete one when include_partial."""
         chunks: list[Chunk] = []
         parent: str | None = self.root_key(salt)
         ns = self._ns(salt)

@@ -1,11 +1,5 @@
-"""What the command-line entry points share: loading the engine a --model option names, and fitting text
-into one terminal line.
-
-``cli.py`` and ``demo.py`` import this module and it imports neither, so the commands and the CLI that
-registers them have no import cycle. The benchmarks' own model options (random-weight shapes, devices,
-dtypes) live with them, in the repository's ``benchmarks/model_options.py``, and load checkpoints through
-``load_engine`` here. torch is imported only inside functions: ``kvboost --help`` must stay fast.
-"""
+"""What the command-line entry points share: loading the engine a --model option names, one-line text. Imports
+neither cli.py nor demo.py (no cycle); torch only inside functions, so `kvboost --help` stays fast."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NoReturn
@@ -30,8 +24,7 @@ def exit_cannot_load(what: str, exc: BaseException) -> NoReturn:
 
 def load_engine(model: str | None = None, device: str | None = None, dtype: str | None = None,
                 **options) -> InferenceEngine:
-    """KVBoost.from_pretrained(model) (None: the embedded SmolLM2), with a one-line error instead of a
-    traceback for a model that cannot be loaded. options go to the engine."""
+    """KVBoost.from_pretrained(model) (None: the embedded SmolLM2), a one-line error for a model that cannot load."""
     from . import KVBoost
 
     try:
@@ -41,8 +34,7 @@ def load_engine(model: str | None = None, device: str | None = None, dtype: str 
 
 
 def one_line(text: str, width: int) -> str:
-    """text with its whitespace runs (newlines included) collapsed to single spaces, cut to at most `width`
-    characters with a trailing ellipsis where it does not fit."""
+    """text with whitespace runs collapsed to single spaces, cut to `width` with a trailing ellipsis."""
     flat = " ".join(text.split())
     if len(flat) <= width:
         return flat

@@ -1,17 +1,6 @@
-"""`--help` that reads like a man page: a flag shows as a bare flag, an option's value as a named metavar.
-
-Recent typer renders every parameter's Python type as its placeholder, flags included (``--version <bool>``,
-``--model <str>``). A command built by ``HelpTyper`` fills in what the help shows instead, where the option
-does not set its own ``metavar``:
-
-* flags (``--paged``, ``--version``, ``--help``): nothing, as a flag takes no value;
-* options with a fixed set of choices: left to typer, which lists the choices;
-* any other option: its parameter name in capitals, as argparse does (``--json JSON_PATH``, ``--repeats
-  REPEATS``); numeric bounds still follow it (``[x>=1]``).
-
-A command's help taken from its docstring is reflowed too: typer's rich help keeps the docstring's own line
-breaks, which cut a sentence wherever the source wrapped it.
-"""
+"""`--help` that reads like a man page: a flag shows as a bare flag, an option's value as a named metavar (its
+parameter name in capitals, as argparse does), choices left to typer; a docstring's help is reflowed, since typer
+keeps the source's line breaks."""
 from __future__ import annotations
 
 import inspect

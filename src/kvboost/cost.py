@@ -106,8 +106,7 @@ def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefil
 
 def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: float, prefill_tokens_per_s: float,
                   usd_per_gpu_hour: float) -> CostEstimate:
-    """GPU time and money saved per day/month/year by reusing cached prefixes (module doc formulas). Raises
-    CostInputError for negative volumes, a reuse rate outside [0, 1], or a non-positive rate or price."""
+    """GPU time and money saved by reusing cached prefixes (module doc formulas); CostInputError for bad inputs."""
     req, pre, reuse, rate, usd = _validate(requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
                                            usd_per_gpu_hour)
     tokens = req * pre * reuse

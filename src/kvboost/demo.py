@@ -1,18 +1,6 @@
-"""`kvboost demo`: the main job in one screen: warm a long system prompt, then answer questions.
-
-Each question runs twice: a baseline (full prefill) and KVBoost reusing the warmed system prompt, and nothing
-else. Two things would let the KVBoost run reuse more than its title says:
-
-* the baseline's K/V of the same prompt stays resident in the engine's workspace, so a KVBoost run right
-  after it would reuse the whole question too: the workspace is forgotten before each KVBoost run, and its
-  reuse comes from the stored chunks;
-* an earlier question's stored chunks hold the chat template's user-turn opening after the system prompt, so
-  a later question would reuse those tokens too: the demo's engine stores nothing after a request
-  (``write_back=False``); only ``warm`` stores.
-
-So every KVBoost run reuses exactly the system prompt's stored tokens, the ``reused`` column shows that count,
-and the speedup is that of reusing the system prompt alone.
-"""
+"""`kvboost demo`: warm a long system prompt, then answer questions, each twice: a baseline (full prefill) and KVBoost
+reusing exactly the system prompt's stored tokens (the workspace is forgotten before each KVBoost run and nothing is
+written back), so the speedup is that of reusing the system prompt alone."""
 from __future__ import annotations
 
 import time

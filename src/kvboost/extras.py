@@ -1,10 +1,5 @@
-"""Optional extras: which are installed, and a one-line exit for a command that needs a missing one.
-
-A plain install (`pip install -e .` in a clone) must run the core commands (demo, verify, cost, and bench
-from a checkout); the server, plots and the Redis tier come with extras. Modules are looked up with
-importlib.util.find_spec, which imports nothing, so asking is cheap and a command that does not need an
-extra never loads it. The hint names the extra from the source this KVBoost came from (install_source).
-"""
+"""Optional extras: which are installed (find_spec, which imports nothing), and a one-line exit for a command that
+needs a missing one, naming the extra from the source this KVBoost came from (install_source)."""
 from __future__ import annotations
 
 import importlib.util
@@ -42,8 +37,7 @@ def missing_extras(*extras: str) -> list[str]:
 
 
 def install_hint(command: str, extras: list[str], modules: list[str] = ()) -> str:
-    """E.g. "kvboost serve needs the server extra: pip install -e '/home/me/kvboost[server]'" (the extra from
-    the source this KVBoost was installed from: see install_source)."""
+    """E.g. "kvboost serve needs the server extra: pip install -e '/home/me/kvboost[server]'"."""
     needs = [f"the {', '.join(extras)} extra{'s' if len(extras) > 1 else ''}"] if extras else []
     needs += [f"the {m} package" for m in modules]
     pip = (extra_install_args(extras) if extras else []) + [STANDALONE.get(m, m) for m in modules]

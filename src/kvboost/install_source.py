@@ -1,14 +1,5 @@
-"""Where this copy of KVBoost was installed from, and the pip command that adds an optional extra to it.
-
-The name ``kvboost`` on PyPI belongs to a different project, so ``pip install 'kvboost[server]'`` would
-install that one. An install hint must instead name the source this copy came from:
-
-* a source checkout (an editable install of a clone, or a clone on PYTHONPATH):
-  ``pip install -e '/abs/path/to/clone[server]'``;
-* a non-editable install from a local folder, a VCS URL or an archive, as pip recorded it (PEP 610's
-  ``direct_url.json``): that folder or URL with the extra;
-* anything else (an index, or no record): a placeholder for the source, never the bare PyPI name.
-"""
+"""Where this copy of KVBoost was installed from, and the pip command that adds an extra to it: `kvboost` on PyPI is
+another project, so a hint names the checkout, or the folder / URL pip recorded (PEP 610), or a placeholder."""
 from __future__ import annotations
 
 import json
@@ -26,8 +17,7 @@ UNKNOWN_SOURCE = "<path or URL of your KVBoost source>"
 
 
 def source_checkout() -> Path | None:
-    """The repository root when this package is a checkout's ``src/kvboost`` (editable install of a clone, or
-    a clone on PYTHONPATH), else None."""
+    """The repository root when this package is a checkout's ``src/kvboost``, else None."""
     root = PACKAGE_DIR.parents[1]
     if PACKAGE_DIR.parent.name == "src" and (root / "pyproject.toml").is_file():
         return root
@@ -54,8 +44,7 @@ def _direct_url() -> dict[str, Any] | None:
 
 
 def install_args_for(record: dict[str, Any] | None, extras: str) -> list[str]:
-    """pip install's arguments that install `extras` ("server" or "server,redis") from the source pip recorded
-    in `record` (a direct_url.json; None: source unknown)."""
+    """pip install's arguments for `extras` from the source in `record` (a direct_url.json; None: unknown)."""
     if record is None:
         return [shlex.quote(f"{UNKNOWN_SOURCE}[{extras}]")]
     url = record["url"]

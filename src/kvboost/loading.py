@@ -62,12 +62,8 @@ def embedded_model_dir() -> Path:
 
 @contextmanager
 def no_transformers_bars() -> Iterator[None]:
-    """transformers' own progress bars ("Loading weights") off inside the block, for KVBoost's loads: every
-    command printed one. Through transformers' tqdm hook, which returns the hook it replaces, so the caller's own
-    hook (if any) is put back after and, meanwhile, still builds the (disabled) bars. Not `disable_progress_bar()`:
-    it also silences huggingface_hub, whose download bar a first run from the hub needs, and
-    `enable_progress_bar()` after it would overwrite a user's own hub setting. (The one-time GGUF conversion's
-    bar is plain tqdm, which no transformers switch reaches; it stays.)"""
+    """transformers' own progress bars off inside the block, through its tqdm hook (restored after). Not
+    `disable_progress_bar()`: that also silences huggingface_hub's download bar and overwrites the user's setting."""
     from transformers.utils import logging as hf_logging
 
     def hook(factory, args, kwargs):

@@ -1,11 +1,8 @@
-"""Shared-prefix ("cascade") attention: rows of a batch read one prefix K/V tensor, never B copies of it.
+"""Shared-prefix ("cascade") attention: rows of a batch read one prefix K/V tensor [1, kv_heads, P, d], never B copies.
 
-The prefix K/V lives once per layer as [1, kv_heads, P, d]; each row's own K/V sits in its workspace slot. Attention
-runs in two parts merged by one log-sum-exp softmax (equal to plain attention up to rounding): the prefix, with rows,
-GQA groups and queries folded into the matmul M dimension, and each row's suffix under its own mask. cascade_forward()
-switches the model's attention implementation to CASCADE_ATTENTION only around the scheduler's batched forwards (under
-the engine lock); a call from another thread meanwhile runs plain sdpa.
-"""
+Two parts merged by one log-sum-exp softmax: the prefix (rows, GQA groups and queries folded into the matmul M
+dimension) and each row's suffix under its own mask. cascade_forward() switches the attention only around the
+scheduler's batched forwards (under the engine lock)."""
 from __future__ import annotations
 
 import threading

@@ -1,15 +1,8 @@
 """How many tokens each row of a busy batch verifies in one step: the width of a ragged verify.
 
-A step is one forward of q tokens per row (each row's last token and up to q - 1 drafts, other rows padded). A wider
-step costs every row, so q is picked for the whole batch to maximize tokens per second: rate(1) = n / plain(n); rate(q)
-= sum_i E_i(min(q - 1, drafts_i)) / verify(n * q), with E_i from the row's AdaptiveK and costs as measured (a total not
-timed yet is not guessed cheap: a wrong guess costs every row).
-
-The first steps are plain, then one probe of PROBE_K drafts. A batch whose verifies stop paying pauses drafting,
-doubling the pause while it keeps losing, never shorter than keeps retries under RETRY_SHARE of decode time. Where no
-width could pay, rows do not propose, bar one probe every REPROBE_STEPS. A new row's acceptance starts from the batch's
-(`prior`).
-"""
+q is picked for the whole batch to maximize tokens per second: rate(1) = n / plain(n); rate(q) = sum_i
+E_i(min(q - 1, drafts_i)) / verify(n * q), with E_i from the row's AdaptiveK and costs as measured (a total not timed
+yet is not guessed cheap: a wrong guess costs every row). Losing batches pause drafting, doubling the pause."""
 from __future__ import annotations
 
 import math
@@ -81,8 +74,7 @@ class BatchDrafting:
         return True
 
     def hopeless(self, rows: int) -> bool:
-        """No width beats a plain step even if every draft were kept (needs a verify timed); remembered until a step is
-        timed again."""
+        """No width beats a plain step even if every draft were kept; remembered until a step is timed again."""
         if rows not in self._hopeless:
             plain = rows / self.plain_s[rows]
             self._hopeless[rows] = all(rows * q / max(self.verify_cost(rows * q), 1e-12) <= plain
@@ -90,8 +82,7 @@ class BatchDrafting:
         return self._hopeless[rows]
 
     def width(self, proposals: Sequence[RowDrafts], limit: int) -> int:
-        """Tokens per row for this step (1 = plain), at most `limit` (the room past the longest row); call when
-        proposing() said so."""
+        """Tokens per row for this step (1 = plain), at most `limit`; call when proposing() said so."""
         n = len(proposals)
         longest = max((len(p.drafts) for p in proposals), default=0)
         limit = min(limit, longest + 1)
@@ -117,9 +108,8 @@ class BatchDrafting:
         return best
 
     def verify_cost(self, total: int) -> float:
-        """Seconds of a verify of `total` tokens: as timed, else on the fitted line, else (no slope yet) in proportion
-        to the nearest total timed below, never cheaper than one timed above. Cautious on purpose: a flat guess would
-        pick the widest verify."""
+        """Seconds of a verify of `total` tokens: as timed, else on the fitted line, else scaled from the nearest timed
+        total below, never cheaper than one above (a flat guess would pick the widest verify)."""
         c = self.verify
         if total in c.by_length:
             timed = c.by_length[total]
@@ -156,8 +146,7 @@ class BatchDrafting:
         self._hopeless.pop(rows, None)
 
     def timed_verify(self, rows: int, width: int, seconds: float, kept_whole: bool) -> None:
-        """A ragged verify of `width` tokens per row took `seconds`; kept_whole: some row kept all its drafts (the pause
-        starts short)."""
+        """A ragged verify of `width` tokens per row took `seconds`; kept_whole: some row kept all its drafts."""
         self.record_verify(rows * width, seconds)
         self.verifies += 1
         if kept_whole:

@@ -1,12 +1,6 @@
-"""The eager forwards of several rows at once over the scheduler's workspace (slots), for steps the runner's
-fixed-shape steps do not take: rows over a shared prefix (cascade attention), the model's own attention, shapes
-no bucket holds.
-
-Each row owns one slot of a KVWorkspace; its K/V sits at buffer columns equal to its token positions (minus the
-shared prefix's length, which no row allocates), so RoPE positions stay natural and no row has gaps. A decode step
-writes every row's new token at that row's own column and attends over the longest row's length, with a 2D padding
-mask keeping each row to its own columns; a ragged verify runs q tokens per row under a 4D mask.
-"""
+"""The eager forwards of several rows at once over the scheduler's workspace, for steps the runner's fixed-shape steps
+do not take. A row's K/V sits at buffer columns equal to its token positions (minus the shared prefix), so RoPE
+positions stay natural; a 2D padding mask (decode) or a 4D mask (ragged verify) keeps each row to its own columns."""
 from __future__ import annotations
 
 import torch

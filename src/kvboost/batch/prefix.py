@@ -1,5 +1,4 @@
-"""Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V.
-"""
+"""Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -107,8 +106,7 @@ class SharedPrefix:
     @classmethod
     def from_segments(cls, ids: Sequence[int], salt: str | None, segments: Sequence[Segment],
                       device: torch.device | str | None = None) -> SharedPrefix:
-        """Concatenate stored records covering positions [0, len(ids)) into one tensor per layer on `device`: the only
-        copy."""
+        """Concatenate stored records covering [0, len(ids)) into one tensor per layer on `device`."""
         n = len(ids)
         parts = [(seg, min(seg.n_tokens, n - seg.start)) for seg in segments if seg.start < n]
         ends = [0] + [seg.start + k for seg, k in parts]

@@ -76,8 +76,7 @@ class Row:
         return self.request.salt
 
     def emit(self, tokens: list[int]) -> None:
-        """Tokens the row emitted, in order (a verify's kept drafts come as one burst); those after the one that
-        finishes the output are dropped."""
+        """Tokens the row emitted, in order; those after the one that finishes the output are dropped."""
         for token in tokens:
             self.handle.push(self.tracker.feed(token))
             if self.tracker.finished:

@@ -10,10 +10,7 @@ from .prefix import SharedPrefix
 
 class SlotLayer(CacheLayerMixin):
     """Writes new K/V at given columns of given slots; returns views over slots [lo, hi).
-
-    With a shared prefix of P tokens the views start at column P (the prefix is `shared_prefix`, read by
-    cascade attention), and the mask sizes say so: kv_length counts columns from P, kv_offset = P.
-    """
+    With a shared prefix of P tokens the views start at column P: kv_length counts columns from P, kv_offset = P."""
 
     is_sliding = False
     is_compileable = False

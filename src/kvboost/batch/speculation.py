@@ -1,8 +1,5 @@
-"""Speculation for the scheduler's rows. A row alone verifies its drafts in one forward over its slot, k sized by its
-AdaptiveK; beside other rows, a ragged step verifies every row's drafts at once (q tokens per row, each masked to its
-own columns), with q chosen for the batch (drafting.py). Each row keeps what its sampler accepts; a seeded row's output
-is its non-speculative output.
-"""
+"""Speculation for the scheduler's rows: a row alone verifies its drafts over its slot; beside other rows, a ragged
+step verifies every row's drafts at once (q per row, drafting.py). A seeded row's output is its non-speculative one."""
 from __future__ import annotations
 
 import time

@@ -5,11 +5,8 @@ from ..sampling import find_stop, held_back_length
 
 
 class OutputTracker:
-    """Feed sampled tokens one by one; get text deltas that are safe to show and the finish state.
-
-    A delta never ends inside an incomplete UTF-8 sequence nor inside a possible stop string, so a
-    streamed answer never shows text that the final answer does not contain.
-    """
+    """Feed sampled tokens one by one; get text deltas safe to show (never inside an incomplete UTF-8 sequence or a
+    possible stop string) and the finish state."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], stop: list[str], max_new_tokens: int):
         self.tokenizer = tokenizer

@@ -1,11 +1,5 @@
-"""Finishing structured output inside max_new_tokens: the shortest way a grammar may still stop, found greedily.
-
-A model looping inside a JSON value would hit max_new_tokens with unparseable output. With a budget, the constraint
-looks over the last HORIZON tokens for a continuation that lets the grammar stop and forces it once it needs every token
-left (finish reason "length", output parses). The continuation is built one character at a time (close a string; else
-closers first, then the shortest values, then what the grammar forces), then written with the tokenizer's longer tokens
-where the grammar takes them; every plan is checked against the grammar.
-"""
+"""Finishing structured output inside max_new_tokens: the shortest way a grammar may still stop, found greedily, forced
+once it needs every token left (finish reason "length", output parses). Every plan is checked against the grammar."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -19,8 +13,7 @@ CLOSING_CHARS = ('}]"0ntf[{,:' + "123456789-." + "abcdefghijklmnopqrstuvwxyz" + 
 
 @dataclass(frozen=True)
 class ClosingVocab:
-    """What the planner writes with: the single-character tokens of CLOSING_CHARS, in order, and the tokenizer's encode
-    (packs a planned text into fewer tokens)."""
+    """The single-character tokens of CLOSING_CHARS, in order, and the tokenizer's encode (packs planned text)."""
 
     chars: tuple[tuple[str, int], ...]
     encode: Callable[[str], list[int]]

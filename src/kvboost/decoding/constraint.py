@@ -1,7 +1,5 @@
-"""Per-sequence grammar state: which tokens may come next, applied to logits as a mask. The sampler calls mask() before
-choosing and advance() after; accepts()/rollback() let a verifier check and undo drafts. EOS is allowed exactly where
-the grammar may terminate.
-"""
+"""Per-sequence grammar state applied to logits as a mask: mask() before choosing, advance() after; accepts() and
+rollback() let a verifier check and undo drafts. EOS is allowed exactly where the grammar may terminate."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,9 +32,7 @@ class TokenConstraint:
             if budget is not None and closing is not None else None
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [vocab] with every forbidden token at -inf: in place when contiguous float32 (a copy of the row is the
-        one cost that scales with the vocabulary), else in a float32 copy. Where the budget's last tokens must close the
-        output, every token but the closing one is masked."""
+        """logits [vocab] with every forbidden token at -inf: in place if contiguous float32, else in a float32 copy."""
         out = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.float().contiguous()
         forced = self._closing_token()
         if forced is not None:
@@ -101,9 +97,7 @@ class TokenConstraint:
             self.emitted -= n
 
     def _closing_token(self) -> int | None:
-        """The token that must come next to finish within the budget, or None (the model picks). Once closing needs all
-        but CLOSING_MARGIN of what is left, every later token is forced, ending with a stop token; `forced` counts them
-        (finish_reason "length")."""
+        """The token that must come next to finish within the budget, or None (the model picks); counted in `forced`."""
         if self._closing is None or self.matcher.is_terminated():
             return None
         left = self.budget - self.emitted

@@ -1,13 +1,5 @@
-"""Draft-model speculation: a small model sharing the target's tokenizer proposes the next k tokens greedily.
-
-The draft runs inside its own InferenceEngine (created by the target engine), so the draft's prompt K/V gets
-KVBoost's reuse too: a prompt whose prefix the draft has seen (resident in its workspace, or stored) is not
-prefilled again. Greedy draft proposals are point masses, so the acceptance rule of speculative.py keeps the
-target's distribution when sampling as well.
-
-The draft engine is private to its target engine and used only under the target's lock: each speculating row's
-draft sequence holds one row of the draft engine's workspace while the row runs.
-"""
+"""Draft-model speculation: a small model sharing the target's tokenizer proposes the next k tokens greedily. It runs
+in its own InferenceEngine (private to the target, used under the target's lock), so its prompt K/V is reused too."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -23,9 +15,8 @@ if TYPE_CHECKING:
 
 
 def load_draft_model(draft_model, target_model, target_tokenizer):
-    """The draft as a loaded HF model on the target's device and dtype: a path / hub id is loaded (its
-    tokenizer must equal the target's), a model object is used as given. Raises InvalidRequestError when the
-    vocabularies differ: the draft's token ids must mean the target's."""
+    """The draft as a loaded HF model on the target's device and dtype (a path / hub id is loaded); InvalidRequestError
+    when the vocabularies differ."""
     from ..loading import load_model_and_tokenizer
 
     param = next(target_model.parameters())
@@ -99,8 +90,7 @@ class DraftProposer:
         return self.base + _common_prefix(self.tail, tokens[self.base:])
 
     def close(self, emitted: Sequence[int]) -> None:
-        """Store the draft's exact K/V (the prompt and the kept output it ran) in the draft engine's cache; the row
-        goes back to the draft engine."""
+        """Store the draft's exact K/V in the draft engine's cache; the row goes back to the draft engine."""
         n = self._synced(emitted)
         with self.engine.lock, torch.inference_mode():
             try:

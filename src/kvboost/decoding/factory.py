@@ -1,5 +1,4 @@
-"""Wiring speculation into an engine: resolve a request's options, build its proposer and Speculator, build the
-draft engine. Kept out of engine.py so that the lifecycle there stays one screen long."""
+"""Wiring speculation into an engine: a request's options, its proposer and Speculator, the draft engine."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,12 +17,8 @@ def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str 
                         num_speculative_tokens: int | None = None, prompt_lookup_max_ngram: int | None = None,
                         prompt_lookup_min_ngram: int | None = None,
                         prediction: Sequence[int] = ()) -> SpeculativeParams | None:
-    """A request's speculation: "default" follows config.speculative; unset numbers follow the config's. None
-    when off. InvalidRequestError for bad values, or "draft" on an engine without a draft model.
-
-    prediction (token ids of the expected output, OpenAI's Predicted Outputs): drafts are looked up in it before
-    the prompt, so a request with one speculates by prompt lookup whatever the engine's default; asking for
-    another method (or none) beside it is a contradiction, refused."""
+    """A request's speculation ("default" follows config.speculative), None when off; InvalidRequestError if bad.
+    prediction (OpenAI's Predicted Outputs) forces prompt lookup; asking for another method beside it is refused."""
     is_default = isinstance(speculative, str) and speculative == "default"
     method = config.speculative if is_default else parse_method(speculative)
     if prediction:
@@ -73,8 +68,7 @@ def make_proposer(engine, request: Request, context: Sequence[int], costs: StepC
 
 
 def make_draft_engine(engine, draft_model):
-    """The draft's own engine (same class as the target's): memory tier only (the draft's chunks are cheap to
-    recompute), the target's chunking, tenant and attention settings."""
+    """The draft's own engine: memory tier only, the target's chunking, tenant and attention settings."""
     from .draft import load_draft_model
 
     cfg = engine.config

@@ -1,9 +1,5 @@
-"""Output formats (JSON object, JSON schema, regex, EBNF grammar) compiled once per tokenizer and cached.
-
-The library is xgrammar (the `structured` extra; chosen over llguidance for its per-token mask cost), imported only when
-a format is compiled: without the extra, asking for a format raises StructuredOutputUnavailableError. An OutputFormat is
-validated without the library; compile errors become GrammarError.
-"""
+"""Output formats (JSON object, JSON schema, regex, EBNF grammar) compiled once per tokenizer and cached. The library
+(xgrammar, the `structured` extra) is imported only when a format is compiled."""
 from __future__ import annotations
 
 import json
@@ -47,10 +43,8 @@ class OutputFormat:
 
 def parse_output_format(response_format: Any = None, regex: str | None = None,
                         grammar: str | None = None) -> OutputFormat | None:
-    """The one format a request asks for (at most one of the three), or None for free text. response_format: None |
-    {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}} (OpenAI's shape; a bare
-    schema accepted) | a pydantic model class. regex: matches the whole output. grammar: EBNF (GBNF style, root rule
-    `root`)."""
+    """The one format a request asks for, or None for free text. response_format: OpenAI's shape (a bare schema
+    accepted) or a pydantic model class; regex: matches the whole output; grammar: EBNF (root rule `root`)."""
     given = [name for name, v in (("response_format", _format_given(response_format)), ("regex", regex),
                                   ("grammar", grammar)) if v]
     if len(given) > 1:
@@ -134,8 +128,7 @@ class CompiledFormat:
     closing: ClosingVocab | None = None  # what may finish an output cut by its budget (closing.py)
 
     def constraint(self, budget: int | None = None):
-        """A fresh TokenConstraint (per-sequence grammar state); with budget (max_new_tokens) its last tokens finish the
-        output rather than cut it."""
+        """A fresh TokenConstraint; with budget (max_new_tokens) its last tokens finish the output."""
         from .constraint import TokenConstraint
 
         return TokenConstraint(self.compiled, self.vocab_size, self.stop_token_ids, budget, self.closing)
@@ -149,8 +142,7 @@ class CompileStats:
 
 
 class GrammarCompiler:
-    """Compiles OutputFormats against one tokenizer; a bounded LRU keeps the compiled grammars. Thread-safe (the server
-    compiles on the event loop while the worker builds matchers)."""
+    """Compiles OutputFormats against one tokenizer into a bounded LRU. Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], capacity: int = 256):
         try:

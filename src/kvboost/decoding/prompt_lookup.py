@@ -1,14 +1,6 @@
-"""Prompt lookup (n-gram) drafts: the tokens that followed the last n tokens where they occurred before.
-
-Answers grounded in their prompt (RAG quoting a document, code edits of a function in the prompt, extraction,
-chats repeating their history) copy long runs of prompt tokens; when the last n generated tokens occur earlier
-in prompt + output, what followed them there is a cheap and often right guess of what comes next. Longer
-n-grams are tried first (fewer spurious matches); among occurrences of one n-gram the earliest wins, as in
-HF's prompt lookup (the prompt, i.e. the source being quoted, comes before the output that quotes it).
-
-The context lives in a preallocated numpy buffer that grows by appending, and each search is a few vectorized
-comparisons over it: no per-token index to build up front, so a long reused prompt costs nothing at TTFT.
-"""
+"""Prompt lookup (n-gram) drafts: the tokens that followed the last n tokens where they occurred before. Longest
+n-gram first; among occurrences the earliest wins, as in HF. The context is a growing numpy buffer searched by
+vectorized comparisons: no index to build up front, so a long prompt costs nothing at TTFT."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -39,8 +31,7 @@ class PromptLookup:
         self.length += n
 
     def propose(self, k: int, min_ngram: int | None = None) -> list[int]:
-        """Up to k tokens that followed the longest (max_ngram down to min_ngram, or the given floor for this
-        call) earlier occurrence of the context's last n tokens; [] when none occurs."""
+        """Up to k tokens that followed the longest earlier occurrence of the context's last n tokens; [] when none."""
         ctx, L = self.tokens, self.length
         if k <= 0:
             return []

@@ -1,11 +1,5 @@
-"""Speculative decoding: which tokens of a verified draft to keep, and how many to propose.
-
-The target runs the last sampled token and k drafts in one forward, giving k + 1 distributions p0..pk. Greedy keeps
-d_{i+1} while it equals argmax(p_i), then emits the argmax (a correction, or a bonus when all are kept): the output is
-the greedy output token for token. Sampling: drafts are point-mass proposals, so the standard rule (Leviathan et al.
-2023) reduces to drawing t ~ p_i and keeping d_{i+1} while t equals it (speculator.sample_through). AdaptiveK sizes the
-next proposal from measured acceptance and step cost.
-"""
+"""Speculative decoding: which tokens of a verified draft to keep, and how many to propose. Greedy keeps d_{i+1}
+while it equals argmax(p_i); sampling draws t ~ p_i and keeps d_{i+1} while t equals it (point-mass proposals)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -96,9 +90,8 @@ def accept_greedy(logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
 # ---- how many drafts to propose ---------------------------------------------------------------------
 @dataclass
 class StepCosts:
-    """What a step costs on this engine for one speculative method: a plain step (t1) and a verify of n >= 2 tokens
-    (base + extra (n - 2), from decaying least-squares sums `fit`). A property of the model, device and method, so an
-    engine keeps one per method and later requests skip the first plain step and the probe."""
+    """What a step costs on this engine for one method: a plain step (t1) and a verify of n >= 2 tokens
+    (base + extra (n - 2), decaying least squares). Kept per engine; later requests skip the plain step, probe."""
 
     t1: float | None = None  # seconds of a plain step
     base: float | None = None  # seconds of a 2-token verify
@@ -121,9 +114,7 @@ class StepCosts:
         return None if s is None else 1e3 * s
 
     def estimate_s(self, n_tokens: int) -> float:
-        """Seconds per verify of n_tokens, for choosing a length: as timed at that length; else what the longest timed
-        length below it cost (optimistic, so it gets tried), else the fit's line. A length timed once is not trusted
-        above that optimistic figure (one outlier would rule it out for good). Needs base."""
+        """Seconds per verify of n_tokens: as timed; else the longest timed length below (optimistic), else the fit."""
         timed = self.by_length
         below = [n for n in timed if n < n_tokens]
         optimistic = timed[max(below)] if below else self.verify_s(n_tokens)
@@ -154,8 +145,7 @@ class StepCosts:
         self.base = max(0.0, st / w - slope * (sn / w - 2))
 
     def as_dict(self, lengths: tuple[int, ...] = tuple(range(2, MAX_SPECULATIVE_TOKENS + 2))) -> dict:
-        """What the engine measured, in ms: a plain step, and verifies of a few lengths with their cost per verified
-        token over a plain step's (below 1: verifying n tokens beats n plain steps)."""
+        """Measured costs in ms: a plain step, and verifies with their cost per verified token over a plain step's."""
         t1 = None if self.t1 is None else 1e3 * self.t1
         verify = {n: self.verify_ms(n) for n in lengths}
         return {"plain_step_ms": t1, "verify_ms": {str(n): v for n, v in verify.items()},
@@ -165,15 +155,8 @@ class StepCosts:
 
 
 class AdaptiveK:
-    """The number of drafts to propose next: the k maximizing expected tokens per second.
-
-    Acceptance a = kept / (kept + rejections) over recent proposals (decaying counts); k drafts emit E(k) = (1 -
-    a^(k+1)) / (1 - a) tokens per verify. Cost: a verify of n tokens costs what it measured at that length
-    (StepCosts.estimate_s); it is not a line in n on a CPU, where the matrix kernel changes with the row count. The
-    first step is plain (t1), the first verify carries PROBE_K drafts. After a proposal kept whole, lengths are judged
-    at an acceptance of at least STREAK_ACCEPTANCE. k = 0 is picked when no k beats 1 / t1; proposing then pauses for
-    `pause` steps, doubling up to `max_pause`, and retries with one draft. Costs may be shared across requests.
-    """
+    """The number of drafts to propose next: the k maximizing expected tokens per second, E(k) = (1 - a^(k+1)) /
+    (1 - a) over the measured cost of a verify of k + 1 tokens. k = 0 pauses proposing, doubling up to `max_pause`."""
 
     def __init__(self, k_max: int, max_pause: int = 32, decay: float = 0.7, costs: StepCosts | None = None):
         self.k_max, self.max_pause, self.decay = k_max, max_pause, decay

@@ -1,7 +1,5 @@
-"""One sequence's speculative decode step: propose drafts, verify them in one forward, keep what the target agrees with.
-The caller owns the K/V and hands `forward(tokens, start)` (float32 logits [n, vocab]); its length advances by exactly
-the tokens returned, so rejected positions are overwritten and never stored.
-"""
+"""One sequence's speculative decode step: propose drafts, verify them in one forward, keep what the target agrees
+with. The caller owns the K/V; its length advances by exactly the tokens returned."""
 from __future__ import annotations
 
 import time
@@ -65,9 +63,7 @@ class Speculator:
         self.counts = SpecCounts()
 
     def step(self, token: int, length: int, budget: int) -> list[int]:
-        """Feed `token` (the last emitted, K/V not yet computed) at position `length` with drafts after it. Returns the
-        emitted tokens (kept drafts and the target's next token, 1 to k + 1, at most `budget`); positions [0, length +
-        len(returned)) are then valid."""
+        """Feed `token` at position `length` with drafts after it; returns emitted tokens (1 to k + 1, <= `budget`)."""
         t0 = time.perf_counter()  # the cost of a step includes proposing (a draft model's forwards)
         drafts = self.drafts(self.adaptive.next_k(budget - 1))
         logits = self.forward([token, *drafts], length)
@@ -93,8 +89,7 @@ class Speculator:
         return out
 
     def pick(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
-        """The kept drafts and the target's own next token. Greedy: every argmax at once. Otherwise sample_through,
-        which draws once per emitted token: a seeded request's output is its non-speculative output."""
+        """The kept drafts and the target's next token: greedy all at once, else sample_through."""
         if self.sampler.plain and self.sampler.params.greedy:
             return accept_greedy(logits, drafts)
         return sample_through(self.sampler, logits, drafts)
@@ -110,9 +105,8 @@ class Speculator:
 
 
 def sample_through(sampler: Sampler, logits: torch.Tensor, drafts: Sequence[int]) -> list[int]:
-    """Verification for a sampler that masks (a grammar) or reports log-probabilities: the sampler picks each position
-    in turn as without speculation, and a draft is kept while it equals the pick. Greedy output is unchanged; sampled
-    tokens keep the target's distribution. logits [k + 1, vocab]."""
+    """Verification for a sampler that masks or reports log-probabilities: each position is picked as without
+    speculation and a draft kept while it equals the pick. logits [k + 1, vocab]."""
     out: list[int] = []
     for i, row in enumerate(logits):
         pick = sampler(row)

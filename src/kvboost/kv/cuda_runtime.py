@@ -1,12 +1,6 @@
-"""The few CUDA runtime calls torch does not expose the way KVBoost needs them, made through the runtime library
-torch itself loaded (so they act on torch's context, streams and error state).
-
-* cudaMemcpy2DAsync: one strided copy for a run of host blocks (host_copy.py);
-* cudaHostRegister / cudaHostUnregister: page-lock host memory of exactly the size asked for (pinned.py);
-* cudaGetLastError: a call that failed leaves its error in the runtime's per-thread state, where torch's next
-  kernel launch check (which calls cudaGetLastError) would report it against an unrelated op: every failure is
-  cleared here before the caller falls back.
-"""
+"""CUDA runtime calls torch does not expose (cudaMemcpy2DAsync, cudaHostRegister / Unregister), made through the
+runtime torch loaded. Every failure is cleared (cudaGetLastError) before the caller falls back, else torch's next
+launch check would report it against an unrelated op."""
 from __future__ import annotations
 
 import ctypes

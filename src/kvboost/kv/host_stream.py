@@ -1,11 +1,6 @@
 """A transformers Cache for one forward over a host workspace: each layer's K/V reaches the device as it runs.
-
-HostStreamCache(host, start, q): layer i's update() writes the step's K/V into the host buffers and hands attention [1,
-kv_heads, start + q, d], so the model's attention runs unchanged. On a CPU attention reads host views. Elsewhere the
-forward is staged (StagedFeed): a side stream copies layer i + 1's positions [m, start) into scratch[(i+1) % 2] and
-writes layer i's new K/V back while layer i computes; positions [0, m) are the device-resident copy. The host waits on
-HostWorkspace.pending before touching the buffers.
-"""
+On a CPU attention reads host views; elsewhere a side stream copies layer i + 1 into scratch[(i+1) % 2] and writes
+layer i's new K/V back while layer i computes. The host waits on HostWorkspace.pending before touching the buffers."""
 from __future__ import annotations
 
 import torch

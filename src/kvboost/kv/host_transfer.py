@@ -1,10 +1,5 @@
-"""Copies between a host workspace's buffers and the compute device, and how they are ordered.
-
-A forward moves [kv_heads, n, d] ranges whose heads are `capacity * d` apart. torch's `copy_` of such a strided host
-tensor gathers it into pageable memory first; one cudaMemcpy2DAsync (rows = heads) copies it as it is, through the
-runtime torch loaded (kv/cuda_runtime.py), else one `copy_` per head. CudaCopies orders a side stream against the
-compute stream by events; InlineCopies keeps the protocol where copies complete as issued (tests).
-"""
+"""Copies between a host workspace's buffers and the compute device: [kv_heads, n, d] ranges with heads `capacity *
+d` apart go as one cudaMemcpy2DAsync (torch's copy_ would gather them into pageable memory first), else per head."""
 from __future__ import annotations
 
 import threading

@@ -1,10 +1,5 @@
-"""One sequence's K/V in host memory, for contexts longer than the device holds (device_kv_max_tokens).
-
-HostWorkspace keeps per-layer K and V [1, kv_heads, capacity, d] in host memory (page-locked on CUDA) with the workspace
-surface the KV manager uses, so place() and write_back() work on it unchanged; kv/host_stream.py brings each layer to
-the device as it runs. Device state that outlives a forward lives here too: `scratch` and `resident`. Positions past
-`length` may hold anything and are never read.
-"""
+"""One sequence's K/V in host memory, for contexts longer than the device holds (device_kv_max_tokens), with the
+workspace surface the KV manager uses; kv/host_stream.py brings each layer to the device as it runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,12 +92,8 @@ class Scratch:
 
 
 class HostWorkspace:
-    """Per-layer K/V of one sequence in host memory.
-
-    shapes, dtype: the model's cached K/V. compute_device: where the model runs. resident_bytes: device memory for the
-    first positions (staged forwards). staged: None stages through device buffers when the compute device is not the
-    host; True does so on a CPU too (tests); False: attention reads host memory.
-    """
+    """Per-layer K/V [1, kv_heads, capacity, d] of one sequence in host memory. staged: None stages through device
+    buffers unless the compute device is the host; True also on a CPU (tests); False: attention reads host memory."""
 
     batch_size = 1
     base = 0  # column c holds position c (KVWorkspace's base: a host workspace never skips a shared prefix)
@@ -244,8 +235,7 @@ def _check_row(row: int | None) -> None:
 
 
 def _concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
-    """dst [kv_heads, n, d] (host) <- the pieces concatenated along positions; device pieces are concatenated there
-    first (one transfer)."""
+    """dst [kv_heads, n, d] (host) <- the pieces concatenated along positions (device pieces first there)."""
     devices = {p.device for p in pieces}
     if len(pieces) > 1 and len(devices) == 1 and dst.device not in devices:
         dst.copy_(torch.cat(pieces, dim=-2))

@@ -1,6 +1,4 @@
-"""What KVBoost's cache layers share: transformers sizes a step's masks from the positions before it (`length`);
-what a layer's update() writes and hands attention is its own (workspace columns, block pool views, K/V streamed
-from host blocks, a static buffer)."""
+"""What KVBoost's cache layers share: transformers sizes a step's masks from the positions before it (`length`)."""
 from __future__ import annotations
 
 from transformers.cache_utils import CacheLayerMixin

@@ -23,10 +23,8 @@ def bytes_per_position(shapes: Sequence[LayerShape], dtype: torch.dtype) -> int:
 
 def device_max_tokens(configured: int | None, device: torch.device, device_budget_bytes: int | None,
                       shapes: Sequence[LayerShape], dtype: torch.dtype, max_context: int | None) -> int | None:
-    """The most positions of one sequence whose K/V the device holds (None: no limit; a longer context is streamed
-    from host memory). As configured; elsewhere than CUDA none (the device is host memory); on CUDA none while the
-    stored chunks' budget and two sequences of the model's longest context fit in RUNNING_SHARE of the device memory
-    free now, else what STREAMED_SHARE of it holds."""
+    """The most positions of one sequence whose K/V the device holds (None: no limit): as configured; on CUDA none
+    while the stored chunks and two longest contexts fit RUNNING_SHARE of free memory, else STREAMED_SHARE's worth."""
     if configured is not None:
         return configured
     if device.type != "cuda":

@@ -1,15 +1,6 @@
-"""Page-locked host tensors of exactly the size asked for.
-
-torch's pinned allocations (`pin_memory=True`) go through its caching host allocator, which rounds every request
-up to the next power of two and page-locks all of it: a 20 GiB host pool of blocks would lock 32 GiB of the host's
-RAM (the same was reported of vLLM's CPU offload and fixed in SGLang's host caches this way). Here the tensor is
-allocated pageable and registered with CUDA at its exact size (cudaHostRegister, as torch.distributed's checkpoint
-stager does); it is unregistered when the last tensor over its memory is freed, after the device has finished
-what it had queued (an asynchronous copy may still read or write it).
-
-Where registration is impossible (no CUDA runtime, the page-lock limit of the process) the tensor is pageable:
-copies then block, and are otherwise the same. `pinned_empty` says which it gave.
-"""
+"""Page-locked host tensors of exactly the size asked for: torch's pinned allocator rounds up to a power of two and
+locks all of it, so the tensor is allocated pageable and registered with CUDA (cudaHostRegister), and unregistered
+after the device finishes with it. Where registration fails it stays pageable (`pinned_empty` says which)."""
 from __future__ import annotations
 
 import weakref

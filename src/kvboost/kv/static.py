@@ -1,12 +1,6 @@
-"""A cache over the workspace whose every shape is fixed: what a CUDA graph (or torch.compile) can capture.
-
-InPlaceLayer (workspace.py) slices the workspace to its valid length, so each forward sees new shapes and
-reads a Python int. StaticLayer instead writes the new K/V at the positions held in a device tensor
-(`index_copy_`) and hands attention the whole buffer, [1, kv_heads, capacity, head_dim]: how much of it is
-valid travels beside it as a device tensor of ends that KVBoost's attention reads (model/attention/hf.py,
-`kvboost_attention(..., lengths=...)`). Nothing in a step then depends on a host value, so one captured
-graph serves every position until the workspace is reallocated.
-"""
+"""A cache over the workspace whose every shape is fixed, as CUDA graphs and torch.compile need: StaticLayer writes at
+positions held in a device tensor and hands attention the whole buffer [1, kv_heads, capacity, head_dim], with the
+valid ends as a device tensor (model/attention/hf.py). One captured graph serves every position."""
 from __future__ import annotations
 
 import torch
@@ -66,11 +60,8 @@ def set_length(cache: Cache, length: int) -> None:
 
 
 def set_views(cache: Cache, workspace: KVWorkspace, end: int | None, rows: int = 1) -> None:
-    """Point every layer of a static cache of `rows` rows at its workspace buffers' first `end` columns, [rows,
-    kv_heads, end, d] (None: all of them). One row: attention then reads exactly the valid keys, with no mask (the
-    compiled CPU decode step, whose length axis is dynamic: a new `end` each step compiles nothing). More rows
-    (the compiled rows step): `end` is the longest row's, each row still masked to its own end; the row axis is
-    dynamic too."""
+    """Point every layer of a static cache of `rows` rows at its buffers' first `end` columns, [rows, kv_heads, end, d]
+    (None: all). One row reads exactly the valid keys with no mask; more rows are masked to their own ends."""
     for i, layer in enumerate(cache.layers):
         k, v = workspace.buffers(i)
         layer.keys, layer.values = k[:rows, :, :end], v[:rows, :, :end]

@@ -1,10 +1,5 @@
-"""Forward pieces over a pooled, preallocated KV workspace.
-
-DynamicCache concatenates the whole cache on every forward (a fresh allocation per layer and step, which on a long
-prefix costs more than the suffix's compute). The workspace keeps one buffer per layer across requests; cache layers
-write new K/V in place and hand attention views. It also remembers which ids its first positions hold, so a request
-sharing the previous one's prefix finds that K/V in place.
-"""
+"""Forward pieces over a pooled, preallocated KV workspace: one buffer per layer kept across requests (DynamicCache
+reallocates every step), written in place, remembering which ids its first positions hold for the next request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -88,11 +83,8 @@ class InPlaceLayer(CacheLayerMixin):
 
 
 class KVWorkspace:
-    """Per-layer K/V buffers [batch, kv_heads, columns, head_dim] reused across requests.
-
-    Column c holds position `base + c`; a batch whose rows share a P-token prefix sets base = P. `capacity`, `write`,
-    `read` and `ensure_capacity` speak in positions; `buffers` returns raw columns.
-    """
+    """Per-layer K/V buffers [batch, kv_heads, columns, head_dim] reused across requests. Column c holds position
+    `base + c`; `capacity`, `write`, `read` and `ensure_capacity` speak in positions, `buffers` in columns."""
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, batch_size: int = 1,
                  max_positions: int | None = None):
@@ -206,8 +198,7 @@ class KVWorkspace:
     # ---- contents -----------------------------------------------------------------------------
     def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
               n_tokens: int | None = None, row: int | None = None) -> None:
-        """Copy one chunk's per-layer K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to positions start... of every
-        row, or of one `row`."""
+        """Copy one chunk's K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to start... of each row or `row`."""
         c = self._column(start)
         rows = slice(None) if row is None else row
         for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
@@ -268,8 +259,7 @@ class KVWorkspace:
 
 @dataclass
 class Resident:
-    """What one workspace row holds at positions [0, len(ids)): exact K/V of `ids` under `tag` (model namespace and
-    tenant)."""
+    """What one workspace row holds at [0, len(ids)): exact K/V of `ids` under `tag` (namespace and tenant)."""
 
     ids: list[int] = field(default_factory=list)
     tag: str | None = None

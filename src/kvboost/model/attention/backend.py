@@ -1,9 +1,4 @@
-"""Which attention implementation runs, and one entry point that runs it.
-
-`attention()`: query [B, Hq, q, d] over key/value [B, Hkv, kv, d], bottom-right causal per row up to its valid length,
-plus an optional key_valid mask; keys past a row's end are never read. "triton" (prefill.py / decode.py) on CUDA with
-triton installed, "sdpa" (reference.py, cuDNN excluded) elsewhere.
-"""
+"""Which attention implementation runs ("triton" on CUDA with triton, else "sdpa"), and one entry point that runs it."""
 from __future__ import annotations
 
 import functools
@@ -69,9 +64,8 @@ def select_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int
 
 def use_split_kernel(q_len: int, kv_len: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, sms: int) -> bool:
-    """Whether the split-K kernel (decode.py) runs rather than the prefill kernel; shapes only. Always up to
-    DECODE_MAX_ROWS folded rows; above, by the keys the slowest program walks in each grid (plus SPLIT_OVERHEAD_KEYS for
-    split-K), which must win by SPLIT_MARGIN."""
+    """Whether the split-K kernel runs rather than the prefill kernel (shapes only): always up to DECODE_MAX_ROWS folded
+    rows, above when the keys its slowest program walks win by SPLIT_MARGIN."""
     from .decode import split_plan
     from .prefill import default_blocks
 
@@ -126,10 +120,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, pa
               lengths: torch.Tensor | None = None, key_valid: torch.Tensor | None = None,
               scale: float | None = None, backend: str | None = None) -> torch.Tensor:
     """Bottom-right causal attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d] -> [B, Hq, q, d].
-
-    past: tokens cached before the queries (default kv - q); lengths [B]: per-row valid lengths (clamped to past + q);
-    key_valid [B, >= kv]: True = may attend; scale: default d ** -0.5; backend: None (auto), "triton" (raises
-    KernelUnsupportedError where it cannot run) or "sdpa". A query seeing no key returns zeros; output dtype = input.
-    """
+    past: default kv - q; lengths [B]: per-row valid lengths; key_valid [B, >= kv]: True = attend; backend: None
+    (auto), "triton" (raises KernelUnsupportedError where it cannot run) or "sdpa". A query that sees no key gets 0."""
     return dispatch(query, key, value, past=past, lengths=lengths, key_valid=key_valid, scale=scale,
                     backend=backend)[0]

@@ -1,15 +1,6 @@
-"""Split-K attention (flash-decoding) for any number of queries over long caches, where the prefill kernel's grid would
-leave most of the GPU idle.
-
-split kernel, grid (row tiles, n_splits, B * Hkv): the GROUP query heads of one kv head and the q positions are folded
-into the matmul M dimension (row r is query r // GROUP of head hk * GROUP + r % GROUP), so a K/V tile is loaded once for
-every head reading it. Each program writes its split's normalised partial and log2-sum-exp (-inf: saw no key). reduce
-kernel, grid (row tiles, B * Hkv): merges the splits into [B, Hq, q, d].
-
-Semantics are prefill.py's (bottom-right causal, per-row ends, optional padding vector, 0 for a query seeing no key).
-Launches depend on shapes only, never on `ends` values, so CUDA graphs replay them; splits past a row's end skip their
-loads and are never read.
-"""
+"""Split-K attention (flash-decoding) over long caches, where the prefill kernel's grid would leave the GPU idle.
+The GROUP query heads of a kv head and the q positions fold into the matmul M dimension; each split writes its
+partial and log2-sum-exp, a reduce kernel merges them. Launches depend on shapes only, so CUDA graphs replay them."""
 from __future__ import annotations
 
 import functools
@@ -196,9 +187,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      kv_len: int | None = None, ends: torch.Tensor | None = None,
                      key_valid: torch.Tensor | None = None, split_len: int | None = None,
                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Split-K attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d]; arguments and result as
-    prefill.prefill_attention. Raises KernelUnsupportedError for inputs it cannot run. A CUDA-graph capture passes
-    kv_len = capacity and per-row device `ends`."""
+    """Split-K attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d], as prefill.prefill_attention; raises
+    KernelUnsupportedError for inputs it cannot run."""
     reason = kernel_refusal(query, key, value)
     if reason:
         raise KernelUnsupportedError(reason)
