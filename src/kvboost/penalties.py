@@ -1,18 +1,10 @@
-"""Logit adjustments a request asks for before the token is chosen: OpenAI's frequency and presence penalties and
-logit bias, and the repetition penalty of transformers / vLLM (a KVBoost extension on the server).
+"""Logit adjustments before the token is chosen, applied to the raw logits in this order, before a grammar mask,
+temperature, top-k and top-p (log-probabilities stay the model's own):
 
-Semantics, as the APIs users compare with define them:
-
-* frequency_penalty f, presence_penalty p (OpenAI, each in [-2, 2]): logit[j] -= f * c[j] + p * (c[j] > 0), where
-  c[j] counts token j among the tokens generated so far (not the prompt);
-* repetition_penalty r (> 0; 1 = off; transformers' RepetitionPenaltyLogitsProcessor, vLLM's): every token seen
-  in the prompt or the output has its logit divided by r where positive, multiplied by r where negative;
-* logit_bias {token id: b} (OpenAI, b in [-100, 100]): b is added to that token's logit.
-
-They apply to the raw logits in that order (repetition, then frequency/presence, then bias), before a grammar
-mask, temperature, top-k and top-p; reported log-probabilities stay those of the model's own distribution.
-The state lives on the logits' device ([vocab] tensors), so applying it never waits for the host.
-"""
+* repetition_penalty r (transformers / vLLM): a logit of a token seen in prompt or output is divided by r where
+  positive, multiplied by r where negative;
+* frequency_penalty f, presence_penalty p (OpenAI): logit[j] -= f * c[j] + p * (c[j] > 0), c[j] counting output only;
+* logit_bias {token id: b}: b is added."""
 from __future__ import annotations
 
 import math
@@ -83,8 +75,7 @@ class PenaltyParams:
 
 
 class Penalties:
-    """One sequence's adjustment state, built on the first choice (the logits give its width and device):
-    output-token counts, and the tokens seen in prompt + output for the repetition penalty."""
+    """One sequence's adjustment state ([vocab] tensors on the logits' device), built on the first choice."""
 
     def __init__(self, params: PenaltyParams, prompt_ids: Sequence[int]):
         self.params = params

@@ -1,7 +1,5 @@
-"""The engine's resolved plan: which attention, which fast path, which CPU products, which KV design and tiers, and
-why - decided once from the options, the model and the device, printed at start-up (logger "kvboost", and by the
-commands) and reported in cache_stats()["plan"]. The facts the options' rules need (config.Environment) are read
-here from the model's owners."""
+"""The engine's resolved plan: which attention, fast path, CPU products, KV design and tiers, and why - decided once,
+printed at start-up and reported in cache_stats()["plan"]."""
 from __future__ import annotations
 
 import logging

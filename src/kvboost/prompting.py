@@ -1,8 +1,5 @@
-"""What the model will read: a prompt string, chat messages or caller-made token ids, as validated token ids.
-
-Every way in ends in the same checks, so bad input fails here with InvalidRequestError (param named) rather
-than as an index error deep inside the model.
-"""
+"""What the model will read: a prompt string, chat messages or token ids, as validated token ids (InvalidRequestError
+with the param named, never an index error inside the model)."""
 from __future__ import annotations
 
 import numbers

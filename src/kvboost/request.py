@@ -1,8 +1,4 @@
-"""Request: one generation as every path sees it (single, streamed, batched, served), and its result.
-
-The engine's keyword API (generate(prompt, max_new_tokens=..., temperature=..., cache_salt=...)) is a thin
-adapter that validates its arguments into a Request; the lifecycle inside speaks only Request.
-"""
+"""Request: one generation as every path sees it (single, streamed, batched, served), and its result."""
 from __future__ import annotations
 
 import time
@@ -104,7 +100,6 @@ class Request:
 
 
 def _finish_reason(tracker: OutputTracker, sampler: Sampler | None) -> str | None:
-    """The tracker's, except where the budget forced the output's last tokens (a format closed before
-    max_new_tokens: decoding/closing.py): that output was cut by its length, whatever token ended it."""
+    """The tracker's, except "length" where the budget forced the output's last tokens (decoding/closing.py)."""
     constraint = sampler.constraint if sampler is not None else None
     return "length" if constraint is not None and constraint.forced else tracker.finish_reason

@@ -1,6 +1,4 @@
-"""RequestFactory: the keyword API turned into validated Requests for every path (generate, batches, the server): prompt
-encoding, sampling parameters, output formats, speculation, the context-length check.
-"""
+"""RequestFactory: the keyword API turned into validated Requests for every path."""
 from __future__ import annotations
 
 import threading
@@ -35,8 +33,7 @@ class RequestFactory:
     def encode(self, prompt: str | Messages | None = None, messages: Messages | None = None,
                add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None,
                chat_template_kwargs: dict | None = None) -> list[int]:
-        """Token ids for a raw prompt (as-is), chat messages (the chat template, with chat_template_kwargs) or input_ids
-        (checked against the vocabulary)."""
+        """Token ids for a raw prompt, chat messages (the chat template) or input_ids (checked against the vocab)."""
         return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
                              add_generation_prompt, input_ids, chat_template_kwargs)
 
@@ -55,9 +52,7 @@ class RequestFactory:
                      content_reuse: bool | None = None, return_logits: bool = False,
                      t_start: float | None = None, output_format: OutputFormat | None = None,
                      speculative: SpeculativeParams | str | None = "default") -> Request:
-        """A validated Request from token ids. content_reuse None follows EngineConfig; the prompt plus max_new_tokens
-        must fit the context (ContextLengthError). output_format is compiled here (cached). speculative: "default", a
-        method name, None/"off", or resolved params."""
+        """A validated Request from token ids; ContextLengthError if prompt plus max_new_tokens exceeds the context."""
         if content_reuse is not None and not isinstance(content_reuse, bool):
             raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         self.check_logit_bias(params)
@@ -125,12 +120,8 @@ class RequestFactory:
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 logit_bias: dict[int, float] | None = None, prediction: str | Sequence[int] | None = None,
                 chat_template_kwargs: dict | None = None) -> Request:
-        """The keyword API as a Request: one of prompt (as-is), messages (chat template) or input_ids. frequency_penalty
-        / presence_penalty / logit_bias / repetition_penalty adjust the logits (penalties.py). response_format ({"type":
-        "json_object"} | {"type": "json_schema", ...}), regex or grammar (EBNF) constrain the output. logprobs=k reports
-        each token's log-probability and k best alternatives. speculative: "prompt_lookup", "draft", None/"off" or
-        "default". prediction: expected output (OpenAI's Predicted Outputs): drafts come from it first; the output is
-        unchanged."""
+        """The keyword API as a Request: one of prompt (as-is), messages (chat template) or input_ids; penalties,
+        output formats, log-probabilities and speculation as generate() documents them."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,

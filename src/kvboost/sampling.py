@@ -90,12 +90,8 @@ class TokenLogprob:
 
 
 class Sampler:
-    """Picks tokens from float32 logits [vocab]. A seeded sampler is reproducible on its own generator.
-
-    constraint: the sequence's grammar state; the sampler masks logits with it and advances it by each token it
-    picks, so every path that samples (single, batch rows, server) honours the format the same way. Penalties and
-    logit bias (penalties.py) are applied before the mask, from the tokens this sampler picked (and prompt_ids).
-    """
+    """Picks tokens from float32 logits [vocab]; a seeded sampler is reproducible on its own generator. Penalties
+    (penalties.py), then the constraint's mask, which it advances by each pick, so every path honours a format alike."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
                  constraint: TokenConstraint | None = None, prompt_ids: Sequence[int] = ()):
@@ -113,8 +109,7 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """Nothing but the choice itself: no mask, no penalties, no log-probabilities (batched greedy rows and
-        speculative verification take fast paths that never call the sampler)."""
+        """Nothing but the choice itself: no mask, no penalties, no log-probabilities."""
         return self.constraint is None and self.penalties is None and self.params.logprobs is None
 
     def __call__(self, logits: torch.Tensor) -> int:
@@ -168,9 +163,8 @@ def token_logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 
 def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """The next token of every row of float32 logits [rows, vocab]: plain greedy rows with one argmax and one
-    device-to-host copy for all of them (a sync per row costs more than a GPU decode step), others (sampled,
-    grammar-masked, with log-probabilities) each by its own sampler."""
+    """The next token of every row of float32 logits [rows, vocab]: plain greedy rows with one argmax and one copy to
+    the host for all, others by their own samplers."""
     greedy = [i for i, s in enumerate(samplers) if s.params.greedy and s.plain]
     picks: dict[int, int] = {}
     if greedy:

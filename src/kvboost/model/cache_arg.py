@@ -1,11 +1,5 @@
-"""The name transformers gives the KV cache in a model call: `cache` from 5.24, `past_key_values` before.
-
-transformers 5.24 renamed the forward argument and the output field; the old argument name still works there,
-with a FutureWarning on every call, until 5.40 removes it. The new name cannot simply be used everywhere: a
-5.23 forward takes `cache=` into its **kwargs without complaint and runs without the cache (wrong logits, no
-error). So every model call in KVBoost passes its cache through `cache_kwargs`, which uses the installed
-version's name, decided once here by reading transformers' own signature (not by catching its warnings).
-"""
+"""The name transformers gives the KV cache in a model call: `cache` from 5.24, `past_key_values` before. A 5.23
+forward takes `cache=` silently into **kwargs and runs without it, so the name is read from the installed signature."""
 from __future__ import annotations
 
 import inspect
@@ -25,12 +19,10 @@ CACHE_ARG: str = _installed_name()
 
 
 def cache_kwargs(cache: Any) -> dict[str, Any]:
-    """`model(..., **cache_kwargs(cache))`, `model.generate(..., **cache_kwargs(cache))`: the cache under the
-    installed transformers' name for it."""
+    """`model(..., **cache_kwargs(cache))`: the cache under the installed transformers' name for it."""
     return {CACHE_ARG: cache}
 
 
 def returned_cache(output: Any) -> Any:
-    """The cache a model call returned: its output field carries the same name as the argument (reading the old
-    name on 5.24+ logs a deprecation line)."""
+    """The cache a model call returned, from the output field of the same name."""
     return getattr(output, CACHE_ARG)

@@ -1,11 +1,6 @@
-"""Linear layers over few token rows on a CPU: W @ x^T, which the BLAS threads, instead of x @ W^T.
-
-MKL runs x @ W^T for a thin x on one thread, whereas W @ x^T streams the weights once and threads: it is used for 2-4
-rows at one thread and 1-9 rows at 2+ threads (9: a verify of 8 drafts); more rows, bfloat16 and input-major weights
-(model/layout.py) keep F.linear. Measurements: CHANGELOG (0.2.0, CPU Linear). Logits move by float rounding only. The
-choice depends on row and thread counts, never on timing, and is installed on the model's nn.Linear modules so every
-path computes the same rows the same way.
-"""
+"""Linear layers over few token rows on a CPU: W @ x^T, which the BLAS threads (MKL runs x @ W^T for a thin x on one
+thread), for 2-4 rows at one thread and 1-9 rows at 2+; bfloat16 and input-major weights keep F.linear. The choice
+depends on row and thread counts only, and is installed on the model's nn.Linear modules."""
 from __future__ import annotations
 
 import functools
@@ -58,8 +53,7 @@ def cpu_linear_reason(model: nn.Module) -> str | None:
 
 
 def install_cpu_linear(mode: str, model: nn.Module) -> str:
-    """Apply EngineConfig.cpu_linear to the model's nn.Linear modules; returns what was done and why. "auto"/"on": where
-    cpu_linear_reason finds nothing against it; "off": the model's own products."""
+    """Apply EngineConfig.cpu_linear to the model's nn.Linear modules; returns what was done and why."""
     if mode == "off":
         uninstall_cpu_linear(model)
         return "off"
@@ -86,8 +80,7 @@ def uninstall_cpu_linear(model: nn.Module) -> None:
 
 @contextmanager
 def model_own_products(model: nn.Module) -> Iterator[None]:
-    """The model's own Linear products inside the block, the engine's choice again after it. Same forward objects, since
-    compiled steps guard on their identity."""
+    """The model's own Linear products inside the block (same forward objects: compiled steps guard on identity)."""
     installed = {m: m.forward for m in model.modules() if getattr(m, _MARK, False)}
     uninstall_cpu_linear(model)
     try:

@@ -29,14 +29,10 @@ ATTENTION_BACKENDS = ("auto", "model", "sdpa", "triton")
 
 
 def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
-    """The attention the engine's own forwards use, and why (the choice is valid here: config.RULES refused those
-    that cannot run). "model": the model's own implementation; "sdpa": torch SDPA without the cuDNN backend (which
-    builds a plan per new (q_len, kv_len), 46-91 ms per layer on an H100: a spike on every chat turn); "triton":
-    KVBoost's kernels (CUDA + triton). "auto": the Triton kernels on CUDA where they run (they read valid lengths
-    from device memory, which CUDA graphs need; measured faster than SDPA flash on an H100), else sdpa on CUDA and
-    CPU; the model's own where its layers do not dispatch through AttentionInterface, and on other devices. On a
-    CPU sdpa gives the model's own logits bit for bit and is cheaper for several queries over a cache (a suffix, a
-    speculative verify): GQA runs with enable_gqa instead of transformers' repeated K/V copies."""
+    """The attention the engine's own forwards use, and why: "model" (its own), "sdpa" (torch SDPA without cuDNN, which
+    plans per new shape) or "triton" (KVBoost's kernels). "auto": triton on CUDA where it runs (graphs need its device
+    lengths), else sdpa on CUDA and CPU (GQA without repeated K/V copies); the model's own where it does not dispatch
+    through AttentionInterface, and on other devices."""
     device = next(model.parameters()).device
     if choice == "model" or (choice == "auto" and device.type not in ("cuda", "cpu")):
         return "model", "the model's own attention" if choice == "model" else f"auto on {device.type}"
@@ -75,11 +71,8 @@ def attention_context(model: torch.nn.Module, backend: str) -> AbstractContextMa
 
 def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, cache: Cache,
                    logits_to_keep: int = 1, attention: str = "model") -> torch.Tensor:
-    """Run tokens after what the cache holds; returns float32 logits of the last `logits_to_keep` positions.
-
-    Shape: [batch, logits_to_keep, vocab]. Positions follow from the cache length, as in generate().
-    attention: resolve_attention's choice for this forward (the caller holds the engine lock).
-    """
+    """Run tokens after what the cache holds; float32 logits [batch, logits_to_keep, vocab]. attention:
+    resolve_attention's choice (the caller holds the engine lock)."""
     device = next(model.parameters()).device
     if isinstance(token_ids, torch.Tensor):
         ids = token_ids.to(device)

@@ -1,10 +1,5 @@
-"""Weight layout for decode on CPU: each Linear weight shape is stored in the memory order this machine's matrix-vector
-product streams fastest, chosen by measurement at load.
-
-The faster order differs by shape, so `measured_layouts` times both per distinct shape and `relay_linears` applies the
-winners. Values never change: a parameter keeps its [out, in] shape and becomes a transposed view of input-major storage
-where that won. Tied weights stay tied.
-"""
+"""Weight layout for decode on CPU: each Linear weight shape stored in the order whose matrix-vector product this
+machine streams fastest, measured at load. Values never change: a parameter keeps its [out, in] shape."""
 from __future__ import annotations
 
 import time
@@ -51,8 +46,7 @@ def _products(x: torch.Tensor, weights: list[torch.Tensor]) -> Callable[[], None
 
 
 def measured_layouts(model: torch.nn.Module, budget_bytes: int = 64 << 20) -> dict[Shape, bool]:
-    """For each distinct Linear weight shape: True when a one-row x @ W is faster input-major than in nn.Linear's order
-    here. Times up to SAMPLE_WEIGHTS weights, about `budget_bytes` per order and trial."""
+    """For each distinct Linear weight shape: True when a one-row x @ W is faster input-major here."""
     by_shape: dict[Shape, list[torch.Tensor]] = defaultdict(list)
     for weight in _linear_weights(model).values():
         by_shape[(weight.shape[0], weight.shape[1], weight.dtype)].append(weight.detach())
@@ -72,8 +66,7 @@ def measured_layouts(model: torch.nn.Module, budget_bytes: int = 64 << 20) -> di
 
 
 def relay_linears(model: torch.nn.Module, input_major: Callable[[Shape], bool]) -> int:
-    """Re-lay every Linear weight in place into the order `input_major(shape)` picks; returns how many parameters
-    changed order."""
+    """Re-lay every Linear weight in place into the order `input_major(shape)` picks; returns how many changed."""
     changed = 0
     for weight in _linear_weights(model).values():
         want = input_major((weight.shape[0], weight.shape[1], weight.dtype))

@@ -1,15 +1,5 @@
-"""Run a forward of a sequence whose K/V lives in a host workspace (contexts longer than the device holds).
-
-    host = HostWorkspace(shapes, dtype, device, resident_bytes=...)     kv/host_workspace.py
-    kv.place(plan, host, ids); host.set_length(plan.reuse_len)           stored chunks, if any
-    logits = streamed_forward(model, host, ids[plan.reuse_len:], plan.reuse_len)      prefill
-    logits = streamed_forward(model, host, [token], host.length)                       each decode step
-    logits = streamed_forward(model, host, drafts, start, all_logits=True)             a verify; then, to reject
-    host.set_length(start + accepted)                                                  drafts, roll back
-    kv.write_back(seq, salt, host)
-
-A forward that raises leaves the sequence as it was before it (length `start`).
-"""
+"""Run a forward of a sequence whose K/V lives in a host workspace (contexts longer than the device holds). A
+forward that raises leaves the sequence as it was before it."""
 from __future__ import annotations
 
 import torch
@@ -21,9 +11,8 @@ from .forward import forward_tokens
 
 def streamed_forward(model: torch.nn.Module, host: HostWorkspace, tokens: list[int] | torch.Tensor, start: int,
                      all_logits: bool = False, attention: str = "model") -> torch.Tensor:
-    """Run `tokens` at positions [start, start + n) after the host workspace's positions [0, start) (positions past
-    `start` are dropped first). Returns float32 logits of the last token [vocab], or of every token [n, vocab] with
-    all_logits. attention: model/forward.py's resolve_attention choice."""
+    """Run `tokens` at positions [start, start + n) after the host workspace's [0, start). Returns float32 logits of the
+    last token [vocab], or of every token [n, vocab] with all_logits."""
     n = tokens.shape[-1] if isinstance(tokens, torch.Tensor) else len(tokens)
     if n == 0:
         raise ValueError("a forward needs at least one token")

@@ -1,9 +1,5 @@
-"""Place content matches into the workspace at their new positions.
-
-Keys are moved by an exact rotation per token (reuse/rope.py); values are copied. Whatever cannot be rotated exactly is
-refused before anything is written, and prefilled instead. The result is approximate by design; reuse/repair.py decides
-what to recompute.
-"""
+"""Place content matches into the workspace at their new positions: keys moved by an exact rotation per token
+(reuse/rope.py), values copied. Whatever cannot be rotated exactly is refused before anything is written."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,8 +56,8 @@ def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:
 
 def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentIndex, ids: list[int],
                    segments: list[ContentSegment], infos: list[RotaryInfo], row: int | None = None) -> Assembly:
-    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at the piece's positions (every row,
-    or one `row`). A piece whose record is gone or disagrees is left for prefill."""
+    """Load each piece's record, verify its ids, re-rotate its keys and write K/V at its positions (all rows, or `row`);
+    a piece whose record is gone or disagrees is left for prefill."""
     records: dict[str, ChunkRecord | None] = {}
     groups = _groups(infos)
     placed: list[ContentSegment] = []

@@ -1,10 +1,5 @@
-"""Find warmed content anywhere in a prompt, at token granularity.
-
-An index of every stored chunk's token windows (a polynomial hash over WINDOW ids, salted per tenant) is scanned with
-the same hash at every prompt offset. A hit is verified against the stored ids, then extended through the chunk and its
-stored chain children, so a warmed document comes back as one segment. The index is advisory (stale entries are dropped
-on a store miss) and every token is re-checked against the loaded record.
-"""
+"""Find warmed content anywhere in a prompt, at token granularity: an index of stored chunks' token windows (polynomial
+hash, salted per tenant) is scanned at every prompt offset; hits are verified and extended through chain children."""
 from __future__ import annotations
 
 import threading

@@ -1,11 +1,5 @@
-"""Find which of a prompt's tokens already have exact K/V in the store.
-
-Exact reuse walks the prefix chain chunk by chunk. Where the chain breaks (a miss, or the prompt's
-last, partial chunk) matching goes on at token granularity among the stored children of the last
-matched chunk: a chat history whose re-tokenized reply differs from the generated ids in one token
-loses only the tokens from that point on, not the whole chunk. Chunk lengths vary with a boundary
-window, so nothing here assumes chunk i starts at i * chunk_size.
-"""
+"""Find which of a prompt's tokens already have exact K/V in the store: the prefix chain chunk by chunk, then at token
+granularity among the last matched chunk's stored children (chunk lengths vary with a boundary window)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,10 +39,8 @@ def common_prefix_length(a, b) -> int:
 
 
 def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = True) -> ExactMatch:
-    """Longest run of stored exact K/V from chunks[0] on. Complete chunks are looked up by key; the first
-    miss (or the trailing incomplete chunk) is matched at token granularity when token_granular.
-    chunk.complete (not a length) says which chunks are whole: a boundary window makes their lengths vary.
-    """
+    """Longest run of stored exact K/V from chunks[0] on; the first miss (or trailing incomplete chunk) is matched at
+    token granularity when token_granular."""
     match = ExactMatch()
     for i, chunk in enumerate(chunks):
         if chunk.complete:
@@ -67,13 +59,8 @@ def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = T
 
 
 def _best_partial(store: ChunkStore, chunks: list[Chunk], i: int) -> Segment | None:
-    """The stored sibling of chunks[i] (same parent, same start) that agrees longest with the prompt from there.
-
-    With a boundary window a stored remainder (say a warmed system prompt's last chunk) may reach past the
-    cut this prompt makes at chunks[i].end, so it is compared with the tokens of the following chunks too:
-    its K/V is exact for as long as the tokens agree. With fixed cuts no sibling is longer than chunks[i]
-    unless chunks[i] is the last one, so nothing changes there.
-    """
+    """The stored sibling of chunks[i] (same parent and start) that agrees longest with the prompt from there, compared
+    with the following chunks' tokens too: with a boundary window a stored remainder may pass this prompt's cut."""
     chunk = chunks[i]
     tail, j = chunk.token_ids, i + 1
     best: tuple[int, ChunkMeta] | None = None

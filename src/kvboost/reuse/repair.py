@@ -1,14 +1,7 @@
-"""Repair re-positioned K/V and prefill the rest of the prompt, layer by layer, over the workspace.
-
-After assembly the workspace holds exact K/V at [0, exact_len), approximate K/V at placed positions and nothing at live
-positions. One forward runs over a query set of positions that may shrink from layer to layer; each query's K/V is
-scattered to its position and attention reads keys [0, N) under an explicit causal (and sliding) mask.
-
-Strategies: none (live positions only), selective (plus the first `overlap` placed tokens after each seam), and
-cacheblend (every non-exact position up to CHECK_LAYER; there a probe ranks placed tokens by K/V deviation and keeps the
-top 2r, then r; cost grows with r, not the prompt). Query sets are applied by forward pre-hooks on the decoder layers,
-so the model's own embedding, rotary, norms and head run unchanged.
-"""
+"""Repair re-positioned K/V and prefill the rest of the prompt, layer by layer, over the workspace. One forward runs
+over a query set that may shrink per layer (forward pre-hooks on the decoder layers); attention reads keys [0, N)
+under an explicit causal mask. Strategies: none (live positions), selective (plus `overlap` placed tokens after each
+seam), cacheblend (a probe at CHECK_LAYER ranks placed tokens by K/V deviation, keeping the top 2r, then r)."""
 from __future__ import annotations
 
 import math
@@ -77,12 +70,8 @@ class _Probed(Exception):
 
 
 class ScatterLayer(CacheLayerMixin):
-    """Cache layer whose update writes K/V at arbitrary workspace positions and returns keys [0, end).
-
-    The driver sets `positions` (sorted query rows) and `end` before each call. After score(candidates), update()
-    records in `deviation` how far the incoming K/V of those positions is from the stored K/V (CacheBlend's signal); in
-    `probing` mode it raises _Probed once the K/V is written, skipping attention and the MLP.
-    """
+    """Cache layer writing K/V at arbitrary workspace positions and returning keys [0, end). After score(candidates),
+    update() records the K/V `deviation` (CacheBlend's signal); `probing` raises _Probed once the K/V is written."""
 
     is_sliding = False
     is_compileable = False

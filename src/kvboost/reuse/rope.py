@@ -1,10 +1,6 @@
-"""Move cached RoPE keys to new positions.
-
-HF caches keys after the rotary embedding (``s * R(p * inv_freq) k``), and rotations compose, so ``R(delta * inv_freq)``
-moves a key to ``p + delta`` exactly, using the model's own ``inv_freq`` and a pure rotation (``s`` is already in the
-stored key). Length-dependent schemes (dynamic NTK, longrope) are exact only when both passes used the same frequencies;
-otherwise they report ``exact=False``. Everything reads the model's live rotary module rather than re-deriving formulas.
-"""
+"""Move cached RoPE keys to new positions: HF caches keys after the rotary embedding, and rotations compose, so
+R(delta * inv_freq) moves a key to p + delta exactly with the model's own inv_freq. Length-dependent schemes report
+exact=False unless both passes used the same frequencies."""
 from __future__ import annotations
 
 import sys
@@ -153,9 +149,8 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
 
 def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
                     dst_len: int | None = None) -> list[RotaryInfo]:
-    """One RotaryInfo per decoder layer, read from the model's rotary module. ``src_len`` / ``dst_len``
-    (``max(position_ids) + 1`` of the source and destination passes) only matter for length-dependent schemes. Never
-    raises for unsupported models; it reports ``exact=False``."""
+    """One RotaryInfo per decoder layer from the model's rotary module (src_len / dst_len matter only for
+    length-dependent schemes); reports exact=False rather than raising."""
     decoder = _decoder(model)
     config = getattr(decoder, "config", None) or model.config.get_text_config()
     layers = getattr(decoder, "layers", None)
@@ -201,12 +196,8 @@ def can_rerotate(model: nn.Module, *, src_len: int | None = None,
 
 def rerotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, info: RotaryInfo, *,
                   src_positions: int | torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate post-RoPE ``keys`` [..., kv_heads, n_tokens, head_dim] from position p to p + delta.
-
-    ``delta``: int or [n_tokens] tensor, may be negative. Returns a new tensor in ``keys.dtype`` (math in float32).
-    ``src_positions`` (int start or [n_tokens]): rebuild the model's own float32 angles, which match a fresh forward
-    more closely at large positions than composing ``delta * inv_freq``.
-    """
+    """Rotate post-RoPE ``keys`` [..., kv_heads, n_tokens, head_dim] from p to p + delta (int/[n_tokens]).
+    Float32 math, result in ``keys.dtype``; ``src_positions`` rebuilds the model's own angles (closer far out)."""
     if not info.exact:
         raise ModelNotSupportedError(f"keys are not exactly re-rotatable: {info.reason}")
     n_tokens, head_dim, rd = keys.shape[-2], keys.shape[-1], info.rotary_dim

@@ -1,11 +1,7 @@
 """transformers wiring: KVBoost's attention as an `AttentionInterface` implementation, for its forwards only.
-
-`kvboost_attention(model)` switches `config._attn_implementation` inside the block (under the engine lock).
-`kvboost_mask` returns None for the plain bottom-right causal mask, and for causal + 2D padding remembers the padding
-row so the kernel reads a [B, kv] vector with no device sync; other patterns arrive materialized. Anything the kernels
-cannot do exactly falls back on purpose, counted: softcap / sinks -> the model's eager attention; sliding window,
-non-causal, dropout, bias, a foreign mask -> torch SDPA without cuDNN.
-"""
+`kvboost_mask` returns None for the plain causal mask and, for causal + 2D padding, keeps the padding row as a [B, kv]
+vector (no device sync). What the kernels cannot do exactly falls back, counted: softcap / sinks -> the model's eager
+attention; sliding window, non-causal, dropout, bias, a foreign mask -> torch SDPA without cuDNN."""
 from __future__ import annotations
 
 import sys
@@ -174,8 +170,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 @contextmanager
 def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None,
                       lengths: torch.Tensor | None = None) -> Iterator[AttentionContext]:
-    """Run the model's forwards in this block through KVBoost's attention; yields its AttentionContext. Hold the lock
-    serializing the model's forwards; the previous implementation is restored on exit."""
+    """Run the model's forwards in this block through KVBoost's attention (hold the engine lock); yields its
+    AttentionContext."""
     ctx = AttentionContext(backend, lengths)
     previous = getattr(_local, "ctx", None), getattr(_local, "record", None)
     _local.ctx, _local.record = ctx, None

@@ -1,10 +1,6 @@
 """Prefill over a cached prefix: a FlashAttention-2 style Triton kernel (tiled queries x keys, online softmax).
-
-Per row b with valid length end_b (min(ends[b], kv_len)): query i sits at end_b - q + i and sees key j iff j <= end_b -
-q + i and key_valid[b, j]; keys past end_b are never read; a query seeing no key returns 0. Only head dim, dtype, block
-sizes, GQA group and flags are constexpr, so new lengths never recompile. Grid (cdiv(q, BLOCK_M), B * Hq); head h reads
-kv head h // GROUP. fp32 accumulators; fp32 inputs use IEEE matmuls (no TF32).
-"""
+Row b with valid length end_b: query i sits at end_b - q + i and sees key j iff j <= end_b - q + i and key_valid[b, j].
+Only head dim, dtype, block sizes, GQA group and flags are constexpr, so new lengths never recompile."""
 from __future__ import annotations
 
 import torch
@@ -89,8 +85,7 @@ def _prefill_kernel(Q, K, V, Out, Ends, Valid,
 
 
 def default_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per (head dim, dtype), never per shape, so no autotuning runs on
-    a new length."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per (head dim, dtype): no autotuning on a new length."""
     d_pad = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return (64, 32, 4, 2) if d_pad <= 128 else (32, 32, 4, 1)
@@ -105,10 +100,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       kv_len: int | None = None, ends: torch.Tensor | None = None,
                       key_valid: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int | None = None) -> torch.Tensor:
-    """Attention of query [B, Hq, q, d] over the first kv_len (default all) keys of key/value [B, Hkv, kv, d]. ends [B]:
-    per-row valid lengths; key_valid [B, >= kv_len]: True = may attend. Returns [B, Hq, q, d] in the input dtype, a view
-    of a [B, q, Hq, d] buffer (so transformers' reshape is free). Raises KernelUnsupportedError for inputs it cannot
-    run."""
+    """Attention of query [B, Hq, q, d] over the first kv_len keys of key/value [B, Hkv, kv, d]. ends [B]: valid
+    lengths; key_valid [B, >= kv_len]: True = may attend. Returns [B, Hq, q, d], a view of a [B, q, Hq, d] buffer."""
     reason = kernel_refusal(query, key, value)
     if reason:
         raise KernelUnsupportedError(reason)

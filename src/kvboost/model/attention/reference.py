@@ -1,7 +1,5 @@
-"""The torch fallback (where Triton or a GPU is absent) and a plain-math reference for tests, both with the kernels'
-semantics (prefill.py). The fallback runs SDPA without cuDNN, which builds a plan per new (q_len, kv_len): a spike on
-every chat turn.
-"""
+"""The torch fallback (SDPA without cuDNN, which plans per new (q_len, kv_len)) and a plain-math reference for
+tests, both with the kernels' semantics (prefill.py)."""
 from __future__ import annotations
 
 import torch
@@ -61,8 +59,7 @@ def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
                    kv_len: int | None = None, ends: torch.Tensor | None = None,
                    key_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels' semantics through torch SDPA (cuDNN excluded); [B, Hq, q, d] in the input dtype. Bottom-right causal
-    with q == 1 or q == kv needs no mask; other cases take a bool mask. Queries seeing no key return 0."""
+    """The kernels' semantics through torch SDPA (cuDNN excluded); [B, Hq, q, d] in the input dtype."""
     q_len, kv_cap = query.shape[2], key.shape[2]
     kv_len = kv_cap if kv_len is None else int(kv_len)
     if kv_len != kv_cap:  # a workspace view longer than its valid length: read only the valid columns

@@ -1,19 +1,6 @@
-"""The attention of the runner's static steps (model/runner.py): ends travel as a forward keyword argument.
-
-A static step hands attention the whole workspace buffer [B, kv_heads, capacity, d] and a device tensor of each
-row's valid end. Two things keep such a step free of host values, which a CUDA graph and torch.compile both
-need (a host value read inside a compiled step is a guard that recompiles at every new position):
-
-* the ends reach the attention function as the `kvboost_ends` keyword argument, which transformers forwards
-  from the model's forward to every attention call (as it does flash-attention's kwargs); no thread-local
-  state is read, so dynamo traces the call like any other;
-* KVBOOST_STATIC is registered in AttentionInterface but not in AttentionMaskInterface, so transformers builds
-  no mask at all (masking_utils returns None early for such implementations) and never asks the cache for its
-  host-side length. Causality and the valid length come from the ends alone (backend.py's semantics).
-
-Only plain causal attention runs here: runner.static_path_unsupported_reason keeps sliding-window, softcap and
-length-dependent RoPE models off the static path, and anything else that would need a mask raises.
-"""
+"""The attention of the runner's static steps: ends travel as the `kvboost_ends` forward keyword argument, so no
+host value is read inside a step (a CUDA graph or torch.compile needs that). KVBOOST_STATIC is not registered as a
+mask implementation, so transformers builds no mask and never asks the cache for its length. Plain causal only."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -34,8 +21,8 @@ def static_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
-    """AttentionInterface entry: query [B, Hq, q, d] over the whole buffers key/value [B, Hkv, capacity, d];
-    kwargs["kvboost_ends"] [B] int32. Returns ([B, q, Hq, d], None)."""
+    """AttentionInterface entry: query [B, Hq, q, d] over key/value [B, Hkv, capacity, d]; kwargs["kvboost_ends"] [B]
+    int32. Returns ([B, q, Hq, d], None)."""
     ends = kwargs.get("kvboost_ends")
     exact = kwargs.get("kvboost_exact_views", False)  # the buffers are views of exactly the valid keys
     if ends is None and not exact:
@@ -58,7 +45,6 @@ AttentionInterface.register(KVBOOST_STATIC, static_attention_forward)
 
 @contextmanager
 def static_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Inside the block the model attends with KVBOOST_STATIC; pass kvboost_ends (and optionally
-    kvboost_backend: "triton" / "sdpa") to the model's forward."""
+    """Inside the block the model attends with KVBOOST_STATIC; pass kvboost_ends to the model's forward."""
     with switched_attention(model, KVBOOST_STATIC):
         yield

@@ -1,9 +1,5 @@
-"""What the Triton kernels can run: capability checks and the shape rules every kernel shares.
-
-Nothing here imports triton at module level: the package must import (and fall back to SDPA) where
-triton is not installed. Shapes follow transformers' attention interface:
-query [B, Hq, q, d], key/value [B, Hkv, kv, d] with Hq a multiple of Hkv.
-"""
+"""What the Triton kernels can run: capability checks and shared shape rules (query [B, Hq, q, d], key/value [B,
+Hkv, kv, d]). Nothing here imports triton at module level."""
 from __future__ import annotations
 
 import functools
@@ -37,8 +33,7 @@ def interpreted() -> bool:
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Whether kernels must upcast tiles to fp32 before tl.dot: triton 3.x's interpreter multiplies bf16 tiles
-    as raw integers (garbage), so under TRITON_INTERPRET bf16 matmuls run on fp32 copies of the same values."""
+    """Whether kernels upcast tiles to fp32 before tl.dot: triton 3.x's interpreter multiplies bf16 tiles wrongly."""
     return dtype == torch.bfloat16 and interpreted()
 
 

@@ -1,10 +1,5 @@
-"""Switching a model's attention implementation for one block of KVBoost's own forwards.
-
-transformers picks a layer's attention function from `config._attn_implementation` at call time, so the
-engine registers its functions in `AttentionInterface` and sets that field on every config the model's
-layers read, only around its own forwards (under the engine lock), restoring it afterwards. Used by the
-attention backend (hf.py) and the batch runner's shared-prefix attention (batch/cascade.py).
-"""
+"""Switching a model's attention implementation (`config._attn_implementation`, read at call time) for one block of
+KVBoost's own forwards, under the engine lock, restoring it afterwards."""
 from __future__ import annotations
 
 import weakref
@@ -33,8 +28,7 @@ def attention_configs(model: torch.nn.Module) -> list:
 
 
 def switch_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why switching this model's attention would do nothing (None: its layers dispatch through
-    AttentionInterface)."""
+    """Why switching this model's attention would do nothing (None: it dispatches through AttentionInterface)."""
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface"
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
@@ -45,8 +39,7 @@ def switch_unsupported_reason(model: torch.nn.Module) -> str | None:
 
 @contextmanager
 def switched_attention(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Inside the block the model's layers call the attention function registered as `name`; the previous
-    implementation is restored on exit, also when the block raises."""
+    """Inside the block the model's layers call the attention registered as `name`; restored on exit."""
     configs = attention_configs(model)
     saved = [c._attn_implementation_internal for c in configs]
     for c in configs:

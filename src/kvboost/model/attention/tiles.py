@@ -1,6 +1,4 @@
-"""The tile math both kernels share (Triton device functions): the loop over key tiles with the online softmax (base 2).
-IEEE precision for fp32 inputs; DOT_F32 under the CPU interpreter, which multiplies bf16 tiles wrongly unless widened.
-"""
+"""The tile math both kernels share (Triton device functions): the key-tile loop with the online softmax (base 2)."""
 from __future__ import annotations
 
 import triton
@@ -107,8 +105,7 @@ def load_group_queries(q_base, hk, rows, row_ok, qi, stride_qh, stride_qm,
 
 @triton.jit
 def store_partial(acc, l_i, m_i, o_base, rows, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr):
-    """Store the split's normalized output at o_base [rows, HEAD_DIM]; returns each row's log2-sum-exp,
-    -inf for rows that saw no key (not stored)."""
+    """Store the split's normalized output at o_base [rows, HEAD_DIM]; returns each row's log2-sum-exp (-inf: none)."""
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
