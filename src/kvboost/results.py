@@ -24,13 +24,8 @@ class _ParsableEnum(str, Enum):
 
 
 class GenerationMode(_ParsableEnum):
-    """How much cached K/V a request may use.
-
-    BASELINE: nothing read or written; a plain full prefill.
-    PREFIX_CACHE: exact prefix-chain reuse of whole chunks only (what exact-prefix caches do).
-    CHUNK_KV_REUSE: exact chain, token-granular tail matching, and (where enabled)
-        content matches at other positions with repair.
-    """
+    """How much cached K/V a request may use. BASELINE: none (full prefill); PREFIX_CACHE: exact prefix-chain reuse of
+    whole chunks; CHUNK_KV_REUSE: exact chain, token-granular tails and (where enabled) content matches with repair."""
 
     BASELINE = "baseline"
     PREFIX_CACHE = "prefix_cache"

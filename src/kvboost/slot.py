@@ -1,9 +1,4 @@
-"""Slot: one row of the engine's KV workspace, and every forward a single sequence runs over it.
-
-A row's prefill goes through the KV-cache manager once (lookup, place, forward or repair, finish: the exact K/V stays
-resident and is stored). A row running alone decodes through forward(); rows together are stepped by the scheduler.
-Draft sequences and warm() use slots too.
-"""
+"""Slot: one row of the engine's KV workspace, and every forward a single sequence runs over it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -36,8 +31,7 @@ class Prefill:
 
 class Slot:
     def __init__(self, engine: InferenceEngine, ws: RowView | KVWorkspace, runner: ModelRunner | None = None):
-        """ws: a scheduler workspace's row or a private one-row workspace. runner: fixed-shape steps over its first row.
-        """
+        """ws: a scheduler workspace's row or a private one-row workspace. runner: steps over its first row."""
         self.engine, self.ws, self.runner = engine, ws, runner
         self._cache: Cache | None = None  # the eager forwards' cache over the row, its layers' lengths set per call
 
@@ -116,8 +110,7 @@ class Slot:
         return ws.resident_ids if ws.resident_tag == self.engine.kv.tag(salt) else []
 
     def claim(self, request: Request, plan: Plan, fed: list[int]) -> None:
-        """Record which exact K/V the row now holds: after a placed (approximate) position only the exact prefix may be
-        trusted."""
+        """Record which exact K/V the row now holds (after a placed position only the exact prefix)."""
         exact = fed[: plan.reuse_len] if plan.needs_repair else fed
         self.ws.resident_ids, self.ws.resident_tag = list(exact), self.engine.kv.tag(request.salt)
 

@@ -37,15 +37,8 @@ def _preamble(engine, n_tokens: int) -> str:
 
 def verify_correctness(engine, prompts: Sequence[str] | None = None, max_new_tokens: int = 32, *,
                        approximate: bool = False) -> CorrectnessReport:
-    """For each prompt: BASELINE vs generation over K/V loaded from the store (>= 2 reused chunks).
-
-    Prompts shorter than two chunks get a neutral preamble so stored chunks are really exercised.
-    Greedy decoding; identical means the same token ids. The report is truthy only if all are identical.
-
-    approximate=True checks reuse at another position instead (see verify_approximate): each prompt is
-    warmed alone, then sent after unrelated text, so its K/V is re-positioned and repaired with the engine's
-    recompute_strategy; that report is judged by first-token agreement and KL against full prefill.
-    """
+    """For each prompt: BASELINE vs generation over K/V loaded from the store (>= 2 reused chunks; short prompts get a
+    preamble); identical = the same greedy token ids. approximate=True runs verify_approximate instead."""
     if approximate:
         return verify_approximate(engine, prompts, max_new_tokens)
     prompts = list(prompts) if prompts is not None else list(_DEFAULT_PROMPTS)
@@ -86,9 +79,8 @@ _SHIFT = ("Unrelated material comes first in this request, so the text after it 
 
 @dataclass
 class ApproximateReport(CorrectnessReport):
-    """verify_approximate's result: truthy when every first token agrees with full prefill and every
-    first-token KL(full || reused) is at most max_kl. Identical greedy continuations are reported, not required:
-    approximate reuse is not meant to be bit-exact."""
+    """verify_approximate's result: truthy when every first token agrees with full prefill and every first-token
+    KL(full || reused) is at most max_kl (identical continuations are reported, not required)."""
 
     max_kl: float = 0.1
 
@@ -113,13 +105,8 @@ class ApproximateReport(CorrectnessReport):
 
 def verify_approximate(engine, prompts: Sequence[str] | None = None, max_new_tokens: int = 32,
                        max_kl: float = 0.1) -> ApproximateReport:
-    """Reuse at another position, against full prefill of the same prompt.
-
-    Each prompt is warmed alone (as a RAG pipeline warms a document), then sent after unrelated text, so the
-    engine finds it by content, re-rotates its keys to the new offset and repairs it with its configured
-    recompute_strategy / recompute_ratio. A check whose prompt was not reused at all fails: the engine or model
-    refused approximate reuse (e.g. a RoPE variant it cannot re-rotate exactly) and nothing was verified.
-    """
+    """Reuse at another position, against full prefill: each prompt is warmed alone, then sent after unrelated text, so
+    it is found by content, re-rotated and repaired. A prompt not reused at all fails: nothing was verified."""
     prompts = list(prompts) if prompts is not None else list(_DEFAULT_PROMPTS)
     checks = []
     for prompt in prompts:

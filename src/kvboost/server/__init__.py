@@ -1,8 +1,5 @@
-"""OpenAI-compatible server: FastAPI routes, pydantic schemas, one worker thread with prefix-aware batching.
-
-Needs the `server` extra (fastapi, uvicorn, pydantic, prometheus-client). Start it with `kvboost serve`
-or `kvboost-server`; embed it with `create_app(engine, ServerSettings(...))`.
-"""
+"""OpenAI-compatible server (the `server` extra): FastAPI routes, pydantic schemas, one worker thread with
+prefix-aware batching. Embed it with `create_app(engine, ServerSettings(...))`."""
 from __future__ import annotations
 
 from importlib import import_module

@@ -139,8 +139,8 @@ def serve_command(
 
 
 def run_on_main_thread(server, sock, scheduler) -> None:
-    """HTTP on a thread of its own, the engine's loop on this (the main) thread, which loaded the model: see
-    Scheduler.run_here for why. Ctrl-C / SIGTERM shut the server down gracefully; a second one exits at once."""
+    """HTTP on a thread of its own, the engine's loop on the main thread (see Scheduler.run_here). Ctrl-C / SIGTERM
+    shut down gracefully; a second one exits at once."""
     def handle_exit(signum, frame) -> None:
         if server.should_exit:
             server.force_exit = True

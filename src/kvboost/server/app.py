@@ -1,8 +1,4 @@
-"""The FastAPI app: OpenAI-compatible routes over one engine and its scheduler.
-
-POST /v1/chat/completions, POST /v1/completions (SSE streaming with `data: [DONE]`), GET /v1/models[/{id}],
-GET /v1/stats (engine.cache_stats + scheduler counters, never a 500), GET /health, GET /metrics.
-"""
+"""The FastAPI app: OpenAI-compatible routes over one engine and its scheduler."""
 from __future__ import annotations
 
 import asyncio
@@ -87,14 +83,9 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
 
 
 def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> float:
-    """Run short greedy chats through the app's scheduler (the path requests take); the seconds it took.
-
-    The first generation in a process pays one-time costs (kernel selection and allocation on the device, the chat
-    template's compilation, a compiled engine's batched steps); this makes the server pay them before it listens: a
-    batching server runs two at once, so that its batched steps (and a speculating engine's batched verify) are
-    ready too. Mode BASELINE: nothing is looked up or written to the cache. Starts the scheduler's worker. Raises
-    whatever a generation raised: a server that cannot generate should not start.
-    """
+    """Run short greedy chats (two at once when batching) through the app's scheduler, so one-time costs (kernels,
+    template compilation, batched steps) are paid before listening; returns the seconds. BASELINE mode: nothing cached.
+    Starts the scheduler's worker; raises what a generation raised (a server that cannot generate should not start)."""
     state: ServerState = app.state.kvboost
     t0 = time.perf_counter()
     if importlib.util.find_spec("xgrammar") is not None and hasattr(type(state.engine), "grammars"):
@@ -346,8 +337,8 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
 
 
 async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
-    """role chunk(s), content / tool-call chunks, each choice's final chunk with finish_reason, usage chunk if
-    asked for, [DONE]. An error in any choice ends the stream with the error body."""
+    """role chunk(s), content / tool-call chunks, each choice's final chunk, usage if asked, [DONE]; an error in any
+    choice ends the stream with the error body."""
     metrics, endpoint = state.metrics, renderer.endpoint
     first = True
     results: list[GenerationResult | None] = [None] * len(jobs)

@@ -1,17 +1,6 @@
-"""Request fields other OpenAI-compatible servers (vLLM, SGLang, llama.cpp) added, which clients written for them
-send through `extra_body`: honoured where KVBoost has the feature, refused with a 400 where it does not.
-
-The request models accept unknown fields (OpenAI clients send many optional ones), so a field that would change
-the reply must be known here: otherwise `extra_body={"guided_json": schema}` - the structured-output recipe of
-vLLM's docs and many tutorials - would return free text as if it were constrained.
-
-Honoured: vLLM's guided decoding (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and the newer
-`structured_outputs` object) and llama.cpp's `json_schema` and `grammar`, as the same grammars `response_format`,
-`regex` and `grammar` compile to;
-`min_p`, `top_k` and `repetition_penalty` are request fields (schema.py); `chat_template_kwargs` reaches the
-chat template (prepare.py). Refused when set to anything but their
-default: the sampling and rendering options below.
-"""
+"""Request fields other OpenAI-compatible servers (vLLM, SGLang, llama.cpp) added, sent through `extra_body`:
+honoured where KVBoost has the feature (guided decoding, llama.cpp's json_schema / grammar), refused with a 400 where
+it does not. Unknown fields are otherwise ignored, so a field that would change the reply must be known here."""
 from __future__ import annotations
 
 from typing import Any
@@ -41,8 +30,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 def refuse_unsupported(extra: dict[str, Any]) -> None:
-    """InvalidRequestError (param = the field) for a known extension field set to a value that would change the
-    reply, since this server does not implement it."""
+    """InvalidRequestError (param = the field) for a known extension field set to a value changing the reply."""
     for name, harmless in _NO_EFFECT.items():
         if name in extra and extra[name] is not None and extra[name] not in harmless:
             raise InvalidRequestError(f"{name} is not supported by this server (value {extra[name]!r})", name)
@@ -85,8 +73,7 @@ def _structured_outputs(spec: Any) -> OutputFormat | None:
 
 
 def _literal(text: str) -> str:
-    """text as a regex matching it literally (only metacharacters escaped: the grammar library's regex dialect
-    knows no escapes for other characters)."""
+    """text as a regex matching it literally (xgrammar's dialect escapes metacharacters only)."""
     return "".join("\\" + ch if ch in _META else ch for ch in text)
 
 

@@ -1,10 +1,5 @@
-"""From a validated OpenAI request to what the worker needs: token ids, SamplingParams, prompt text.
-
-Everything a client can get wrong is found here, before queueing, and answered as an HTTP 400 with OpenAI's error body.
-OpenAI semantics: temperature omitted -> 1.0, 0 -> greedy; chat without max_tokens may use the rest of the context,
-/v1/completions defaults to 16; an explicit max_tokens that does not fit is a 400 `context_length_exceeded`.
-response_format and tool grammars are compiled here; n > 1 becomes n rows.
-"""
+"""From a validated OpenAI request to what the worker needs: token ids, SamplingParams, prompt text. Everything a client
+can get wrong is found here, before queueing, and answered as an HTTP 400 with OpenAI's error body."""
 from __future__ import annotations
 
 import threading
@@ -128,8 +123,7 @@ _UNSUPPORTED_FIELDS = {
 
 
 def _prediction_text(prediction: dict | None) -> str | None:
-    """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | parts}), or None; it drafts tokens
-    for speculative decoding without changing the reply."""
+    """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | parts}), or None."""
     if prediction is None:
         return None
     content = prediction.get("content")
@@ -149,8 +143,7 @@ _SPECULATION_FIELDS = ("speculative", "num_speculative_tokens", "prompt_lookup_m
 
 
 def _speculation(engine, req: SamplingRequest, prediction: str | None):
-    """The request's speculation as the engine resolves generate()'s keywords ("default" when none is set and there is
-    no prediction). `speculative: null` is off."""
+    """The request's speculation as generate()'s keywords take it ("default" when unset without a prediction)."""
     given = req.model_fields_set.intersection(_SPECULATION_FIELDS)
     if not prediction and not given:
         return "default"
@@ -270,9 +263,8 @@ def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
 
 
 def _token_budget(engine, n_prompt: int, requested: int | None, default: int | None, param: str) -> int:
-    """max_new_tokens for this request; ContextLengthError (400) when prompt and request don't fit. requested: the
-    client's max_tokens (None: omitted). default: the endpoint's budget when omitted (None: all the context left),
-    lowered to what is left rather than rejected."""
+    """max_new_tokens for this request; ContextLengthError (400) when an explicit max_tokens does not fit. default: the
+    endpoint's budget when omitted (None: all the context left), lowered to what is left."""
     limit = engine.max_context
     if limit is None:  # a model that declares no context size: nothing to check against
         return requested or default or _FALLBACK_MAX_TOKENS

@@ -1,11 +1,6 @@
-"""OpenAI response bodies and SSE chunks for chat and text completions, built from engine results.
-
-One renderer per HTTP request; it serves n choices (index i for the i-th row). Tool calls (chat) are read out
-of each choice's text by a ToolCallParser, streamed as `delta.tool_calls` [{index, id, type, function: {name,
-arguments: ""}}] then argument pieces, as OpenAI streams them. Log-probabilities, when asked for, come with
-the result: in the choice of a full body, and in a streamed choice's final chunk (the text deltas are cut at
-UTF-8 and stop-string boundaries, not at tokens).
-"""
+"""OpenAI response bodies and SSE chunks for chat and text completions, built from engine results. One renderer per
+HTTP request, for n choices; tool calls are read out of each choice's text by a ToolCallParser and streamed as OpenAI
+streams them; log-probabilities come in a full body's choice, or a streamed choice's final chunk."""
 from __future__ import annotations
 
 import json
@@ -42,9 +37,8 @@ def sse(data: dict[str, Any]) -> str:
 
 
 def usage_of(results: list[GenerationResult], predicted: bool = False) -> Usage:
-    """The prompt counts once for n choices (they share it), the completions add up. predicted: the request had a
-    prediction, whose drafts are reported as OpenAI reports them (accepted: kept in the reply; rejected: drafted
-    from the prediction and the prompt, verified and discarded)."""
+    """The prompt counts once for n choices, the completions add up; a prediction's drafts are reported as OpenAI
+    does (accepted: kept; rejected: verified and discarded)."""
     first = results[0]
     completion = sum(r.generated_tokens for r in results)
     details = None

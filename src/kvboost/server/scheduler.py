@@ -1,10 +1,5 @@
-"""The one worker thread that steps the engine's loop for the server, and the bounded queue feeding it.
-
-torch and the KV workspace are not for concurrent use, so all engine work runs on one worker. Requests enter a bounded
-queue (full -> 429); the worker submits them as rows of the engine's loop (up to max_batch_size), steps it and pushes
-each request's events back with `loop.call_soon_threadsafe`. An idle worker waits up to the batch window so requests
-arriving together prefill together. A request's failure reaches that request only.
-"""
+"""The one worker thread that steps the engine's loop for the server, and the bounded queue (full -> 429) feeding it.
+An idle worker waits up to the batch window so requests arriving together prefill together."""
 from __future__ import annotations
 
 import asyncio
@@ -130,9 +125,8 @@ class Scheduler:
             self._thread.start()
 
     def run_in_caller(self) -> None:
-        """From now on the loop runs where run_here() is called, and start() spawns nothing. Ends a worker thread
-        started earlier (the warm-up's) first: call it before requests can arrive. Requests submitted after it wait
-        in the queue for run_here()."""
+        """From now on the loop runs where run_here() is called and start() spawns nothing; ends an earlier worker (the
+        warm-up's) first. Call it before requests can arrive."""
         self.stop()
         with self._start_lock:
             self._in_caller = True
@@ -141,13 +135,8 @@ class Scheduler:
             self._stop.clear()
 
     def run_here(self) -> None:
-        """Run the worker loop in the calling thread until stop() is called from another one (at once, if it was
-        called since run_in_caller()).
-
-        `kvboost serve` runs it on the main thread, which loaded the model, with uvicorn on a thread of its own. With
-        GNU OpenMP (torch's CPU builds), a second thread running parallel regions while the main thread's team
-        exists makes OpenMP count more threads than cores and stop spinning between regions: on 2 cores a decode
-        step then took about twice as long in a worker thread as on the main thread."""
+        """Run the worker loop in the calling thread until stop() is called from another one. `kvboost serve` runs it on
+        the main thread: with GNU OpenMP, a worker thread beside the main one ran decode ~2x slower."""
         if not self._in_caller or self._thread is not threading.current_thread():
             self.run_in_caller()
         assert self._caller_done is not None

@@ -1,9 +1,5 @@
-"""Pydantic models of the OpenAI request and response bodies this server speaks.
-
-Requests are validated strictly (a string where a number belongs is a 400, not a silent coercion); unknown
-fields are accepted and ignored, as OpenAI-compatible clients send many optional ones. Fields that would
-change the result and are not supported (echo, suffix, best_of...) are rejected in prepare.py.
-"""
+"""Pydantic models of the OpenAI request and response bodies this server speaks. Requests validate strictly; unknown
+fields are ignored (clients send many optional ones); unsupported ones changing the result fail in prepare.py."""
 from __future__ import annotations
 
 from typing import Any, Literal

@@ -1,13 +1,6 @@
-"""Reading tool calls out of generated text as it streams, the way OpenAI streams them.
-
-Events: ("content", text) | ("call", index, name) — a call begins: its id, type and name go out with empty
-arguments — | ("arguments", index, text) — the next piece of that call's arguments JSON. The same parser
-reads a whole reply at once (feed everything, then finish), so streamed and non-streamed replies agree.
-
-parse="call": the whole output is one object {"name": ..., "arguments": {...}} (tool_choice required / named).
-parse="tagged": free text in which <tool_call>{"name": ..., "arguments": {...}}</tool_call> segments are calls.
-Text that could still grow into a marker is held back until it cannot.
-"""
+"""Reading tool calls out of generated text as it streams, the way OpenAI streams them. Events: ("content", text) |
+("call", index, name) | ("arguments", index, text). parse="call": the output is one {"name", "arguments"} object;
+"tagged": free text with <tool_call>...</tool_call> segments. Text that could still grow into a marker is held back."""
 from __future__ import annotations
 
 import json

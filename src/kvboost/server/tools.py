@@ -1,11 +1,6 @@
-"""Tools in a chat request: checking them, putting them in the prompt, and the grammar a call must follow.
-
-Templates that use `tools` render tools and tool turns themselves; elsewhere a generic format is used: a system message
-lists the functions, calls are <tool_call>{"name": ..., "arguments": {...}}</tool_call> lines, and tool results are user
-turns in <tool_response> tags. tool_choice none: free text; required / named: the output is one constrained call object;
-auto: free text where "<tool_call>" opens a constrained call (an xgrammar structural tag), ending the reply at the first
-call when parallel_tool_calls is false.
-"""
+"""Tools in a chat request: checking them, putting them in the prompt, and the grammar a call must follow. Templates
+without `tools` get a generic format: a system message lists the functions, calls are <tool_call>{...}</tool_call>
+lines, results are <tool_response> user turns."""
 from __future__ import annotations
 
 import json
@@ -84,8 +79,7 @@ def template_supports_tools(tokenizer) -> bool:
 
 def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSetup,
                     native: bool) -> list[dict[str, Any]]:
-    """Chat messages for the template, tool turns included (texts: each message's plain content). Tool results must
-    answer calls made earlier (400 otherwise)."""
+    """Chat messages for the template, tool turns included; tool results must answer earlier calls (400 otherwise)."""
     calls: dict[str, str] = {}  # tool_call id -> function name, from assistant turns so far
     out: list[dict[str, Any]] = []
     for i, (m, text) in enumerate(zip(messages, texts)):

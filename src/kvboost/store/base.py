@@ -13,12 +13,8 @@ log = logging.getLogger("kvboost.store")
 
 @dataclass
 class ChunkRecord:
-    """One chunk's K/V, computed in full context at positions [start, start + len(token_ids)).
-
-    keys[i] / values[i]: layer i's [kv_heads, n_tokens, head_dim]. parent_key: the prefix-chain key of the chunk before
-    (None for the first). packed, when set: every layer in one [layers, 2, kv_heads, n_tokens, head_dim] tensor that
-    keys / values view (ChunkRecord.from_packed), so a host record crosses in one copy.
-    """
+    """One chunk's K/V, computed in full context at positions [start, start + len(token_ids)). keys[i] / values[i]:
+    layer i's [kv_heads, n_tokens, head_dim]; packed: one [layers, 2, kv_heads, n_tokens, head_dim] tensor they view."""
 
     key: str
     parent_key: str | None
@@ -96,8 +92,7 @@ class TierStats:
 
 
 class TierHealth:
-    """How a tier degraded: events and dropped writes counted by reason (cache_stats()["tiers"][name]), each reason
-    logged once at WARNING."""
+    """How a tier degraded: events and dropped writes counted by reason, each reason logged once at WARNING."""
 
     def __init__(self, tier: str):
         self.tier = tier
@@ -156,8 +151,7 @@ class CountedTier:
 
 @runtime_checkable
 class ChunkStore(Protocol):
-    """A tier. get() returns full-precision K/V or None. A damaged or unreachable backend never raises from get/put: it
-    counts an error and behaves as a miss."""
+    """A tier. get() returns full-precision K/V or None; a failing backend counts an error and behaves as a miss."""
 
     name: str
 

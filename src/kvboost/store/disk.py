@@ -1,11 +1,6 @@
-"""Disk tier: one verified file per chunk plus a SQLite index, safe to share between processes.
-
-Crash safety by ordering: the blob goes to an fsynced temp file; one SQLite write transaction (BEGIN IMMEDIATE) renames
-it into place and upserts the index row; every read re-verifies checksum, namespace and key, deleting a bad file.
-Eviction and deletes run in the same kind of transaction. A damaged index is rebuilt from the files' verified headers
-(disk_index.py); a read-only directory serves hits; a full disk drops writes. Every public method swallows backend
-errors (counted): a cache must not fail a request.
-"""
+"""Disk tier: one verified file per chunk plus a SQLite index, safe to share between processes. The blob goes to an
+fsynced temp file, renamed into place in the index row's write transaction; every read re-verifies it. Every public
+method swallows backend errors (counted): a cache must not fail a request."""
 from __future__ import annotations
 
 import errno
@@ -422,8 +417,8 @@ class DiskStore(CountedTier):
             self._count("errors")
 
     def _sweep(self, everything: bool) -> tuple[int, int]:
-        """Remove dead writers' temp files; when alone, also rows without files, and index the verified files without
-        rows. Returns (files adopted, files removed)."""
+        """Remove dead writers' temp files; when alone, also rows without files, and index unindexed verified files.
+        Returns (files adopted, files removed)."""
         chunks_root = self.directory / "chunks"
         now = time.time()
         files: set[str] = set()

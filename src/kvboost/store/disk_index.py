@@ -1,6 +1,4 @@
-"""The disk tier's SQLite index, how to rebuild it from the chunk files alone, and its file helpers. Every chunk file is
-self-describing (serialize.py), so a damaged, missing or unreadable index is rebuilt from the files that verify.
-"""
+"""The disk tier's SQLite index, its rebuild from the self-describing chunk files alone, and its file helpers."""
 from __future__ import annotations
 
 import json
@@ -94,8 +92,7 @@ def connect(directory: Path, busy_timeout_s: float, check: bool = False) -> sqli
 
 
 def connect_read_only(directory: Path) -> sqlite3.Connection:
-    """The index of a directory we may not write: immutable when no writer holds the WAL's -shm file (every file read is
-    verified anyway)."""
+    """The index of a directory we may not write: immutable when no writer holds the WAL's -shm file."""
     uri = (directory / INDEX).resolve().as_uri()
     last: Exception | None = None
     for flags in ("?mode=ro", "?mode=ro&immutable=1"):
@@ -150,8 +147,7 @@ def read_chunk_file(path: Path) -> tuple[str, ChunkMeta, bytes]:
 
 
 def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) -> tuple[int, list[str]]:
-    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not verify). Files of a newer
-    format are left alone, unindexed."""
+    """Index every file of relpaths that verifies; returns (indexed, relpaths that did not); newer formats skipped."""
     kept, bad = 0, []
     for rel in sorted(relpaths):
         try:

@@ -1,11 +1,5 @@
-"""The host tier: stored chunks the device tier evicts move to host memory instead of being dropped.
-
-The device tier's evictions move here (one host allocation each, store/host_pack.py, page-locked on CUDA); this tier's
-evictions go on to disk through the write-behind queue; a get() copies a record back to the device, and the tiered store
-promotes it there (a key lives in one of the two). A HostStore is a MemoryStore whose codec is the move; quantized
-records stay quantized (nothing is quantized twice). A failed move is counted and keeps nothing: the chunk goes on as if
-this tier were absent.
-"""
+"""The host tier: chunks the device tier evicts move to host memory (one allocation each, page-locked on CUDA) and its
+own evictions go on to disk. A key lives in one of the two; a failed move is counted and keeps nothing."""
 from __future__ import annotations
 
 import logging
@@ -20,8 +14,7 @@ log = logging.getLogger("kvboost.store.host")
 
 
 class HostCodec:
-    """MemoryStore Codec of the host tier: encode moves a record into host memory, decode is the record over it. pin:
-    page-lock the copies; where refused they are pageable (`pageable_moves`, `unpinned_reason`)."""
+    """MemoryStore Codec of the host tier: encode moves a record into host memory, decode is the record over it."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -86,8 +79,8 @@ class HostStore(MemoryStore):
             return False
 
     def fetch(self, key: str, copy_back_bytes: int) -> tuple[ChunkRecord, ChunkRecord | None] | None:
-        """A counted get() that also copies the record back to its device when it weighs at most copy_back_bytes there:
-        (host record, device copy or None); None when absent. The host keeps its copy."""
+        """A counted get() that also copies the record back to its device when it weighs at most copy_back_bytes: (host
+        record, device copy or None); None when absent."""
         payload = self.get_payload(key)
         if payload is None:
             return None

@@ -1,10 +1,6 @@
-"""A stored chunk's K/V moved into ONE host allocation, and back to its device in one copy.
-
-Full-precision records with alike layers become one [layers, 2, kv_heads, n_tokens, head_dim] tensor (the layout disk
-and Redis serialize); anything else one byte buffer of aligned views. One allocation per record, since page-locking
-costs per call; on CUDA it is page-locked at its exact size (kv/pinned.py), else pageable with the reason reported. A
-failed allocation or copy raises HostMoveError.
-"""
+"""A stored chunk's K/V moved into ONE host allocation (page-locking costs per call), and back in one copy.
+Full-precision records with alike layers become one [layers, 2, kv_heads, n_tokens, head_dim] tensor; anything else
+one byte buffer of aligned views. A failed allocation or copy raises HostMoveError."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +53,7 @@ class HostPayload:
         return self.record
 
     def to_device(self) -> ChunkRecord:
-        """The record on `source`, in one copy. Blocking on purpose: the host buffer may be freed as soon as this
-        returns."""
+        """The record on `source`, in one copy; blocking, as the host buffer may be freed on return."""
         try:
             moved = self.buffer.to(self.source)  # (on the CPU, the same memory: nothing to copy)
         except RuntimeError as exc:  # out of device memory
@@ -145,8 +140,7 @@ def _rebase(old: torch.Tensor, new: torch.Tensor) -> Callable[[torch.Tensor], to
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> None:
-    """dst <- src for every pair. Into page-locked memory from CUDA the copies are enqueued together and waited for
-    once; otherwise each blocks."""
+    """dst <- src for every pair: into page-locked memory from CUDA enqueued together and waited for once."""
     devices = {src.device for _, src in pairs}
     source = next(iter(devices))
     overlap = pinned and len(devices) == 1 and source.type == "cuda"

@@ -29,13 +29,8 @@ class _Entry:
 
 
 class MemoryStore:
-    """A byte budget under LFU with dynamic aging (store/policy.py: priority = age floor + hits).
-
-    A system prompt hit on every request keeps climbing; a chunk that was popular long ago is
-    overtaken as the age floor rises with each eviction. A parent chunk is touched whenever its
-    children are, so eviction takes the tails of chains first and chains never lose their heads
-    while their tails remain.
-    """
+    """A byte budget under LFU with dynamic aging (store/policy.py). A parent is touched with its children, so eviction
+    takes the tails of chains first."""
 
     name = "memory"
 

@@ -1,9 +1,5 @@
-"""LFU with dynamic aging (LFU-DA): the one eviction order shared by the memory tier and the block cache.
-
-priority = age floor + hits; the floor rises to each victim's priority, so long-ago popularity is overtaken. Among equal
-priorities the deepest entry (a chain's tail) and then the stalest go first. The owner decides what over budget means
-and which keys may not go. A heap with lazy deletion makes an eviction O(log n).
-"""
+"""LFU with dynamic aging (LFU-DA), shared by the memory tier and the block cache: priority = age floor + hits, the
+floor rising to each victim's; ties evict the deepest, then stalest entry. A lazy-deletion heap: O(log n) evictions."""
 from __future__ import annotations
 
 import heapq
@@ -80,8 +76,7 @@ class LfuAging(Generic[K]):
                                                   self._ranks[k].last_tick))
 
     def evict_while(self, over_budget: Callable[[], bool], evict: Callable[[K], bool]) -> list[K]:
-        """Offer keys to `evict` in order while `over_budget()`; `evict(key)` returns True when it dropped the entry,
-        False to keep it. Returns the keys evicted. O(log n) per key offered."""
+        """Offer keys to `evict` (True: dropped) in order while `over_budget()`; returns the keys evicted."""
         done: list[K] = []
         kept: list[tuple[float, int, int, K]] = []
         while self._heap and over_budget():

@@ -1,9 +1,5 @@
-"""KIVI-style asymmetric K/V quantization (int8 / int4) for the memory tier and the wire format.
-
-K is quantized per channel (a scale/minimum per (head, channel) and group of tokens: key outliers live in fixed
-channels, KIVI, Liu et al. 2024); V per token (a scale/minimum per group of a token's channels). Scales and minimums are
-fp16 (4 bytes per group), so groups must hold >= 100 elements for int8 to stay near 0.5x of fp16.
-"""
+"""KIVI-style asymmetric K/V quantization (int8 / int4) for the memory tier and the wire format: K per channel
+(outliers live in fixed channels), V per token, fp16 scale and minimum per group."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -251,8 +247,7 @@ class QuantRun:
         self._group_index: dict[tuple, torch.Tensor] = {}  # K token -> group, shared by every layer alike
 
     def layer(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Layer i's K and V of every chunk in order, as pieces [heads, tokens, head_dim] (a piece may span several
-        chunks)."""
+        """Layer i's K and V of every chunk in order, as pieces [heads, tokens, head_dim]."""
         layer_keys = [p.keys[i] for p in self.payloads]
         cap = _batch_tokens(layer_keys[0])
         keys = [k for run in _runs(layer_keys, _key_batch_kind, _key_tokens, cap) for k in self._keys(run)]
@@ -296,8 +291,7 @@ class QuantRun:
 
 
 def _batch_tokens(t: Encoded) -> int:
-    """Tokens dequantized in one go: on a CPU a batch's fp32 temporaries should stay in the caches; on a GPU one batch
-    per run (bounded to a few tens of MB)."""
+    """Tokens dequantized in one go: on a CPU sized for the caches; on a GPU one batch per run (bounded)."""
     return 1024 if t.data.device.type == "cpu" else 1 << 16
 
 

@@ -1,12 +1,7 @@
-"""Redis tier: the disk tier's verified binary format, shared across hosts, bounded in latency.
-
-Keys under kvboost:{namespace}: chunk:{key} (the record), meta:{key} (JSON ChunkMeta), children:{json(parent)} and
-content:{content_key} (sets of keys); all with TTLs. Redis may drop any of them independently, so an index entry whose
-blob is gone is a miss and is removed. Redis down, hung, full or read-only never fails or slows a request: short socket
-timeouts, no redis-py retries, and two circuit breakers: `breaker` (connection failures, timeouts, error replies to
-reads; probed with PING from a background thread) and `write_breaker` (error replies to writes; reads keep being
-served).
-"""
+"""Redis tier: the disk tier's verified format, shared across hosts, bounded in latency. Keys under kvboost:{namespace}:
+chunk:, meta:, children: and content: entries, all with TTLs; an index entry whose blob is gone is a miss and is
+removed. Short timeouts, no retries, and circuit breakers for connections/reads (`breaker`, probed from a background
+thread) and for writes (`write_breaker`)."""
 from __future__ import annotations
 
 import functools
@@ -365,8 +360,8 @@ class RedisStore(CountedTier):
 
     def _forget(self, entries: list[tuple[str, bytes | None]], counter: str | None,
                 also_from: str | None = None) -> None:
-        """Remove keys' blobs, metas and index memberships in one round trip (best effort). entries: (key, its raw meta
-        if known, naming the key's index sets)."""
+        """Remove keys' blobs, metas and index memberships in one round trip (best effort). entries: (key, raw meta or
+        None)."""
         def drop(pipe):
             for key, raw_meta in entries:
                 meta = _parse_meta(key, raw_meta)

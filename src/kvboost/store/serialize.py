@@ -1,10 +1,6 @@
-"""ChunkRecord <-> bytes, shared by the disk and Redis tiers.
-
-A 24-byte frame (magic, body length, xxh3_64 of the body) then a safetensors body: token ids, K/V, and one JSON header.
-K/V layouts: "packed" (format 2: one "kv" tensor [layers, 2, kv_heads, n_tokens, head_dim]) and "layers" (format 1,
-quantized or mixed-shape: "k.{i}" / "v.{i}"). Unknown formats raise UnsupportedFormatError (never deleted: a newer
-kvboost may share the directory). The checksum covers the whole body; no pickle.
-"""
+"""ChunkRecord <-> bytes, shared by the disk and Redis tiers: a 24-byte frame (magic, body length, xxh3_64 of the
+body) then a safetensors body (token ids, K/V "packed" [layers, 2, kv_heads, n, d] or per layer, a JSON header).
+Unknown formats raise UnsupportedFormatError (never deleted: a newer kvboost may share the directory). No pickle."""
 from __future__ import annotations
 
 import json

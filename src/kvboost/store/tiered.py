@@ -1,11 +1,6 @@
-"""Memory -> host -> disk -> Redis, behind the one ChunkStore interface the engine uses.
-
-get() walks the tiers fastest first and promotes lower-tier hits into memory. put() writes memory synchronously; disk
-and Redis writes go through a bounded write-behind queue (writeback.py), so a slow backend never costs a request time,
-and queued chunks are served from the queue. Redis gets every put; the disk gets memory's evictions or, with
-write_through_disk, every put. With a host tier (store/host.py) the memory tier is the device's and its evictions move
-to host memory. A key lives in exactly one of memory and host: moves happen under one lock (`_fast`).
-"""
+"""Memory -> host -> disk -> Redis, behind the one ChunkStore interface the engine uses. get() promotes lower-tier
+hits into memory; disk and Redis writes go through a bounded write-behind queue (writeback.py). A key lives in exactly
+one of memory and host: moves happen under one lock (`_fast`)."""
 from __future__ import annotations
 
 import os
@@ -110,8 +105,7 @@ class TieredStore:
         return self._counted(record)
 
     def _from_host(self, key: str) -> ChunkRecord | None:
-        """The host's record of `key` (None: absent), moved back into the memory tier when it fits there. Called under
-        `_fast`."""
+        """The host's record of `key` (None: absent), moved back into memory when it fits. Under `_fast`."""
         got = self.host.fetch(key, copy_back_bytes=self.memory.budget_bytes)
         if got is None:
             return None
@@ -127,8 +121,7 @@ class TieredStore:
         return host_record
 
     def _store_fast(self, record: ChunkRecord) -> bool:
-        """`record` into the memory tier, or the host's where the key already is or it is larger than the memory budget.
-        """
+        """`record` into the memory tier, or the host's where the key is or it exceeds the memory budget."""
         with self._fast:
             if self.host is not None and self.host.contains(record.key):
                 return self.host.put(record)
@@ -223,8 +216,7 @@ class TieredStore:
 
     # ---- stats -----------------------------------------------------------------------------------
     def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's stats, with `promotions` (hits promoted to memory) and, for disk/Redis, the write-behind queue's
-        counts."""
+        """Each tier's stats, with `promotions` and, for disk/Redis, the write-behind queue's counts."""
         out: dict[str, TierStats] = {}
         with self._lock:
             promotions = dict(self._promotions)
@@ -294,9 +286,7 @@ def _merge(lists) -> list[ChunkMeta]:
 def build_store(config, namespace: str, write_through_disk: bool = True, device_budget_bytes: int | None = None,
                 pin_host: bool = False) -> TieredStore:
     """The tiers an EngineConfig asks for; `namespace` must identify the model (and salt). device_budget_bytes: the
-    memory tier lives on the device with this budget and a host tier of memory_budget_bytes takes its evictions (None:
-    one memory tier). A configured disk is written through by default, so it is not empty after a restart and is shared
-    between processes."""
+    memory tier is the device's, with a host tier of memory_budget_bytes behind it. A disk is written through."""
     # Another store in this process may still be writing to the same target: let it land first.
     flush_timeout_s = config.flush_timeout_s
     flush_targets(_targets(config.disk_cache_dir, config.redis_url), flush_timeout_s)

@@ -1,9 +1,5 @@
-"""Write-behind for the slow tiers (disk, Redis): their writes never sit on a request's path.
-
-put() queues the record; one background thread per store drains the queue, oldest first. The queue is bounded in bytes:
-a write that does not fit is dropped and counted. Queued records stay readable; deletes are queued as tombstones (FIFO
-with puts). flush() waits for everything queued; close() and an exit hook flush with a bounded wait.
-"""
+"""Write-behind for the slow tiers (disk, Redis): one background thread per store drains a byte-bounded queue
+(a write that does not fit is dropped, counted). Queued records stay readable; deletes queue as tombstones."""
 from __future__ import annotations
 
 import atexit
