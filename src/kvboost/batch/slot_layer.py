@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
+from ..kv.length_layer import BufferLayer
 from ..kv.workspace import KVWorkspace
 from .prefix import SharedPrefix
 
 
-class SlotLayer(CacheLayerMixin):
+class SlotLayer(BufferLayer):
     """Writes new K/V at given columns of given slots; returns views over slots [lo, hi).
     With a shared prefix of P tokens the views start at column P: kv_length counts columns from P, kv_offset = P."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, ws: KVWorkspace, layer_idx: int, slots: slice, write_cols: torch.Tensor | int, past: int,
                  prefix: SharedPrefix | None = None):
@@ -26,9 +22,6 @@ class SlotLayer(CacheLayerMixin):
         self.start = prefix.length if prefix is not None else 0
         self.shared_prefix = prefix.layer(layer_idx) if prefix is not None else None
         self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         k_buf, v_buf = self.ws.buffers(self.layer_idx)
@@ -58,6 +51,3 @@ class SlotLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.past
-
-    def get_max_length(self) -> int:
-        return -1

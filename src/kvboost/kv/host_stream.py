@@ -4,17 +4,14 @@ layer i's new K/V back while layer i computes. The host waits on HostWorkspace.p
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .host_transfer import copy_heads
 from .host_workspace import HostWorkspace
+from .length_layer import LengthLayer
 
 
-class HostStreamLayer(CacheLayerMixin):
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
+class HostStreamLayer(LengthLayer):
     def __init__(self, cache: HostStreamCache, layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
@@ -22,26 +19,12 @@ class HostStreamLayer(CacheLayerMixin):
         self.dtype, self.device = cache.host.dtype, cache.host.compute_device
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # the buffers exist before the forward
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.length != self.cache.start:
             raise RuntimeError("a host stream cache serves one forward; build a new one for the next")
         keys, values = self.cache.layer_kv(self.layer_idx, key_states, value_states)
         self.length = self.cache.end
         return keys, values
-
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        # transformers passes the query length (>= 5.2x) or the cache_position tensor (earlier 5.x)
-        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
-        return self.length + q, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class HostStreamCache(Cache):

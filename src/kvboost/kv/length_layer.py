@@ -4,14 +4,20 @@ from __future__ import annotations
 from transformers.cache_utils import CacheLayerMixin
 
 
-class LengthLayer(CacheLayerMixin):
+class BufferLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
-    length: int  # positions before the next step
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass  # buffers exist before the first update
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class LengthLayer(BufferLayer):
+    length: int  # positions before the next step
 
     def get_mask_sizes(self, query, *args) -> tuple[int, int]:
         # transformers passes the query length (>= 5.2x) or the cache_position tensor (earlier 5.x)
@@ -20,9 +26,6 @@ class LengthLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         self.length = 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
+
+from .length_layer import LengthLayer
 
 _GROW_STEP = 256
 _FEW_PIECES = 4  # up to this many pieces are copied one by one: as cheap as making them contiguous for a cat
@@ -18,11 +20,9 @@ class LayerShape:
     head_dim_v: int
 
 
-class InPlaceLayer(CacheLayerMixin):
+class InPlaceLayer(LengthLayer):
     """A full-attention cache layer that writes into the workspace buffer of its layer."""
 
-    is_sliding = False
-    is_compileable = False
     is_croppable = True
 
     def __init__(self, workspace: KVWorkspace, layer_idx: int, length: int):
@@ -41,9 +41,6 @@ class InPlaceLayer(CacheLayerMixin):
         self.values = v_buf[:, :, : self.length]
         self.dtype, self.device = k_buf.dtype, k_buf.device
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
         end = self.length + n
@@ -55,22 +52,11 @@ class InPlaceLayer(CacheLayerMixin):
         self._refresh_views()
         return self.keys, self.values
 
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        # transformers passes the query length (>= 5.2x) or the cache_position tensor (earlier 5.x)
-        q = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
-        return self.length + q, 0
-
     def set_length(self, length: int) -> None:
         """The layer holds `length` tokens (written by someone else, e.g. a captured step over the buffers)."""
         self.workspace.ensure_layer_capacity(self.layer_idx, length)
         self.length = length
         self._refresh_views()
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0:

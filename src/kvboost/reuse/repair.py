@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from ..kv.length_layer import BufferLayer
 from ..kv.workspace import KVWorkspace
 from ..model.cache_arg import cache_kwargs
 from ..results import RecomputeStrategy
@@ -69,13 +70,9 @@ class _Probed(Exception):
     """Raised by ScatterLayer.update in probe mode: the K/V is written and scored, attention is not needed."""
 
 
-class ScatterLayer(CacheLayerMixin):
+class ScatterLayer(BufferLayer):
     """Cache layer writing K/V at arbitrary workspace positions and returning keys [0, end). After score(candidates),
     update() records the K/V `deviation` (CacheBlend's signal); `probing` raises _Probed once the K/V is written."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, workspace: KVWorkspace, layer_idx: int, total: int):
         super().__init__()
@@ -90,9 +87,6 @@ class ScatterLayer(CacheLayerMixin):
         self.is_initialized = True
         k_buf, _ = workspace.buffers(layer_idx)
         self.dtype, self.device = k_buf.dtype, k_buf.device
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
 
     def score(self, candidates: torch.Tensor | None) -> None:
         """Measure deviation for these positions during this layer's updates (None: stop measuring)."""
@@ -125,10 +119,6 @@ class ScatterLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.total
-
-    def get_max_length(self) -> int:
-        return -1
-
 
 def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per token ||new - old||^2 / ||old||^2 over heads and dims: scale-free, so K and V weigh alike."""
