@@ -22,8 +22,7 @@ def _import_commands() -> ModuleType | None:
     try:
         return importlib.import_module(COMMANDS)
     except ModuleNotFoundError as exc:
-        # Only "there is no such package" means absent (a package of that name but not ours has no commands
-        # module); a module missing inside the benchmarks is a real error and propagates.
+        # Only "no such package" means absent; a module missing inside the benchmarks is a real error.
         if exc.name in (PACKAGE, COMMANDS):
             return None
         raise

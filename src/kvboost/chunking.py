@@ -20,8 +20,7 @@ class Chunk:
     prefix_key: str
     content_key: str
     parent_key: str | None
-    # The cut after this chunk is decided: every longer sequence with the same tokens up to the decision has this chunk.
-    # False for a trailing remainder.
+    # The cut after this chunk is decided (every longer sequence agreeing so far has it); False for a remainder.
     complete: bool = True
 
     @property
@@ -122,8 +121,7 @@ class Chunker:
         limit = n if end is None else min(n, end)
         if w == 0:
             return [(s, min(s + size, n), s + size <= n) for s in range(0, limit, size) if min(s + size, n) <= limit]
-        # Cut c's class: 2 if token c-1 ends a sentence, 1 if token c starts a word, else 0; a cut at c <= limit depends
-        # on tokens up to c + 2W.
+        # Cut c's class: 2 if token c-1 ends a sentence, 1 if token c starts a word, else 0.
         m = n if end is None else min(n, end + 2 * w + 1)
         ids = np.asarray(token_ids[:m], dtype=np.int64)
         cls = self._classes[np.clip(ids, 0, len(self._classes) - 1)]

@@ -10,8 +10,7 @@ if TYPE_CHECKING:
     from .engine import InferenceEngine
 
 MODEL_HELP = "Local path or Hugging Face id (default: embedded SmolLM2-135M)."
-# Errors that mean "this model cannot be loaded as asked" (a missing path, a bad id, an unsupported
-# architecture, a missing optional package), not a bug: one line, no traceback.
+# "This model cannot be loaded as asked" (not a bug): one line, no traceback.
 LOAD_ERRORS = (OSError, ValueError, ImportError)
 
 

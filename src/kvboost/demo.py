@@ -41,8 +41,7 @@ def ask(engine: InferenceEngine, system_messages: list[dict[str, str]], question
     """Ask `question` after the system messages, baseline first, then KVBoost from the stored chunks."""
     messages = system_messages + [{"role": "user", "content": question}]
     base = engine.generate(messages=messages, max_new_tokens=max_new_tokens, mode="baseline")
-    # The baseline's K/V of this very prompt is still resident: reusing it would time a repeat, not the
-    # system prompt's reuse.
+    # The baseline's K/V of this very prompt is still resident: reusing it would time a repeat.
     engine.forget_workspace()
     fast = engine.generate(messages=messages, max_new_tokens=max_new_tokens)
     return QuestionRun(question, fast.prompt_tokens, fast.cached_tokens, base.ttft_ms, fast.ttft_ms,
@@ -72,8 +71,7 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
                   caption="reused: prompt tokens KVBoost took from the cache / the prompt's tokens")
     figures = (("baseline", "right", 8), ("KVBoost", "right", 8), ("speedup", "right", 7), ("reused", "right", 9),
                ("identical", "center", 9))
-    # The question is cut to what the figures leave of one line (each column: its width, 2 of padding, 1 of
-    # border; then the last border); the answers below repeat it whole.
+    # The question is cut to what the figures leave of one line (column: width + 2 padding + 1 border).
     room = console.width - sum(width + 3 for _, _, width in figures) - 4
     table.add_column("question", no_wrap=True, overflow="ellipsis", max_width=max(room, 8))
     for col, justify, width in figures:

@@ -49,8 +49,7 @@ class TokenConstraint:
                 self._device_bitmask = torch.empty_like(bitmask, device=out.device)
             self._device_bitmask.copy_(bitmask, non_blocking=True)
             bitmask = self._device_bitmask
-        # The vocabulary may be padded past the tokenizer's: the mask covers vocab_size tokens. On the CPU the C++
-        # kernel is named: "auto" picks a much slower torch path there.
+        # The mask covers vocab_size (maybe padded) tokens; on CPU "auto" would pick a much slower torch path.
         backend = "cpu" if out.device.type == "cpu" else "auto"
         self._xgr.apply_token_bitmask_inplace(row, bitmask, vocab_size=min(self.vocab_size, row.shape[-1]),
                                               backend=backend)

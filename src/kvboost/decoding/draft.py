@@ -59,8 +59,7 @@ class DraftProposer:
             except BaseException:
                 draft_engine.scheduler.release(self.slot)
                 raise
-        # The draft K/V sits at positions [0, base + len(tail)): context[:base] and then `tail` (drafts it ran
-        # that the target may have rejected). The context only grows, so context[:base] never needs checking.
+        # The draft K/V holds context[:base] (which only grows), then `tail` (drafts the target may have rejected).
         self.base, self.tail = len(request.ids), []
 
     def extend(self, tokens: Sequence[int]) -> None:

@@ -73,8 +73,7 @@ def make_draft_engine(engine, draft_model):
 
     cfg = engine.config
     model = load_draft_model(draft_model, engine.model, engine.tokenizer)
-    # A quarter of the target's budget on the draft's device, and no host tier behind it (host budget 0): on CUDA
-    # the default would otherwise give the draft's chunks 30% of the free device memory too.
+    # A quarter of the target's budget, and no host tier (else on CUDA the draft would take 30% of free memory).
     return type(engine)(model, engine.tokenizer, chunk_size=cfg.chunk_size, strict=False, memory_budget_bytes=0,
                         device_kv_budget_bytes=cfg.memory_budget_bytes // 4, cache_salt=cfg.cache_salt,
                         attention_backend=cfg.attention_backend, fast_path=cfg.fast_path)

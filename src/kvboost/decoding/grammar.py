@@ -14,8 +14,7 @@ from ..errors import InvalidRequestError, KVBoostError
 from .closing import ClosingVocab, closing_vocab
 
 FORMAT_KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
-# Whitespace allowed between JSON tokens, at most this many characters: models write the indented JSON they were trained
-# on (compact-only pushed SmolLM2 out of distribution), but cannot fill the budget with newlines.
+# Whitespace between JSON tokens, at most this many characters: models write indented JSON, but not endless newlines.
 MAX_JSON_WHITESPACE = 20
 
 

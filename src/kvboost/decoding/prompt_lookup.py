@@ -37,8 +37,7 @@ class PromptLookup:
             return []
         floor = self.min_ngram if min_ngram is None else max(1, min(min_ngram, self.max_ngram))
         for n in range(min(self.max_ngram, L - 1), floor - 1, -1):
-            # Windows starting at s < L - n, so a match is followed by at least one token and is never the
-            # suffix itself.
+            # Windows starting at s < L - n: a match is followed by a token and is never the suffix itself.
             m = L - n
             hit = ctx[:m] == ctx[L - n]
             for j in range(1, n):

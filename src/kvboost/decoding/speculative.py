@@ -15,8 +15,7 @@ MAX_NGRAM = 16
 # Drafts in the first verify, before its cost is known: failed long probes would cost a short answer much.
 PROBE_K = 2
 STREAK_ACCEPTANCE = 0.9  # the acceptance lengths are judged at right after a proposal was kept whole
-# prompt_lookup_min_ngram None (auto): a 1-gram match is worth drafting from only where a short verify costs about a
-# plain step; where it costs nearly two, drafts need a 2-gram match.
+# prompt_lookup_min_ngram auto: draft from a 1-gram match only where a short verify costs about a plain step.
 UNIGRAM_VERIFY_OVER_STEP = 1.25
 
 

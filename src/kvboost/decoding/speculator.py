@@ -10,14 +10,7 @@ import torch
 
 from ..sampling import Sampler
 from .prompt_lookup import PromptLookup
-from .speculative import (
-    AdaptiveK,
-    SpecCounts,
-    SpeculativeParams,
-    StepCosts,
-    accept_greedy,
-    lookup_min_ngram,
-)
+from .speculative import AdaptiveK, SpecCounts, SpeculativeParams, StepCosts, accept_greedy, lookup_min_ngram
 
 Forward = Callable[[list[int], int], torch.Tensor]
 

@@ -10,8 +10,6 @@ import torch
 from .host_workspace import HostStreamStats, HostWorkspace
 from .workspace import LayerShape
 
-# device_kv_max_tokens None on CUDA: no limit while the stored chunks' budget and two sequences of the model's longest
-# context fit in RUNNING_SHARE of the device memory free at load; else what STREAMED_SHARE of it holds.
 RUNNING_SHARE = 0.6
 STREAMED_SHARE = 0.15
 
@@ -46,8 +44,7 @@ class LongContexts:
     dtype: torch.dtype
     device: torch.device
     max_positions: int | None = None
-    # Stage K/V through device buffers (CUDA's order of work): None decides by the device; True runs that path on a
-    # CPU too (how the tests drive it).
+    # Stage K/V through device buffers: None decides by the device; True on a CPU too (tests).
     staged: bool | None = None
     sequences: int = 0
     totals: HostStreamStats = field(default_factory=HostStreamStats)

@@ -21,8 +21,7 @@ class StaticLayer(LengthLayer):
         self.keys, self.values, self.positions = keys, values, positions
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        # Host-side nominal length (tokens before this step): transformers sizes its masks from it; the
-        # attention ignores those sizes here (a None mask), so it never enters the captured work.
+        # Tokens before this step: transformers sizes masks from it, but the attention ignores them (a None mask).
         self.length = length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -9,8 +9,7 @@ from transformers import GenerationMixin
 
 
 def _installed_name() -> str:
-    # prepare_inputs_for_generation builds the forward kwargs of every model generate() runs: the name it takes
-    # for the cache is the name that version's forwards take (deprecate_kwarg keeps the signature via wraps).
+    # prepare_inputs_for_generation takes the cache under the name this version's forwards take.
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -429,8 +429,11 @@ class ModelRunner(GraphSteps):
 
     def compile_all(self) -> None:
         """Compiled mode: compile every kind of step the engine will run compiled — decode, rows and, when the runner
-        verifies, verify and rows verify — on this runner's own workspace (a background compile's twin)."""
+        verifies, verify and rows verify — on this runner's own workspace (a background compile's twin), then free
+        that workspace: the compiled forward takes its cache as an argument."""
         self.warm_up()
         self.workspace.ensure_rows(COMPILED_MIN_ROWS)
         self.decode_batch([0] * COMPILED_MIN_ROWS, [1] * COMPILED_MIN_ROWS)
         self.prepare_batched_verify()
+        self.steps.clear()
+        self.workspace.release()

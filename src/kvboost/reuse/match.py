@@ -45,8 +45,7 @@ def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = T
     for i, chunk in enumerate(chunks):
         if chunk.complete:
             record = store.get(chunk.prefix_key)
-            # A key hit counts only once the stored ids equal the prompt's: a hash collision must never
-            # put someone else's K/V under this prompt.
+            # A key hit counts only once the stored ids equal the prompt's (a hash collision must not).
             if record is not None and record.token_ids == chunk.token_ids and record.start == chunk.start:
                 match.segments.append(Segment(record, chunk.start, len(chunk.token_ids)))
                 continue

@@ -251,8 +251,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
             queries = schedule.queries(layer_idx)
             hidden = narrow(args[0] if args else kwargs.pop("hidden_states"), queries)
             if schedule.probes(layer_idx):
-                # Every row's K/V is written (this layer's true K/V) and scored; attention and MLP run for the kept rows
-                # only.
+                # Every row's true K/V is written and scored; attention and MLP run for the kept rows only.
                 layer.score(schedule.pool)
                 layer.positions, layer.end, layer.probing = queries, n, True
                 kw = dict(kwargs, position_ids=queries[None], attention_mask=probe_mask)

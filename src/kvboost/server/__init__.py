@@ -5,8 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-# Loaded on first use, so importing kvboost.server.__main__ (the CLI registering `serve`) loads neither
-# fastapi nor torch, and a missing extra is reported by the command, not by an ImportError here.
+# Loaded on first use: the CLI registering `serve` loads neither fastapi nor torch, nor fails on a missing extra.
 _EXPORTS = {"create_app": ".app", "BackgroundServer": ".background", "Job": ".scheduler",
             "QueueFullError": ".scheduler", "Scheduler": ".scheduler", "ServerSettings": ".settings"}
 __all__ = sorted(_EXPORTS)

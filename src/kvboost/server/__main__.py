@@ -113,8 +113,7 @@ def serve_command(
         raise typer.Exit(2) from None
     warm_prompts_s = time.perf_counter() - t0
     app = create_app(engine, settings)
-    # One short generation through the worker before saying "listening": the first client must not pay
-    # for first-call initialisation (kernels, allocator, chat template), and nothing is stored by it.
+    # One short generation before "listening": the first client must not pay for first-call initialisation.
     try:
         warm_s = warm_up(app)
     except Exception as exc:  # a server that cannot generate must not claim to be listening

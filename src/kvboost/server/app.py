@@ -244,8 +244,7 @@ def _check_model(settings: ServerSettings, name: str) -> None:
 
 async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, salt: str | None,
                    request: Request, t0: float) -> Response:
-    # n choices are n rows of the same prompt, submitted together: a batching worker admits them in one step, so
-    # the prompt's K/V is computed (or loaded) once and shared. A seed gives choice i the seed + i.
+    # n choices: n rows of one prompt submitted together, so its K/V is computed once. Choice i gets seed + i.
     jobs = []
     for i in range(prepared.n):
         params = prepared.params if i == 0 or prepared.params.seed is None else \

@@ -191,8 +191,7 @@ class ChatChunkChoice(BaseModel):
 
     @field_serializer("delta")
     def _only_what_changed(self, delta: ChunkDelta) -> dict[str, Any]:
-        # As OpenAI streams: a delta carries only the fields it sets, so the last chunk's is {} (not role and
-        # content null, which some clients append as the text "None").
+        # As OpenAI streams: only the fields set, so the last delta is {} (some clients append a null as "None").
         return delta.model_dump(mode="json", exclude_none=True)
 
 

@@ -23,8 +23,7 @@ class LfuAging(Generic[K]):
 
     def __init__(self) -> None:
         self._ranks: dict[K, _Rank] = {}
-        # (priority, -depth, last_tick, key): the first victim on top; an entry whose tick is not its key's
-        # current one is stale (touched or removed since) and skipped.
+        # (priority, -depth, last_tick, key), first victim on top; an entry with an outdated tick is stale, skipped.
         self._heap: list[tuple[float, int, int, K]] = []
         self._age_floor = 0.0
         self._tick = 0

@@ -264,8 +264,7 @@ class QuantRun:
         qs: list[QuantTensor] = run  # type: ignore[assignment]
         heads, _, head_dim = qs[0].shape
         rows = heads * head_dim
-        # K codes are [heads, head_dim, tokens]: chunks concatenate along the last axis (even int4 rows are whole
-        # bytes).
+        # K codes are [heads, head_dim, tokens]: chunks concatenate along the last axis (even int4 rows).
         if qs[0].bits == 8:
             codes = torch.cat([q.data.reshape(rows, q.shape[1]) for q in qs], dim=1)
         else:

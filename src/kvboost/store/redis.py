@@ -21,8 +21,7 @@ try:  # optional dependency: kvboost[redis]
 except ImportError:  # pragma: no cover - exercised only without redis-py
     _redis = None
 
-# Failures meaning the server is unreachable (they open `breaker`), and error replies, which open `breaker` for a read
-# and `write_breaker` for a write.
+# Unreachable: opens `breaker`; an error reply opens `breaker` for a read, `write_breaker` for a write.
 _UNREACHABLE: tuple[type[BaseException], ...] = (OSError,)
 _ERROR_REPLY: tuple[type[BaseException], ...] = ()
 _READ_ONLY: tuple[type[BaseException], ...] = ()
@@ -125,8 +124,7 @@ class RedisStore(CountedTier):
         self.breaker = breaker or CircuitBreaker()
         self.write_breaker = write_breaker or CircuitBreaker(
             self.breaker.failure_threshold, self.breaker.base_backoff_s, self.breaker.max_backoff_s)
-        # Reads refresh TTLs (GETEX/EXPIRE, which are writes); a read-only replica refuses them, so reads
-        # fall back to plain GET/SMEMBERS there rather than losing the hits.
+        # Reads refresh TTLs (writes): on a read-only replica they fall back to plain GET/SMEMBERS.
         self._sliding_ttl = self.ttl_s is not None
         self.health = TierHealth(self.name)
         self._prefix = f"kvboost:{namespace}:"
@@ -238,8 +236,7 @@ class RedisStore(CountedTier):
             self._count("short_circuited")                          # down or refusing writes
             self.health.dropped("breaker_open")
             return False
-        # A memoryview: redis-py writes a refused command's arguments into the error message, and decoding a multi-MB
-        # blob there is slow.
+        # A memoryview: redis-py would decode a refused command's multi-MB blob into the error message.
         blob = memoryview(dumps(record, self.namespace, self.codec))
         meta = json.dumps({"parent_key": record.parent_key, "content_key": record.content_key,
                            "start": record.start, "token_ids": list(record.token_ids)})

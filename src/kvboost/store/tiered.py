@@ -291,8 +291,7 @@ def build_store(config, namespace: str, write_through_disk: bool = True, device_
     flush_timeout_s = config.flush_timeout_s
     flush_targets(_targets(config.disk_cache_dir, config.redis_url), flush_timeout_s)
     bits = config.kv_cache_bits
-    # V groups span a token's whole [heads*head_dim] vector (up to 256 channels): one scale/zero pair per token keeps
-    # int8 near 0.52x of fp16.
+    # V groups span a token's [heads*head_dim] vector (up to 256): one scale/zero pair per token.
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
     budget = config.memory_budget_bytes
     host = None

@@ -7,20 +7,12 @@ from typing import Literal
 import torch
 
 from .reference import sdpa_attention
-from .support import (
-    KERNEL_DTYPES,
-    MAX_HEAD_DIM,
-    KernelUnsupportedError,
-    interpreted,
-    kernel_refusal,
-    triton_available,
-)
+from .support import KERNEL_DTYPES, MAX_HEAD_DIM, KernelUnsupportedError, interpreted, kernel_refusal, triton_available
 
 Backend = Literal["triton", "sdpa"]
 # Folded rows (GQA group x queries) up to which the split-K kernel always runs: one row tile, decode and drafts.
 DECODE_MAX_ROWS = 128
-# use_split_kernel's cost model (fitted on an H100, Qwen2.5-3B shape, bf16): the split path's fixed cost in key-tile
-# time, and the margin it must win by.
+# use_split_kernel's cost model (fitted on an H100): the split path's fixed cost in key tiles, the margin to win.
 SPLIT_OVERHEAD_KEYS = 512
 SPLIT_MARGIN = 0.9
 

@@ -13,12 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import (
-    AttentionMaskInterface,
-    causal_mask_function,
-    prepare_padding_mask,
-    sdpa_mask,
-)
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
 from .backend import dispatch
 from .reference import bottom_right_mask, sdpa_with_mask
@@ -34,8 +29,7 @@ class AttentionContext:
     """What one `kvboost_attention` block did: calls per path (for tests, logs and bench)."""
 
     backend: str | None = None  # None: auto; "triton" / "sdpa": forced
-    # [B] valid key lengths as a device tensor: a static cache hands the whole buffer, and a graph reads ends only from
-    # device memory.
+    # [B] valid key lengths on the device: a static cache hands the whole buffer; a graph reads only device memory.
     lengths: torch.Tensor | None = None
     counts: Counter = field(default_factory=Counter)
 

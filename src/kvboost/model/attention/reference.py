@@ -37,16 +37,14 @@ def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     b, hq, q_len, d = query.shape
     group = hq // key.shape[1]
     if group > 1 and q_len == 1 and mask is not None and mask.shape[1] == 1 and not is_causal:
-        # One query per head: fold the group into the query axis (an MHA-shaped call, mask broadcast over the group), as
-        # transformers' sdpa does for decode, so the fallback matches it bit for bit on CPU.
+        # One query per head: fold the group into the query axis, as transformers' sdpa does (bit for bit on CPU).
         packed = query.reshape(b, hq // group, group, d)
         with sdpa_kernel(FALLBACK_BACKENDS):
             out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
         return out.reshape(b, hq, 1, value.shape[-1])
     gqa = {}
     if group > 1:
-        # CUDA's flash/efficient kernels take enable_gqa only without a mask; with one, repeated K/V keeps the efficient
-        # kernel.
+        # CUDA's efficient kernels take enable_gqa only without a mask; with one, repeated K/V keeps them.
         if mask is None or query.device.type != "cuda":
             gqa = {"enable_gqa": True}
         else:
