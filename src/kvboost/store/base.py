@@ -170,3 +170,12 @@ class ChunkStore(Protocol):
     def clear(self) -> None: ...
 
     def stats(self) -> TierStats: ...
+
+
+def discard_member(index: dict, k, key: str) -> None:
+    """Remove `key` from the set index[k], dropping the set once empty."""
+    members = index.get(k)
+    if members is not None:
+        members.discard(key)
+        if not members:
+            del index[k]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .base import ChunkMeta, ChunkRecord, TierStats
+from .base import ChunkMeta, ChunkRecord, TierStats, discard_member
 from .policy import LfuAging
 
 
@@ -153,12 +153,8 @@ class MemoryStore:
             return
         self._policy.remove(key)
         self._bytes -= entry.nbytes
-        self._children[entry.meta.parent_key].discard(key)
-        if not self._children[entry.meta.parent_key]:
-            del self._children[entry.meta.parent_key]
-        self._by_content[entry.meta.content_key].discard(key)
-        if not self._by_content[entry.meta.content_key]:
-            del self._by_content[entry.meta.content_key]
+        discard_member(self._children, entry.meta.parent_key, key)
+        discard_member(self._by_content, entry.meta.content_key, key)
 
     def _decode(self, payload: object) -> ChunkRecord:
         return self.codec.decode(payload) if self.codec else payload  # type: ignore[return-value]

@@ -2,6 +2,7 @@
 (outliers live in fixed channels), V per token, fp16 scale and minimum per group."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,8 +77,7 @@ def quantize_tensor(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_
     # Replicating the last element keeps a short group's min/max those of its real elements.
     padded = torch.cat([moved, moved[..., -1:].expand(*moved.shape[:-1], pad)], -1) if pad else moved
     groups = padded.reshape(*moved.shape[:-1], n_groups, g)
-    mn = groups.amin(-1)
-    mx = groups.amax(-1)
+    mn, mx = groups.amin(-1), groups.amax(-1)
     zero16 = _round_toward(mn.half(), mn, up=False)
     scale_exact = ((mx - zero16.float()) / qmax).clamp_min(_FP16_TINY)
     scale16 = _round_toward(scale_exact.half(), scale_exact, up=True)
@@ -92,10 +92,7 @@ def dequantize_tensor(q: QuantTensor) -> torch.Tensor:
     moved_shape = list(q.shape)
     length = moved_shape.pop(q.axis)
     moved_shape.append(length)
-    numel = 1
-    for d in moved_shape:
-        numel *= d
-    codes = unpack_int4(q.data, numel) if q.bits == 4 else q.data
+    codes = unpack_int4(q.data, math.prod(moved_shape)) if q.bits == 4 else q.data
     codes = codes.reshape(moved_shape).float()
     n_groups = q.scale.shape[-1]
     pad = n_groups * q.group_size - length
@@ -230,10 +227,7 @@ class LazyQuantRecord(ChunkRecord):
 def _decoded_nbytes(t: Encoded) -> int:
     if not isinstance(t, QuantTensor):
         return t.numel() * t.element_size()
-    numel = 1
-    for d in t.shape:
-        numel *= d
-    return numel * t.dtype.itemsize
+    return math.prod(t.shape) * t.dtype.itemsize
 
 
 # ---- many chunks at once -------------------------------------------------------------------------
@@ -251,11 +245,8 @@ class QuantRun:
         layer_keys = [p.keys[i] for p in self.payloads]
         cap = _batch_tokens(layer_keys[0])
         keys = [k for run in _runs(layer_keys, _key_batch_kind, _key_tokens, cap) for k in self._keys(run)]
-        values: list[torch.Tensor] = []
-        heads = [_heads(k) for k in layer_keys]
-        for run in _runs(list(zip([p.values[i] for p in self.payloads], heads)), _value_batch_kind, _value_tokens,
-                         cap):
-            values += _values(run)
+        layer_values = list(zip([p.values[i] for p in self.payloads], [_heads(k) for k in layer_keys]))
+        values = [v for run in _runs(layer_values, _value_batch_kind, _value_tokens, cap) for v in _values(run)]
         return keys, values
 
     def _keys(self, run: list[Encoded]) -> list[torch.Tensor]:

@@ -23,10 +23,7 @@ class TieredStore:
     def __init__(self, memory: MemoryStore, disk: ChunkStore | None = None, redis: ChunkStore | None = None,
                  write_through_disk: bool = False, write_queue_bytes: int = DEFAULT_QUEUE_BYTES,
                  flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, host: HostStore | None = None):
-        self.memory = memory
-        self.host = host
-        self.disk = disk
-        self.redis = redis
+        self.memory, self.host, self.disk, self.redis = memory, host, disk, redis
         self.write_through_disk = write_through_disk and disk is not None
         self._lock = threading.Lock()
         self._fast = threading.RLock()  # memory + host together: moves between them look atomic
@@ -306,9 +303,7 @@ def build_store(config, namespace: str, write_through_disk: bool = True, device_
         if budget is None:  # unbounded would eventually fill the disk
             budget = default_disk_budget(config.disk_cache_dir)
         disk = DiskStore(config.disk_cache_dir, budget, namespace=namespace, bits=bits)
-    redis = None
-    if config.redis_url:
-        redis = RedisStore(config.redis_url, namespace=namespace, ttl_s=config.redis_ttl_s, bits=bits)
+    redis = RedisStore(config.redis_url, namespace=namespace, ttl_s=config.redis_ttl_s, bits=bits) \
+        if config.redis_url else None
     return TieredStore(memory, disk=disk, redis=redis, write_through_disk=write_through_disk,
-                       write_queue_bytes=config.write_queue_bytes,
-                       flush_timeout_s=flush_timeout_s, host=host)
+                       write_queue_bytes=config.write_queue_bytes, flush_timeout_s=flush_timeout_s, host=host)

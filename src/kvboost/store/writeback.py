@@ -11,7 +11,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .base import ChunkMeta, ChunkRecord, ChunkStore
+from .base import ChunkMeta, ChunkRecord, ChunkStore, discard_member
 
 log = logging.getLogger("kvboost.store.writeback")
 
@@ -109,18 +109,16 @@ class WriteBehind:
             return {k for k, op in self._ops.items() if op.record is None}
 
     def children(self, parent_key: str | None) -> list[ChunkMeta]:
-        with self._cond:
-            metas = [self._ops[k].meta for k in self._by_parent.get(parent_key, ())]
-            op = self._inflight
-            if op is not None and op.meta is not None and op.meta.parent_key == parent_key:
-                metas.append(op.meta)
-            return metas
+        return self._metas(self._by_parent, "parent_key", parent_key)
 
     def by_content(self, content_key: str) -> list[ChunkMeta]:
+        return self._metas(self._by_content, "content_key", content_key)
+
+    def _metas(self, index: dict, attr: str, value: str | None) -> list[ChunkMeta]:
         with self._cond:
-            metas = [self._ops[k].meta for k in self._by_content.get(content_key, ())]
+            metas = [self._ops[k].meta for k in index.get(value, ())]
             op = self._inflight
-            if op is not None and op.meta is not None and op.meta.content_key == content_key:
+            if op is not None and op.meta is not None and getattr(op.meta, attr) == value:
                 metas.append(op.meta)
             return metas
 
@@ -211,8 +209,8 @@ class WriteBehind:
         del self._ops[op.key]
         self._bytes -= op.nbytes
         if op.meta is not None:
-            _discard(self._by_parent, op.meta.parent_key, op.key)
-            _discard(self._by_content, op.meta.content_key, op.key)
+            discard_member(self._by_parent, op.meta.parent_key, op.key)
+            discard_member(self._by_content, op.meta.content_key, op.key)
 
     def _drop(self, tier: str, reason: str) -> None:
         with self._cond:
@@ -226,12 +224,6 @@ class WriteBehind:
                         self.max_bytes >> 20, "is full" if reason == "queue_full" else "is closed", tier)
 
 
-def _discard(index: dict, k, key: str) -> None:
-    members = index.get(k)
-    if members is not None:
-        members.discard(key)
-        if not members:
-            del index[k]
 
 
 _LIVE: weakref.WeakSet[WriteBehind] = weakref.WeakSet()
