@@ -220,6 +220,7 @@ class Scheduler:
         rows = self._rows = {}
         while not self._stop.is_set():
             new: list[Job] = []  # submitted in this iteration: the loop prefills them in the next step
+            deadline = None  # running: whatever queued meanwhile joins the next step
             if not rows:
                 job = self._next(0.1)
                 if job is None:
@@ -227,17 +228,11 @@ class Scheduler:
                 self._admit(job, rows, new)
                 # The batch window: requests arriving now prefill together (shared prefix K/V loaded once).
                 deadline = time.perf_counter() + self.batch_window_s
-                while len(rows) < self.max_batch_size and self.batched:
-                    job = self._next(max(0.0, deadline - time.perf_counter()))
-                    if job is None:
-                        break
-                    self._admit(job, rows, new)
-            else:  # running: whatever queued meanwhile joins the next step
-                while len(rows) < self.max_batch_size:
-                    job = self._next()
-                    if job is None:
-                        break
-                    self._admit(job, rows, new)
+            while len(rows) < self.max_batch_size and (deadline is None or self.batched):
+                job = self._next(0.0 if deadline is None else max(0.0, deadline - time.perf_counter()))
+                if job is None:
+                    break
+                self._admit(job, rows, new)
             for job, handle in rows.items():
                 if job.cancelled:
                     handle.cancel()
@@ -279,9 +274,7 @@ class Scheduler:
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):
-            deltas = handle.take_deltas()
-            if deltas and not job.cancelled:
-                job.emit("delta", "".join(deltas))
+            _emit_deltas(job, handle)
             if not handle.finished:
                 continue
             del rows[job]
@@ -316,12 +309,12 @@ class _FirstTokenPump:
     def _run(self) -> None:
         pending = list(self.rows)
         while pending and not self._done.wait(self.interval_s):
-            pending = [(job, handle) for job, handle in pending if not self._flush(job, handle)]
+            pending = [(job, handle) for job, handle in pending if not _emit_deltas(job, handle)]
 
-    @staticmethod
-    def _flush(job: Job, handle: Any) -> bool:
-        """Emit what the row has produced; True once its first text is out (the rest comes after the step)."""
-        deltas = handle.take_deltas()
-        if deltas and not job.cancelled:
-            job.emit("delta", "".join(deltas))
-        return bool(deltas)
+
+def _emit_deltas(job: Job, handle: Any) -> bool:
+    """Emit what the row has produced since last asked; True when there was any."""
+    deltas = handle.take_deltas()
+    if deltas and not job.cancelled:
+        job.emit("delta", "".join(deltas))
+    return bool(deltas)
