@@ -68,6 +68,15 @@ class InPlaceLayer(LengthLayer):
         self._refresh_views()
 
 
+def _resident_attr(name: str) -> property:
+    """A read-write property over the field `name` of the object's `resident`."""
+    return property(lambda self: getattr(self.resident, name), lambda self, value: setattr(self.resident, name, value))
+
+
+def _parent_attr(name: str) -> property:
+    return property(lambda self: getattr(self.parent, name))
+
+
 class KVWorkspace:
     """Per-layer K/V buffers [batch, kv_heads, columns, head_dim] reused across requests. Column c holds position
     `base + c`; `capacity`, `write`, `read` and `ensure_capacity` speak in positions, `buffers` in columns."""
@@ -88,22 +97,13 @@ class KVWorkspace:
         self.generation = 0  # bumped each time the buffers are reallocated
         self._allocate(0)
 
-    # The workspace's first row as the single-sequence API called it (the engine's primary row).
     @property
-    def resident_ids(self) -> list[int]:
-        return self.residents[0].ids
+    def resident(self) -> Resident:
+        """The first row's, as the single-sequence API calls it (the engine's primary row)."""
+        return self.residents[0]
 
-    @resident_ids.setter
-    def resident_ids(self, ids: list[int]) -> None:
-        self.residents[0].ids = ids
-
-    @property
-    def resident_tag(self) -> str | None:
-        return self.residents[0].tag
-
-    @resident_tag.setter
-    def resident_tag(self, tag: str | None) -> None:
-        self.residents[0].tag = tag
+    resident_ids = _resident_attr("ids")
+    resident_tag = _resident_attr("tag")
 
     def row(self, index: int) -> RowView:
         """Row `index` as a one-row workspace (its buffers are views of this one's)."""
@@ -263,53 +263,16 @@ class RowView:
     def __init__(self, parent: KVWorkspace, index: int):
         self.parent, self.index = parent, index
 
-    @property
-    def shapes(self) -> list[LayerShape]:
-        return self.parent.shapes
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parent.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.parent.device
-
-    @property
-    def base(self) -> int:
-        return self.parent.base
-
-    @property
-    def capacity(self) -> int:
-        return self.parent.capacity
-
-    @property
-    def max_positions(self) -> int | None:
-        return self.parent.max_positions
-
-    @property
-    def generation(self) -> int:
-        return self.parent.generation
+    # read-only, from the parent
+    shapes, dtype, device, base, capacity, max_positions, generation = map(
+        _parent_attr, ("shapes", "dtype", "device", "base", "capacity", "max_positions", "generation"))
 
     @property
     def resident(self) -> Resident:
         return self.parent.residents[self.index]
 
-    @property
-    def resident_ids(self) -> list[int]:
-        return self.resident.ids
-
-    @resident_ids.setter
-    def resident_ids(self, ids: list[int]) -> None:
-        self.resident.ids = ids
-
-    @property
-    def resident_tag(self) -> str | None:
-        return self.resident.tag
-
-    @resident_tag.setter
-    def resident_tag(self, tag: str | None) -> None:
-        self.resident.tag = tag
+    resident_ids = _resident_attr("ids")
+    resident_tag = _resident_attr("tag")
 
     def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.parent.buffers(layer_idx)
