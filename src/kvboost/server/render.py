@@ -77,21 +77,24 @@ def completion_logprobs(result: GenerationResult, decode: Decode) -> dict[str, A
             "top_logprobs": [{decode(a): lp for a, lp in t.top} for t in result.logprobs], "text_offset": offsets}
 
 
-class ChatRenderer:
+class _RendererBase:
+    id_prefix = ""
+
+    def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None, n: int = 1):
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
+        self.model, self.created, self.fingerprint = model, int(time.time()), fingerprint
+        self.decode, self.n = decode or str, n
+
+
+class ChatRenderer(_RendererBase):
     """chat.completion and chat.completion.chunk bodies for one request (n choices)."""
 
-    endpoint = "chat"
+    endpoint, id_prefix = "chat", "chatcmpl"
 
     def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None,
                  tool_parse: str = "none", n: int = 1, predicted: bool = False):
-        self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        self.predicted = predicted
-        self.model = model
-        self.created = int(time.time())
-        self.fingerprint = fingerprint
-        self.decode = decode or str
-        self.tool_parse = tool_parse
-        self.n = n
+        super().__init__(model, fingerprint, decode=decode, n=n)
+        self.predicted, self.tool_parse = predicted, tool_parse
         self._parsers = [ToolCallParser(tool_parse) if tool_parse != "none" else None for _ in range(n)]
         self._call_ids: dict[tuple[int, int], str] = {}
 
@@ -160,18 +163,10 @@ class ChatRenderer:
                                    usage=usage_of(results, self.predicted), system_fingerprint=self.fingerprint))
 
 
-class CompletionRenderer:
+class CompletionRenderer(_RendererBase):
     """text_completion bodies (streamed chunks use the same object type, as OpenAI does)."""
 
-    endpoint = "completions"
-
-    def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None, n: int = 1):
-        self.id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        self.model = model
-        self.created = int(time.time())
-        self.fingerprint = fingerprint
-        self.decode = decode or str
-        self.n = n
+    endpoint, id_prefix = "completions", "cmpl"
 
     def _body(self, choices: list[CompletionChoice], usage: Usage | None = None) -> dict[str, Any]:
         return dump(Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
