@@ -120,6 +120,7 @@ class ScatterLayer(BufferLayer):
     def get_seq_length(self) -> int:
         return self.total
 
+
 def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per token ||new - old||^2 / ||old||^2 over heads and dims: scale-free, so K and V weigh alike."""
     new, old = new.float(), old.float()

@@ -452,7 +452,6 @@ class DiskStore(CountedTier):
         return adopted, len(bad)
 
 
-
 def _writable(directory: Path) -> bool:
     """Whether we may write (or create) the directory; access() reports a read-only mount even to root."""
     probe = directory

@@ -373,7 +373,6 @@ class RedisStore(CountedTier):
             self._count(counter, len(entries))
 
 
-
 def _parse_meta(key: str, raw: bytes | None) -> ChunkMeta | None:
     if raw is None:
         return None

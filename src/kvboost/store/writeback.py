@@ -224,8 +224,6 @@ class WriteBehind:
                         self.max_bytes >> 20, "is full" if reason == "queue_full" else "is closed", tier)
 
 
-
-
 _LIVE: weakref.WeakSet[WriteBehind] = weakref.WeakSet()
 
 
