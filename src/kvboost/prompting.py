@@ -20,8 +20,7 @@ _TEMPLATE_RESERVED = {"conversation", "messages", "tokenize", "add_generation_pr
 def encode_prompt(tokenizer, n_vocab: int, prompt: str | Messages | None = None, messages: Messages | None = None,
                   add_generation_prompt: bool = True, input_ids: Sequence[int] | None = None,
                   template_kwargs: dict | None = None) -> list[int]:
-    """Exactly one of prompt (a string, or a list of messages), messages or input_ids. template_kwargs: extra
-    variables for the chat template (e.g. Qwen3's enable_thinking), messages only."""
+    """Exactly one of prompt (text or messages), messages or input_ids; template_kwargs go to the chat template."""
     if input_ids is not None:
         if prompt is not None or messages is not None:
             raise InvalidRequestError("pass one of prompt, messages or input_ids", "input_ids")

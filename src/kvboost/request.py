@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Request:
-    """Validated prompt ids and options. `content_reuse` is resolved (never None); `max_context` is the model's
-    context length, which prompt + max_new_tokens must fit in."""
+    """Validated prompt ids and options; prompt + max_new_tokens fit `max_context`, the model's context length."""
 
     ids: list[int]
     params: SamplingParams

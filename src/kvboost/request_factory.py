@@ -95,8 +95,7 @@ class RequestFactory:
     def speculation(self, speculative: str | None = "default", num_speculative_tokens: int | None = None,
                     prompt_lookup_max_ngram: int | None = None, prompt_lookup_min_ngram: int | None = None,
                     prediction: str | Sequence[int] | None = None) -> SpeculativeParams | None:
-        """A request's speculation resolved against EngineConfig (None: off). prediction: the expected output, text or
-        ids (drafts come from it first)."""
+        """A request's speculation resolved against EngineConfig (None: off); drafts come from `prediction` first."""
         return resolve_speculation(self.config, self.has_draft, speculative, num_speculative_tokens,
                                    prompt_lookup_max_ngram, prompt_lookup_min_ngram, self.prediction_ids(prediction))
 
@@ -120,8 +119,7 @@ class RequestFactory:
                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 logit_bias: dict[int, float] | None = None, prediction: str | Sequence[int] | None = None,
                 chat_template_kwargs: dict | None = None) -> Request:
-        """The keyword API as a Request: one of prompt (as-is), messages (chat template) or input_ids; penalties,
-        output formats, log-probabilities and speculation as generate() documents them."""
+        """The keyword API as a Request, from prompt (as-is), messages (chat template) or input_ids."""
         t0 = time.perf_counter()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, do_sample=do_sample, seed=seed, stop=stop, logprobs=logprobs,

@@ -16,8 +16,7 @@ def system_prompt_file() -> Path:
 
 
 def read_system_prompt(path: str | Path) -> tuple[str, list[dict[str, Any]]]:
-    """``(system prompt text, question records)`` from a file in the format above; ValueError without a
-    system record."""
+    """``(system prompt text, question records)`` from a file in the format above (ValueError: no system)."""
     with Path(path).open(encoding="utf-8") as fh:
         records = [json.loads(line) for line in fh if line.strip()]
     system = next((r["text"] for r in records if r.get("type") == "system"), None)

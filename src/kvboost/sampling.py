@@ -163,8 +163,7 @@ def token_logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 
 def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """The next token of every row of float32 logits [rows, vocab]: plain greedy rows with one argmax and one copy to
-    the host for all, others by their own samplers."""
+    """The next token of each row of float32 logits [rows, vocab]; greedy rows share one argmax and copy."""
     greedy = [i for i, s in enumerate(samplers) if s.params.greedy and s.plain]
     picks: dict[int, int] = {}
     if greedy:

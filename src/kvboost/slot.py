@@ -126,8 +126,7 @@ class Slot:
 
 
 class HostSlot:
-    """A sequence longer than the device holds: its K/V in a host workspace, streamed to the device a layer at a time.
-    Same calls as a Slot, never batched; exact reuse only."""
+    """A sequence longer than the device holds, in a host workspace: a Slot's calls, never batched, exact reuse."""
 
     index = -1
 

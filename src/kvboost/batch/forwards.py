@@ -42,8 +42,7 @@ class RowForwards:
         return self.forward(cache, input_ids=ids)[0, -1]
 
     def alone(self, tokens: list[int], start: int) -> torch.Tensor:
-        """float32 logits [n, vocab] of tokens run at positions [start, start + n) of slot 0 (the batch's only row)
-        after the K/V of its [0, start): a verify, or without drafts the row's plain step."""
+        """float32 logits [n, vocab] of tokens at [start, start + n) of slot 0, the batch's only row."""
         n = len(tokens)
         self.ws.ensure_capacity(start + n, keep=start)
         ids = torch.tensor([tokens], device=self.device)
@@ -61,8 +60,7 @@ class RowForwards:
         return self.forward(cache, input_ids=ids, attention_mask=mask, position_ids=lengths_t[:, None])[:, -1]
 
     def ragged(self, tokens: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """float32 logits [rows, q, vocab] of tokens[i] (q each) run at positions [lengths[i], lengths[i] + q) of
-        row i, each query over its own row's columns up to itself."""
+        """float32 logits [rows, q, vocab]: row i's q tokens at [lengths[i], lengths[i] + q), own columns only."""
         device = self.device
         n, q = len(tokens), len(tokens[0])
         past = max(lengths)

@@ -81,8 +81,7 @@ def group_by_prefix(prompts: Sequence[str], token_ids_list: Sequence[Sequence[in
 
 @dataclass(repr=False)
 class SharedPrefix:
-    """K/V of a batch's common first `length` tokens, one [1, kv_heads, length, d] tensor per layer read by every row.
-    `salt`: the tenant it was stored under."""
+    """K/V of a batch's common first `length` tokens: one [1, kv_heads, length, d] per layer, tenant `salt`."""
 
     ids: tuple[int, ...]
     salt: str | None
@@ -131,8 +130,7 @@ class SharedPrefix:
 
 
 class PrefixedRows:
-    """Reads a batch row's K/V as if contiguous (below the prefix from the prefix, the rest from the slot), with
-    KVWorkspace.read's contract, so write-back stores correct chunks."""
+    """A batch row's K/V read as if contiguous (prefix, then slot), as KVWorkspace.read, for write-back."""
 
     def __init__(self, ws: KVWorkspace, prefix: SharedPrefix | None):
         self.ws, self.prefix = ws, prefix

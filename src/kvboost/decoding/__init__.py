@@ -5,8 +5,7 @@ from ..sampling import find_stop, held_back_length
 
 
 class OutputTracker:
-    """Feed sampled tokens one by one; get text deltas safe to show (never inside an incomplete UTF-8 sequence or a
-    possible stop string) and the finish state."""
+    """Text deltas of sampled tokens, never inside a UTF-8 sequence or a possible stop string; finish state."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], stop: list[str], max_new_tokens: int):
         self.tokenizer = tokenizer

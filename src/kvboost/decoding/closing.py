@@ -48,8 +48,7 @@ class ClosingPlanner:
         self._words = self.bitmask[0].numpy()  # int32 words; reading a few is cheaper than copying them all out
 
     def plan(self, limit: int) -> list[int] | None:
-        """Tokens, at most `limit`, after which the grammar may stop ([]: now); None if the greedy continuation does not
-        get there within `limit`. The matcher is left as it was."""
+        """At most `limit` tokens after which the grammar may stop ([]: now), or None; the matcher is kept."""
         chars = self._characters(2 * limit)  # a text of n characters is at most n tokens, often far fewer
         if chars is None:
             return None

@@ -17,8 +17,7 @@ class GrammarViolationError(KVBoostError, RuntimeError):
 class TokenConstraint:
     def __init__(self, compiled, vocab_size: int, stop_token_ids: Sequence[int], budget: int | None = None,
                  closing: ClosingVocab | None = None):
-        """budget: the sequence's max_new_tokens; with `closing` (decoding/closing.py) its last tokens are forced to
-        finish the output rather than cut it."""
+        """budget: max_new_tokens; with `closing` the last tokens finish the output rather than cut it."""
         import xgrammar as xgr
 
         self._xgr = xgr

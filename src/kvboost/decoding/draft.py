@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 
 def load_draft_model(draft_model, target_model, target_tokenizer):
-    """The draft as a loaded HF model on the target's device and dtype (a path / hub id is loaded); InvalidRequestError
-    when the vocabularies differ."""
+    """The draft HF model on the target's device and dtype; InvalidRequestError when vocabularies differ."""
     from ..loading import load_model_and_tokenizer
 
     param = next(target_model.parameters())

@@ -28,8 +28,7 @@ class StructuredOutputUnavailableError(KVBoostError, ImportError):
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """What the output must match. `source` is the cache key's text (a schema as compact JSON in its own key order,
-    which the output follows)."""
+    """What the output must match; `source` keys the cache (a schema as compact JSON, key order kept)."""
 
     kind: str
     source: str = ""

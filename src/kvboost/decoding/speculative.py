@@ -37,8 +37,7 @@ class SpeculativeParams:
 
 
 def lookup_min_ngram(costs: StepCosts | None) -> int:
-    """prompt_lookup_min_ngram "auto": 1 once a 2-token verify has measured at most UNIGRAM_VERIFY_OVER_STEP plain
-    steps, else 2 (also before anything is measured)."""
+    """prompt_lookup_min_ngram "auto": 1 once a 2-token verify costs <= UNIGRAM_VERIFY_OVER_STEP steps, else 2."""
     if costs is None or costs.t1 is None:
         return 2
     verify = costs.verify_s(2)

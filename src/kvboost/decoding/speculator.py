@@ -75,8 +75,7 @@ class Speculator:
         return drafts
 
     def accept(self, logits: torch.Tensor, drafts: list[int], batched: bool = False) -> list[int]:
-        """The tokens a verify the caller ran itself (batched: a ragged verify) emits, counted and fed to the proposer.
-        logits [len(drafts) + 1, vocab], float32."""
+        """Emitted tokens of a verify the caller ran (logits [len(drafts) + 1, vocab] float32), counted."""
         out = self.pick(logits, drafts)
         self.account(drafts, out, batched)
         return out

@@ -22,8 +22,7 @@ def loaded_cudart_path() -> str:
 
 
 class CudaRuntime:
-    """ctypes entry points of one libcudart; every call returns its cudaError_t (0: success), a failed one cleared
-    from the thread's error state."""
+    """ctypes entry points of one libcudart; each returns its cudaError_t, a failure cleared."""
 
     def __init__(self, path: str):
         self.lib = ctypes.CDLL(path)

@@ -28,8 +28,7 @@ class HostStreamLayer(LengthLayer):
 
 
 class HostStreamCache(Cache):
-    """One forward of q tokens at positions [start, start + q) over `host` (positions past `start` dropped first). Call
-    finish(ok) after the forward, whether it raised or not."""
+    """One forward of q tokens at [start, start + q) over `host`; call finish(ok) after it, raised or not."""
 
     def __init__(self, host: HostWorkspace, start: int, q: int):
         if start > host.capacity:

@@ -31,8 +31,7 @@ def _grown(needed: int, capacity: int, max_positions: int | None) -> int:
 
 
 class DeviceResident:
-    """Positions [0, filled) of every layer kept on the compute device ([1, kv_heads, capacity, d], capacity per the
-    byte budget). Allocated at the first staged forward."""
+    """Positions [0, filled) of every layer kept on the device, allocated at the first staged forward."""
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, budget_bytes: int):
         per_position = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize

@@ -36,8 +36,7 @@ def device_max_tokens(configured: int | None, device: torch.device, device_budge
 
 @dataclass
 class LongContexts:
-    """Sequences over `max_device_tokens` positions run from host memory; the first max_device_tokens positions of
-    each stay on the device (on a GPU) so that only the rest crosses every forward."""
+    """Sequences over `max_device_tokens` run from host memory, their first positions kept on the device."""
 
     max_device_tokens: int | None
     shapes: list[LayerShape]

@@ -148,8 +148,7 @@ class KVWorkspace:
         self.generation += 1
 
     def rebase(self, base: int, keep: int = 0) -> None:
-        """Make column 0 hold position `base`; positions [max(base, old base), keep) keep their contents, [base, old
-        base) start zeroed for the caller to fill. Nothing stays resident."""
+        """Make column 0 hold position `base`, keeping [max(base, old base), keep); nothing stays resident."""
         if base != self.base:
             self._allocate(max(self.capacity, keep), keep=keep, base=base)
             self.forget_residents()

@@ -71,8 +71,7 @@ def attention_context(model: torch.nn.Module, backend: str) -> AbstractContextMa
 
 def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, cache: Cache,
                    logits_to_keep: int = 1, attention: str = "model") -> torch.Tensor:
-    """Run tokens after what the cache holds; float32 logits [batch, logits_to_keep, vocab]. attention:
-    resolve_attention's choice (the caller holds the engine lock)."""
+    """float32 logits [batch, logits_to_keep, vocab] of tokens run after what the cache holds (engine lock held)."""
     device = next(model.parameters()).device
     if isinstance(token_ids, torch.Tensor):
         ids = token_ids.to(device)

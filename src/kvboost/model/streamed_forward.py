@@ -11,8 +11,7 @@ from .forward import forward_tokens
 
 def streamed_forward(model: torch.nn.Module, host: HostWorkspace, tokens: list[int] | torch.Tensor, start: int,
                      all_logits: bool = False, attention: str = "model") -> torch.Tensor:
-    """Run `tokens` at positions [start, start + n) after the host workspace's [0, start). Returns float32 logits of the
-    last token [vocab], or of every token [n, vocab] with all_logits."""
+    """float32 logits ([vocab], or [n, vocab] with all_logits) of `tokens` at [start, start + n) of `host`."""
     n = tokens.shape[-1] if isinstance(tokens, torch.Tensor) else len(tokens)
     if n == 0:
         raise ValueError("a forward needs at least one token")

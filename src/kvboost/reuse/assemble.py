@@ -129,8 +129,7 @@ class ContentState:
 
     def find(self, store: ChunkStore, ids: list[int], start: int, stop: int, salt: str | None
              ) -> tuple[list[ContentSegment], list[RotaryInfo] | None, str | None]:
-        """Content matches in ids[start:stop] and the rotary settings to move them with; ([], None, reason) when they
-        cannot be placed exactly."""
+        """Content matches in ids[start:stop] and their rotary settings; ([], None, reason) if not placeable exactly."""
         if self.index.prune_due():
             self.index.prune(store.contains)
         if stop - start <= 0 or not len(self.index):

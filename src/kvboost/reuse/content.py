@@ -22,8 +22,7 @@ def _salt_seed(salt: str | None) -> np.uint64:
 
 
 def window_hashes(token_ids: Sequence[int] | np.ndarray, window: int, salt: str | None = None) -> np.ndarray:
-    """Hash of every run of `window` consecutive ids (out[i] covers ids[i:i + window]); uint64, wrapping. Includes the
-    tenant seed, so tenants never share an entry."""
+    """uint64 hash of every `window` ids (out[i] covers ids[i:i + window]), seeded per tenant."""
     ids = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
     n = ids.shape[0] - window + 1
     if n <= 0:
@@ -163,8 +162,7 @@ class ContentIndex:
     # ---- matching ----------------------------------------------------------------------------------
     def find(self, ids: Sequence[int], start: int, stop: int, salt: str | None = None,
              min_match: int = MIN_MATCH) -> list[ContentSegment]:
-        """Non-overlapping segments of ids[start:stop] equal to stored chunk content, left to right; greedily the
-        candidate extending furthest (ties: smallest shift). The rest is left for prefill."""
+        """Non-overlapping stored-content segments of ids[start:stop], left to right, greedily the longest."""
         ids = [int(t) for t in ids]
         w = self.window
         if stop - start < max(w, min_match) or not self._metas:

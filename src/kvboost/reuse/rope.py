@@ -149,8 +149,7 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
 
 def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
                     dst_len: int | None = None) -> list[RotaryInfo]:
-    """One RotaryInfo per decoder layer from the model's rotary module (src_len / dst_len matter only for
-    length-dependent schemes); reports exact=False rather than raising."""
+    """One RotaryInfo per decoder layer from the model's rotary module; exact=False rather than raising."""
     decoder = _decoder(model)
     config = getattr(decoder, "config", None) or model.config.get_text_config()
     layers = getattr(decoder, "layers", None)

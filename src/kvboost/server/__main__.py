@@ -138,8 +138,7 @@ def serve_command(
 
 
 def run_on_main_thread(server, sock, scheduler) -> None:
-    """HTTP on a thread of its own, the engine's loop on the main thread (see Scheduler.run_here). Ctrl-C / SIGTERM
-    shut down gracefully; a second one exits at once."""
+    """HTTP on its own thread, the engine's loop on the main one (Scheduler.run_here); a 2nd Ctrl-C exits at once."""
     def handle_exit(signum, frame) -> None:
         if server.should_exit:
             server.force_exit = True

@@ -336,8 +336,7 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
 
 
 async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
-    """role chunk(s), content / tool-call chunks, each choice's final chunk, usage if asked, [DONE]; an error in any
-    choice ends the stream with the error body."""
+    """Role, content / tool-call and final chunks, usage if asked, [DONE]; an error ends the stream."""
     metrics, endpoint = state.metrics, renderer.endpoint
     first = True
     results: list[GenerationResult | None] = [None] * len(jobs)

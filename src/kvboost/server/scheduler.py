@@ -125,8 +125,7 @@ class Scheduler:
             self._thread.start()
 
     def run_in_caller(self) -> None:
-        """From now on the loop runs where run_here() is called and start() spawns nothing; ends an earlier worker (the
-        warm-up's) first. Call it before requests can arrive."""
+        """The loop runs where run_here() is called from now on (an earlier worker ends first)."""
         self.stop()
         with self._start_lock:
             self._in_caller = True
@@ -289,8 +288,7 @@ class Scheduler:
 
 
 class _FirstTokenPump:
-    """While one step prefills several new rows, hand out each row's first token as soon as it exists. take_deltas() is
-    thread-safe; the pump is joined before the worker takes deltas itself."""
+    """While one step prefills several new rows, hand out each row's first token as soon as it exists."""
 
     def __init__(self, rows: list[tuple[Job, Any]], interval_s: float = 0.005):
         self.rows = rows

@@ -17,8 +17,7 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass
 class ToolSetup:
-    """What a request's tools mean for its prompt and output. parse: "none" | "call" (the whole output is one
-    call object) | "tagged" (calls inside <tool_call> tags in free text)."""
+    """What a request's tools mean for its prompt and output; parse: "none" | "call" | "tagged"."""
 
     functions: list[dict[str, Any]] = field(default_factory=list)  # {"name", "description", "parameters"}
     choice: str = "none"

@@ -126,8 +126,7 @@ class TierHealth:
 
 
 class CountedTier:
-    """Hit/miss/error accounting for the tiers that can fail (disk, Redis). Subclasses provide `_get(key)` (may raise: a
-    miss), `_lock`, `_stats`, `_counters` and `health`."""
+    """Hit/miss/error counts for tiers that can fail; subclasses give _get, _lock, _stats, _counters, health."""
 
     def get(self, key: str) -> ChunkRecord | None:
         try:

@@ -417,8 +417,7 @@ class DiskStore(CountedTier):
             self._count("errors")
 
     def _sweep(self, everything: bool) -> tuple[int, int]:
-        """Remove dead writers' temp files; when alone, also rows without files, and index unindexed verified files.
-        Returns (files adopted, files removed)."""
+        """Remove dead writers' temp files; alone, also fix the index both ways. Returns (adopted, removed)."""
         chunks_root = self.directory / "chunks"
         now = time.time()
         files: set[str] = set()

@@ -79,8 +79,7 @@ class HostStore(MemoryStore):
             return False
 
     def fetch(self, key: str, copy_back_bytes: int) -> tuple[ChunkRecord, ChunkRecord | None] | None:
-        """A counted get() that also copies the record back to its device when it weighs at most copy_back_bytes: (host
-        record, device copy or None); None when absent."""
+        """A counted get(), with a device copy when it weighs <= copy_back_bytes: (host, device or None) or None."""
         payload = self.get_payload(key)
         if payload is None:
             return None

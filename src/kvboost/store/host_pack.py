@@ -26,8 +26,7 @@ class HostMoveError(RuntimeError):
 
 @dataclass
 class HostPayload:
-    """One record in host memory: every tensor of `record` or `quant` is a view of `buffer`; `source` is the device a
-    promotion takes it back to."""
+    """One record in host memory, its tensors views of `buffer`; `source`: the device it came from."""
 
     meta: ChunkMeta
     buffer: torch.Tensor

@@ -357,8 +357,7 @@ class RedisStore(CountedTier):
 
     def _forget(self, entries: list[tuple[str, bytes | None]], counter: str | None,
                 also_from: str | None = None) -> None:
-        """Remove keys' blobs, metas and index memberships in one round trip (best effort). entries: (key, raw meta or
-        None)."""
+        """Remove keys' blobs, metas and index memberships in one round trip (best effort)."""
         def drop(pipe):
             for key, raw_meta in entries:
                 meta = _parse_meta(key, raw_meta)

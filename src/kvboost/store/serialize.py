@@ -92,8 +92,7 @@ def frame_checksum(blob: bytes) -> int | None:
 
 
 def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> ChunkRecord:
-    """Verify and decode; K/V come back in their original dtype, on CPU. Raises CorruptRecordError for damage,
-    NamespaceMismatchError for another namespace or key."""
+    """Verify and decode to CPU tensors; CorruptRecordError for damage, NamespaceMismatchError otherwise."""
     header, tensors = _verify(blob)
     if namespace is not None and header["namespace"] != namespace:
         raise NamespaceMismatchError(f"record namespace {header['namespace']!r} != {namespace!r}")
@@ -218,8 +217,7 @@ def _check_quant(q: QuantTensor, name: str) -> None:
 
 
 def _packed(record: ChunkRecord) -> torch.Tensor | None:
-    """[layers, 2, kv_heads, n_tokens, head_dim] of a full-precision record (its pack, else its layers stacked); None
-    when layers differ in shape or dtype."""
+    """A full-precision record as one [layers, 2, kv_heads, n, d] tensor; None when layers differ."""
     packed = record.packed_view()
     if packed is not None:
         return packed

@@ -47,8 +47,7 @@ def _select(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int
 
 def select_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, *,
                    head_dim_v: int | None = None, prefer: str | None = None) -> tuple[Backend, str]:
-    """("triton" | "sdpa", why). prefer="triton" runs the kernels under TRITON_INTERPRET=1 on CPU (tests); prefer="sdpa"
-    forces the fallback. Cached per argument tuple."""
+    """("triton" | "sdpa", why); prefer="triton" runs the kernels interpreted on CPU (tests). Cached."""
     device_type = torch.device(device).type
     return _select(device_type, dtype, int(head_dim), int(head_dim if head_dim_v is None else head_dim_v),
                    prefer, interpreted())

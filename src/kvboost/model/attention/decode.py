@@ -187,8 +187,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      kv_len: int | None = None, ends: torch.Tensor | None = None,
                      key_valid: torch.Tensor | None = None, split_len: int | None = None,
                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Split-K attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d], as prefill.prefill_attention; raises
-    KernelUnsupportedError for inputs it cannot run."""
+    """Split-K attention, arguments and result as prefill.prefill_attention (KernelUnsupportedError)."""
     reason = kernel_refusal(query, key, value)
     if reason:
         raise KernelUnsupportedError(reason)

@@ -107,8 +107,7 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
                               attention_mask: torch.Tensor | None, dropout: float = 0.0,
                               scaling: float | None = None, is_causal: bool | None = None,
                               **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """AttentionInterface entry: query [B, Hq, q, d], key/value [B, Hkv, kv, d], mask None or [B, 1, q, kv]. Returns
-    ([B, q, Hq, d], None)."""
+    """AttentionInterface entry: query [B, Hq, q, d], key/value [B, Hkv, kv, d] -> ([B, q, Hq, d], None)."""
     ctx: AttentionContext | None = getattr(_local, "ctx", None)
     counts = ctx.counts if ctx is not None else Counter()  # another thread mid-block: exact, just not counted
     backend = ctx.backend if ctx is not None else None
@@ -164,8 +163,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 @contextmanager
 def kvboost_attention(model: torch.nn.Module, *, backend: str | None = None,
                       lengths: torch.Tensor | None = None) -> Iterator[AttentionContext]:
-    """Run the model's forwards in this block through KVBoost's attention (hold the engine lock); yields its
-    AttentionContext."""
+    """Run the model's forwards in this block through KVBoost's attention (hold the engine lock)."""
     ctx = AttentionContext(backend, lengths)
     previous = getattr(_local, "ctx", None), getattr(_local, "record", None)
     _local.ctx, _local.record = ctx, None

@@ -21,8 +21,7 @@ def static_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
-    """AttentionInterface entry: query [B, Hq, q, d] over key/value [B, Hkv, capacity, d]; kwargs["kvboost_ends"] [B]
-    int32. Returns ([B, q, Hq, d], None)."""
+    """query [B, Hq, q, d] over key/value [B, Hkv, capacity, d] to kwargs["kvboost_ends"] -> ([B, q, Hq, d], None)."""
     ends = kwargs.get("kvboost_ends")
     exact = kwargs.get("kvboost_exact_views", False)  # the buffers are views of exactly the valid keys
     if ends is None and not exact:
