@@ -84,24 +84,26 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
+_RANGES = {"requests_per_day": (lambda v: v >= 0, "must be >= 0"), "prefix_tokens": (lambda v: v >= 0, "must be >= 0"),
+           "reuse_rate": (lambda v: 0.0 <= v <= 1.0, "must be within [0, 1]"),
+           "prefill_tokens_per_s": (lambda v: v > 0, "must be > 0"),
+           "usd_per_gpu_hour": (lambda v: v > 0, "must be > 0")}
+
+
+def _checked(raw: dict[str, Any]) -> dict[str, float]:
+    """Every value as a float (all checked as numbers first), then each within its range (_RANGES)."""
+    values = {name: _number(name, value) for name, value in raw.items()}
+    for name, value in values.items():
+        ok, rule = _RANGES[name]
+        if not ok(value):
+            raise CostInputError(name, f"{rule}, got {value:g}")
+    return values
+
+
 def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefill_tokens_per_s: Any,
               usd_per_gpu_hour: Any) -> tuple[float, float, float, float, float]:
-    req = _number("requests_per_day", requests_per_day)
-    pre = _number("prefix_tokens", prefix_tokens)
-    reuse = _number("reuse_rate", reuse_rate)
-    rate = _number("prefill_tokens_per_s", prefill_tokens_per_s)
-    usd = _number("usd_per_gpu_hour", usd_per_gpu_hour)
-    if req < 0:
-        raise CostInputError("requests_per_day", f"must be >= 0, got {req:g}")
-    if pre < 0:
-        raise CostInputError("prefix_tokens", f"must be >= 0, got {pre:g}")
-    if not 0.0 <= reuse <= 1.0:
-        raise CostInputError("reuse_rate", f"must be within [0, 1], got {reuse:g}")
-    if rate <= 0:
-        raise CostInputError("prefill_tokens_per_s", f"must be > 0, got {rate:g}")
-    if usd <= 0:
-        raise CostInputError("usd_per_gpu_hour", f"must be > 0, got {usd:g}")
-    return req, pre, reuse, rate, usd
+    return tuple(_checked(dict(zip(_RANGES, (requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
+                                             usd_per_gpu_hour)))).values())
 
 
 def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: float, prefill_tokens_per_s: float,
@@ -141,17 +143,12 @@ def read_bench_rates(path: str | Path) -> BenchRates:
     if not isinstance(data, dict):
         raise BenchSchemaError(f"{p}: expected a JSON object at the top level, got {type(data).__name__}")
     try:
-        reuse = _number("reuse_rate", _lookup(data, "reuse_rate", p))
-        rate = _number("prefill_tokens_per_s", _lookup(data, "prefill_tokens_per_s", p))
+        rates = _checked({key: _number(key, _lookup(data, key, p)) for key in ("reuse_rate", "prefill_tokens_per_s")})
     except BenchSchemaError:
         raise
-    except ValueError as e:
+    except ValueError as e:  # CostInputError: "<key> must be ..."
         raise BenchSchemaError(f"{p}: {e}") from None
-    if not 0.0 <= reuse <= 1.0:
-        raise BenchSchemaError(f"{p}: reuse_rate must be within [0, 1], got {reuse:g}")
-    if rate <= 0:
-        raise BenchSchemaError(f"{p}: prefill_tokens_per_s must be > 0, got {rate:g}")
-    return BenchRates(reuse_rate=reuse, prefill_tokens_per_s=rate, source=str(p))
+    return BenchRates(**rates, source=str(p))
 
 
 def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
