@@ -36,9 +36,8 @@ _CLASS_CACHE: weakref.WeakKeyDictionary[object, np.ndarray] = weakref.WeakKeyDic
 
 
 def boundary_classes(tokenizer) -> np.ndarray:
-    """uint8 per token id: BOUNDARY_END and/or BOUNDARY_WORD bits (0: a cut next to it splits a word). Cached per
-    tokenizer. Decoded text decides sentence ends; the raw token decides word starts too (SentencePiece decoders drop a
-    lone token's leading space)."""
+    """uint8 per token id: BOUNDARY_END and/or BOUNDARY_WORD bits, cached per tokenizer. Word starts come from the raw
+    token too (SentencePiece decoders drop a lone token's leading space)."""
     try:
         cached = _CLASS_CACHE.get(tokenizer)
     except TypeError:  # not weak-referenceable / hashable: build every time
@@ -111,9 +110,8 @@ class Chunker:
         return _digest(b"content", self._ns(salt), _token_bytes(token_ids))
 
     def spans(self, token_ids: Sequence[int], end: int | None = None) -> list[tuple[int, int, bool]]:
-        """(start, stop, complete) of every chunk, in order; with `end`, only those with stop <= end (cut as in the
-        whole sequence). complete: every longer sequence sharing enough leading tokens has this very chunk; the trailing
-        remainder never is (with W > 0 it may hold up to chunk_size + W tokens)."""
+        """(start, stop, complete) of every chunk, in order (with `end`: those with stop <= end, cut as in the whole
+        sequence). complete: every longer sequence sharing enough leading tokens has this chunk; never the remainder."""
         return self._spans(token_ids, len(token_ids), end)
 
     def _spans(self, token_ids: Sequence[int] | np.ndarray, n: int, end: int | None) -> list[tuple[int, int, bool]]:

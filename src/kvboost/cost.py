@@ -1,14 +1,10 @@
-"""The product site's GPU-cost calculator, as a pure function plus the ``kvboost cost`` CLI command.
-
-Every reused prefix token is one the GPU does not prefill:
+"""The product site's GPU-cost calculator, as a pure function plus the ``kvboost cost`` CLI command:
 
     tokens_saved_per_day = requests_per_day * prefix_tokens * reuse_rate
     gpu_seconds_per_day  = tokens_saved_per_day / prefill_tokens_per_s
     usd_per_day          = gpu_seconds_per_day * usd_per_gpu_hour / 3600; usd_per_month = 365 * usd_per_day / 12
 
-``--from-bench`` reads ``reuse_rate`` (0..1) and ``prefill_tokens_per_s`` from a bench JSON, top level or under
-``summary`` (top level wins).
-"""
+``--from-bench`` reads ``reuse_rate`` and ``prefill_tokens_per_s`` from a bench JSON, top level or under ``summary``."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,6 @@
-"""Shared-prefix ("cascade") attention: rows of a batch read one prefix K/V tensor [1, kv_heads, P, d], never B copies.
-
-Two parts merged by one log-sum-exp softmax: the prefix (rows, GQA groups and queries folded into the matmul M
-dimension) and each row's suffix under its own mask. cascade_forward() switches the attention only around the
-scheduler's batched forwards (under the engine lock)."""
+"""Shared-prefix ("cascade") attention: rows of a batch read one prefix K/V tensor [1, kv_heads, P, d], never B copies:
+the prefix part (rows, GQA groups and queries folded into the matmul M dimension) and each row's suffix under its own
+mask, merged by one log-sum-exp softmax. Switched on only around the scheduler's batched forwards (engine lock held)."""
 from __future__ import annotations
 
 import threading
@@ -126,9 +124,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 @contextmanager
 def cascade_forward(model: torch.nn.Module, cache) -> Iterator[None]:
-    """Run the model's forwards in this block through shared-prefix attention over `cache`'s layers. Hold the engine
-    lock (the switch is on the model's config). A forward in which some layer bypassed the shared prefix raises instead
-    of returning wrong output."""
+    """Run the model's forwards in this block through shared-prefix attention over `cache`'s layers (engine lock held);
+    a forward in which some layer bypassed the shared prefix raises instead of returning wrong output."""
     ctx = _Context(cache)
     previous = getattr(_local, "ctx", None)
     _local.ctx = ctx

@@ -1,8 +1,6 @@
-"""How many tokens each row of a busy batch verifies in one step: the width of a ragged verify.
-
-q is picked for the whole batch to maximize tokens per second: rate(1) = n / plain(n); rate(q) = sum_i
-E_i(min(q - 1, drafts_i)) / verify(n * q), with E_i from the row's AdaptiveK and costs as measured (a total not timed
-yet is not guessed cheap: a wrong guess costs every row). Losing batches pause drafting, doubling the pause."""
+"""How many tokens each row of a busy batch verifies in one step (a ragged verify's width q), picked for the whole
+batch to maximize tokens per second: sum_i E_i(min(q - 1, drafts_i)) / verify(n * q) against n / plain(n), with E_i
+from each row's AdaptiveK and costs as measured (never guessed cheap). Losing batches pause drafting, doubling."""
 from __future__ import annotations
 
 import math

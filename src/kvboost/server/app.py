@@ -83,9 +83,8 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
 
 
 def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> float:
-    """Run short greedy chats (two at once when batching) through the app's scheduler, so one-time costs (kernels,
-    template compilation, batched steps) are paid before listening; returns the seconds. BASELINE mode: nothing cached.
-    Starts the scheduler's worker; raises what a generation raised (a server that cannot generate should not start)."""
+    """Run short greedy chats (two at once when batching) through the scheduler so one-time costs are paid before
+    listening (BASELINE: nothing cached); returns the seconds. Raises what a generation raised."""
     state: ServerState = app.state.kvboost
     t0 = time.perf_counter()
     if importlib.util.find_spec("xgrammar") is not None and hasattr(type(state.engine), "grammars"):

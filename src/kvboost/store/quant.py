@@ -232,9 +232,8 @@ def _decoded_nbytes(t: Encoded) -> int:
 
 # ---- many chunks at once -------------------------------------------------------------------------
 class QuantRun:
-    """One layer of many consecutive chunks' K/V dequantized together (few ops instead of a dozen per chunk and layer).
-    Same elementwise arithmetic as decode_key / decode_value, so values are bit-identical; chunks that cannot join a
-    batch (raw tensors, odd int4 rows) are decoded alone."""
+    """One layer of many consecutive chunks' K/V dequantized together, bit-identical to decode_key / decode_value;
+    chunks that cannot join a batch (raw tensors, odd int4 rows) are decoded alone."""
 
     def __init__(self, payloads: Sequence[QuantRecord]):
         self.payloads = list(payloads)

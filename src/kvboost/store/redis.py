@@ -1,7 +1,6 @@
-"""Redis tier: the disk tier's verified format, shared across hosts, bounded in latency. Keys under kvboost:{namespace}:
-chunk:, meta:, children: and content: entries, all with TTLs; an index entry whose blob is gone is a miss and is
-removed. Short timeouts, no retries, and circuit breakers for connections/reads (`breaker`, probed from a background
-thread) and for writes (`write_breaker`)."""
+"""Redis tier: the disk tier's verified format, shared across hosts, bounded in latency. Every key has a TTL; an index
+entry whose blob is gone is a miss and is removed. Short timeouts, no retries, and circuit breakers for connections and
+reads (`breaker`, probed from a background thread) and for writes (`write_breaker`)."""
 from __future__ import annotations
 
 import functools

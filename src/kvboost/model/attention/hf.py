@@ -1,7 +1,6 @@
-"""transformers wiring: KVBoost's attention as an `AttentionInterface` implementation, for its forwards only.
-`kvboost_mask` returns None for the plain causal mask and, for causal + 2D padding, keeps the padding row as a [B, kv]
-vector (no device sync). What the kernels cannot do exactly falls back, counted: softcap / sinks -> the model's eager
-attention; sliding window, non-causal, dropout, bias, a foreign mask -> torch SDPA without cuDNN."""
+"""transformers wiring: KVBoost's attention as an `AttentionInterface` implementation, for its forwards only. What
+the kernels cannot do exactly falls back, counted: softcap / sinks -> the model's eager attention; sliding window,
+non-causal, dropout, bias, a foreign mask -> torch SDPA without cuDNN."""
 from __future__ import annotations
 
 import sys

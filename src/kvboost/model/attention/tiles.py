@@ -45,9 +45,8 @@ def attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride
                  offs_m, offs_d, n_lo, n_hi, end, diag, qk_scale,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASKED: tl.constexpr, HAS_VALID: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Fold key tiles [n_lo, n_hi) into the running (acc [M, D], l [M], m [M]); returns them updated. MASKED applies the
-    bottom-right causal mask, the `end` bound and the padding vector; unmasked calls must only cover tiles every query
-    of the block sees in full."""
+    """Fold key tiles [n_lo, n_hi) into the running (acc [M, D], l [M], m [M]). MASKED: the causal mask, `end` and the
+    padding vector apply; unmasked calls must cover only tiles every query of the block sees in full."""
     offs_n0 = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM  # all-true unless the head dim was padded (80, 96 -> 128)
     for start_n in range(n_lo, n_hi, BLOCK_N):
