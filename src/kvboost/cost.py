@@ -96,17 +96,11 @@ def _checked(raw: dict[str, Any]) -> dict[str, float]:
     return values
 
 
-def _validate(requests_per_day: Any, prefix_tokens: Any, reuse_rate: Any, prefill_tokens_per_s: Any,
-              usd_per_gpu_hour: Any) -> tuple[float, float, float, float, float]:
-    return tuple(_checked(dict(zip(_RANGES, (requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
-                                             usd_per_gpu_hour)))).values())
-
-
 def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: float, prefill_tokens_per_s: float,
                   usd_per_gpu_hour: float) -> CostEstimate:
     """GPU time and money saved by reusing cached prefixes (module doc formulas); CostInputError for bad inputs."""
-    req, pre, reuse, rate, usd = _validate(requests_per_day, prefix_tokens, reuse_rate, prefill_tokens_per_s,
-                                           usd_per_gpu_hour)
+    req, pre, reuse, rate, usd = _checked(dict(zip(_RANGES, (requests_per_day, prefix_tokens, reuse_rate,
+                                                             prefill_tokens_per_s, usd_per_gpu_hour)))).values()
     tokens = req * pre * reuse
     gpu_s = tokens / rate
     usd_day = gpu_s * usd / 3600
