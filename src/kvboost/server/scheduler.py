@@ -256,20 +256,18 @@ class Scheduler:
         self._active = 0
 
     def _admit(self, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
-        try:
-            rows[job] = self.engine.submit(self._request(job), max_rows=self.max_batch_size)
+        try:  # validated with the ids the job came with: never tokenized again
+            request = self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
+                                               cache_salt=job.cache_salt, content_reuse=job.content_reuse,
+                                               t_start=job.t_start, output_format=job.output_format,
+                                               speculative=job.speculative)
+            rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
             return
         new.append(job)
 
-    def _request(self, job: Job):
-        """The job as the engine's Request (validated with the ids it came with: never tokenized again)."""
-        return self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
-                                        cache_salt=job.cache_salt, content_reuse=job.content_reuse,
-                                        t_start=job.t_start, output_format=job.output_format,
-                                        speculative=job.speculative)
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):
