@@ -1,6 +1,5 @@
-"""`--help` that reads like a man page: a flag shows as a bare flag, an option's value as a named metavar (its
-parameter name in capitals, as argparse does), choices left to typer; a docstring's help is reflowed, since typer
-keeps the source's line breaks."""
+"""`--help` that reads like a man page: a flag shows bare, an option's value as its parameter name in capitals (as
+argparse does), choices as typer lists them; docstring help is reflowed (typer keeps the source's line breaks)."""
 from __future__ import annotations
 
 import inspect

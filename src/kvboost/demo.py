@@ -1,6 +1,5 @@
-"""`kvboost demo`: warm a long system prompt, then answer questions, each twice: a baseline (full prefill) and KVBoost
-reusing exactly the system prompt's stored tokens (the workspace is forgotten before each KVBoost run and nothing is
-written back), so the speedup is that of reusing the system prompt alone."""
+"""`kvboost demo`: warm a long system prompt, then answer questions twice each: a baseline (full prefill) and KVBoost
+reusing exactly the system prompt's stored tokens (nothing resident, nothing written back), timing that reuse alone."""
 from __future__ import annotations
 
 import time

@@ -1,6 +1,5 @@
 """The eager forwards of several rows at once over the scheduler's workspace, for steps the runner's fixed-shape steps
-do not take. A row's K/V sits at buffer columns equal to its token positions (minus the shared prefix), so RoPE
-positions stay natural; a 2D padding mask (decode) or a 4D mask (ragged verify) keeps each row to its own columns."""
+do not take. Row K/V sits at columns equal to its positions (minus a shared prefix), each row masked to its own."""
 from __future__ import annotations
 
 import torch

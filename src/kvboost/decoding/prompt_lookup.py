@@ -1,6 +1,5 @@
-"""Prompt lookup (n-gram) drafts: the tokens that followed the last n tokens where they occurred before. Longest
-n-gram first; among occurrences the earliest wins, as in HF. The context is a growing numpy buffer searched by
-vectorized comparisons: no index to build up front, so a long prompt costs nothing at TTFT."""
+"""Prompt lookup (n-gram) drafts: what followed the last n tokens where they occurred before (longest n first, earliest
+occurrence, as in HF), found by vectorized comparisons over a growing buffer: no index, so nothing costs at TTFT."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,6 +1,5 @@
-"""CUDA runtime calls torch does not expose (cudaMemcpy2DAsync, cudaHostRegister / Unregister), made through the
-runtime torch loaded. Every failure is cleared (cudaGetLastError) before the caller falls back, else torch's next
-launch check would report it against an unrelated op."""
+"""CUDA runtime calls torch does not expose (cudaMemcpy2DAsync, cudaHostRegister / Unregister) through the runtime
+torch loaded. A failure is cleared (cudaGetLastError), else torch's next launch check would blame an unrelated op."""
 from __future__ import annotations
 
 import ctypes

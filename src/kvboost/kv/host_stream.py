@@ -1,6 +1,5 @@
-"""A transformers Cache for one forward over a host workspace: each layer's K/V reaches the device as it runs.
-On a CPU attention reads host views; elsewhere a side stream copies layer i + 1 into scratch[(i+1) % 2] and writes
-layer i's new K/V back while layer i computes. The host waits on HostWorkspace.pending before touching the buffers."""
+"""A transformers Cache for one forward over a host workspace: each layer's K/V reaches the device as it runs (on a
+CPU attention reads host views), a side stream copying layer i + 1 in and layer i's new K/V out while layer i runs."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,5 @@
-"""Page-locked host tensors of exactly the size asked for: torch's pinned allocator rounds up to a power of two and
-locks all of it, so the tensor is allocated pageable and registered with CUDA (cudaHostRegister), and unregistered
-after the device finishes with it. Where registration fails it stays pageable (`pinned_empty` says which)."""
+"""Page-locked host tensors of exactly the size asked for (torch's pinned allocator locks the next power of two):
+allocated pageable and registered with CUDA, unregistered once the device is done; pageable where that fails."""
 from __future__ import annotations
 
 import weakref

@@ -1,6 +1,5 @@
-"""A cache over the workspace whose every shape is fixed, as CUDA graphs and torch.compile need: StaticLayer writes at
-positions held in a device tensor and hands attention the whole buffer [1, kv_heads, capacity, head_dim], with the
-valid ends as a device tensor (model/attention/hf.py). One captured graph serves every position."""
+"""A cache over the workspace whose every shape is fixed, as CUDA graphs and torch.compile need: writes go to positions
+held in a device tensor and attention gets the whole buffer with device-side valid ends (model/attention/hf.py)."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""Forward pieces over a pooled, preallocated KV workspace: one buffer per layer kept across requests (DynamicCache
-reallocates every step), written in place, remembering which ids its first positions hold for the next request."""
+"""Forward pieces over a pooled, preallocated KV workspace: one buffer per layer across requests (DynamicCache
+reallocates every step), written in place, remembering which ids its first positions hold."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,6 +1,5 @@
-"""Linear layers over few token rows on a CPU: W @ x^T, which the BLAS threads (MKL runs x @ W^T for a thin x on one
-thread), for 2-4 rows at one thread and 1-9 rows at 2+; bfloat16 and input-major weights keep F.linear. The choice
-depends on row and thread counts only, and is installed on the model's nn.Linear modules."""
+"""Linear layers over few token rows on a CPU as W @ x^T, which the BLAS threads (MKL runs a thin x @ W^T on one
+thread): 2-4 rows at one thread, 1-9 at 2+; bfloat16 and input-major weights keep F.linear. Row/thread counts decide."""
 from __future__ import annotations
 
 import functools

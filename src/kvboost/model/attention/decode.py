@@ -1,6 +1,5 @@
-"""Split-K attention (flash-decoding) over long caches, where the prefill kernel's grid would leave the GPU idle.
-The GROUP query heads of a kv head and the q positions fold into the matmul M dimension; each split writes its
-partial and log2-sum-exp, a reduce kernel merges them. Launches depend on shapes only, so CUDA graphs replay them."""
+"""Split-K attention (flash-decoding) over long caches, where the prefill kernel's grid would leave the GPU idle: a
+kv head's query heads and positions fold into the M dimension, splits merge by log-sum-exp. Launches: shapes only."""
 from __future__ import annotations
 
 import functools

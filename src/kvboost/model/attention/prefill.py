@@ -1,6 +1,5 @@
-"""Prefill over a cached prefix: a FlashAttention-2 style Triton kernel (tiled queries x keys, online softmax).
-Row b with valid length end_b: query i sits at end_b - q + i and sees key j iff j <= end_b - q + i and key_valid[b, j].
-Only head dim, dtype, block sizes, GQA group and flags are constexpr, so new lengths never recompile."""
+"""Prefill over a cached prefix: a FlashAttention-2 style Triton kernel. Row b with valid length end_b: query i sees
+key j iff j <= end_b - q + i and key_valid[b, j]. Lengths are not constexpr, so new lengths never recompile."""
 from __future__ import annotations
 
 import torch

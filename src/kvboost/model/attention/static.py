@@ -1,6 +1,5 @@
-"""The attention of the runner's static steps: ends travel as the `kvboost_ends` forward keyword argument, so no
-host value is read inside a step (a CUDA graph or torch.compile needs that). KVBOOST_STATIC is not registered as a
-mask implementation, so transformers builds no mask and never asks the cache for its length. Plain causal only."""
+"""The attention of the runner's static steps: ends travel as the `kvboost_ends` forward keyword, so no host value is
+read inside a step; KVBOOST_STATIC has no mask implementation, so transformers builds none. Plain causal only."""
 from __future__ import annotations
 
 from collections.abc import Iterator
