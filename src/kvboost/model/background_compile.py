@@ -17,7 +17,6 @@ import atexit
 import copy
 import ctypes
 import logging
-import os
 import threading
 import time
 import weakref
@@ -116,8 +115,6 @@ class BackgroundCompile:
 
     def _compile(self) -> None:
         try:
-            if hasattr(os, "setpriority"):  # the lowest CPU priority (Linux: per thread): the engine's steps go first
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             twin = twin_model(self._model)
             runner = self._build_runner(twin, KVWorkspace(self._shapes, self._dtype, self._device))
             with torch.inference_mode():
