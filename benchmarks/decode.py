@@ -5,10 +5,9 @@ One prompt (a ~1,000-token prefix and a short question, the rows of `kvboost ben
 batch), greedy, on the same weights:
   hf generate        model.generate with its default DynamicCache
   hf static          model.generate over a StaticCache (not compiled; --compile-hf compiles it, minutes on a CPU)
-  kvboost off        fast_path="off": the eager forward over the workspace
+  kvboost off        fast_path="off": the eager forward over a growing DynamicCache (the CPU default)
   kvboost <mode>     the static-workspace runner: "compiled" on a CPU (torch.compile of the decode step),
                      "graphs" on CUDA (captured decode steps), and "eager" (the same static path, not compiled)
-  kvboost auto       the default on a CPU, timed once its background compile is ready (load s includes it)
 
 Each KVBoost mode gets its own engine built from the same checkpoint (the compiled mode re-lays its weights
 input-major, which must not speed up the baselines). Decode rate = (tokens(N) - tokens(1)) / (time(N) -
@@ -27,7 +26,7 @@ from .model_options import DeviceOption, DtypeOption, ModelChoice, ModelOption, 
 
 
 def _runner_modes(device_type: str) -> tuple[str, ...]:
-    return ("eager", "compiled", "auto") if device_type == "cpu" else ("eager", "graphs")
+    return ("eager", "compiled") if device_type == "cpu" else ("eager", "graphs")
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -126,13 +125,8 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
         note = " (the warm-up compiles the decode step)" if mode == "compiled" else ""
         if mode == "compiled" and batch > 1:
             note = " (the warm-up compiles the decode step; the untimed first batch, the batched one)"
-        if mode == "auto":
-            note = " (and waiting for its background compile)"
         with console.status(f"loading kvboost {mode}{note}"):
             engine = load_engine(choice, fast_path=mode)
-            background = engine.runner.background if engine.runner is not None else None
-            if background is not None and not background.wait():
-                console.print(f"kvboost auto: {background.describe()}")
         name = f"kvboost {mode}"
         add(name, _kvboost_call(engine, prompts, outputs, name), time.perf_counter() - t0)
         rows[-1]["decode_kernels"] = engine.cache_stats()["fast_path"].get("decode_kernels")

@@ -110,10 +110,6 @@ def load_engine(model: str | ModelChoice | None = None, device: str | None = Non
     """The engine for a model choice (KVBoost.from_pretrained, or a shape's random weights wrapped in KVBoost),
     with a one-line error instead of a traceback for a bad model argument. options go to the engine."""
     choice = model if isinstance(model, ModelChoice) else ModelChoice(model, shape, device, dtype)
-    from kvboost.loading import choose_device
-
-    if choose_device(choice.device).type == "cpu":  # auto's background compile would share the CPUs mid-run:
-        options.setdefault("fast_path", "off")  # timed rows run eagerly unless they ask (bench decode times auto)
     if choice.shape is None:
         return load_checkpoint(choice.model, device=choice.device, dtype=choice.dtype, **options)
     from kvboost import KVBoost

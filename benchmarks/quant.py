@@ -63,8 +63,7 @@ def run_quant_bench(model: str | ModelChoice | None, n_prompts: int, new_tokens:
         reference = load_engine(choice)
     engines = {16: reference}
     for bits in (8, 4):
-        engines[bits] = KVBoost(reference.model, reference.tokenizer, kv_cache_bits=bits,
-                                fast_path=reference.config.fast_path)
+        engines[bits] = KVBoost(reference.model, reference.tokenizer, kv_cache_bits=bits)
     prompts = _prompts(n_prompts)
     outputs: dict[int, list] = {b: [] for b in engines}
     with Progress(console=console, transient=True) as progress:

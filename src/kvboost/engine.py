@@ -129,8 +129,7 @@ class InferenceEngine:
 
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so no request pays for either."""
-        ahead = self.runner is not None and self.runner.mode in ("graphs", "compiled") \
-            and self.runner.background is None  # capture / compile (a background compile is the runner's own)
+        ahead = self.runner is not None and self.runner.mode in ("graphs", "compiled")  # capture / compile
         if self.attention != "triton" and not ahead:
             return
         with self.lock, torch.inference_mode():

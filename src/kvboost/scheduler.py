@@ -52,8 +52,7 @@ class Scheduler:
             if engine.runner is not None:
                 runner = ModelRunner(engine.model, workspace, mode=engine.runner.mode, backend=engine.runner.backend,
                                      verifies=engine.runner.verifies,
-                                     fallback_on_failure=engine.runner.fallback_on_failure, reports_to=engine.runner,
-                                     background=engine.runner.background)
+                                     fallback_on_failure=engine.runner.fallback_on_failure, reports_to=engine.runner)
         self.ws, self.runner = workspace, runner
         self.forwards = RowForwards(engine, self.ws)
         self.speculation = RowSpeculation(self)

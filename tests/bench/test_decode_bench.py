@@ -24,7 +24,7 @@ def _systems(device: torch.device) -> list[str]:
     if device.type != "cpu":  # no CPU Linear products to compare (cpu_linear is off there)
         return ["hf generate", "hf static", "kvboost off", "kvboost eager", "kvboost graphs"]
     ab = ["kvboost off, cpu_linear off"] if torch.backends.mkl.is_available() else []  # the same engine, own products
-    return ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled", "kvboost auto"]
+    return ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled"]
 
 
 @pytest.mark.parametrize("batch", [1, 3])

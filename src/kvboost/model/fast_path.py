@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kv.workspace import KVWorkspace
-from .background_compile import MIN_LINEAR_WEIGHT_BYTES, BackgroundCompile
-from .compiled_step import linear_weight_bytes, packing_refusal
+from .compiled_step import packing_refusal
 from .layout import fastest_linear_layouts, relay_linears
 from .runner import ModelRunner, static_path_unsupported_reason
 
@@ -16,7 +15,6 @@ def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) ->
     fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
             "decode_kernels": runner.decode_kernels if runner else None,
             "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
-            "background_compile": runner.background.state if runner and runner.background else None,
             **(runner.stats.as_dict() if runner else {})}
     return fast
 
@@ -26,13 +24,10 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
     """The engine's runner for EngineConfig.fast_path, and why (the choice is valid here: config.RULES refused those
     that cannot run). "auto": CUDA graphs on CUDA when the engine attends with the Triton kernels and the model runs
     over a static cache, else the ordinary eager path ("off"). verifies: the engine speculates (its verify step is
-    made ready at load, and compiled in compiled mode). "auto" on a CPU: the compiled steps, compiled in the
-    background once the engine has decoded a while (background_compile.py), for models large enough to gain."""
+    made ready at load, and compiled in compiled mode)."""
     if choice == "off":
         return None, "off"
     device = workspace.device
-    if choice == "auto" and device.type == "cpu":
-        return _background_compiled(model, workspace, attention, verifies)
     if choice == "auto":
         reason = static_path_unsupported_reason(model)
         if device.type != "cuda":
@@ -66,25 +61,3 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
                            unpacked_reason=refusal, verifies=verifies), \
             f"static cache, {steps} under torch.compile over {kernels}; {layout}"
     return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"
-
-
-def _background_compiled(model: torch.nn.Module, workspace: KVWorkspace, attention: str,
-                         verifies: bool) -> tuple[ModelRunner | None, str]:
-    """fast_path="auto" on a CPU: compiled mode over packed GEMV kernels, compiled in the background; "off" where
-    that cannot run or would not pay."""
-    why_not = static_path_unsupported_reason(model) or packing_refusal(model)
-    if why_not is None and linear_weight_bytes(model) < MIN_LINEAR_WEIGHT_BYTES:
-        why_not = (f"Linear weights of {linear_weight_bytes(model) / 2**20:.1f} MiB (< "
-                   f"{MIN_LINEAR_WEIGHT_BYTES / 2**20:.0f}): a compile would not pay back")
-    if why_not is not None:
-        return None, f"off: auto on cpu ({why_not})"
-    relay_linears(model, lambda shape: False)  # nn.Linear's order: the eager path's fastest, and the packing's input
-    backend = attention if attention in ("sdpa", "triton") else None
-
-    def twin_runner(twin: torch.nn.Module, twin_workspace: KVWorkspace) -> ModelRunner:
-        return ModelRunner(twin, twin_workspace, mode="compiled", backend=backend, verifies=verifies)
-
-    background = BackgroundCompile(twin_runner, model, workspace)
-    runner = ModelRunner(model, workspace, mode="compiled", backend=backend, verifies=verifies, background=background)
-    return runner, ("auto on cpu: decode steps under torch.compile over packed GEMV kernels, compiled in the "
-                    "background after the engine's first decode steps (eager until then)")

@@ -21,7 +21,6 @@ from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
-from .background_compile import BackgroundCompile
 from .cache_arg import cache_kwargs
 from .compiled_step import CompiledStep, StepNotCompiled
 from .graphs import GraphSteps, RunnerStats
@@ -108,10 +107,8 @@ class ModelRunner(GraphSteps):
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False, packed_gemv: bool = True,
-                 unpacked_reason: str | None = None, verifies: bool = False, reports_to: ModelRunner | None = None,
-                 background: BackgroundCompile | None = None):
-        """reports_to: the engine's runner, where a batch runner records the steps dynamo refuses. background (compiled
-        mode): the steps compile there, and the runner declines them (fits() is False) until they are ready."""
+                 unpacked_reason: str | None = None, verifies: bool = False, reports_to: ModelRunner | None = None):
+        """reports_to: the engine's runner, where a batch runner records the steps dynamo refuses."""
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
         if mode == "graphs" and workspace.device.type != "cuda":
@@ -127,9 +124,8 @@ class ModelRunner(GraphSteps):
         self.verifies = verifies
         self.compile_verify = verifies and mode == "compiled"
         # Compiled mode: torch.compile with a dynamic capacity axis and packed GEMV weights (compiled_step.py).
-        self.background = background if mode == "compiled" else None
         self._compiled = CompiledStep(self._logits, packed=packed_gemv, unpacked_reason=unpacked_reason,
-                                      owner=model) if mode == "compiled" and background is None else None
+                                      owner=model) if mode == "compiled" else None
         self.uncompiled: dict[str, str] = {}  # kinds dynamo refused, and why
         self.reports_to = reports_to
         self.least_rows = COMPILED_MIN_ROWS if mode == "compiled" else 1  # the smallest batched decode step
@@ -137,50 +133,25 @@ class ModelRunner(GraphSteps):
     @property
     def decode_kernels(self) -> str | None:
         """Compiled mode: which GEMV kernels the compiled decode step runs (packed, or ATen's and why)."""
-        if self.mode != "compiled":
-            return None
-        return self._compiled.description if self._ready() else self.background.describe()
-
-    @property
-    def compiled_step(self) -> CompiledStep | None:
-        """Compiled mode: the compiled forward the steps call (None until a background compile is ready)."""
-        return self._compiled
-
-    def _ready(self) -> bool:
-        """False while a background compile has not finished: the runner then declines every step, so the engine's
-        eager path runs them (and counts toward starting the compile)."""
-        if self._compiled is not None or self.background is None:
-            return True
-        if self.background.ready:
-            self._compiled = self.background.step
-            return True
-        return False
+        return self._compiled.description if self._compiled is not None else None
 
     @property
     def compiled_steps(self) -> list[str]:
         """Compiled mode: the kinds of step that run compiled (decode, rows, verify, rows_verify)."""
-        if self.mode != "compiled" or not self._ready():
+        if self._compiled is None:
             return []
         kinds = ("seq", "rows", "verify", "rows_verify") if self.compile_verify else ("seq", "rows")
         return [_KIND_NAMES[k] for k in kinds if k not in self.uncompiled]
 
-    def _compiles(self, key: tuple) -> bool:
-        """Whether steps of this kind run compiled in compiled mode (once the compiled forward is ready)."""
+    def _runs_compiled(self, key: tuple) -> bool:
         return self.mode == "compiled" and key[0] not in self.uncompiled \
             and (key in COMPILED_STEPS or key[0] == "rows" or (self.compile_verify and "verify" in key[0]))
-
-    def _runs_compiled(self, key: tuple) -> bool:
-        return self._compiles(key) and self._compiled is not None
 
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1] if self.buckets else 1
 
     def fits(self, n_tokens: int) -> bool:
-        if not self._ready():
-            if n_tokens == 1:
-                self.background.count_eager_step()
-            return False
         return bucket_for(n_tokens, self.buckets) is not None
 
     # ---- one step -----------------------------------------------------------------------------
@@ -222,9 +193,6 @@ class ModelRunner(GraphSteps):
         return self._execute(step)[:n]
 
     def fits_batch(self, n_rows: int) -> bool:
-        if not self._ready():
-            self.background.count_eager_step()
-            return False
         ws = self.workspace
         return ws.base == 0 and batch_bucket_for(n_rows, ws.batch_size) is not None
 
@@ -265,7 +233,7 @@ class ModelRunner(GraphSteps):
     def verify_width(self, n_rows: int, width: int) -> int | None:
         """The width to verify `width` tokens per row of n_rows rows at: the smallest step width holding them, else the
         widest there is; None where the rows fit no batch bucket."""
-        rows = self._verify_rows(n_rows) if self._ready() else None
+        rows = self._verify_rows(n_rows)
         if rows is None:
             return None
         widths = [w for w in (range(2, VERIFY_WIDTHS[-1] + 1) if self.compile_verify else VERIFY_WIDTHS)
@@ -373,7 +341,7 @@ class ModelRunner(GraphSteps):
                 positions = zeros(size, key[2])
                 step = _Step(key, zeros(size, key[2]), positions, zeros(size, dtype=torch.int32), None,
                              static_cache(self.workspace, positions, rows=size), all_logits=True)
-                if self._compiles(key):  # one graph for every row count and width
+                if self._runs_compiled(key):  # one graph for every row count and width
                     for tensor in (step.ids, step.positions, step.ends):
                         for dim in range(tensor.dim()):
                             torch._dynamo.maybe_mark_dynamic(tensor, dim)
@@ -385,14 +353,14 @@ class ModelRunner(GraphSteps):
                 positions = zeros(size, 1)
                 step = _Step(key, zeros(size, 1), positions, zeros(size, dtype=torch.int32), None,
                              static_cache(self.workspace, positions, rows=size))
-                if self._compiles(key):  # one graph for every row count
+                if self._runs_compiled(key):  # one graph for every row count
                     for tensor in (step.ids, step.positions, step.ends):
                         torch._dynamo.maybe_mark_dynamic(tensor, 0)
             if self.mode == "compiled":  # one graph for every capacity, not one per workspace size
                 for layer in step.cache.layers:
                     torch._dynamo.mark_dynamic(layer.keys, 2)
                     torch._dynamo.mark_dynamic(layer.values, 2)
-                if self._compiles(key) and kind == "verify":  # ... and one for every draft count
+                if self._runs_compiled(key) and kind == "verify":  # ... and one for every draft count
                     torch._dynamo.maybe_mark_dynamic(step.ids, 1)
                     torch._dynamo.maybe_mark_dynamic(step.positions, 0)
             self.steps[key] = step
@@ -401,7 +369,7 @@ class ModelRunner(GraphSteps):
     def prepare_batched_verify(self) -> None:
         """Compiled mode, speculating engine: compile the batched verify now on a scratch 2 x 2 step, so no timed row
         step pays the compile. The workspace holds no rows yet. Once per model."""
-        if not self._ready() or not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY:
+        if not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY:
             return
         self.workspace.ensure_rows(2)
         if self._decode_rows(2) is None:
@@ -426,14 +394,3 @@ class ModelRunner(GraphSteps):
         if ws.device.type == "cuda":
             torch.cuda.synchronize(ws.device)
         return 1 + len(self.buckets) + int(self.verifies)
-
-    def compile_all(self) -> None:
-        """Compiled mode: compile every kind of step the engine will run compiled — decode, rows and, when the runner
-        verifies, verify and rows verify — on this runner's own workspace (a background compile's twin), then free
-        that workspace: the compiled forward takes its cache as an argument."""
-        self.warm_up()
-        self.workspace.ensure_rows(COMPILED_MIN_ROWS)
-        self.decode_batch([0] * COMPILED_MIN_ROWS, [1] * COMPILED_MIN_ROWS)
-        self.prepare_batched_verify()
-        self.steps.clear()
-        self.workspace.release()
