@@ -14,8 +14,7 @@ if TYPE_CHECKING:
     from .engine import InferenceEngine
 
 # Requests store nothing: only warm() does, so each question can reuse the system prompt and nothing more.
-# The demo times prefill: a background compile of the decode steps (fast_path="auto" on a CPU) would share its CPUs.
-DEMO_ENGINE_OPTIONS: dict[str, Any] = {"write_back": False, "fast_path": "off"}
+DEMO_ENGINE_OPTIONS: dict[str, Any] = {"write_back": False}
 QUESTION_WIDTH = 40  # at most; narrower terminals cut it further
 
 
