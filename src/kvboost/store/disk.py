@@ -21,12 +21,9 @@ from .serialize import RecordError, UnsupportedFormatError, dumps, loads
 
 MANIFEST = idx.MANIFEST
 _SUFFIX, _TMP_SUFFIX = idx.SUFFIX, idx.TMP_SUFFIX
-_unlink = idx.unlink
 # errno values that mean "this directory cannot be written", as opposed to "this write failed"
 _READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
 _READ_BUSY_MS = 100
-
-_META_COLS = idx.META_COLS
 
 
 class DiskStore(CountedTier):
@@ -224,18 +221,15 @@ class DiskStore(CountedTier):
             self._query("SELECT 1 FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key)))
 
     def children(self, parent_key: str | None) -> list[ChunkMeta]:
-        rows = self._query(f"SELECT {_META_COLS} FROM chunks WHERE namespace = ? AND parent_key IS ?",
-                           (self.namespace, parent_key))
-        return self._metas(rows)
+        return self._metas("parent_key IS ?", parent_key)
 
     def by_content(self, content_key: str) -> list[ChunkMeta]:
-        rows = self._query(f"SELECT {_META_COLS} FROM chunks WHERE namespace = ? AND content_key = ?",
-                           (self.namespace, content_key))
-        return self._metas(rows)
+        return self._metas("content_key = ?", content_key)
 
-    def _metas(self, rows: list[tuple]) -> list[ChunkMeta]:
+    def _metas(self, condition: str, value: str | None) -> list[ChunkMeta]:
         metas = []
-        for row in rows:
+        for row in self._query(f"SELECT {idx.META_COLS} FROM chunks WHERE namespace = ? AND {condition}",
+                               (self.namespace, value)):
             if row[0] in self._unservable:
                 continue
             try:
@@ -292,7 +286,7 @@ class DiskStore(CountedTier):
             return False
         finally:
             if tmp is not None:
-                _unlink(tmp)
+                tmp.unlink(missing_ok=True)
 
     def delete(self, key: str) -> None:
         if not self._may_write():
@@ -303,7 +297,7 @@ class DiskStore(CountedTier):
                                    (self.namespace, key)).fetchone()
                 conn.execute("DELETE FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key))
                 if row:
-                    _unlink(self.directory / row[0])
+                    (self.directory / row[0]).unlink(missing_ok=True)
         except Exception as exc:
             self._write_failed(exc)
 
@@ -316,7 +310,7 @@ class DiskStore(CountedTier):
                 rows = conn.execute("SELECT path FROM chunks WHERE namespace = ?", (self.namespace,)).fetchall()
                 conn.execute("DELETE FROM chunks WHERE namespace = ?", (self.namespace,))
                 for (rel,) in rows:
-                    _unlink(self.directory / rel)
+                    (self.directory / rel).unlink(missing_ok=True)
         except Exception as exc:
             self._write_failed(exc)
 
@@ -390,7 +384,7 @@ class DiskStore(CountedTier):
             total -= nbytes
         for ns, key, rel in doomed:
             conn.execute("DELETE FROM chunks WHERE namespace = ? AND key = ?", (ns, key))
-            _unlink(self.directory / rel)
+            (self.directory / rel).unlink(missing_ok=True)
         self._count("evictions", len(doomed))
 
     def _drop(self, key: str, path: Path, seen: os.stat_result | None, counter: str) -> None:
@@ -411,7 +405,7 @@ class DiskStore(CountedTier):
                     return
                 conn.execute("DELETE FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key))
                 if now is not None:
-                    _unlink(path)
+                    path.unlink(missing_ok=True)
             self._count(counter)
         except Exception:
             self._count("errors")
@@ -428,13 +422,13 @@ class DiskStore(CountedTier):
                 if entry.name.endswith(_TMP_SUFFIX):
                     age_s = now - entry.stat().st_mtime
                     if everything or idx.tmp_is_dead(entry.name, age_s, self._host, self.stale_tmp_s):
-                        _unlink(Path(entry.path))
+                        Path(entry.path).unlink(missing_ok=True)
                         self._counters["swept_tmp"] += 1
                 elif entry.name.endswith(_SUFFIX):
                     files.add(str(Path(entry.path).relative_to(self.directory)))
         for tmp in self.directory.glob(f".{MANIFEST}.*{_TMP_SUFFIX}"):
             if everything:
-                _unlink(tmp)
+                tmp.unlink(missing_ok=True)
         if not everything:
             return 0, 0
         with self._write_txn() as conn:
@@ -443,7 +437,7 @@ class DiskStore(CountedTier):
                 conn.execute("DELETE FROM chunks WHERE path = ?", (rel,))
             adopted, bad = idx.adopt(conn, self.directory, files - indexed)
             for rel in bad:
-                _unlink(self.directory / rel)
+                (self.directory / rel).unlink(missing_ok=True)
             self._counters["swept_orphans"] += len(indexed - files) + len(bad)
             self._counters["adopted_files"] += adopted
             if adopted:
@@ -453,7 +447,4 @@ class DiskStore(CountedTier):
 
 def _writable(directory: Path) -> bool:
     """Whether we may write (or create) the directory; access() reports a read-only mount even to root."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return os.access(probe, os.W_OK)
+    return os.access(idx.existing_ancestor(directory), os.W_OK)

@@ -119,10 +119,7 @@ def memory_index() -> sqlite3.Connection:
 
 def remove_index_files(directory: Path) -> None:
     for suffix in ("", "-wal", "-shm"):
-        try:
-            os.unlink(directory / f"{INDEX}{suffix}")
-        except FileNotFoundError:
-            pass
+        (directory / f"{INDEX}{suffix}").unlink(missing_ok=True)
 
 
 # ---- rebuilding from the files ------------------------------------------------------------------------
@@ -195,13 +192,17 @@ def tmp_is_dead(name: str, age_s: float, host: str, stale_s: float) -> bool:
     return False
 
 
+def existing_ancestor(path: Path) -> Path:
+    """path itself if it exists, else its nearest parent that does."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def default_disk_budget(directory: str | os.PathLike, cap_bytes: int = 16 * 1024**3) -> int:
     """Half of what the cache could occupy (free space + what it already holds), capped: never fill a disk."""
     directory = Path(directory).expanduser()
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(existing_ancestor(directory)).free
     held = sum(e.stat().st_size for d in (directory / "chunks").glob("*") if d.is_dir() for e in os.scandir(d))
     return int(min(cap_bytes, (free + held) // 2))
 
@@ -232,13 +233,6 @@ def write_tmp(path: Path, blob: bytes, host: str, fsync: bool) -> Path:
             if fsync:
                 os.fsync(f.fileno())
     except BaseException:
-        unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return tmp
-
-
-def unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
