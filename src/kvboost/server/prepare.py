@@ -3,6 +3,8 @@ can get wrong is found here, before queueing, and answered as an HTTP 400 with O
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +59,8 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     fmt = fmt or tools.output_format
     texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
     prediction = _prediction_text(req.prediction)
-    template_kwargs = _template_kwargs(extra.get("chat_template_kwargs"))
+    with _invalid_value():
+        template_kwargs = check_template_kwargs(extra.get("chat_template_kwargs"))
     with lock:
         native = bool(tools.functions) and template_supports_tools(engine.tokenizer)
         messages = render_messages(req.messages, texts, tools, native)
@@ -148,28 +151,22 @@ def _speculation(engine, req: SamplingRequest, prediction: str | None):
     if not prediction and not given:
         return "default"
     method = req.speculative if "speculative" in given else "default"
-    try:
+    with _invalid_value():
         return engine.speculation(method, req.num_speculative_tokens, req.prompt_lookup_max_ngram,
                                   req.prompt_lookup_min_ngram, prediction=prediction or None)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
 def _reuse(req: SamplingRequest) -> tuple[GenerationMode | None, bool | None]:
     """The request's `mode` and `content_reuse` (None: the server's / engine's)."""
-    try:
+    with _invalid_value("mode"):
         mode = None if req.mode is None else GenerationMode.parse(req.mode)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param="mode", code="invalid_value") from None
     return mode, req.content_reuse
 
 
 def _output_format(response_format, extra: dict) -> OutputFormat | None:
     """response_format, or one of the guided-decoding fields other servers define (server/extensions.py)."""
-    try:
+    with _invalid_value():
         fmt, guided = parse_output_format(response_format), guided_format(extra)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     if fmt is not None and guided is not None:
         raise APIError(400, f"response_format cannot be combined with {guided.param.split('.')[0]}: the reply "
                        "follows one format", param=guided.param.split(".")[0], code="invalid_value")
@@ -201,19 +198,21 @@ def _compile(engine, fmt: OutputFormat | None) -> None:
     if fmt is None:
         return
     try:
-        engine.grammars.compile(fmt)
+        with _invalid_value():
+            engine.grammars.compile(fmt)
     except StructuredOutputUnavailableError as exc:
         raise APIError(400, f"{exc}: this server cannot constrain output", param=fmt.param,
                        code="unsupported_parameter") from None
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
-def _template_kwargs(value) -> dict:
+@contextmanager
+def _invalid_value(param: str | None = None) -> Iterator[None]:
+    """An InvalidRequestError raised inside becomes a 400 naming `param` (None: the error's own, as OpenAI names it)."""
     try:
-        return check_template_kwargs(value)
+        yield
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        raise APIError(400, str(exc), param=param or _PARAM_NAMES.get(exc.param or "", exc.param),
+                       code="invalid_value") from None
 
 
 def _encode_with_tools(engine, messages: list[dict], tools: list[dict], template_kwargs: dict) -> list[int]:
@@ -285,7 +284,7 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
 
 def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    try:
+    with _invalid_value():
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
@@ -296,9 +295,6 @@ def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | Non
             logit_bias=req.logit_bias)
         engine.requests.check_logit_bias(params)
         return params
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=_PARAM_NAMES.get(exc.param or "", exc.param),
-                       code="invalid_value") from None
 
 
 def _usage_wanted(req: SamplingRequest) -> bool:
