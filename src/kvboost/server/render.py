@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 from ..results import GenerationResult
@@ -69,10 +70,7 @@ def completion_logprobs(result: GenerationResult, decode: Decode) -> dict[str, A
     if result.logprobs is None:
         return None
     tokens = [decode(t.token) for t in result.logprobs]
-    offsets, at = [], 0
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
+    offsets = list(accumulate(map(len, tokens), initial=0))[:-1]
     return {"tokens": tokens, "token_logprobs": [t.logprob for t in result.logprobs],
             "top_logprobs": [{decode(a): lp for a, lp in t.top} for t in result.logprobs], "text_offset": offsets}
 
