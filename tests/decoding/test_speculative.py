@@ -116,7 +116,7 @@ def test_step_costs_carry_over_to_the_next_request():
     first.timed(3, 1.8)
     first.timed(9, 2.0)
     second = AdaptiveK(8, costs=costs)  # the next request of the same engine and method
-    assert second.t1 == 1.0 and second.base is not None and second.extra is not None
+    assert second.costs.t1 == 1.0 and second.costs.base is not None and second.costs.extra is not None
     # No plain first step, no probe: the prior acceptance decides at once. 4-9 tokens are taken at the cost of 3
     # (never timed, or 9: timed once only), so the longest wins.
     assert second.next_k(100) == 8
@@ -181,15 +181,16 @@ def test_verify_cost_is_timed_per_length_with_the_fit_below_and_optimism_above()
     cpu = AdaptiveK(8)
     cpu.timed(1, 1.0)
     cpu.timed(3, 2.0)
-    assert cpu.extra is None and cpu.verify_cost(9) == 2.0 and cpu.verify_cost(2) == 2.0  # no slope yet
+    assert cpu.costs.extra is None  # no slope yet
+    assert cpu.costs.estimate_s(9) == 2.0 and cpu.costs.estimate_s(2) == 2.0
     cpu.timed(9, 2.2)
-    assert 0.0 < cpu.extra < 0.05 and cpu.verify_cost(3) == 2.0
-    assert cpu.verify_cost(9) == 2.0  # timed once only: not trusted above the optimistic figure
+    assert 0.0 < cpu.costs.extra < 0.05 and cpu.costs.estimate_s(3) == 2.0
+    assert cpu.costs.estimate_s(9) == 2.0  # timed once only: not trusted above the optimistic figure
     cpu.timed(9, 2.4)
-    assert cpu.verify_cost(9) == pytest.approx(2.2)  # twice: its own time (the better of the two)
-    assert cpu.verify_cost(5) == 2.0 and cpu.verify_cost(2) == pytest.approx(cpu.base)
+    assert cpu.costs.estimate_s(9) == pytest.approx(2.2)  # twice: its own time (the better of the two)
+    assert cpu.costs.estimate_s(5) == 2.0 and cpu.costs.estimate_s(2) == pytest.approx(cpu.costs.base)
     cpu.timed(3, 3.0)
-    assert cpu.verify_cost(3) == pytest.approx(2.0)
+    assert cpu.costs.estimate_s(3) == pytest.approx(2.0)
     for _ in range(6):
         cpu.update(8, 4)  # a ~ 0.8: half of each proposal kept
     assert cpu.next_k(100) >= 3  # long drafts pay where lengths cost about the same
@@ -207,17 +208,17 @@ def test_verify_cost_is_timed_per_length_with_the_fit_below_and_optimism_above()
     spike = AdaptiveK(8)
     for n, t in ((1, 1.0), (3, 1.0), (4, 5.0)):
         spike.timed(n, t)
-    assert spike.verify_cost(4) == 1.0
+    assert spike.costs.estimate_s(4) == 1.0
     spike.timed(4, 1.1)
-    assert spike.verify_cost(4) == pytest.approx(1.1)  # the better of its first two timings
+    assert spike.costs.estimate_s(4) == pytest.approx(1.1)  # the better of its first two timings
     spike.timed(4, 2.1)
-    assert spike.verify_cost(4) == pytest.approx(0.8 * 1.1 + 0.2 * 2.1)  # then a decaying mean
+    assert spike.costs.estimate_s(4) == pytest.approx(0.8 * 1.1 + 0.2 * 2.1)  # then a decaying mean
     # A cost growing a plain step per token: nothing beats a plain step once every length was tried.
     linear = AdaptiveK(8)
     linear.timed(1, 1.0)
     for n in list(range(2, 10)) * 2:
         linear.timed(n, float(n))
-    assert abs(linear.extra - 1.0) < 1e-6 and abs(linear.base - 2.0) < 1e-6
+    assert abs(linear.costs.extra - 1.0) < 1e-6 and abs(linear.costs.base - 2.0) < 1e-6
     for _ in range(6):
         linear.update(8, 4)
     assert linear.next_k(100) == 1  # one probe, then a pause

@@ -177,33 +177,20 @@ class AdaptiveK:
         a = min(self.acceptance if acceptance is None else acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
-    @property
-    def t1(self) -> float | None:
-        return self.costs.t1
-
-    @property
-    def base(self) -> float | None:
-        return self.costs.base
-
-    @property
-    def extra(self) -> float | None:
-        return self.costs.extra
-
-    def verify_cost(self, n_tokens: int) -> float:
-        return self.costs.estimate_s(n_tokens)
-
     def best_k(self) -> int:
-        if self.base is None:  # what a verify costs is not measured yet: probe with a few
+        if self.costs.base is None:  # what a verify costs is not measured yet: probe with a few
             return self.k_max if self.streak else min(self.k_max, PROBE_K) if self.acceptance > 0.5 else 1
         # After a proposal kept whole a copied span tends to go on: judge lengths at a high acceptance.
         a = self.judged_acceptance
-        rates = {0: 1.0 / self.t1} if self.t1 else {0: 0.0}
-        rates.update({k: self.expected(k, a) / max(self.verify_cost(k + 1), 1e-12) for k in range(1, self.k_max + 1)})
+        t1 = self.costs.t1
+        rates = {0: 1.0 / t1} if t1 else {0: 0.0}
+        rates.update({k: self.expected(k, a) / max(self.costs.estimate_s(k + 1), 1e-12)
+                      for k in range(1, self.k_max + 1)})
         return max(rates, key=lambda k: (rates[k], -k))
 
     def next_k(self, budget: int) -> int:
         """Drafts to propose now (0: a plain step). budget: tokens that may still follow this step's own token."""
-        if self.t1 is None:  # the first step is plain: its time is the yardstick every k is judged against
+        if self.costs.t1 is None:  # the first step is plain: its time is the yardstick every k is judged against
             return 0
         if self.wait > 0:
             self.wait -= 1
