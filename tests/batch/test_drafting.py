@@ -30,7 +30,7 @@ def _measured(plain_s: float = 0.1, verify: dict[int, float] | None = None, rows
 def test_expected_tokens_per_width():
     row = _row(3, kept=1, rejected=1)  # acceptance 1/2, three drafts
     assert row.expected_by_width(6) == pytest.approx([1, 1, 1.5, 1.75, 1.875, 1.875, 1.875])
-    assert [row.expected(w) for w in (1, 2, 4, 6)] == pytest.approx([1, 1.5, 1.875, 1.875])
+    assert [row.expected_by_width(w)[w] for w in (1, 2, 4, 6)] == pytest.approx([1, 1.5, 1.875, 1.875])
     assert RowDrafts([5, 6]).expected_by_width(3) == [1, 1, 1, 1]  # a row that does not speculate
 
 

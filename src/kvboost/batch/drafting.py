@@ -20,12 +20,9 @@ class RowDrafts:
     drafts: list[int]
     adaptive: AdaptiveK | None = None
 
-    def expected(self, width: int) -> float:
-        """Tokens this row emits from a step of `width` tokens per row (its token and up to width - 1 drafts)."""
-        return self.expected_by_width(width)[width]
-
     def expected_by_width(self, limit: int) -> list[float]:
-        """expected(w) for w in 0..limit (index 0 and 1: one token), in one pass: E(k) = 1 + a + ... + a^k."""
+        """Tokens this row emits from a step of w tokens per row (its token and up to w - 1 drafts), for w in 0..limit
+        (index 0 and 1: one token), in one pass: E(k) = 1 + a + ... + a^k."""
         out, total, term = [1.0, 1.0], 1.0, 1.0
         a = min(self.adaptive.judged_acceptance, 0.999) if self.adaptive is not None else 0.0
         for k in range(1, limit):
@@ -109,22 +106,17 @@ class BatchDrafting:
         """Seconds of a verify of `total` tokens: as timed, else on the fitted line, else scaled from the nearest timed
         total below, never cheaper than one above (a flat guess would pick the widest verify)."""
         c = self.verify
+        below = [t for t in c.by_length if t < total]
+        scaled = c.by_length[max(below)] * total / max(below) if below else None
         if total in c.by_length:
             timed = c.by_length[total]
-            if c.samples.get(total, 0) >= 2:
-                return timed
             # Timed once: not trusted above what the totals below it say (a first run may have paid one-off costs).
-            below = [t for t in c.by_length if t < total]
-            return min(timed, c.by_length[max(below)] * total / max(below)) if below else timed
+            return timed if c.samples.get(total, 0) >= 2 or scaled is None else min(timed, scaled)
         if c.extra is not None:
             line = c.verify_s(total)
             assert line is not None
             return line
-        below = [t for t in c.by_length if t < total]
-        if below:
-            t = max(below)
-            return c.by_length[t] * total / t
-        return c.by_length[min(c.by_length)]
+        return scaled if scaled is not None else c.by_length[min(c.by_length)]
 
     def observed(self, proposed: int, kept: int, decay: float = 0.85) -> None:
         """A row's verify of `proposed` drafts kept `kept` of them (AdaptiveK counts the same way)."""
