@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import InvalidRequestError
+from ..reuse.match import common_prefix_length
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class DraftProposer:
         """How many leading tokens of `tokens` (an extension or prefix of the context) have draft K/V."""
         if len(tokens) <= self.base:
             return len(tokens)
-        return self.base + _common_prefix(self.tail, tokens[self.base:])
+        return self.base + common_prefix_length(self.tail, tokens[self.base:])
 
     def close(self, emitted: Sequence[int]) -> None:
         """Store the draft's exact K/V in the draft engine's cache; the row goes back to the draft engine."""
@@ -95,11 +96,3 @@ class DraftProposer:
                 self.slot.finish(self.request, self.plan, list(emitted[:n]))
             finally:
                 self.engine.scheduler.release(self.slot)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -10,6 +10,7 @@ import numpy as np
 import xxhash
 
 from ..store.base import ChunkMeta
+from .match import common_prefix_length
 
 WINDOW = 16  # tokens per hashed window; shorter runs are not worth an approximation
 MIN_MATCH = 16  # a content segment shorter than this is left to prefill
@@ -212,10 +213,7 @@ class ContentIndex:
         while True:
             meta = self._metas[key]
             toks = meta.token_ids
-            n = 0
-            limit = min(len(toks) - offset, stop - pos)
-            while n < limit and toks[offset + n] == ids[pos + n]:
-                n += 1
+            n = common_prefix_length(toks[offset:], ids[pos:min(stop, pos + len(toks) - offset)])
             if n == 0:
                 break
             pieces.append(Piece(key, offset, n, pos, meta.start + offset))
@@ -228,10 +226,7 @@ class ContentIndex:
                 cmeta = self._metas.get(child)
                 if cmeta is None:
                     continue
-                m = 0
-                cap = min(len(cmeta.token_ids), stop - pos)
-                while m < cap and cmeta.token_ids[m] == ids[pos + m]:
-                    m += 1
+                m = common_prefix_length(cmeta.token_ids, ids[pos:min(stop, pos + len(cmeta.token_ids))])
                 if m > best_n:
                     nxt, best_n = child, m
             if nxt is None:
