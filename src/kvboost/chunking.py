@@ -2,6 +2,7 @@
 content key H(namespace, tokens) (approximate reuse). The namespace folds in model, dtype, chunking, KV bits, tenant."""
 from __future__ import annotations
 
+import contextlib
 import json
 import weakref
 from collections.abc import Sequence
@@ -58,10 +59,8 @@ def boundary_classes(tokenizer) -> np.ndarray:
         if text.startswith(" ") or token.startswith(_WORD_MARKERS):
             out[i] |= BOUNDARY_WORD
     out.flags.writeable = False  # shared by every engine on this tokenizer
-    try:
+    with contextlib.suppress(TypeError):
         _CLASS_CACHE[tokenizer] = out
-    except TypeError:
-        pass
     return out
 
 
