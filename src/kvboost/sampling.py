@@ -142,9 +142,9 @@ class Sampler:
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
-            cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+            probs = torch.softmax(sorted_scores, dim=-1)
             # Drop tokens once the mass before them already reaches top_p; the best token always stays.
-            drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= p.top_p
+            drop = probs.cumsum(dim=-1) - probs >= p.top_p
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
         if p.min_p > 0.0:  # after top-k / top-p, as vLLM applies it
