@@ -4,6 +4,7 @@ CUDA runtime's error state."""
 from __future__ import annotations
 
 import gc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,10 +66,10 @@ def test_without_a_cuda_runtime_memory_is_pageable(monkeypatch):
 def test_a_failed_runtime_call_is_cleared_from_the_error_state():
     """torch's next kernel launch check reads cudaGetLastError: a failure left there would be reported against an
     unrelated op."""
-    runtime = CudaRuntime.__new__(CudaRuntime)  # the ctypes entry points replaced by fakes (no libcudart here)
+    runtime = CudaRuntime.__new__(CudaRuntime)  # the library replaced by a fake (no libcudart here)
     cleared = []
-    runtime.__dict__.update(_host_register=lambda ptr, n, flags: 2 if n > 100 else 0,
-                            _get_last_error=lambda: cleared.append(1) or 2)
+    runtime.lib = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: 2 if n > 100 else 0,
+                                  cudaGetLastError=lambda: cleared.append(1) or 2)
     assert runtime.host_register(1 << 20, 64) == 0 and cleared == []
     assert runtime.host_register(1 << 20, 4096) == 2 and cleared == [1]
 

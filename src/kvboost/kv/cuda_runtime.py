@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from functools import cached_property
 
 HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 
@@ -20,60 +19,40 @@ def loaded_cudart_path() -> str:
     raise OSError("no CUDA runtime library (libcudart) is loaded in this process")
 
 
+# The calls this module makes, by name: their argument types (each returns a cudaError_t).
+_SIGNATURES = {
+    "cudaMemcpy2DAsync": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                          ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p],
+    "cudaHostRegister": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+    "cudaHostUnregister": [ctypes.c_void_p],
+    "cudaGetLastError": [],
+}
+
+
 class CudaRuntime:
     """ctypes entry points of one libcudart; each returns its cudaError_t, a failure cleared."""
 
     def __init__(self, path: str):
+        """AttributeError where the library lacks one of the calls."""
         self.lib = ctypes.CDLL(path)
-
-    @cached_property
-    def _memcpy2d_async(self):
-        fn = self.lib.cudaMemcpy2DAsync
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-
-    @cached_property
-    def _host_register(self):
-        fn = self.lib.cudaHostRegister
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        return fn
-
-    @cached_property
-    def _host_unregister(self):
-        fn = self.lib.cudaHostUnregister
-        fn.argtypes = [ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return fn
-
-    @cached_property
-    def _get_last_error(self):
-        fn = self.lib.cudaGetLastError
-        fn.argtypes = []
-        fn.restype = ctypes.c_int
-        return fn
-
-    def check_symbols(self) -> None:
-        """AttributeError now (not at first use) where the library lacks one of the calls."""
-        for name in ("_memcpy2d_async", "_host_register", "_host_unregister", "_get_last_error"):
-            getattr(self, name)
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
 
     def _cleared(self, rc: int) -> int:
         if rc != 0:
-            self._get_last_error()
+            self.lib.cudaGetLastError()
         return rc
 
     def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
                        stream: int) -> int:
-        return self._cleared(self._memcpy2d_async(dst, dpitch, src, spitch, width, height, kind, stream))
+        return self._cleared(self.lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream))
 
     def host_register(self, ptr: int, nbytes: int) -> int:
-        return self._cleared(self._host_register(ptr, nbytes, 0))  # 0: cudaHostRegisterDefault
+        return self._cleared(self.lib.cudaHostRegister(ptr, nbytes, 0))  # 0: cudaHostRegisterDefault
 
     def host_unregister(self, ptr: int) -> int:
-        return self._cleared(self._host_unregister(ptr))
+        return self._cleared(self.lib.cudaHostUnregister(ptr))
 
 
 _runtime: CudaRuntime | None = None
@@ -87,9 +66,7 @@ def cuda_runtime() -> CudaRuntime:
     with _lock:
         if _runtime is None and _runtime_error is None:
             try:
-                runtime = CudaRuntime(loaded_cudart_path())
-                runtime.check_symbols()
-                _runtime = runtime
+                _runtime = CudaRuntime(loaded_cudart_path())
             except (OSError, AttributeError) as exc:
                 _runtime_error = f"{type(exc).__name__}: {exc}"
         if _runtime is None:
