@@ -3,6 +3,7 @@ fsynced temp file, renamed into place in the index row's write transaction; ever
 method swallows backend errors (counted): a cache must not fail a request."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -110,11 +111,9 @@ class DiskStore(CountedTier):
         self.read_only = why
         if (self.directory / MANIFEST).exists():
             idx.check_manifest(self.directory)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._lock_fd = os.open(self.directory / ".lock", os.O_RDONLY)
             self._shared_lock(timeout_s=max(30.0, self._busy_timeout_s))  # not while a writer's opener sweeps
-        except FileNotFoundError:
-            pass
         self._conn, detail = self._read_only_index()
         self.health.event("read_only", f"{self.directory}: {why}; serving hits, skipping writes ({detail})")
 
@@ -166,10 +165,8 @@ class DiskStore(CountedTier):
     def _release(self) -> None:
         for conn in (self._wconn, self._conn):
             if conn is not None:
-                try:
+                with contextlib.suppress(sqlite3.Error):
                     conn.close()
-                except sqlite3.Error:
-                    pass
         self._conn = self._wconn = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock

@@ -3,7 +3,9 @@ entry whose blob is gone is a miss and is removed. Short timeouts, no retries, a
 reads (`breaker`, probed from a background thread) and for writes (`write_breaker`)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import json
 import threading
 import time
@@ -221,10 +223,8 @@ class RedisStore(CountedTier):
         with self._lock:
             s = TierStats(**vars(self._stats))
             s.extra = dict(self._counters)
-        s.extra["breaker"] = self.breaker.state
-        s.extra["breaker_opened"] = self.breaker.opened
-        s.extra["write_breaker"] = self.write_breaker.state
-        s.extra["write_breaker_opened"] = self.write_breaker.opened
+        for name, breaker in (("breaker", self.breaker), ("write_breaker", self.write_breaker)):
+            s.extra[name], s.extra[f"{name}_opened"] = breaker.state, breaker.opened
         s.extra.update(self.health.as_extra())
         return s
 
@@ -266,13 +266,8 @@ class RedisStore(CountedTier):
                 self._count("short_circuited")
                 self.health.dropped("breaker_open")
                 return
-            batch = []
-            for k in self.client.scan_iter(match=pattern, count=1000):
-                batch.append(k)
-                if len(batch) >= 1000:
-                    self.client.delete(*batch)
-                    batch.clear()
-            if batch:
+            keys = self.client.scan_iter(match=pattern, count=1000)
+            while batch := list(itertools.islice(keys, 1000)):
                 self.client.delete(*batch)
             self.breaker.success()
             self.write_breaker.success()
@@ -280,10 +275,8 @@ class RedisStore(CountedTier):
             self._failed(exc, write=True)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.client.close()
-        except Exception:
-            pass
 
     # ---- internals -------------------------------------------------------------------------------
     def _run(self, build, transaction: bool = False, write: bool = False) -> list | None:
