@@ -53,8 +53,7 @@ class ChunkRecord:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys) + sum(
-            t.numel() * t.element_size() for t in self.values)
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
     def meta(self) -> ChunkMeta:
         return ChunkMeta(self.key, self.parent_key, self.content_key, self.token_ids, self.start)

@@ -33,7 +33,7 @@ class QuantTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
+        return sum(t.nbytes for t in (self.data, self.scale, self.zero))
 
 
 def _round_toward(x16: torch.Tensor, exact: torch.Tensor, up: bool) -> torch.Tensor:
@@ -131,11 +131,7 @@ class QuantRecord:
 
     @property
     def nbytes(self) -> int:
-        return sum(encoded_nbytes(t) for t in (*self.keys, *self.values))
-
-
-def encoded_nbytes(t: Encoded) -> int:
-    return t.nbytes if isinstance(t, QuantTensor) else t.numel() * t.element_size()
+        return sum(t.nbytes for t in (*self.keys, *self.values))
 
 
 class QuantCodec:
@@ -221,13 +217,7 @@ class LazyQuantRecord(ChunkRecord):
     @property
     def nbytes(self) -> int:
         """The dequantized size (what ChunkRecord.nbytes would say), without dequantizing."""
-        return sum(_decoded_nbytes(t) for t in (*self.payload.keys, *self.payload.values))
-
-
-def _decoded_nbytes(t: Encoded) -> int:
-    if not isinstance(t, QuantTensor):
-        return t.numel() * t.element_size()
-    return math.prod(t.shape) * t.dtype.itemsize
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in (*self.payload.keys, *self.payload.values))
 
 
 # ---- many chunks at once -------------------------------------------------------------------------
