@@ -4,6 +4,7 @@ Unknown formats raise UnsupportedFormatError (never deleted: a newer kvboost may
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
@@ -69,10 +70,9 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
                 tensors[name + ".zero"] = _cpu(t.zero)
                 layout[name] = {"shape": list(t.shape), "axis": t.axis, "group_size": t.group_size,
                                 "bits": t.bits, "dtype": _dtype_name(t.dtype)}
-                dtype = dtype or t.dtype
             else:
                 tensors[name] = _cpu(t)
-                dtype = dtype or t.dtype
+            dtype = dtype or t.dtype
     header = {
         "format": FORMAT_VERSION, "key": meta.key, "parent_key": meta.parent_key, "content_key": meta.content_key,
         "start": meta.start, "bits": bits, "dtype": _dtype_name(dtype) if dtype is not None else None,
@@ -93,9 +93,7 @@ def frame_checksum(blob: bytes) -> int | None:
 
 def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> ChunkRecord:
     """Verify and decode to CPU tensors; CorruptRecordError for damage, NamespaceMismatchError otherwise."""
-    header, tensors = _verify(blob)
-    if namespace is not None and header["namespace"] != namespace:
-        raise NamespaceMismatchError(f"record namespace {header['namespace']!r} != {namespace!r}")
+    header, tensors = _verify(blob, namespace)
     if key is not None and header["key"] != key:
         raise NamespaceMismatchError(f"record key {header['key']!r} != requested {key!r}")
     try:
@@ -108,14 +106,12 @@ def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> 
 
 def loads_meta(blob: bytes, namespace: str | None = None) -> ChunkMeta:
     """The metadata of a verified blob, without dequantizing K/V (used to rebuild indexes)."""
-    header, tensors = _verify(blob)
-    if namespace is not None and header["namespace"] != namespace:
-        raise NamespaceMismatchError(f"record namespace {header['namespace']!r} != {namespace!r}")
-    return _meta(header, tensors)
+    return _meta(*_verify(blob, namespace))
 
 
 # ---- internals -----------------------------------------------------------------------------------
-def _verify(blob: bytes | memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
+def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The header and tensors of an intact blob; NamespaceMismatchError when written under another namespace."""
     if len(blob) < FRAME_SIZE:
         raise CorruptRecordError(f"truncated: {len(blob)} bytes is shorter than the frame")
     magic, length, digest = _FRAME.unpack_from(blob)
@@ -145,6 +141,8 @@ def _verify(blob: bytes | memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
             raise CorruptRecordError(f"header field {field!r} missing or not {kind.__name__}")
     if header.get("parent_key") is not None and not isinstance(header["parent_key"], str):
         raise CorruptRecordError("header field 'parent_key' is not a string")
+    if namespace is not None and header["namespace"] != namespace:
+        raise NamespaceMismatchError(f"record namespace {header['namespace']!r} != {namespace!r}")
     return header, tensors
 
 
@@ -204,9 +202,7 @@ def _check_quant(q: QuantTensor, name: str) -> None:
         raise CorruptRecordError(f"quantized tensor {name}: bad dtype or bits")
     if not 0 <= q.axis < len(q.shape) or q.group_size < 1:
         raise CorruptRecordError(f"quantized tensor {name}: bad axis/group size")
-    numel = 1
-    for d in q.shape:
-        numel *= d
+    numel = math.prod(q.shape)
     expected = (numel + 1) // 2 if q.bits == 4 else numel
     length = q.shape[q.axis]
     groups = -(-length // q.group_size) if length else 0
