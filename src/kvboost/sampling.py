@@ -180,10 +180,12 @@ def find_stop(text: str, stops: list[str]) -> int:
 
 def held_back_length(text: str, stops: list[str]) -> int:
     """How many trailing characters could still grow into a stop string, so a stream must not emit them yet."""
-    longest = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                longest = max(longest, k)
-                break
-    return longest
+    return max((partial_suffix(text, s) for s in stops), default=0)
+
+
+def partial_suffix(text: str, marker: str, whole: bool = False) -> int:
+    """How many trailing characters of text are a proper prefix of marker (whole: or all of it): could become it."""
+    for k in range(min(len(marker) - (0 if whole else 1), len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0

@@ -7,6 +7,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from ..sampling import partial_suffix
 from .tools import TOOL_CLOSE, TOOL_OPEN
 
 # The call object's head up to its arguments; (?=\S): the whitespace after the colon is whole.
@@ -59,7 +60,7 @@ class ToolCallParser:
             text, self._buf = self._buf[:at], self._buf[at + len(TOOL_OPEN):]
             self._in_call, self._head_done = True, False
         else:
-            keep = 0 if final else _partial_suffix(self._buf, TOOL_OPEN)
+            keep = 0 if final else partial_suffix(self._buf, TOOL_OPEN)
             text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         self.content += text
         return [("content", text)] if text else []
@@ -92,18 +93,10 @@ class ToolCallParser:
                 piece = piece.rstrip()[:-1]  # the wrapper object's closing brace
             self._in_call = False
         else:
-            keep = len(self._end) if self.parse == "call" else _partial_suffix(self._buf, self._end, whole=True)
+            keep = len(self._end) if self.parse == "call" else partial_suffix(self._buf, self._end, whole=True)
             piece, self._buf = self._buf[: max(0, len(self._buf) - keep)], self._buf[max(0, len(self._buf) - keep):]
         call.arguments += piece
         return [("arguments", len(self.calls) - 1, piece)] if piece else []
-
-
-def _partial_suffix(text: str, marker: str, whole: bool = False) -> int:
-    """How many trailing characters of text are a proper prefix of marker (could still become it)."""
-    for k in range(min(len(marker) - (0 if whole else 1), len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def parse_reply(text: str, parse: str) -> ToolCallParser:
