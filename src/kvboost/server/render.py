@@ -27,7 +27,7 @@ from .schema import (
     Usage,
     dump,
 )
-from .toolcalls import ToolCallParser
+from .toolcalls import ToolCallParser, parse_reply
 
 DONE = "data: [DONE]\n\n"
 Decode = Callable[[int], str]  # token id -> its text
@@ -145,11 +145,7 @@ class ChatRenderer(_RendererBase):
     def full(self, results: list[GenerationResult]) -> dict[str, Any]:
         choices = []
         for i, result in enumerate(results):
-            parser = None
-            if self.tool_parse != "none":
-                parser = ToolCallParser(self.tool_parse)
-                parser.feed(result.output_text)
-                parser.finish()
+            parser = parse_reply(result.output_text, self.tool_parse) if self.tool_parse != "none" else None
             calls = [ResponseToolCall(id=self._call_id(i, j), type="function",
                                       function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
                      for j, c in enumerate(parser.calls)] if parser is not None else []
