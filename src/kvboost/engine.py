@@ -180,12 +180,6 @@ class InferenceEngine:
         """Token ids for a raw prompt (used as-is), chat messages (chat template) or the caller's own ids."""
         return self.requests.encode(prompt, messages, add_generation_prompt, input_ids, chat_template_kwargs)
 
-    def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
-        self.requests.check_prompt_length(n_prompt, param)
-
-    def tenant(self, cache_salt: str | None) -> str | None:
-        return self.requests.tenant(cache_salt)
-
     def make_request(self, ids: Sequence[int], params: SamplingParams, prompt_text: str | None = None,
                      **options) -> Request:
         """A validated Request from token ids (RequestFactory.make_request)."""
@@ -252,8 +246,8 @@ class InferenceEngine:
             ids = self.encode(messages=messages, add_generation_prompt=False)
         else:
             ids = self.encode(text)
-        self.check_prompt_length(len(ids))
-        new, existing = self.warm_ids(ids, self.tenant(cache_salt))
+        self.requests.check_prompt_length(len(ids))
+        new, existing = self.warm_ids(ids, self.requests.tenant(cache_salt))
         warnings = []
         if len(ids) < self.config.chunk_size:
             warnings.append(f"text is {len(ids)} tokens, shorter than one chunk ({self.config.chunk_size}); "
