@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 
 from .config import EngineConfig
 from .decoding.factory import resolve_speculation
@@ -20,6 +21,7 @@ _ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "min_p", "do_sample", "
                 "content_reuse", "response_format", "regex", "grammar", "logprobs", "speculative",
                 "num_speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram", "frequency_penalty",
                 "presence_penalty", "repetition_penalty", "logit_bias"}
+_SAMPLING_OPTIONS = {f.name for f in fields(SamplingParams)} - {"max_new_tokens"}
 
 
 class RequestFactory:
@@ -145,15 +147,9 @@ class RequestFactory:
         unknown = set(options) - _ROW_OPTIONS
         if unknown:
             raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=options.get("temperature", 0.0),
-                                top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0),
-                                min_p=options.get("min_p", 0.0),
-                                do_sample=options.get("do_sample"), seed=options.get("seed"), stop=options.get("stop"),
-                                logprobs=options.get("logprobs"),
-                                frequency_penalty=options.get("frequency_penalty", 0.0),
-                                presence_penalty=options.get("presence_penalty", 0.0),
-                                repetition_penalty=options.get("repetition_penalty", 1.0),
-                                logit_bias=options.get("logit_bias"))
+        # request()'s sampling defaults are SamplingParams' own
+        params = SamplingParams(max_new_tokens=max_new_tokens,
+                                **{k: v for k, v in options.items() if k in _SAMPLING_OPTIONS})
         fmt = parse_output_format(options.get("response_format"), options.get("regex"), options.get("grammar"))
         spec = self.speculation(options.get("speculative", "default"), options.get("num_speculative_tokens"),
                                 options.get("prompt_lookup_max_ngram"), options.get("prompt_lookup_min_ngram"))
