@@ -48,17 +48,19 @@ def verify_correctness(engine, prompts: Sequence[str] | None = None, max_new_tok
     for prompt in prompts:
         if len(engine.encode(prompt)) < need:
             prompt = _preamble(engine, need) + "\n" + prompt
-        base = engine.generate(prompt, max_new_tokens, mode=GenerationMode.BASELINE, cache_salt=VERIFY_SALT,
-                               return_logits=True)
-        engine.warm(prompt, cache_salt=VERIFY_SALT)
-        engine.forget_workspace()  # force the reuse to come from stored chunks
-        reused = engine.generate(prompt, max_new_tokens, mode=GenerationMode.CHUNK_KV_REUSE,
-                                 cache_salt=VERIFY_SALT, return_logits=True)
-        checks.append(_check(engine, prompt, base, reused))
+        checks.append(_check(engine, prompt, prompt, max_new_tokens))
     return CorrectnessReport(checks, max_new_tokens)
 
 
-def _check(engine, prompt: str, base, reused) -> PromptCheck:
+def _check(engine, prompt: str, warmed: str, max_new_tokens: int, content_reuse: bool | None = None) -> PromptCheck:
+    """BASELINE against generation over the stored K/V of `warmed`. With content reuse, cached_tokens counts what was
+    verified: the re-positioned tokens."""
+    base = engine.generate(prompt, max_new_tokens, mode=GenerationMode.BASELINE, cache_salt=VERIFY_SALT,
+                           return_logits=True)
+    engine.warm(warmed, cache_salt=VERIFY_SALT)
+    engine.forget_workspace()  # force the reuse to come from stored chunks
+    reused = engine.generate(prompt, max_new_tokens, mode=GenerationMode.CHUNK_KV_REUSE, cache_salt=VERIFY_SALT,
+                             return_logits=True, content_reuse=content_reuse)
     a, b = base.first_token_logits, reused.first_token_logits
     # KL(full prefill || reused): how much probability mass the reused distribution misplaces.
     kl = torch.nn.functional.kl_div(torch.log_softmax(b, -1), torch.log_softmax(a, -1), log_target=True,
@@ -67,7 +69,7 @@ def _check(engine, prompt: str, base, reused) -> PromptCheck:
         prompt_preview=prompt[-60:].replace("\n", " "),
         identical=base.output_token_ids == reused.output_token_ids,
         reused_chunks=sum(stop <= reused.cached_tokens for _, stop, _ in engine.chunker.spans(engine.encode(prompt))),
-        cached_tokens=reused.cached_tokens,
+        cached_tokens=reused.approximate_tokens if content_reuse else reused.cached_tokens,
         max_logit_diff=(a - b).abs().max().item(),
         baseline_tokens=base.output_token_ids, reused_tokens=reused.output_token_ids,
         first_token_agrees=int(a.argmax()) == int(b.argmax()), first_token_kl=max(0.0, kl))
@@ -108,16 +110,5 @@ def verify_approximate(engine, prompts: Sequence[str] | None = None, max_new_tok
     """Reuse at another position, against full prefill: each prompt is warmed alone, then sent after unrelated text, so
     it is found by content, re-rotated and repaired. A prompt not reused at all fails: nothing was verified."""
     prompts = list(prompts) if prompts is not None else list(_DEFAULT_PROMPTS)
-    checks = []
-    for prompt in prompts:
-        shifted = _SHIFT + "\n\n" + prompt
-        base = engine.generate(shifted, max_new_tokens, mode=GenerationMode.BASELINE, cache_salt=VERIFY_SALT,
-                               return_logits=True)
-        engine.warm(prompt, cache_salt=VERIFY_SALT)
-        engine.forget_workspace()
-        reused = engine.generate(shifted, max_new_tokens, mode=GenerationMode.CHUNK_KV_REUSE,
-                                 cache_salt=VERIFY_SALT, return_logits=True, content_reuse=True)
-        check = _check(engine, shifted, base, reused)
-        check.cached_tokens = reused.approximate_tokens  # what was verified: the re-positioned tokens
-        checks.append(check)
+    checks = [_check(engine, _SHIFT + "\n\n" + p, p, max_new_tokens, content_reuse=True) for p in prompts]
     return ApproximateReport(checks, max_new_tokens, max_kl)
