@@ -32,7 +32,7 @@ from .model.fast_path import fast_path_stats, make_runner
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from .plan import describe, environment
 from .prompting import Messages
-from .request import Request
+from .request import Request, check_prompt_length
 from .request_factory import RequestFactory
 from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmResult
 from .sampling import SamplingParams
@@ -246,7 +246,7 @@ class InferenceEngine:
             ids = self.encode(messages=messages, add_generation_prompt=False)
         else:
             ids = self.encode(text)
-        self.requests.check_prompt_length(len(ids))
+        check_prompt_length(len(ids), self.max_context)
         new, existing = self.warm_ids(ids, self.requests.tenant(cache_salt))
         warnings = []
         if len(ids) < self.config.chunk_size:

@@ -56,10 +56,7 @@ class Request:
         if max_context is None:
             return
         n = len(self.ids)
-        if n >= max_context:
-            raise ContextLengthError(
-                f"prompt is {n} tokens but the model's context is {max_context} tokens "
-                "(at least one position must stay free for generation)", "prompt")
+        check_prompt_length(n, max_context)
         if n + self.params.max_new_tokens > max_context:
             raise ContextLengthError(
                 f"prompt ({n} tokens) + max_new_tokens ({self.params.max_new_tokens}) = "
@@ -96,6 +93,13 @@ class Request:
             lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits, logprobs=logprobs,
             speculative=self.speculative.method if self.speculative else None,
             draft_tokens=spec.draft_tokens if spec else 0, accepted_tokens=spec.accepted_tokens if spec else 0)
+
+
+def check_prompt_length(n_prompt: int, max_context: int | None) -> None:
+    """ContextLengthError unless a prompt of n_prompt tokens leaves a position free in the model's context."""
+    if max_context is not None and n_prompt >= max_context:
+        raise ContextLengthError(f"prompt is {n_prompt} tokens but the model's context is {max_context} tokens "
+                                 "(at least one position must stay free for generation)", "prompt")
 
 
 def _finish_reason(tracker: OutputTracker, sampler: Sampler | None) -> str | None:

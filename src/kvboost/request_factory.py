@@ -10,7 +10,7 @@ from .config import EngineConfig
 from .decoding.factory import resolve_speculation
 from .decoding.grammar import OutputFormat, parse_output_format
 from .decoding.speculative import SpeculativeParams
-from .errors import ContextLengthError, InvalidRequestError
+from .errors import InvalidRequestError
 from .prompting import Messages, check_token_ids, encode_prompt
 from .request import Request
 from .results import GenerationMode
@@ -38,12 +38,6 @@ class RequestFactory:
         """Token ids for a raw prompt, chat messages (the chat template) or input_ids (checked against the vocab)."""
         return encode_prompt(self.tokenizer, self.model.get_input_embeddings().num_embeddings, prompt, messages,
                              add_generation_prompt, input_ids, chat_template_kwargs)
-
-    def check_prompt_length(self, n_prompt: int, param: str = "prompt") -> None:
-        if self.max_context is not None and n_prompt >= self.max_context:
-            raise ContextLengthError(
-                f"prompt is {n_prompt} tokens but the model's context is {self.max_context} tokens "
-                f"(at least one position must stay free for generation)", param)
 
     def tenant(self, cache_salt: str | None) -> str | None:
         """A request's tenant: its own cache_salt, else the engine's default (EngineConfig.cache_salt)."""
