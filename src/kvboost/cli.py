@@ -82,11 +82,8 @@ def verify(model: str | None = ModelOpt,
 
 
 def _serve_command() -> Callable[..., Any]:
-    """The server's command when its extra is installed; else a stand-in that prints the install hint.
-
-    Importing the server package loads fastapi, so without the extra the real command cannot even be
-    registered.
-    """
+    """The server's command when its extra is installed; else a stand-in that prints the install hint (importing
+    the server package loads fastapi, so without the extra the real command cannot even be registered)."""
     if not missing_extras("server"):
         from .server.__main__ import serve_command
 

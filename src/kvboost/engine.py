@@ -207,11 +207,8 @@ class InferenceEngine:
 
     def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
                         **options) -> TextStream:
-        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated.
-
-        content_reuse: also reuse stored chunks found at other positions (re-positioned and repaired with the
-        engine's recompute_strategy; approximate). None follows EngineConfig.content_reuse (default off).
-        """
+        """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated; options as
+        request()."""
         return self.stream(self.request(prompt, max_new_tokens, **options))
 
     def run(self, request: Request) -> GenerationResult:
