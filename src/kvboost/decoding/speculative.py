@@ -3,7 +3,7 @@ while it equals argmax(p_i); sampling draws t ~ p_i and keeps d_{i+1} while t eq
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -232,10 +232,8 @@ class SpecCounts:
         self.batched_proposals += batched
 
     def merge(self, other: SpecCounts) -> None:
-        self.proposals += other.proposals
-        self.draft_tokens += other.draft_tokens
-        self.accepted_tokens += other.accepted_tokens
-        self.batched_proposals += other.batched_proposals
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     @property
     def acceptance_rate(self) -> float:
