@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -84,8 +84,7 @@ class TierStats:
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("entries", "bytes", "budget_bytes", "hits", "misses", "evictions",
-                                           "promotions", "errors")}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("name", "extra")}
         d.update(self.extra)
         return d
 
