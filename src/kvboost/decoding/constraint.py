@@ -65,12 +65,7 @@ class TokenConstraint:
 
     def accepts(self, token: int) -> bool:
         """Whether token may come next, leaving the state as it was."""
-        if self.matcher.is_terminated():
-            return False
-        if not self.matcher.accept_token(int(token)):
-            return False
-        self.matcher.rollback(1)
-        return True
+        return self.accepted_prefix([token]) == 1
 
     def accepted_prefix(self, tokens: Sequence[int]) -> int:
         """How many of tokens, in order, the grammar allows from here (the state is left as it was)."""
