@@ -19,6 +19,7 @@ from .batch.prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix
 from .batch.rows import Row, SequenceHandle
 from .batch.speculation import RowSpeculation
 from .compat import has_sliding_layers
+from .kv.host_workspace import bytes_per_position
 from .kv.workspace import KVWorkspace
 from .model.runner import BATCH_BUCKETS, ModelRunner
 from .request import Request
@@ -107,7 +108,7 @@ class Scheduler:
     def kv_bytes(self) -> dict[str, int]:
         """K/V bytes now: `shared` (the prefix, once), `rows` (each row's own columns), `allocated` (the workspace
         buffers)."""
-        per_token = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in self.ws.shapes) * self.ws.dtype.itemsize
+        per_token = bytes_per_position(self.ws.shapes, self.ws.dtype)
         p = self.prefix.length if self.prefix is not None else 0
         return {"shared": self.prefix.nbytes if self.prefix is not None else 0,
                 "rows": sum(r.length - p for r in self._active) * per_token, "allocated": self.ws.nbytes}

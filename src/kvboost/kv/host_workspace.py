@@ -2,6 +2,7 @@
 workspace surface the KV manager uses; kv/host_stream.py brings each layer to the device as it runs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,11 @@ class HostStreamStats:
     bytes_to_host: int = 0  # the steps' own K/V written back to host memory (staged forwards)
 
 
+def bytes_per_position(shapes: Sequence[LayerShape], dtype: torch.dtype) -> int:
+    """K and V of one position, every layer."""
+    return sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
+
+
 def _grown(needed: int, capacity: int, max_positions: int | None) -> int:
     target = -(-max(needed, int(capacity * 1.5)) // _GROW_STEP) * _GROW_STEP
     return max(needed, min(target, max_positions)) if max_positions else target
@@ -34,9 +40,8 @@ class DeviceResident:
     """Positions [0, filled) of every layer kept on the device, allocated at the first staged forward."""
 
     def __init__(self, shapes: list[LayerShape], dtype: torch.dtype, device: torch.device, budget_bytes: int):
-        per_position = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
         self.shapes, self.dtype, self.device = shapes, dtype, device
-        self.capacity = budget_bytes // per_position
+        self.capacity = budget_bytes // bytes_per_position(shapes, dtype)
         self.filled = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []

@@ -3,20 +3,15 @@ the host workspace each such sequence gets, and what streaming them cost (cache_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .host_workspace import HostStreamStats, HostWorkspace
+from .host_workspace import HostStreamStats, HostWorkspace, bytes_per_position
 from .workspace import LayerShape
 
 RUNNING_SHARE = 0.6
 STREAMED_SHARE = 0.15
-
-
-def bytes_per_position(shapes: Sequence[LayerShape], dtype: torch.dtype) -> int:
-    """K and V of one position, every layer."""
-    return sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
 
 
 def device_max_tokens(configured: int | None, device: torch.device, device_budget_bytes: int | None,
@@ -64,11 +59,9 @@ class LongContexts:
     def count(self, host: HostWorkspace) -> None:
         """A sequence is over: add what its forwards moved."""
         stats, self.pinned = host.stats, host.pinned
-        self.totals.forwards += stats.forwards
-        self.totals.bytes_to_device += stats.bytes_to_device
-        self.totals.bytes_to_host += stats.bytes_to_host
+        for f in fields(HostStreamStats):
+            setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
 
     def as_dict(self) -> dict:
-        return {"max_device_tokens": self.max_device_tokens, "sequences": self.sequences,
-                "forwards": self.totals.forwards, "bytes_to_device": self.totals.bytes_to_device,
-                "bytes_to_host": self.totals.bytes_to_host, "pinned": self.pinned}
+        return {"max_device_tokens": self.max_device_tokens, "sequences": self.sequences, **asdict(self.totals),
+                "pinned": self.pinned}
