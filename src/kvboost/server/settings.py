@@ -28,12 +28,9 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         self.mode = GenerationMode.parse(self.mode)
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        for name, least in (("max_queue", 1), ("max_batch_size", 1), ("batch_window_ms", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.api_key == "":
             self.api_key = None
 
