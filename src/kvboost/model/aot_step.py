@@ -1,0 +1,101 @@
+"""The CPU batch-1 decode step compiled ahead of time (AOTInductor) into a package on disk, loaded in seconds.
+
+torch.compile's frozen graphs (the packed GEMV kernels need the weights as constants) are never cached on disk, so
+every load pays the compile; an AOTInductor package holds the compiled kernels and the packed weights and loads without
+tracing. The step is the runner's: one token over the workspace's row-0 buffers [1, kv_heads, capacity, d], attending
+to their first `end` columns and writing its K/V at `positions`. Capacity and end are the package's two dynamic axes
+(a package built at one capacity silently misreads another's strides otherwise); `end` travels as the length of a
+marker tensor, since a package takes tensors only.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..kv.static import StaticLayer
+from .attention.static import static_attention
+from .cache_arg import cache_kwargs
+
+PACKAGE_FORMAT = 1  # bump when DecodeStep's inputs or outputs change: old packages are then never loaded
+_MAX_POSITIONS = 1 << 20
+
+
+class DecodeStep(torch.nn.Module):
+    """ids [1, 1] int64, positions [1] int64, marker [end] (any dtype), keys / values: per layer [1, kv_heads,
+    capacity, d] -> float32 logits [1, 1, vocab]. Writes the token's K/V into the buffers at `positions`."""
+
+    def __init__(self, model: torch.nn.Module, backend: str | None):
+        super().__init__()
+        self.model, self.backend = model, backend
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, marker: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> torch.Tensor:
+        end = marker.shape[0]
+        cache = Cache(layers=[StaticLayer(k[:, :, :end], v[:, :, :end], positions, 0) for k, v in zip(keys, values)])
+        out = self.model(input_ids=ids, position_ids=positions[None], **cache_kwargs(cache), use_cache=True,
+                         logits_to_keep=1, kvboost_ends=None, kvboost_exact_views=True, kvboost_backend=self.backend)
+        return out.logits.float()
+
+
+def package_key(model: torch.nn.Module, backend: str | None) -> str:
+    """What a package depends on: its format, torch, this CPU's kernels, the attention backend, the model's config and
+    every weight's bytes (a model changed in memory gets a package of its own)."""
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    digest.update(f"{PACKAGE_FORMAT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{backend}".encode())
+    digest.update(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def default_package_dir() -> Path:
+    """$KVBOOST_CACHE_DIR/aot, else ~/.cache/kvboost/aot ($XDG_CACHE_HOME honoured)."""
+    root = os.environ.get("KVBOOST_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvboost"
+    return Path(root) / "aot"
+
+
+def build_package(model: torch.nn.Module, shapes: list, backend: str | None, path: Path) -> Path:
+    """Export and compile the decode step of `model` (on the CPU, float weights) into the package `path`; shapes: the
+    workspace's LayerShape per layer. Written to a temporary name and renamed, so a reader never sees half a package."""
+    from torch._inductor import config as inductor_config
+
+    from .compiled_step import PACKED_GEMM_OPTIONS
+
+    capacity, end = 64, 16  # example sizes only: both axes are dynamic
+    keys = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_k) for s in shapes]
+    values = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_v) for s in shapes]
+    example = (torch.zeros(1, 1, dtype=torch.long), torch.tensor([end - 1]), torch.empty(end, dtype=torch.uint8),
+               keys, values)
+    columns = torch.export.Dim("capacity", min=3, max=_MAX_POSITIONS)
+    valid = torch.export.Dim("end", min=2, max=_MAX_POSITIONS)
+    dynamic = (None, None, {0: valid}, [{2: columns}] * len(shapes), [{2: columns}] * len(shapes))
+    step = DecodeStep(model, backend).eval()
+    with torch.no_grad(), static_attention(model):
+        program = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    with inductor_config.patch(freezing=True, **PACKED_GEMM_OPTIONS):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+    partial.replace(path)
+    return path
+
+
+class AotDecodeStep:
+    """A loaded package: call it with the step's inputs (DecodeStep.forward's) under torch.inference_mode()."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._run = torch._inductor.aoti_load_package(str(path))
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, end: int, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> torch.Tensor:
+        marker = torch.empty(end, dtype=torch.uint8)
+        return self._run(ids, positions, marker, keys, values)

@@ -1,0 +1,105 @@
+"""model/aot_step.py: the CPU decode step as an AOTInductor package. Built once for a tiny model, it computes the eager
+step's logits and writes the same K/V at any workspace capacity and valid length (both axes dynamic), loads from disk
+without compiling, and is keyed by everything it depends on (a changed weight gets another key)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost import KVBoost
+from kvboost.model.aot_step import AotDecodeStep, DecodeStep, build_package, default_package_dir, package_key
+from kvboost.model.attention.static import static_attention
+
+from ..tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def built(tokenizer, tmp_path_factory):
+    """(engine over a tiny CPU llama, package path): the package compiles once for the module (~20 s)."""
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu")
+    path = tmp_path_factory.mktemp("aot") / f"{package_key(engine.model, 'sdpa')}.pt2"
+    build_package(engine.model, engine.workspace.shapes, "sdpa", path)
+    return engine, path
+
+
+def _buffers(engine: KVBoost, capacity: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = engine.workspace.shapes
+    keys = [torch.randn(1, s.kv_heads, capacity, s.head_dim_k, generator=g) for s in shapes]
+    values = [torch.randn(1, s.kv_heads, capacity, s.head_dim_v, generator=g) for s in shapes]
+    return keys, values
+
+
+@pytest.mark.parametrize("capacity", [64, 200, 1024])  # the example was built at 64: other capacities' strides too
+def test_the_package_computes_the_eager_step_at_any_capacity_and_length(built, capacity):
+    engine, path = built
+    step = AotDecodeStep(path)
+    reference = DecodeStep(engine.model, "sdpa")
+    for end in (2, 37, capacity):
+        keys, values = _buffers(engine, capacity, seed=end)
+        ref_keys, ref_values = [k.clone() for k in keys], [v.clone() for v in values]
+        ids, positions = torch.tensor([[11]]), torch.tensor([end - 1])
+        with torch.inference_mode():
+            got = step(ids, positions, end, keys, values)
+            with static_attention(engine.model):
+                want = reference(ids, positions, torch.empty(end, dtype=torch.uint8), ref_keys, ref_values)
+        assert got.shape == want.shape == (1, 1, engine.model.config.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(keys + values, ref_keys + ref_values):  # the token's K/V written at end - 1 only
+            torch.testing.assert_close(mine[:, :, end - 1], theirs[:, :, end - 1], rtol=1e-4, atol=1e-4)
+            assert torch.equal(mine[:, :, :end - 1], theirs[:, :, :end - 1])
+            assert torch.equal(mine[:, :, end:], theirs[:, :, end:])
+            assert not torch.equal(mine[:, :, end - 1], _buffers(engine, capacity, seed=end)[0][0][:, :, end - 1])
+
+
+def test_a_package_is_written_whole_and_loads_without_compiling(built):
+    engine, path = built
+    assert path.exists() and not list(path.parent.glob("*.partial.pt2"))
+    import torch._dynamo.utils
+
+    before = dict(torch._dynamo.utils.counters["inductor"])
+    AotDecodeStep(path)
+    assert dict(torch._dynamo.utils.counters["inductor"]) == before  # nothing traced or compiled to load it
+
+
+def test_the_key_changes_with_any_weight_or_the_backend(tokenizer):
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    key = package_key(model, "sdpa")
+    assert package_key(model, "sdpa") == key
+    assert package_key(model, None) != key
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
+    assert package_key(model, "sdpa") != key
+
+
+def test_the_package_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(tmp_path))
+    assert default_package_dir() == tmp_path / "aot"
+    monkeypatch.delenv("KVBOOST_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_package_dir() == tmp_path / "xdg" / "kvboost" / "aot"
+
+
+def test_the_step_continues_a_sequence_as_the_model_does(built):
+    """The buffers holding a prefix's K/V (from the model's own forward), the package's step for the next token gives
+    the model's logits for the whole sequence, and a second step over the K/V the first one wrote does too."""
+    from transformers import DynamicCache
+
+    from kvboost.model.cache_arg import cache_kwargs
+
+    engine, path = built
+    model, step = engine.model, AotDecodeStep(path)
+    ids = engine.encode("the quick brown fox jumps over the lazy dog and then")
+    prefix, nxt = ids[:-2], ids[-2:]
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([prefix]), **cache_kwargs(cache), use_cache=True)
+        keys, values = _buffers(engine, 100, seed=1)  # garbage past the prefix: the step must not read it
+        for layer, k, v in zip(cache.layers, keys, values):
+            k[:, :, :len(prefix)] = layer.keys
+            v[:, :, :len(prefix)] = layer.values
+        for i, token in enumerate(nxt):
+            end = len(prefix) + i + 1
+            got = step(torch.tensor([[token]]), torch.tensor([end - 1]), end, keys, values)[0, -1]
+            want = model(input_ids=torch.tensor([prefix + nxt[:i + 1]])).logits[0, -1].float()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
