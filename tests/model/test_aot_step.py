@@ -103,3 +103,16 @@ def test_the_step_continues_a_sequence_as_the_model_does(built):
             got = step(torch.tensor([[token]]), torch.tensor([end - 1]), end, keys, values)[0, -1]
             want = model(input_ids=torch.tensor([prefix + nxt[:i + 1]])).logits[0, -1].float()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_build_leaves_nothing_behind(tokenizer, tmp_path, monkeypatch):
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu")
+
+    def fail(program, package_path):
+        open(package_path, "wb").write(b"half a package")
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fail)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        build_package(engine.model, engine.workspace.shapes, "sdpa", tmp_path / "step.pt2")
+    assert list(tmp_path.iterdir()) == []

@@ -82,9 +82,12 @@ def build_package(model: torch.nn.Module, shapes: list, backend: str | None, pat
         program = torch.export.export(step, example, dynamic_shapes=dynamic, strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-    with inductor_config.patch(freezing=True, **PACKED_GEMM_OPTIONS):
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
-    partial.replace(path)
+    try:
+        with inductor_config.patch(freezing=True, **PACKED_GEMM_OPTIONS):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)  # a failed build leaves nothing in the cache directory
     return path
 
 
