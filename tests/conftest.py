@@ -13,6 +13,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# auto on a CPU would build each model's decode-step package in the background (minutes, a core each): the suite's
+# engines decode eagerly, and tests/model/test_aot_build.py turns it on where it is the subject.
+os.environ.setdefault("KVBOOST_AOT", "0")
 if not torch.cuda.is_available():
     # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the first test (any directory: the
     # kernel tests, `bench gpu`'s kernel timings...) imports kvboost's kernel modules. Without a GPU the kernels

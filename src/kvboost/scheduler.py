@@ -53,7 +53,8 @@ class Scheduler:
             if engine.runner is not None:
                 runner = ModelRunner(engine.model, workspace, mode=engine.runner.mode, backend=engine.runner.backend,
                                      verifies=engine.runner.verifies,
-                                     fallback_on_failure=engine.runner.fallback_on_failure, reports_to=engine.runner)
+                                     fallback_on_failure=engine.runner.fallback_on_failure, reports_to=engine.runner,
+                                     package=engine.runner.package)
         self.ws, self.runner = workspace, runner
         self.forwards = RowForwards(engine, self.ws)
         self.speculation = RowSpeculation(self)
@@ -117,6 +118,8 @@ class Scheduler:
         """Admit waiting rows, then one forward for every active row. A step that raises fails the rows it ran (each
         handle gets the error) and re-raises; the loop stays usable."""
         with self.engine.lock, torch.inference_mode():
+            if self.runner is not None:
+                self.runner.before_step()
             self._drop_cancelled()
             if not self._active and len(self._pending) > 1 and self.runner is not None and self.max_batch_size > 1:
                 # The batched verify compiles now, not inside a step the drafting policy times.

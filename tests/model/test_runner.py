@@ -97,8 +97,10 @@ def test_sliding_window_models_keep_the_ordinary_path(tokenizer, device):
 def test_auto_and_refusals(tokenizer, device):
     model = make_tiny_model("llama", tokenizer, device=device)
     engine = KVBoost(model, tokenizer)
+    if device.type == "cpu":  # auto's decode-step package is off in the suite (conftest; test_aot_build.py)
+        assert engine.runner is None and "KVBOOST_AOT=0" in engine.fast_path_reason
     if device.type != "cuda":
-        assert engine.runner is None and "auto on" in engine.fast_path_reason
+        assert engine.runner is None and ("auto on" in engine.fast_path_reason or device.type == "cpu")
         with pytest.raises(ValueError, match="fast_path='graphs' needs a CUDA device"):
             KVBoost(model, tokenizer, fast_path="graphs")
     else:

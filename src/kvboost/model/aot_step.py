@@ -56,10 +56,9 @@ def package_key(model: torch.nn.Module, backend: str | None) -> str:
 
 def default_package_dir() -> Path:
     """$KVBOOST_CACHE_DIR/aot, else ~/.cache/kvboost/aot ($XDG_CACHE_HOME honoured)."""
-    root = os.environ.get("KVBOOST_CACHE_DIR")
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvboost"
-    return Path(root) / "aot"
+    from ..loading import cache_root
+
+    return cache_root() / "aot"
 
 
 def build_package(model: torch.nn.Module, shapes: list, backend: str | None, path: Path) -> Path:

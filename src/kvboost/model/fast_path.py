@@ -2,9 +2,13 @@
 (cache_stats()["fast_path"])."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kv.workspace import KVWorkspace
+from .aot_build import AOT_ENV, DecodePackage, package_refusal
+from .aot_step import default_package_dir
 from .compiled_step import packing_refusal
 from .layout import fastest_linear_layouts, relay_linears
 from .runner import ModelRunner, static_path_unsupported_reason
@@ -23,13 +27,17 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
                 verifies: bool = False) -> tuple[ModelRunner | None, str]:
     """The engine's runner for EngineConfig.fast_path, and why (the choice is valid here: config.RULES refused those
     that cannot run). "auto": CUDA graphs on CUDA when the engine attends with the Triton kernels and the model runs
-    over a static cache, else the ordinary eager path ("off"). verifies: the engine speculates (its verify step is
-    made ready at load, and compiled in compiled mode)."""
+    over a static cache; on a CPU, the batch-1 decode step from a package (cached on disk, else built in the background
+    while the engine decodes eagerly: aot_build.py); else the ordinary eager path ("off"). verifies: the engine
+    speculates (its verify step is made ready at load, and compiled in compiled mode)."""
     if choice == "off":
         return None, "off"
     device = workspace.device
+    backend = attention if attention in ("sdpa", "triton") else None
     if choice == "auto":
         reason = static_path_unsupported_reason(model)
+        if device.type == "cpu":
+            return _package_runner(model, workspace, backend, reason)
         if device.type != "cuda":
             return None, f"off: auto on {device.type} (CUDA graphs need a GPU)"
         if attention != "triton":
@@ -41,7 +49,6 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
     if choice == "graphs":
         return ModelRunner(model, workspace, mode="graphs", backend="triton", verifies=verifies), \
             "CUDA graphs per bucket"
-    backend = attention if attention in ("sdpa", "triton") else None
     if choice == "compiled":
         refusal = packing_refusal(model)
         # Set before anything is compiled, since a weight's strides are part of the compiled steps' guards. The
@@ -61,3 +68,17 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
                            unpacked_reason=refusal, verifies=verifies), \
             f"static cache, {steps} under torch.compile over {kernels}; {layout}"
     return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"
+
+
+def _package_runner(model: torch.nn.Module, workspace: KVWorkspace, backend: str | None,
+                    static_unsupported: str | None) -> tuple[ModelRunner | None, str]:
+    """auto on a CPU: the batch-1 decode step from its package, everything else on the eager path."""
+    directory, choice = default_package_dir(), os.environ.get(AOT_ENV, "1")
+    refusal = static_unsupported or package_refusal(model, directory)
+    if choice == "0" or refusal is not None:
+        return None, f"off: {refusal or AOT_ENV + '=0'}"
+    package = DecodePackage(model, workspace.shapes, backend, directory, build=choice != "cached")
+    if package.step is None and not package.building:
+        return None, f"off: {package.failure}"
+    return ModelRunner(model, workspace, mode="package", backend=backend, package=package), \
+        f"{package.description} (auto)"

@@ -4,8 +4,9 @@ An eager forward of a large model on a GPU is launch-bound, so every forward of 
 of a fixed bucket size (1 for decode, 16-256 for suffixes), padded at its end: padded tokens sit after the real ones, so
 causal attention hides them, and their K/V is overwritten by the next step. Nothing in a step reads a host value, so
 mode "graphs" captures each bucket as a CUDA graph, "compiled" runs the decode, rows and verify steps under
-torch.compile (CPU; compiled_step.py), and "eager" runs the same step directly. A workspace reallocation drops the
-graphs; longer prefills stay on the eager path.
+torch.compile (CPU; compiled_step.py), "package" runs only the batch-1 decode step, from an AOTInductor package
+(CPU; aot_build.py), and "eager" runs the same step directly. A workspace reallocation drops the graphs; longer
+prefills stay on the eager path.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from transformers.cache_utils import Cache
 
 from ..kv.static import set_length, set_views, static_cache
 from ..kv.workspace import KVWorkspace
+from .aot_build import DecodePackage, share_cores
 from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
 from .cache_arg import cache_kwargs
@@ -37,7 +39,7 @@ MAX_VERIFY_STEP_TOKENS = 64
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _KIND_NAMES = {"seq": "decode", "rows": "rows", "verify": "verify", "rows_verify": "rows_verify"}
 FAST_PATHS = ("auto", "graphs", "compiled", "eager", "off")
-RUNNER_MODES = ("graphs", "compiled", "eager")
+RUNNER_MODES = ("graphs", "compiled", "package", "eager")
 # Compiled mode compiles the batch-1 decode step (the launch-bound one on CPU; each more bucket is another compile). A
 # speculative verify (compile_verify) is compiled at the exact token count: padded to a bucket through ATen it would
 # cost several decode steps.
@@ -107,14 +109,19 @@ class ModelRunner(GraphSteps):
     def __init__(self, model: torch.nn.Module, workspace: KVWorkspace, *, mode: str = "eager",
                  backend: str | None = None, buckets: Sequence[int] = PREFILL_BUCKETS,
                  fallback_on_failure: bool = False, packed_gemv: bool = True,
-                 unpacked_reason: str | None = None, verifies: bool = False, reports_to: ModelRunner | None = None):
-        """reports_to: the engine's runner, where a batch runner records the steps dynamo refuses."""
+                 unpacked_reason: str | None = None, verifies: bool = False, reports_to: ModelRunner | None = None,
+                 package: DecodePackage | None = None):
+        """reports_to: the engine's runner, where a batch runner records the steps dynamo refuses. package: the
+        decode-step package of package mode."""
         if mode not in RUNNER_MODES:
             raise ValueError(f"mode must be one of {', '.join(RUNNER_MODES)}, got {mode!r}")
+        if (mode == "package") != (package is not None):
+            raise ValueError("package mode runs a DecodePackage, and only it does")
         if mode == "graphs" and workspace.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the workspace is on {workspace.device}")
         self.model, self.workspace, self.mode, self.backend = model, workspace, mode, backend
-        self.buckets = tuple(sorted(buckets))
+        self.package = package
+        self.buckets = () if package is not None else tuple(sorted(buckets))
         self.fallback_on_failure = fallback_on_failure  # a capture that fails: run eagerly (True) or raise
         self.steps: dict[tuple[str, int], _Step] = {}
         self.generation = workspace.generation
@@ -132,7 +139,10 @@ class ModelRunner(GraphSteps):
 
     @property
     def decode_kernels(self) -> str | None:
-        """Compiled mode: which GEMV kernels the compiled decode step runs (packed, or ATen's and why)."""
+        """Compiled mode: which GEMV kernels the compiled decode step runs (packed, or ATen's and why); package mode:
+        the package's state."""
+        if self.package is not None:
+            return self.package.description
         return self._compiled.description if self._compiled is not None else None
 
     @property
@@ -152,7 +162,13 @@ class ModelRunner(GraphSteps):
         return self.buckets[-1] if self.buckets else 1
 
     def fits(self, n_tokens: int) -> bool:
+        if self.package is not None:  # a decode step, once the package is ready
+            return n_tokens == 1 and self.package.step is not None
         return bucket_for(n_tokens, self.buckets) is not None
+
+    def before_step(self) -> None:
+        """Called by the thread that steps the engine: gives a package build its core (aot_build.py)."""
+        share_cores()
 
     # ---- one step -----------------------------------------------------------------------------
     def forward(self, tokens: Sequence[int] | torch.Tensor, start: int) -> torch.Tensor:
@@ -194,7 +210,7 @@ class ModelRunner(GraphSteps):
 
     def fits_batch(self, n_rows: int) -> bool:
         ws = self.workspace
-        return ws.base == 0 and batch_bucket_for(n_rows, ws.batch_size) is not None
+        return ws.base == 0 and self.package is None and batch_bucket_for(n_rows, ws.batch_size) is not None
 
     def _decode_rows(self, n_rows: int) -> int | None:
         """The batched decode step that runs n_rows rows, or None. Compiled: exactly n_rows (at least least_rows), since
@@ -269,13 +285,30 @@ class ModelRunner(GraphSteps):
             # (torch specializes sizes 0 and 1), so that step runs eagerly.
             compiled = step.end >= 2
             set_views(step.cache, self.workspace, step.end if compiled else None, rows=self._view_rows(step))
+        packaged = self.package is not None and self.package.step is not None and step.end >= 2
         with static_attention(self.model):
-            logits = self._compiled_logits(step, position_ids, keep) if compiled else \
-                self._logits(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
+            if packaged:
+                logits = self._packaged_logits(step)
+            if not packaged or logits is None:
+                logits = self._compiled_logits(step, position_ids, keep) if compiled else \
+                    self._logits(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
         if step.all_logits:
             return logits[0] if step.last is not None else logits  # [T, vocab], or [B, W, vocab] of rows
         logits = logits[:, -1]  # [B, vocab]
         return logits[0] if step.last is not None else logits
+
+    def _packaged_logits(self, step: _Step) -> torch.Tensor | None:
+        """The batch-1 decode step from the package: logits [1, 1, vocab]; None where it failed (then for good, said in
+        the package's failure: the eager step rewrites the token's K/V)."""
+        assert self.package is not None and self.package.step is not None
+        buffers = [self.workspace.buffers(i) for i in range(len(self.workspace.shapes))]
+        try:
+            return self.package.step(step.ids, step.positions, step.end, [k[:1] for k, _ in buffers],
+                                     [v[:1] for _, v in buffers])
+        except Exception as exc:
+            self.package.fail(f"the decode-step package failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            self.stats.counts["package_failures"] += 1
+            return None
 
     def _compiled_logits(self, step: _Step, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
         """The step's compiled forward; a kind of step dynamo refuses (StepNotCompiled) runs eagerly from then on,
@@ -318,7 +351,7 @@ class ModelRunner(GraphSteps):
     def _ensure_capacity(self, needed: int, keep: int) -> None:
         ws = self.workspace
         if needed > ws.capacity:
-            step = 1 if self.mode == "eager" else CAPACITY_STEP
+            step = 1 if self.mode in ("eager", "package") else CAPACITY_STEP
             ws.ensure_capacity(-(-needed // step) * step, keep=keep)
 
     def _step(self, key: tuple[str, int]) -> _Step:
