@@ -29,3 +29,9 @@ def kernel_device(device) -> torch.device:
         pytest.skip("kernels are compiled for the GPU here (TRITON_INTERPRET unset when they were imported); "
                     "use --device cuda")
     return device
+
+
+@pytest.fixture(scope="session")
+def aot_cache_dir(tmp_path_factory):
+    """A KVBOOST_CACHE_DIR shared by the decode-step package tests: the tiny llama's package is built once."""
+    return tmp_path_factory.mktemp("kvboost_cache")

@@ -32,16 +32,11 @@ def _leftovers(directory) -> list[str]:
     return sorted(p.name for p in directory.glob("*") if ".partial" in p.name or p.name.endswith(".job.pt"))
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("kvboost_cache")
-
-
 @pytest.fixture
-def aot_on(monkeypatch, cache_dir):
+def aot_on(monkeypatch, aot_cache_dir):
     monkeypatch.setenv("KVBOOST_AOT", "1")
-    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(cache_dir))
-    return cache_dir / "aot"
+    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(aot_cache_dir))
+    return aot_cache_dir / "aot"
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,13 @@ from ..tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
-def built(tokenizer, tmp_path_factory):
-    """(engine over a tiny CPU llama, package path): the package compiles once for the module (~20 s)."""
+def built(tokenizer, aot_cache_dir):
+    """(engine over a tiny CPU llama, package path): the package compiles once for the session (~20 s), here or in
+    test_aot_build.py, which builds the same model's."""
     engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu")
-    path = tmp_path_factory.mktemp("aot") / f"{package_key(engine.model, 'sdpa')}.pt2"
-    build_package(engine.model, engine.workspace.shapes, "sdpa", path)
+    path = aot_cache_dir / "aot" / f"{package_key(engine.model, 'sdpa')}.pt2"
+    if not path.exists():
+        build_package(engine.model, engine.workspace.shapes, "sdpa", path)
     return engine, path
 
 
