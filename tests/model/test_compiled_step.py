@@ -98,7 +98,7 @@ def test_the_engine_reports_atens_kernels_when_packing_is_refused(monkeypatch, t
     shapes, dtype = probe_layer_shapes(model)
     runner, reason = make_runner("compiled", model, KVWorkspace(shapes, dtype, device), "sdpa")
     assert runner.decode_kernels == "ATen GEMV (packing needs ~9 GiB, 1 GiB available)"
-    assert "over ATen GEMV" in reason and "weights laid out by measurement" in reason
+    assert "over ATen GEMV" in reason
 
 
 class _Doubler:

@@ -26,7 +26,7 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, module.weight, module.bias)
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if (not uses_w_x(rows) or x.dtype != module.weight.dtype or x.device.type != "cpu"
-            or not module.weight.is_contiguous()  # input-major (layout.py): W @ x^T ran 4-15x slower than F.linear
+            or not module.weight.is_contiguous()  # input-major: W @ x^T ran 4-15x slower than F.linear
             or (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad))):
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])

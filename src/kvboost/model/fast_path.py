@@ -10,7 +10,6 @@ from ..kv.workspace import KVWorkspace
 from .aot_build import AOT_ENV, DecodePackage, package_refusal
 from .aot_step import default_package_dir
 from .compiled_step import packing_refusal
-from .layout import fastest_linear_layouts, relay_linears
 from .runner import ModelRunner, static_path_unsupported_reason
 
 
@@ -51,22 +50,12 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
             "CUDA graphs per bucket"
     if choice == "compiled":
         refusal = packing_refusal(model)
-        # Set before anything is compiled, since a weight's strides are part of the compiled steps' guards. The
-        # packed kernels read a copy of their own, so the model's weights stay in nn.Linear's order, in which the
-        # eager forwards' products (cpu_linear's W @ x^T) run fastest. Over ATen's kernels, each weight shape in
-        # the memory order this machine's GEMV streams fastest (layout.py), measured once here.
-        if refusal is None:
-            relay_linears(model, lambda shape: False)
-            layout = "weights in nn.Linear's order"
-        else:
-            layouts = fastest_linear_layouts(model)
-            layout = f"weights laid out by measurement ({sum(layouts.values())} of {len(layouts)} shapes input-major)"
         kernels = "ATen GEMV" if refusal else "packed GEMV kernels"
         steps = "decode (one request's and a batch's) and verify steps" if verifies else \
             "decode steps (one request's and a batch's)"
         return ModelRunner(model, workspace, mode="compiled", backend=backend, packed_gemv=refusal is None,
                            unpacked_reason=refusal, verifies=verifies), \
-            f"static cache, {steps} under torch.compile over {kernels}; {layout}"
+            f"static cache, {steps} under torch.compile over {kernels}"
     return ModelRunner(model, workspace, mode="eager", backend=backend, verifies=verifies), "static cache, eager"
 
 
