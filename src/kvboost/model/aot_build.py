@@ -2,9 +2,11 @@
 
 A package in the disk cache loads at once. Otherwise a child process (`python -m kvboost.model.aot_build`, so no user
 script is re-imported) builds it on one thread while the engine decodes eagerly on the others; a watcher thread then
-loads it, and the runner uses it from the next step. One build runs at a time per process; a build still running at
-exit is stopped and leaves nothing behind. OpenMP thread counts are per calling thread, so the thread that steps the
-engine gives up its core itself (`share_cores`).
+loads it, and the runner uses it from the next step. A lock file beside the package (holding the builder's pid) makes
+one build per package across processes: a second engine waits for the running build instead of starting another. The
+build outlives its engine's process, so a short run (a demo, a script) still leaves the package for the next one; it
+writes atomically and removes its job, log and lock files. One build runs at a time per process. OpenMP thread counts
+are per calling thread, so the thread that steps the engine gives up its core itself (`share_cores`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +35,9 @@ AOT_ENV = "KVBOOST_AOT"
 # the model from a temporary file.
 DISK_FACTOR = 3.5
 _BUILD_LOCK = threading.Lock()  # one build at a time: each takes a core
-_building = 0  # builds running in this process
+_building = 0  # builds this process runs or waits for
+_unspawned: set[Path] = set()  # job and lock files of builds not started yet: removed at exit
+POLL_S = 0.5
 _local = threading.local()  # per stepping thread: its thread count before a build took a core
 
 
@@ -67,12 +72,14 @@ class DecodePackage:
 
     def __init__(self, model: torch.nn.Module, shapes: list, backend: str | None, directory: Path | None = None,
                  build: bool = True):
-        """build: start a build when no package is cached."""
+        """build: start a build when no package is cached (or wait for the one running)."""
         directory = default_package_dir() if directory is None else directory
         self.path = directory / f"{package_key(model, backend)}.pt2"
+        self.lock = self.path.with_suffix(".lock")
         self.step: AotDecodeStep | None = None
         self.failure: str | None = None
         self.building = False
+        self.spawn_error = ""
         if self.path.exists():
             self._load()
         elif build:
@@ -100,68 +107,149 @@ class DecodePackage:
 
     def _start(self, model: torch.nn.Module, shapes: list, backend: str | None) -> None:
         global _building
-        job = self.path.with_name(f"{self.path.stem}.{os.getpid()}.{id(self)}.job.pt")
+        job = self.path.with_name(f"{self.path.stem}.{os.getpid()}.job.pt")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model, "shapes": shapes, "backend": backend}, job)
+            mine = _take_lock(self.lock)
+            if mine:
+                _unspawned.update((job, self.lock))
+                torch.save({"model": model, "shapes": shapes, "backend": backend}, job)
         except Exception as exc:  # a model that does not pickle, a cache directory that cannot be written
-            job.unlink(missing_ok=True)
+            _forget(job, self.lock)
             self.failure = f"the decode-step package cannot be built: {type(exc).__name__}: {exc}"
             return
         self.building = True
         _building += 1
-        threading.Thread(target=self._build, args=(job,), daemon=True, name="kvboost-aot-build").start()
+        log.info("kvboost: %s the decode-step package %s in the background (%s=0 turns this off)",
+                 "building" if mine else "waiting for another process building", self.path, AOT_ENV)
+        if not mine:
+            threading.Thread(target=self._wait_for_other, daemon=True, name="kvboost-aot-wait").start()
+        elif _BUILD_LOCK.acquire(blocking=False):  # spawned now: a process that exits at once still gets its build
+            self._watch(job, self._spawn(job))
+        else:  # after this process's running build
+            threading.Thread(target=self._queued, args=(job,), daemon=True, name="kvboost-aot-queue").start()
 
-    def _build(self, job: Path) -> None:
-        global _building
-        log_path = self.path.with_suffix(".log")
+    def _spawn(self, job: Path) -> subprocess.Popen | None:
         try:
-            with _BUILD_LOCK, open(log_path, "w") as out:
+            with open(self.path.with_suffix(".log"), "w") as out:
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
                 child = subprocess.Popen([sys.executable, "-m", __name__, str(job), str(self.path)], env=env,
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-                _CHILDREN.add(child)
-                code = child.wait()
-                _CHILDREN.discard(child)
-            if code == 0 and self.path.exists():
-                self._load()
-                log_path.unlink(missing_ok=True)
-            else:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                self.fail(f"building the decode-step package failed (exit {code}: {tail[0][:200]}; log {log_path})")
+            self.lock.write_text(str(child.pid))
+            _unspawned.difference_update((job, self.lock))  # the child's now: it removes them
+            return child
         except Exception as exc:
-            self.fail(f"building the decode-step package failed: {type(exc).__name__}: {exc}")
+            _forget(job, self.lock)
+            self.spawn_error = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _queued(self, job: Path) -> None:
+        _BUILD_LOCK.acquire()
+        self._watch(job, self._spawn(job), wait=True)
+
+    def _watch(self, job: Path, child: subprocess.Popen | None, wait: bool = False) -> None:
+        """Wait for the child (on a thread unless `wait`), then load its package; releases _BUILD_LOCK."""
+        def finish() -> None:
+            try:
+                if child is None:
+                    return self._finish(self.spawn_error, self.path.with_suffix(".log"))
+                code = child.wait()
+                _forget(job, self.lock if _lock_holder(self.lock) == child.pid else None)
+                self._finish(f"exit {code}", self.path.with_suffix(".log"))
+            finally:
+                _BUILD_LOCK.release()
+
+        if wait:
+            finish()
+        else:
+            threading.Thread(target=finish, daemon=True, name="kvboost-aot-build").start()
+
+    def _wait_for_other(self) -> None:
+        while _holder_alive(self.lock):
+            time.sleep(POLL_S)
+        self._finish(f"the process that held {self.lock} ended", self.path.with_suffix(".log"))
+
+    def _finish(self, outcome: str, log_path: Path) -> None:
+        global _building
+        try:
+            if self.path.exists():
+                self._load()
+            else:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
+                self.fail(f"building the decode-step package failed ({outcome}: {(tail or ['no output'])[0][:200]}; "
+                          f"log {log_path})")
         finally:
-            job.unlink(missing_ok=True)
             self.building = False
             _building -= 1
 
 
-_CHILDREN: set[subprocess.Popen] = set()
+def _lock_holder(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text() or 0)
+    except (OSError, ValueError):
+        return None
+
+
+def _holder_alive(lock: Path) -> bool:
+    pid = _lock_holder(lock)
+    if not pid:
+        return lock.exists()  # being written
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
+
+
+def _take_lock(lock: Path) -> bool:
+    """Create `lock` holding this process's pid; False where a live process holds it (a stale one is taken over)."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _holder_alive(lock):
+                return False
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def _forget(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None:
+            path.unlink(missing_ok=True)
+            _unspawned.discard(path)
 
 
 @atexit.register
-def _stop_builds() -> None:
-    """A build still running at exit is stopped (its process group: the compiler too); it removes its partial file."""
-    for child in list(_CHILDREN):
-        try:
-            os.killpg(child.pid, signal.SIGTERM)
-            child.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired, OSError):
-            pass
+def _remove_unspawned() -> None:
+    """Builds still queued at exit leave no job or lock file (one already running goes on and finishes)."""
+    _forget(*list(_unspawned))
 
 
 def _main(job: str, path: str) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so build_package's cleanup runs
-    torch.set_num_threads(1)
-    from torch._inductor import config as inductor_config
+    lock, log_path = Path(path).with_suffix(".lock"), Path(path).with_suffix(".log")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the cleanup below runs
+    try:
+        torch.set_num_threads(1)
+        from torch._inductor import config as inductor_config
 
-    inductor_config.compile_threads = 1
-    spec = torch.load(job, weights_only=False, mmap=True)
-    Path(job).unlink(missing_ok=True)
-    with torch.no_grad():
-        build_package(spec["model"], spec["shapes"], spec["backend"], Path(path))
+        inductor_config.compile_threads = 1
+        spec = torch.load(job, weights_only=False, mmap=True)
+        Path(job).unlink(missing_ok=True)
+        with torch.no_grad():
+            build_package(spec["model"], spec["shapes"], spec["backend"], Path(path))
+        log_path.unlink(missing_ok=True)  # a failed build keeps its log
+    finally:
+        Path(job).unlink(missing_ok=True)
+        if _lock_holder(lock) == os.getpid():
+            lock.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
