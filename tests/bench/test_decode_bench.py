@@ -24,7 +24,8 @@ def _systems(device: torch.device) -> list[str]:
     if device.type != "cpu":  # no CPU Linear products to compare (cpu_linear is off there)
         return ["hf generate", "hf static", "kvboost off", "kvboost eager", "kvboost graphs"]
     ab = ["kvboost off, cpu_linear off"] if torch.backends.mkl.is_available() else []  # the same engine, own products
-    return ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled"]
+    # auto: off in the suite (KVBOOST_AOT=0, tests/conftest.py), the package elsewhere
+    return ["hf generate", "hf static", "kvboost off", *ab, "kvboost eager", "kvboost compiled", "kvboost auto"]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
