@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .model.int4.linear import weight_formats
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -182,6 +184,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     h = xxhash.xxh3_128()
     h.update(type(model).__name__.encode())
     h.update(json.dumps(config_dict, sort_keys=True, default=str).encode())
+    formats = weight_formats(model)
+    if formats:  # quantized layers (model/int4) compute other K/V than the float model's
+        h.update(("formats:" + ",".join(formats)).encode())
     params = [p for _, p in model.named_parameters()]
     for p in (params[0], params[len(params) // 2], params[-1]) if params else ():
         sample = p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes()

@@ -43,11 +43,13 @@ ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 @app.command()
 def demo(model: str | None = ModelOpt,
          questions: int = typer.Option(4, min=1, max=20, help="How many questions to ask."),
-         max_new_tokens: int = typer.Option(32, min=1, help="Tokens per answer.")):
+         max_new_tokens: int = typer.Option(32, min=1, help="Tokens per answer."),
+         weights: str = typer.Option("float", help="float, or int4: the Linear layers in INT4 (CPU; the embedded "
+                                                    "model's Q4_1 blocks as stored).")):
     """Warm a ~1,000-token system prompt, answer questions, compare baseline vs reused TTFT."""
     from .demo import run_demo
 
-    run_demo(model, questions, max_new_tokens)
+    run_demo(model, questions, max_new_tokens, weights)
 
 
 @app.command()

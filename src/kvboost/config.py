@@ -176,6 +176,7 @@ class Environment:
     static_unsupported: str | None  # why the model cannot run over a static cache (fixed-shape steps)
     cpu_linear_unsupported: str | None  # why W @ x^T does not apply
     has_draft_model: bool = False
+    quantized: str | None = None  # the quantized layers' format (model/int4), None for float weights
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,9 @@ def _fast_path(config: EngineConfig, env: Environment | None) -> str | None:
                 f"device memory); {why}")
     if choice == "compiled" and env.device != "cpu":
         return f"fast_path='compiled' is the CPU path; on {env.device} use 'graphs' (or 'auto')"
+    if choice == "compiled" and env.quantized:
+        return (f"fast_path='compiled' compiles float weights; this model's layers are {env.quantized} "
+                "(use 'auto' or 'off')")
     return None
 
 

@@ -47,7 +47,7 @@ def ask(engine: InferenceEngine, system_messages: list[dict[str, str]], question
                        base.output_token_ids == fast.output_token_ids, fast.output_text)
 
 
-def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
+def run_demo(model: str | None, n_questions: int, max_new_tokens: int, weights: str = "float") -> None:
     from .cli_common import load_engine, one_line
     from .loading import is_embedded
     from .samples import load_system_prompt
@@ -57,7 +57,7 @@ def run_demo(model: str | None, n_questions: int, max_new_tokens: int) -> None:
     questions = questions[:n_questions]
     t0 = time.perf_counter()
     with console.status("loading model (first run converts the embedded GGUF once, ~20 s)"):
-        engine = load_engine(model, **DEMO_ENGINE_OPTIONS)
+        engine = load_engine(model, weights=weights, **DEMO_ENGINE_OPTIONS)
     console.print(f"model loaded in {time.perf_counter() - t0:.1f} s "
                   f"({type(engine.model).__name__}, {engine.kv_dtype}, chunk {engine.config.chunk_size})")
     system_messages = [{"role": "system", "content": system}]

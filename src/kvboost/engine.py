@@ -158,14 +158,17 @@ class InferenceEngine:
     @classmethod
     def from_pretrained(cls, model_name_or_path: str | None = None, strict: bool = True, *,
                         dtype: str | torch.dtype | None = None, device: str | None = None,
-                        trust_remote_code: bool = False, revision: str | None = None, **kwargs) -> InferenceEngine:
-        """Load a model (the embedded SmolLM2-135M-Instruct when no name is given) and wrap it."""
+                        trust_remote_code: bool = False, revision: str | None = None, weights: str = "float",
+                        **kwargs) -> InferenceEngine:
+        """Load a model (the embedded SmolLM2-135M-Instruct when no name is given) and wrap it. weights="int4": its
+        Linear layers in INT4 (CPU; loading.load_model_and_tokenizer)."""
         from .loading import load_model_and_tokenizer
 
         hf = {"trust_remote_code": trust_remote_code}
         if revision:
             hf["revision"] = revision
-        model, tokenizer = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device, **hf)
+        model, tokenizer = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device, weights=weights,
+                                                    **hf)
         return cls(model, tokenizer, strict=strict, **kwargs)
 
     @property

@@ -124,20 +124,43 @@ def choose_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch
     return mapping[dtype]
 
 
+WEIGHTS = ("float", "int4")
+
+
 def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch.dtype | None = None,
-                             device: str | None = None, **hf_kwargs):
-    """(model, tokenizer) in eval mode on the chosen device; the embedded model when name is None."""
+                             device: str | None = None, weights: str = "float", **hf_kwargs):
+    """(model, tokenizer) in eval mode on the chosen device; the embedded model when name is None. weights="int4":
+    the Linear layers as INT4 (model/int4): a GGUF's Q4_0 / Q4_1 blocks as stored (the embedded model's included),
+    else rounded to nearest in groups of 128."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     source = str(embedded_model_dir()) if is_embedded(name_or_path) else name_or_path
     dev = choose_device(device)
+    if weights == "int4" and dev.type != "cpu":
+        raise ValueError(f"weights='int4' runs on the CPU in this version (the CUDA kernels are not built yet); "
+                         f"the device is {dev}")
     tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in hf_kwargs.items() if k in (
         "revision", "trust_remote_code", "token", "gguf_file")})
     with no_transformers_bars():
         model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
     model.to(dev)
     model.eval()
+    if weights == "int4":
+        _to_int4(model, embedded_gguf_path() if is_embedded(name_or_path) else
+                 (Path(source) / hf_kwargs["gguf_file"] if "gguf_file" in hf_kwargs else None))
     return model, tokenizer
+
+
+def _to_int4(model: torch.nn.Module, gguf: Path | None) -> None:
+    from .model.int4.gguf import int4_linears_from_gguf
+    from .model.int4.linear import quantize_linears
+
+    if gguf is not None:
+        int4_linears_from_gguf(model, gguf)
+    else:
+        quantize_linears(model)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -25,6 +25,7 @@ import torch
 
 from .aot_step import AotDecodeStep, build_package, default_package_dir, package_key
 from .compiled_step import linear_weight_bytes, packing_refusal
+from .int4.linear import weight_formats
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ def package_refusal(model: torch.nn.Module, directory: Path) -> str | None:
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32:
         return f"the decode-step package is built for float32 CPU models, this one is {param.dtype} on {param.device}"
+    if weight_formats(model):
+        return "quantized (INT4) layers decode eagerly: the decode-step package is built for float weights"
     refusal = packing_refusal(model)
     if refusal is not None:
         return refusal

@@ -1,0 +1,61 @@
+"""Int4Linear: a Linear layer over Int4Weights, computed by torch's int4pack kernels without a float weight.
+
+On a CPU, `_weight_int4pack_mm_for_cpu` reads the packed codes and bfloat16 scales and zeros; it is fast only with
+bfloat16 activations, so the input is rounded to bfloat16 and the output returned in the input's dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .weights import Int4Weights
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T + b with W held as packed INT4 codes ([out, in / 2] uint8) and scales/zeros [in / g, out, 2]."""
+
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weights.shape
+        self.group = weights.group
+        self.weight_format = f"int4-g{weights.group}"  # model_fingerprint tells quantized models apart by it
+        if weights.codes.device.type != "cpu":
+            raise ValueError(f"Int4Linear runs on the CPU here; the weights are on {weights.codes.device.type}")
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(weights.codes.to(torch.int32), 1))
+        pairs = torch.stack([weights.scales.t(), weights.zeros.t()], dim=-1)  # [in / g, out, 2]
+        self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+
+
+def weight_formats(model: nn.Module) -> list[str]:
+    """The quantized formats of a model's layers (e.g. ["int4-g32"]); [] for float weights."""
+    return sorted({m.weight_format for m in model.modules() if isinstance(getattr(m, "weight_format", None), str)})
+
+
+def replace_linear(model: nn.Module, name: str, weights: Int4Weights) -> None:
+    """Swap the nn.Linear at `name` (a module path) for an Int4Linear of `weights`, keeping its bias."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != weights.shape:
+        raise ValueError(f"{name}: expected an nn.Linear of shape {weights.shape}, found {old}")
+    setattr(parent, child, Int4Linear(weights, old.bias))
+
+
+def quantize_linears(model: nn.Module, group: int = 128, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Round every nn.Linear but those named in `skip` to INT4 (quantize_rtn); returns how many. A layer whose
+    inputs the group does not divide stays float."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rpartition(".")[2] not in skip
+             and m.in_features % group == 0]
+    for name in names:
+        replace_linear(model, name, Int4Weights.quantize_rtn(model.get_submodule(name).weight, group))
+    return len(names)

@@ -1,0 +1,45 @@
+"""model/int4/gguf.py on the embedded SmolLM2 (slow): every Q4_1 Linear of the shipped GGUF becomes an Int4Linear of its
+stored codes, computing what transformers' own dequantization of the file (the converted float model) computes,
+q/k rows in transformers' order; `from_pretrained(weights="int4")` serves it under its own cache namespace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvboost import KVBoost
+from kvboost.loading import embedded_gguf_path, load_model_and_tokenizer
+from kvboost.model.int4.gguf import int4_linears_from_gguf
+from kvboost.model.int4.linear import Int4Linear
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_q4_linear_computes_transformers_dequantization(smol_dir):
+    model, _ = load_model_and_tokenizer(str(smol_dir), device="cpu")
+    floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert int4_linears_from_gguf(model, embedded_gguf_path()) == 210  # 30 layers x q, k, v, o, gate, up, down
+    torch.manual_seed(0)
+    for name, module in model.named_modules():
+        if isinstance(module, Int4Linear):
+            x = torch.randn(3, module.in_features)
+            with torch.inference_mode():
+                got, want = module(x), F.linear(x, floats[name])
+            # bfloat16 activations and scales; a row out of place (a wrong q/k permutation) would be far off
+            assert (got - want).abs().max() <= 0.03 * want.abs().max(), name
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the Q8_0 embedding / tied head stays float
+
+
+def test_from_pretrained_int4_serves_under_its_own_namespace(smol):
+    with pytest.raises(ValueError, match="weights must be one of"):
+        KVBoost.from_pretrained(weights="int3", device="cpu")
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        KVBoost.from_pretrained(weights="int4", device="meta")
+    q4 = KVBoost.from_pretrained(weights="int4", device="cpu")
+    fp = KVBoost(*smol, device="cpu")
+    assert sum(isinstance(m, Int4Linear) for m in q4.model.modules()) == 210
+    assert q4.fingerprint != fp.fingerprint  # K/V of one never serves the other
+    out = q4.generate("The capital of France is", max_new_tokens=8)
+    assert out.generated_tokens == 8 and out.text.strip()
+    again = q4.generate("The capital of France is", max_new_tokens=8)
+    assert again.cached_tokens > 0 and again.output_token_ids == out.output_token_ids

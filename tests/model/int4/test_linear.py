@@ -1,0 +1,73 @@
+"""model/int4/linear.py: Int4Linear computes x @ W^T (+ b) for the dequantized W on every shape class the models use,
+within bfloat16 rounding of the activations; swapping a layer checks its shape; quantize_linears spares the head."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvboost.model.int4.linear import Int4Linear, quantize_linears, replace_linear
+from kvboost.model.int4.weights import Int4Weights
+
+from ...tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize("out_features,in_features", [(576, 576), (192, 576), (1536, 576), (576, 1536), (64, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_int4_linear_matches_the_dequantized_product(out_features, in_features, rows):
+    torch.manual_seed(rows)
+    group = 32 if in_features % 128 else 128
+    weights = Int4Weights.quantize_rtn(torch.randn(out_features, in_features) * 0.05, group)
+    bias = torch.randn(out_features)
+    layer = Int4Linear(weights, bias)
+    x = torch.randn(2, rows, in_features)
+    with torch.inference_mode():
+        got = layer(x)
+    want = F.linear(x, weights.dequantize(), bias)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # bfloat16 activations: ~3 significant digits per product, summed over in_features
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
+
+
+def test_replace_linear_checks_the_layer(tokenizer):
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    proj = model.model.layers[0].self_attn.q_proj
+    wrong = Int4Weights.quantize_rtn(torch.randn(proj.out_features + 32, proj.in_features), 32)
+    with pytest.raises(ValueError, match="expected an nn.Linear"):
+        replace_linear(model, "model.layers.0.self_attn.q_proj", wrong)
+    replace_linear(model, "model.layers.0.self_attn.q_proj", Int4Weights.quantize_rtn(proj.weight, 32))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
+    with pytest.raises(ValueError, match="expected an nn.Linear"):  # already swapped
+        replace_linear(model, "model.layers.0.self_attn.q_proj", Int4Weights.quantize_rtn(proj.weight, 32))
+
+
+def test_quantize_linears_spares_the_head_and_keeps_the_model_close(tokenizer):
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    ids = torch.tensor([[5, 9, 11, 300, 42, 7]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    n = quantize_linears(model, group=32)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert n > 0 and [type(m) for m in linears] == [torch.nn.Linear]  # the head only
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == n
+    with torch.inference_mode():
+        after = model(input_ids=ids).logits
+    # 4-bit codes of random weights in 32-wide groups: close, not equal (the layers' exactness is tested above)
+    assert torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0) > 0.95
+
+
+def test_an_int4_model_runs_in_the_engine_and_refuses_the_compiled_path(tokenizer, monkeypatch, tmp_path):
+    from kvboost import KVBoost
+
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    quantize_linears(model, group=32)
+    with pytest.raises(ValueError, match="compiles float weights; this model's layers are int4-g32"):
+        KVBoost(model, tokenizer, device="cpu", fast_path="compiled")
+    monkeypatch.setenv("KVBOOST_AOT", "1")
+    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(tmp_path))
+    engine = KVBoost(model, tokenizer, device="cpu")  # auto: no decode-step package for quantized layers
+    assert engine.runner is None and "quantized (INT4) layers decode eagerly" in engine.fast_path_reason
+    first = engine.generate("Hello there, how are", max_new_tokens=6)
+    again = engine.generate("Hello there, how are", max_new_tokens=6)
+    assert again.cached_tokens > 0 and again.output_token_ids == first.output_token_ids
