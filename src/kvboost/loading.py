@@ -134,6 +134,8 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
     else rounded to nearest in groups of 128."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .model.int4.checkpoint import load_quantized, quantization_config
+
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     source = str(embedded_model_dir()) if is_embedded(name_or_path) else name_or_path
@@ -143,6 +145,12 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
                          f"the device is {dev}")
     tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in hf_kwargs.items() if k in (
         "revision", "trust_remote_code", "token", "gguf_file")})
+    quantized = quantization_config(source)
+    if quantized is not None:  # an AWQ / GPTQ folder: its INT4 layers as stored
+        if dev.type != "cpu":
+            raise ValueError(f"INT4 checkpoints run on the CPU in this version (the CUDA kernels are not built "
+                             f"yet); the device is {dev}")
+        return load_quantized(source, quantized, choose_dtype(dtype, dev)), tokenizer
     with no_transformers_bars():
         model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
     model.to(dev)
