@@ -27,6 +27,7 @@ GPU_SMOKE: dict[str, str] = {
     "tests/batch/test_cascade.py": "shared-prefix (cascade) attention against plain attention on the device",
     "tests/batch/test_speculative_rows.py": "prompt-lookup rows verified in ragged steps by the batching runner",
     "tests/decoding/test_speculative.py": "speculative decoding through the runner's verify step, greedy-exact",
+    "tests/model/int4/test_triton_w4a16.py": "the Triton W4A16 kernel compiled for the GPU, and Int4Linear over it",
 }
 
 

@@ -1,7 +1,10 @@
-"""Int4Linear: a Linear layer over Int4Weights, computed by torch's int4pack kernels without a float weight.
+"""Int4Linear: a Linear layer over Int4Weights, computed without a float weight, by the kernel of the device the
+weights were given on.
 
-On a CPU, `_weight_int4pack_mm_for_cpu` reads the packed codes and bfloat16 scales and zeros; it is fast only with
-bfloat16 activations, so the input is rounded to bfloat16 and the output returned in the input's dtype.
+On a CPU, torch's `_weight_int4pack_mm_for_cpu` reads the packed codes and bfloat16 scales and zeros; it is fast only
+with bfloat16 activations, so the input is rounded to bfloat16 and the output returned in the input's dtype. On CUDA,
+KVBoost's Triton W4A16 kernel (triton_w4a16.py) in the input's dtype with fp32 accumulation. Each layout is its
+kernel's, so a layer runs where it was built: moved to another device, it refuses with the reason.
 """
 from __future__ import annotations
 
@@ -19,17 +22,34 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weights.shape
         self.group = weights.group
         self.weight_format = f"int4-g{weights.group}"  # model_fingerprint tells quantized models apart by it
-        if weights.codes.device.type != "cpu":
-            raise ValueError(f"Int4Linear runs on the CPU here; the weights are on {weights.codes.device.type}")
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(weights.codes.to(torch.int32), 1))
-        pairs = torch.stack([weights.scales.t(), weights.zeros.t()], dim=-1)  # [in / g, out, 2]
-        self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16).contiguous())
+        self.device_type = weights.codes.device.type
+        if self.device_type == "cpu":
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(weights.codes.to(torch.int32), 1))
+            pairs = torch.stack([weights.scales.t(), weights.zeros.t()], dim=-1)  # [in / g, out, 2]
+            self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16).contiguous())
+        elif self.device_type == "cuda":
+            from .triton_w4a16 import W4A16Weights
+
+            laid_out = W4A16Weights(weights, weights.codes.device)
+            self.register_buffer("packed", laid_out.packed)  # [out, in / 2]
+            self.register_buffer("scales", laid_out.scales)
+            self.register_buffer("zeros", laid_out.zeros)
+        else:
+            raise ValueError(f"Int4Linear runs on cpu or cuda, the weights are on {self.device_type}")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.packed.device.type != self.device_type or x.device != self.packed.device:
+            raise ValueError(f"this Int4Linear's weights are laid out for {self.device_type}; it holds them on "
+                             f"{self.packed.device} and got input on {x.device} (load the model on its device)")
+        if self.device_type == "cuda":
+            from .triton_w4a16 import w4a16_matmul
+
+            out = w4a16_matmul(x, self)
+        else:
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
+            out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
