@@ -50,8 +50,13 @@ def serve_command(
     num_speculative_tokens: int = typer.Option(8, help="Most drafts verified per forward (1-15)."),
     draft_model: str | None = typer.Option(None, help="Draft model (path or hub id) sharing the tokenizer, for "
                                                       "--speculative draft."),
+    weights: str = typer.Option("float", help="float, or int4: the Linear layers in INT4 (CPU; a GGUF's Q4 blocks "
+                                              "as stored, else rounded in groups of 128). AWQ / GPTQ folders load "
+                                              "as INT4 either way."),
     fast_path: str = typer.Option("auto", help="Short forwards over a static cache: auto (CUDA graphs on a GPU "
-                                               "with the Triton kernels, off elsewhere), graphs, compiled (CPU: "
+                                               "with the Triton kernels; on a CPU the decode step from its "
+                                               "AOTInductor package, built in the background on first use), "
+                                               "graphs, compiled (CPU: "
                                                "the decode steps, one request's and the batch's, under "
                                                "torch.compile), eager or off."),
     paged_kv: bool = typer.Option(False, hidden=True, help="Deprecated and ignored (one KV design: the workspace)."),
@@ -99,7 +104,8 @@ def serve_command(
             named = ", ".join(steps[:-1]) + " and " + steps[-1] if len(steps) > 1 else steps[0]
             typer.echo(f"kvboost serve: loading the model and compiling its {named} steps "
                        f"(--fast-path compiled: about a minute each on a small CPU)")
-        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, **options)
+        engine = KVBoost.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, weights=weights,
+                                         **options)
         load_s = time.perf_counter() - t0
         sock = bind_socket(host, port)
     except (ValueError, OSError, ImportError) as exc:  # json.JSONDecodeError is a ValueError
