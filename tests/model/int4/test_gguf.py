@@ -15,10 +15,12 @@ from kvboost.model.int4.linear import Int4Linear
 pytestmark = pytest.mark.slow
 
 
-def test_every_q4_linear_computes_transformers_dequantization(smol_dir):
+def test_every_q4_linear_computes_transformers_dequantization(smol_dir, tmp_path):
     model, _ = load_model_and_tokenizer(str(smol_dir), device="cpu")
     floats = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert int4_linears_from_gguf(model, embedded_gguf_path()) == 210  # 30 layers x q, k, v, o, gate, up, down
+    # 30 layers x q, k, v, o, gate, up, down, decoded from the file into an empty cache
+    assert int4_linears_from_gguf(model, embedded_gguf_path(), cache_dir=tmp_path) == 210
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
     torch.manual_seed(0)
     for name, module in model.named_modules():
         if isinstance(module, Int4Linear):
@@ -28,6 +30,17 @@ def test_every_q4_linear_computes_transformers_dequantization(smol_dir):
             # bfloat16 activations and scales; a row out of place (a wrong q/k permutation) would be far off
             assert (got - want).abs().max() <= 0.03 * want.abs().max(), name
     assert isinstance(model.lm_head, torch.nn.Linear)  # the Q8_0 embedding / tied head stays float
+    ids = torch.tensor([[5, 9, 11, 300, 42]])
+    with torch.inference_mode():
+        decoded = model(input_ids=ids).logits
+    for cache in (True, False):  # from the cache file; then from the file again, the cache being unreadable
+        again, _ = load_model_and_tokenizer(str(smol_dir), device="cpu")
+        if not cache:
+            next(tmp_path.glob("*.safetensors")).write_bytes(b"not safetensors")
+        assert int4_linears_from_gguf(again, embedded_gguf_path(), cache_dir=tmp_path) == 210
+        with torch.inference_mode():
+            assert torch.equal(again(input_ids=ids).logits, decoded)
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_from_pretrained_int4_serves_under_its_own_namespace(smol):

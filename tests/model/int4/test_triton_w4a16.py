@@ -27,10 +27,11 @@ def test_w4a16_matches_the_dequantized_product(kernel_device, n, k, group, m):
 
 
 def test_pack_nibbles_low_then_high():
-    from kvboost.model.int4.triton_w4a16 import pack_nibbles
+    from kvboost.model.int4.weights import pack_nibbles, unpack_nibbles
 
     codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
     assert pack_nibbles(codes).tolist() == [[0x21, 0x0F]]
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
     with pytest.raises(ValueError, match="even"):
         pack_nibbles(torch.zeros(2, 3, dtype=torch.uint8))
 

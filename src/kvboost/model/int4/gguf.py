@@ -1,47 +1,100 @@
 """A GGUF file's Q4_0 / Q4_1 Linear weights as Int4Linear layers, read from the file's blocks as stored.
 
-Names map to the model's through transformers' GGUF tables, and rows are reordered as transformers reorders them
-(llama's q/k projections are stored permuted for llama.cpp's RoPE): the permutation moves whole rows, so it applies
-to the blocks before decoding. Other tensors (norms, the Q8_0 embedding) keep the model's float weights.
+Names map to the model's through gguf-py's tensor-name tables for the file's architecture, and rows are reordered as
+transformers reorders them (llama's q/k projections are stored permuted for llama.cpp's RoPE): the permutation moves
+whole rows, so it applies to the blocks before decoding. Other tensors (norms, the Q8_0 embedding) keep the model's
+float weights. Parsing a GGUF takes seconds, so the decoded layers are kept in a safetensors file under
+$KVBOOST_CACHE_DIR/int4, keyed by the file's path, size and modification time.
 """
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 from .linear import replace_linear
-from .weights import Int4Weights
+from .weights import Int4Weights, pack_nibbles, unpack_nibbles
 
+log = logging.getLogger(__name__)
 FORMATS = ("Q4_0", "Q4_1")
+CACHE_FORMAT = 1  # bump when what the cache file holds changes
 
 
-def int4_linears_from_gguf(model: nn.Module, path: str | Path) -> int:
+def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path | None = None) -> int:
     """Replace every nn.Linear of `model` that the GGUF file at `path` stores as Q4_0 / Q4_1 by an Int4Linear of its
-    stored codes; returns how many. `model` is the file's model (loaded from it, or from a conversion of it)."""
-    from gguf import GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    stored codes; returns how many. `model` is the file's model (loaded from it, or from a conversion of it).
+    cache_dir: where decoded layers are kept (None: $KVBOOST_CACHE_DIR/int4)."""
+    from safetensors.torch import load_file, save_file
+
+    cache = _cache_path(Path(path), cache_dir)
+    layers = None
+    if cache.exists():
+        try:
+            layers = _from_tensors(load_file(str(cache)))
+        except Exception as exc:  # unreadable: decoded again and rewritten
+            log.warning("kvboost: INT4 cache %s unreadable (%s); decoding %s again", cache, exc, path)
+    if layers is None:
+        layers = _decode(model, Path(path))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial")
+        save_file(_to_tensors(layers), str(partial))
+        partial.replace(cache)  # atomic: a reader never sees half a file
+    for name, weights in layers.items():
+        replace_linear(model, name, weights)
+    return len(layers)
+
+
+def _cache_path(path: Path, cache_dir: Path | None) -> Path:
+    import xxhash
+
+    from ...loading import cache_root
+
+    stat = path.resolve().stat()
+    key = xxhash.xxh3_64_hexdigest(f"{CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return (cache_root() / "int4" if cache_dir is None else cache_dir) / f"{path.stem}-{key}.safetensors"
+
+
+def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     reader = GGUFReader(str(path))
     field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
-    replaced = 0
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        raise ValueError(f"{path}: gguf-py does not know the architecture {arch_name!r}")
+    names = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    linears = {f"{names.get_name(n)}.weight": n for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and names.get_name(n) is not None}
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=model.config.to_dict())
+    layers = {}
     for tensor in reader.tensors:
-        hf_name = names.get(tensor.name, "")
-        if tensor.tensor_type.name not in FORMATS or not hf_name.endswith(".weight"):
+        module_name = linears.get(tensor.name)
+        if module_name is None or tensor.tensor_type.name not in FORMATS:
             continue
-        module_name = hf_name.removesuffix(".weight")
-        if not isinstance(model.get_submodule(module_name), nn.Linear):
-            continue  # a 4-bit embedding stays as loaded
         blocks = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
-        replace_linear(model, module_name, Int4Weights.from_gguf(tensor.tensor_type.name, blocks, shape))
-        replaced += 1
-    return replaced
+        layers[module_name] = Int4Weights.from_gguf(tensor.tensor_type.name, blocks, shape)
+    return layers
+
+
+def _to_tensors(layers: dict[str, Int4Weights]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, w in layers.items():
+        out[f"{name}.codes"] = pack_nibbles(w.codes)
+        out[f"{name}.scales"], out[f"{name}.zeros"] = w.scales.contiguous(), w.zeros.contiguous()
+        out[f"{name}.group"] = torch.tensor([w.group])
+    return out
+
+
+def _from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, Int4Weights]:
+    layers = {}
+    for name in [k.removesuffix(".codes") for k in tensors if k.endswith(".codes")]:
+        layers[name] = Int4Weights(unpack_nibbles(tensors[f"{name}.codes"]), tensors[f"{name}.scales"],
+                                   tensors[f"{name}.zeros"], int(tensors[f"{name}.group"]))
+    return layers

@@ -15,16 +15,9 @@ import triton
 import triton.language as tl
 
 from ..attention.support import dot_in_fp32
-from .weights import Int4Weights
+from .weights import Int4Weights, pack_nibbles
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] (0..15, K even) -> uint8 [N, K / 2]: byte j holds code 2j (low nibble) and 2j + 1 (high)."""
-    if codes.shape[1] % 2:
-        raise ValueError(f"{codes.shape[1]} inputs: packing two codes per byte needs an even count")
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
 @triton.jit

@@ -16,6 +16,18 @@ GGUF_BLOCK = 32  # weights per GGUF Q4 block
 _GGUF_LAYOUT = {"Q4_0": (18, False), "Q4_1": (20, True)}  # bytes per block, has a min (m)
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15, K even) -> uint8 [N, K / 2]: byte j holds code 2j (low nibble) and 2j + 1 (high)."""
+    if codes.shape[1] % 2:
+        raise ValueError(f"{codes.shape[1]} inputs: packing two codes per byte needs an even count")
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: uint8 [N, K / 2] -> codes [N, K]."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
 @dataclass
 class Int4Weights:
     codes: torch.Tensor  # uint8 [out, in], values 0..15
