@@ -112,6 +112,9 @@ class ExecutionOptions:
     # None: elsewhere than CUDA no limit; on CUDA none while the stored chunks' budget and two sequences of the
     # model's longest context fit in 60% of the device memory free at load, else what 15% of it holds.
     device_kv_max_tokens: int | None = None
+    # Device bytes for the model's weights: decoder layers that do not fit stream from host memory, a layer at a time
+    # (model/weight_stream.py). None: the whole model on the device.
+    weight_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         from .model.cpu_linear import CPU_LINEAR_MODES
@@ -131,6 +134,9 @@ class ExecutionOptions:
         _require(self.device_kv_max_tokens is None or (_is_int(self.device_kv_max_tokens)
                                                        and self.device_kv_max_tokens > 0),
                  f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
+        _require(self.weight_budget_bytes is None or (_is_int(self.weight_budget_bytes)
+                                                      and self.weight_budget_bytes > 0),
+                 f"weight_budget_bytes must be a positive int or None, got {self.weight_budget_bytes!r}")
 
 
 @dataclass
@@ -220,11 +226,19 @@ def _attention(config: EngineConfig, env: Environment | None) -> str | None:
     return None
 
 
+def _weight_streaming(config: EngineConfig, env: Environment | None) -> str | None:
+    if config.weight_budget_bytes is not None and config.fast_path in ("graphs", "compiled", "eager"):
+        return (f"fast_path={config.fast_path!r} with weight_budget_bytes: streamed weights run the eager path "
+                "(use 'auto' or 'off')")
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("chunk_boundary_window", "chunk_size"), lambda c, e: None if c.chunk_boundary_window < c.chunk_size // 2
          else f"chunk_boundary_window must be in [0, chunk_size/2), got {c.chunk_boundary_window}"),
     Rule(("attention_backend",), _attention, needs_environment=True),
     Rule(("fast_path", "attention_backend"), _fast_path, needs_environment=True),
+    Rule(("weight_budget_bytes", "fast_path"), _weight_streaming),
     Rule(("cpu_linear",), lambda c, e: f"cpu_linear='on': {e.cpu_linear_unsupported}"
          if c.cpu_linear == "on" and e.cpu_linear_unsupported else None, needs_environment=True),
     Rule(("speculative",), lambda c, e: "speculative='draft' needs draft_model= (a path, hub id or loaded model "

@@ -30,6 +30,7 @@ from .loading import eos_token_ids
 from .model.cpu_linear import install_cpu_linear
 from .model.fast_path import fast_path_stats, make_runner
 from .model.forward import forward_tokens, probe_layer_shapes, resolve_attention
+from .model.weight_stream import stream_weights
 from .plan import describe, environment
 from .prompting import Messages
 from .request import Request, check_prompt_length
@@ -81,7 +82,11 @@ class InferenceEngine:
             recompute_strategy=recompute_strategy, recompute_ratio=recompute_ratio, kv_cache_bits=kv_cache_bits,
             disk_cache_dir=disk_cache_dir, device=device, **options)
         self.compatibility = check_model_compatibility(model, strict=strict)
-        if device is not None:
+        self.weight_stream = None  # decoder layers streamed from host memory (weight_budget_bytes)
+        if self.config.weight_budget_bytes is not None:
+            target = torch.device(device) if device is not None else next(model.parameters()).device
+            self.weight_stream = stream_weights(model, self.config.weight_budget_bytes, target)
+        elif device is not None:
             model.to(device)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -113,8 +118,12 @@ class InferenceEngine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
-        self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.kv_workspace,
-                                                         self.attention, verifies=self.config.speculative is not None)
+        if self.weight_stream is not None:  # config.RULES refused the explicit static paths
+            self.runner, self.fast_path_reason = None, "off: weights stream from host memory (the eager path)"
+        else:
+            self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.kv_workspace,
+                                                             self.attention,
+                                                             verifies=self.config.speculative is not None)
         self.plan = describe(self.config, self.device, self.kv_dtype, self.attention, self.attention_reason,
                              self.runner.mode if self.runner else "off", self.fast_path_reason, self.cpu_linear,
                              self.kv.store.tier_names(), max_tokens)
@@ -314,7 +323,9 @@ class InferenceEngine:
     # ---- introspection ------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear)
+        weights = self.weight_stream.as_dict() if self.weight_stream is not None else {"streamed_layers": []}
         return dict(self.kv.stats(), plan=self.plan.as_dict(), workspace_bytes=self.kv_workspace.nbytes, fast_path=fast,
+                    weights=weights,
                     streamed=self.long_contexts.as_dict(),
                     speculative=speculation_stats(self.config, self.spec_counts, self.spec_costs))
 

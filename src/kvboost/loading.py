@@ -166,7 +166,7 @@ def _to_int4(model: torch.nn.Module, gguf: Path | None) -> None:
     from .model.int4.linear import quantize_linears
 
     if gguf is not None:
-        int4_linears_from_gguf(model, gguf)
+        int4_linears_from_gguf(model, gguf, cache_root() / "int4")
     else:
         quantize_linears(model)
 

@@ -66,6 +66,8 @@ def serve_command(
     device_kv_max_tokens: int | None = typer.Option(None, min=1, help="Longer contexts keep their K/V in host "
                                                     "memory, streamed to the device a layer at a time (exact reuse "
                                                     "only)."),
+    weight_budget_bytes: int | None = typer.Option(None, min=1, help="Device bytes for the weights: decoder layers "
+                                                   "that do not fit stream from host memory a layer at a time."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log every request line."),
 ) -> None:
@@ -93,6 +95,7 @@ def serve_command(
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
                        num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
                        device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens,
+                       weight_budget_bytes=weight_budget_bytes,
                        **({"paged_kv": True} if paged_kv else {}))
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)

@@ -3,8 +3,8 @@
 Names map to the model's through gguf-py's tensor-name tables for the file's architecture, and rows are reordered as
 transformers reorders them (llama's q/k projections are stored permuted for llama.cpp's RoPE): the permutation moves
 whole rows, so it applies to the blocks before decoding. Other tensors (norms, the Q8_0 embedding) keep the model's
-float weights. Parsing a GGUF takes seconds, so the decoded layers are kept in a safetensors file under
-$KVBOOST_CACHE_DIR/int4, keyed by the file's path, size and modification time.
+float weights. Parsing a GGUF takes seconds, so the decoded layers are kept in a safetensors file in a cache directory
+(loading.py: $KVBOOST_CACHE_DIR/int4), keyed by the file's path, size and modification time.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ FORMATS = ("Q4_0", "Q4_1")
 CACHE_FORMAT = 1  # bump when what the cache file holds changes
 
 
-def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path | None = None) -> int:
+def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path) -> int:
     """Replace every nn.Linear of `model` that the GGUF file at `path` stores as Q4_0 / Q4_1 by an Int4Linear of its
     stored codes; returns how many. `model` is the file's model (loaded from it, or from a conversion of it).
-    cache_dir: where decoded layers are kept (None: $KVBOOST_CACHE_DIR/int4)."""
+    cache_dir: where decoded layers are kept ($KVBOOST_CACHE_DIR/int4 when loading.py calls)."""
     from safetensors.torch import load_file, save_file
 
     cache = _cache_path(Path(path), cache_dir)
@@ -48,14 +48,12 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path |
     return len(layers)
 
 
-def _cache_path(path: Path, cache_dir: Path | None) -> Path:
+def _cache_path(path: Path, cache_dir: Path) -> Path:
     import xxhash
-
-    from ...loading import cache_root
 
     stat = path.resolve().stat()
     key = xxhash.xxh3_64_hexdigest(f"{CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return (cache_root() / "int4" if cache_dir is None else cache_dir) / f"{path.stem}-{key}.safetensors"
+    return cache_dir / f"{path.stem}-{key}.safetensors"
 
 
 def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:

@@ -1,0 +1,214 @@
+"""Decoder layers whose weights live in host memory and reach the device, a layer at a time, as the forward needs them.
+
+`plan_streaming` fits a weight budget: the embedding, the head and final norm stay resident (`fixed`); `depth` device
+slots hold the streamed layers in flight; what is left keeps whole layers resident, spread
+evenly so that streamed layers alternate with resident ones (a resident layer's compute hides the next copy). A
+streamed layer's tensors (INT4 codes as they are) sit in one exactly sized page-locked host buffer; a slot is one
+device buffer of the largest streamed layer's bytes, and a layer's tensors are views into it at fixed offsets, so a
+layer crosses in one copy. Copies run on a side stream up to `depth - 1` layers ahead, in the order the forward meets
+the streamed layers (cyclically, into the next step), each into the slot loaded longest ago; a layer's compute waits
+only on its own copy's event, and a slot is refilled only after the compute that read it. On a CPU
+the same code copies synchronously (its logic is what CI tests). Outside a forward, a streamed layer's tensors are
+its host copies, so state_dict and fingerprints read the weights, never a slot's stale contents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..kv.pinned import pinned_empty
+
+ALIGN = 64  # bytes: every tensor's offset in a slot, so any dtype's view is aligned
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layer list (model.model.layers) to stream")
+    return layers
+
+
+def _tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(owner, name, tensor) of every parameter and buffer of a layer, each once."""
+    out, seen = [], set()
+    for module in layer.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append((module, name, t))
+    return out
+
+
+def _layout(tensors: list[tuple[nn.Module, str, torch.Tensor]]) -> tuple[list[int], int]:
+    offsets, size = [], 0
+    for _, _, t in tensors:
+        offsets.append(size)
+        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return offsets, size
+
+
+@dataclass
+class StreamPlan:
+    resident: list[int]  # decoder layer indices kept on the device
+    streamed: list[int]  # in forward order
+    slots: int  # device buffers for streamed layers in flight
+    slot_bytes: int
+    fixed_bytes: int  # everything not in a streamed layer's buffer
+
+
+def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth: int = 2) -> StreamPlan:
+    """Which layers stream under a budget of `budget` device bytes for weights (see the module's docstring)."""
+    if fixed_bytes > budget:
+        raise ValueError(f"weight_budget_bytes={budget:,}: the embedding, head and norms alone take {fixed_bytes:,}")
+    n = len(layer_bytes)
+    if fixed_bytes + sum(layer_bytes) <= budget:
+        return StreamPlan(list(range(n)), [], 0, 0, fixed_bytes)
+    slot = max(layer_bytes)
+    slots = min(max(depth, 1), n)
+    while slots > 1 and fixed_bytes + slots * slot > budget:  # a shallower prefetch before refusing
+        slots -= 1
+    room = budget - fixed_bytes - slots * slot
+    if room < 0:
+        raise ValueError(f"weight_budget_bytes={budget:,}: one slot of {slot:,} bytes does not fit beside the "
+                         f"{fixed_bytes:,} resident bytes")
+    keep = 0
+    while keep < n and sum(sorted(layer_bytes)[:keep + 1]) <= room:
+        keep += 1
+    resident = sorted({round(i * (n - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else ({0} if keep else set()))
+    while sum(layer_bytes[i] for i in resident) > room:  # evenly spread ones may be the larger layers
+        resident.pop()
+    streamed = [i for i in range(n) if i not in resident]
+    return StreamPlan(resident, streamed, min(slots, len(streamed)), slot, fixed_bytes)
+
+
+@dataclass
+class _Streamed:
+    index: int
+    tensors: list[tuple[nn.Module, str, torch.Tensor]]  # owner, name, the host copy (a view of `host`)
+    offsets: list[int]
+    host: torch.Tensor  # uint8, the layer's bytes
+    ready: object = None  # the copy's event (CUDA)
+
+
+@dataclass
+class StreamStats:
+    copies: int = 0
+    bytes_copied: int = 0
+    pinned: bool = True
+    unpinned_reason: str | None = None
+    counts: dict = field(default_factory=dict)
+
+
+class WeightStreamer:
+    """Streams the plan's layers through `plan.slots` device slots; installed by forward hooks on those layers."""
+
+    def __init__(self, model: nn.Module, plan: StreamPlan, device: torch.device):
+        self.plan, self.device, self.stats = plan, device, StreamStats()
+        layers = decoder_layers(model)
+        self.layers: list[_Streamed] = []
+        for i in plan.streamed:
+            tensors = _tensors(layers[i])
+            offsets, size = _layout(tensors)
+            host, why = pinned_empty((size,), torch.uint8) if device.type == "cuda" else \
+                (torch.empty(size, dtype=torch.uint8), None)
+            if why is not None:
+                self.stats.pinned, self.stats.unpinned_reason = False, why
+            entry = _Streamed(i, [], offsets, host)
+            for (owner, name, t), offset in zip(tensors, offsets):
+                view = self._view(host, offset, t)
+                view.copy_(t.detach())
+                entry.tensors.append((owner, name, view))
+            self.layers.append(entry)
+            self._point(entry, [t for _, _, t in entry.tensors])  # the device copies are freed
+            layers[i].register_forward_pre_hook(self._before(len(self.layers) - 1))
+            layers[i].register_forward_hook(self._after(len(self.layers) - 1))
+        self.slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device) for _ in range(plan.slots)]
+        self.slot_free = [None] * plan.slots  # the event after the compute that last read each slot (CUDA)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.in_slot: list[int | None] = [None] * plan.slots  # which streamed layer each slot holds
+        self.where: dict[int, int] = {}  # streamed layer -> the slot holding it
+        self.next_slot = 0  # the slot loaded longest ago: the next copy's
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        return buffer[offset:offset + nbytes].view(like.dtype).view(like.shape)
+
+    @staticmethod
+    def _point(entry: _Streamed, tensors: list[torch.Tensor]) -> None:
+        for (owner, name, _), t in zip(entry.tensors, tensors):
+            current = getattr(owner, name)
+            if isinstance(current, nn.Parameter):
+                current.data = t
+            else:
+                setattr(owner, name, t)
+
+    def _copy(self, k: int) -> None:
+        """Make sure streamed layer k is in a slot, loading it into the slot loaded longest ago if not."""
+        if k in self.where:
+            return
+        slot = self.next_slot
+        self.where.pop(self.in_slot[slot], None)
+        entry = self.layers[k]
+        if self.copy_stream is None:
+            self.slots[slot][:entry.host.numel()].copy_(entry.host)
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                if self.slot_free[slot] is not None:
+                    self.copy_stream.wait_event(self.slot_free[slot])
+                self.slots[slot][:entry.host.numel()].copy_(entry.host, non_blocking=True)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(self.copy_stream)
+        self.where[k], self.in_slot[slot] = slot, k
+        self.next_slot = (slot + 1) % len(self.slots)
+        self.stats.copies += 1
+        self.stats.bytes_copied += entry.host.numel()
+
+    def _before(self, k: int):
+        def hook(module, args):
+            n = len(self.layers)
+            for ahead in range(len(self.slots)):  # this layer and the ones after it, up to the ring's size
+                self._copy((k + ahead) % n)
+            entry, slot = self.layers[k], self.slots[self.where[k]]
+            if entry.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(entry.ready)
+            self._point(entry, [self._view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
+        return hook
+
+    def _after(self, k: int):
+        def hook(module, args, output):
+            entry = self.layers[k]
+            if self.copy_stream is not None:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+                self.slot_free[self.where[k]] = done
+            self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
+            return output
+        return hook
+
+    def as_dict(self) -> dict:
+        return {"resident_layers": self.plan.resident, "streamed_layers": self.plan.streamed,
+                "slots": self.plan.slots, "slot_bytes": self.plan.slot_bytes, "copies": self.stats.copies,
+                "bytes_copied": self.stats.bytes_copied, "pinned": self.stats.pinned,
+                "unpinned_reason": self.stats.unpinned_reason}
+
+
+def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: int = 2) -> WeightStreamer | None:
+    """Place `model` on `device` within `budget` bytes of weights: what the plan keeps resident moves there, the
+    streamed layers go to host memory (never to the device whole). None: everything fits, and is on the device."""
+    layers = decoder_layers(model)
+    layer_bytes = [sum(t.numel() * t.element_size() for _, _, t in _tensors(layer)) for layer in layers]
+    total = sum(t.numel() * t.element_size() for _, _, t in _tensors(model))
+    plan = plan_streaming(layer_bytes, total - sum(layer_bytes), budget, depth)
+    if not plan.streamed:
+        model.to(device)
+        return None
+    held = {i: layers[i] for i in plan.streamed}
+    for i in held:  # out of the model while it moves, so no streamed layer is ever whole on the device
+        layers[i] = nn.Identity()
+    model.to(device)
+    for i, layer in held.items():
+        layers[i] = layer
+    return WeightStreamer(model, plan, device)

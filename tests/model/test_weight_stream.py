@@ -1,0 +1,76 @@
+"""model/weight_stream.py: the plan fits a weight budget (resident layers spread between streamed ones, slots for the
+rest, refusals when even that does not fit), and an engine whose layers stream from host memory through the slots
+(every wrap of the ring included) gives the all-resident engine's tokens, float or INT4, alone or batched; outside a
+forward the layers hold their own weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvboost import KVBoost
+from kvboost.model.int4.linear import quantize_linears
+from kvboost.model.weight_stream import plan_streaming
+
+from ..tiny_models import make_tiny_model
+
+PROMPTS = ["Hello there, how are you", "Once upon a time in a land far away"]
+
+
+def test_the_plan_fits_the_budget():
+    ten = [100] * 10
+    everything = plan_streaming(ten, 50, 50 + 1000)
+    assert everything.streamed == [] and everything.resident == list(range(10))
+    plan = plan_streaming(ten, 50, 50 + 2 * 100 + 4 * 100, depth=2)  # two slots, room for four layers
+    assert plan.resident == [0, 3, 6, 9] and plan.streamed == [1, 2, 4, 5, 7, 8] and plan.slots == 2
+    assert plan_streaming(ten, 50, 50 + 2 * 100).resident == []
+    assert plan_streaming([100, 100, 100], 50, 50 + 250, depth=4).slots == 2  # what fits, not what was asked
+    with pytest.raises(ValueError, match="embedding, head and norms alone"):
+        plan_streaming(ten, 500, 400)
+    with pytest.raises(ValueError, match="one slot of 100 bytes"):
+        plan_streaming(ten, 50, 50 + 99)
+
+
+def _budget(model, resident_layers: int, slots: int = 2) -> int:
+    def nbytes(module: torch.nn.Module) -> int:  # parameters and buffers (INT4 codes are buffers)
+        return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+    layers = model.model.layers
+    per_layer = nbytes(layers[0]) + 64 * 16  # + each tensor's alignment in a slot
+    return nbytes(model) - nbytes(layers) + (slots + resident_layers) * per_layer
+
+
+def _outputs(engine: KVBoost) -> list[list[int]]:
+    single = [engine.generate(p, max_new_tokens=10).output_token_ids for p in PROMPTS]
+    batch = [r.output_token_ids for r in engine.generate_batch(PROMPTS, max_new_tokens=8)]
+    return single + batch
+
+
+@pytest.mark.parametrize("layers,resident", [(3, 0), (6, 1), (6, 2)])
+@pytest.mark.parametrize("int4", [False, True])
+def test_a_streamed_engine_gives_the_resident_engines_tokens(tokenizer, layers, resident, int4):
+    def model():
+        m = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=layers)
+        if int4:
+            quantize_linears(m, group=32)
+        return m
+
+    want = _outputs(KVBoost(model(), tokenizer, device="cpu", fast_path="off"))
+    streamed_model = model()
+    weights = {k: v.clone() for k, v in streamed_model.state_dict().items()}
+    engine = KVBoost(streamed_model, tokenizer, device="cpu", weight_budget_bytes=_budget(streamed_model, resident))
+    stats = engine.cache_stats()["weights"]
+    assert len(stats["resident_layers"]) == resident and len(stats["streamed_layers"]) == layers - resident
+    assert engine.runner is None and "weights stream" in engine.fast_path_reason
+    assert _outputs(engine) == want
+    assert engine.cache_stats()["weights"]["copies"] >= layers - resident
+    for name, value in engine.model.state_dict().items():  # outside a forward: each layer's own weights
+        assert torch.equal(value, weights[name]), name
+
+
+def test_static_fast_paths_are_refused_with_streamed_weights(tokenizer):
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    for path in ("compiled", "eager"):
+        with pytest.raises(ValueError, match="streamed weights run the eager path"):
+            KVBoost(model, tokenizer, device="cpu", fast_path=path, weight_budget_bytes=_budget(model, 0))
+    with pytest.raises(ValueError, match="weight_budget_bytes must be a positive int"):
+        KVBoost(model, tokenizer, device="cpu", weight_budget_bytes=0)
