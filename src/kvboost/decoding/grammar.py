@@ -102,17 +102,13 @@ def json_schema_format(schema: Any, param: str = "response_format") -> OutputFor
 
 def structural_tag_format(spec: dict[str, Any], param: str = "tools") -> OutputFormat:
     """Free text in which each `begin` trigger opens a constrained section (tool_choice=auto): spec = {"triggers":
-    [...], "tags": [{"begin", "schema", "end"}, ...]}, optionally "stop_after_first": true."""
-    return OutputFormat("structural_tag", json.dumps(spec, separators=(",", ":")), param)
-
-
-def _triggered_tags(spec: dict[str, Any]) -> str:
-    """structural_tag_format's spec as xgrammar's structural tag (its "triggered_tags" format, JSON)."""
+    [...], "tags": [{"begin", "schema", "end"}, ...]}, optionally "stop_after_first": true. Kept as xgrammar's
+    structural tag (its "triggered_tags" format, JSON)."""
     tags = [{"type": "tag", "begin": t["begin"], "content": {"type": "json_schema", "json_schema": t["schema"]},
              "end": t["end"]} for t in spec["tags"]]
-    return json.dumps({"type": "structural_tag", "format": {
+    return OutputFormat("structural_tag", json.dumps({"type": "structural_tag", "format": {
         "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags,
-        "stop_after_first": bool(spec.get("stop_after_first", False))}})
+        "stop_after_first": bool(spec.get("stop_after_first", False))}}, separators=(",", ":")), param)
 
 
 @dataclass(frozen=True)
@@ -199,7 +195,7 @@ class GrammarCompiler:
             if fmt.kind == "grammar":
                 return c.compile_grammar(fmt.source)
             if fmt.kind == "structural_tag":
-                return c.compile_structural_tag(_triggered_tags(json.loads(fmt.source)))
+                return c.compile_structural_tag(fmt.source)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types with the reason
             what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(fmt.kind, fmt.kind)
             reason = str(exc).strip().splitlines()

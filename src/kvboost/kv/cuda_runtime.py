@@ -3,8 +3,8 @@ torch loaded. A failure is cleared (cudaGetLastError), else torch's next launch 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 
 HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 
@@ -55,20 +55,18 @@ class CudaRuntime:
         return self._cleared(self.lib.cudaHostUnregister(ptr))
 
 
-_runtime: CudaRuntime | None = None
-_runtime_error: str | None = None
-_lock = threading.Lock()
+@functools.cache
+def _load() -> CudaRuntime | str:
+    """The runtime, or why it cannot be had: looked up once either way."""
+    try:
+        return CudaRuntime(loaded_cudart_path())
+    except (OSError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def cuda_runtime() -> CudaRuntime:
     """The process's runtime (looked up once); OSError / AttributeError where it cannot be had."""
-    global _runtime, _runtime_error
-    with _lock:
-        if _runtime is None and _runtime_error is None:
-            try:
-                _runtime = CudaRuntime(loaded_cudart_path())
-            except (OSError, AttributeError) as exc:
-                _runtime_error = f"{type(exc).__name__}: {exc}"
-        if _runtime is None:
-            raise OSError(_runtime_error)
-        return _runtime
+    runtime = _load()
+    if isinstance(runtime, str):
+        raise OSError(runtime)
+    return runtime

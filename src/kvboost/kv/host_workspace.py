@@ -10,9 +10,7 @@ import torch
 
 from .host_transfer import CudaCopies, InlineCopies, copies_for
 from .pinned import pinned_empty
-from .workspace import LayerShape
-
-_GROW_STEP = 256  # as KVWorkspace: grow by half, in steps of this many positions
+from .workspace import LayerShape, grown_capacity
 
 
 class _Pending(Protocol):
@@ -29,11 +27,6 @@ class HostStreamStats:
 def bytes_per_position(shapes: Sequence[LayerShape], dtype: torch.dtype) -> int:
     """K and V of one position, every layer."""
     return sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
-
-
-def _grown(needed: int, capacity: int, max_positions: int | None) -> int:
-    target = -(-max(needed, int(capacity * 1.5)) // _GROW_STEP) * _GROW_STEP
-    return max(needed, min(target, max_positions)) if max_positions else target
 
 
 class DeviceResident:
@@ -76,7 +69,7 @@ class Scratch:
     def ensure(self, n: int) -> None:
         """Room for n positions. Called before a forward's first copy (no copy in flight reads the old buffers)."""
         if n > self.columns:
-            self.columns = _grown(n, self.columns, None)
+            self.columns = grown_capacity(n, self.columns, None)
             k_width = max(s.kv_heads * s.head_dim_k for s in self.shapes)
             v_width = max(s.kv_heads * s.head_dim_v for s in self.shapes)
             self.flat = [(torch.empty(self.columns * k_width, dtype=self.dtype, device=self.device),
@@ -158,7 +151,7 @@ class HostWorkspace:
         if needed > self.capacity:
             if self.max_positions and needed > self.max_positions:
                 raise ValueError(f"{needed} positions exceed this host workspace's {self.max_positions}")
-            self._allocate(_grown(needed, self.capacity, self.max_positions),
+            self._allocate(grown_capacity(needed, self.capacity, self.max_positions),
                            self.capacity if keep is None else keep)
 
     def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

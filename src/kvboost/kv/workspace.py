@@ -20,6 +20,14 @@ class LayerShape:
     head_dim_v: int
 
 
+def grown_capacity(needed: int, capacity: int, max_positions: int | None, base: int = 0) -> int:
+    """A capacity for positions [0, needed): the allocated columns (not the positions below base, which take no memory)
+    grow by half, in steps of _GROW_STEP, capped at max_positions but never below needed."""
+    cols = max(needed - base, int((capacity - base) * 1.5))
+    target = base + -(-cols // _GROW_STEP) * _GROW_STEP
+    return max(needed, min(target, max_positions)) if max_positions else target
+
+
 class InPlaceLayer(LengthLayer):
     """A full-attention cache layer that writes into the workspace buffer of its layer."""
 
@@ -154,12 +162,7 @@ class KVWorkspace:
             self.forget_residents()
 
     def _grown(self, needed: int) -> int:
-        # Grow the allocated columns (not the positions below base, which take no memory) by half, in steps.
-        cols = max(needed - self.base, int((self.capacity - self.base) * 1.5))
-        target = self.base + -(-cols // _GROW_STEP) * _GROW_STEP
-        if self.max_positions:
-            target = max(needed, min(target, self.max_positions))
-        return target
+        return grown_capacity(needed, self.capacity, self.max_positions, self.base)
 
     def ensure_capacity(self, needed: int, keep: int = 0) -> None:
         """Room for positions [0, needed), keeping every row's columns up to `keep` and what rows hold resident."""

@@ -15,6 +15,7 @@ from ..kv.length_layer import BufferLayer
 from ..kv.workspace import KVWorkspace
 from ..model.cache_arg import cache_kwargs
 from ..results import RecomputeStrategy
+from .rope import decoder_of
 
 CHECK_LAYER = 2  # layer 0's K/V equals the stored K/V (no context yet); layer 2 ranks better than 1 for ~equal cost
 GRADUAL = 2.0  # the first filtering step keeps GRADUAL * r of the placed tokens
@@ -31,9 +32,7 @@ class RepairResult:
 
 
 def _decoder_layers(model: torch.nn.Module) -> Any:
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else model
-    return getattr(decoder, "layers", None)
+    return getattr(decoder_of(model), "layers", None)
 
 
 def layer_windows(model: torch.nn.Module) -> tuple[list[int | None] | None, str | None]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import ModelNotSupportedError
 
-__all__ = ["RotaryInfo", "rotary_info_for", "rerotate_keys", "can_rerotate"]
+__all__ = ["RotaryInfo", "rotary_info_for", "rerotate_keys", "can_rerotate", "decoder_of"]
 
 # inv_freq is fixed at init for these, so any pair of positions is related by one rotation.
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
@@ -44,7 +44,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _decoder(model: nn.Module) -> nn.Module:
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The model's decoder stack (model.get_decoder()), or the model itself where it names none."""
     get = getattr(model, "get_decoder", None)
     if callable(get):
         try:
@@ -150,7 +151,7 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
 def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
                     dst_len: int | None = None) -> list[RotaryInfo]:
     """One RotaryInfo per decoder layer from the model's rotary module; exact=False rather than raising."""
-    decoder = _decoder(model)
+    decoder = decoder_of(model)
     config = getattr(decoder, "config", None) or model.config.get_text_config()
     layers = getattr(decoder, "layers", None)
     n_layers = len(layers) if layers is not None else int(config.num_hidden_layers)

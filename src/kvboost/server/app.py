@@ -28,9 +28,9 @@ from ..sampling import SamplingParams
 from .errors import APIError, install_error_handlers, to_api_error, validation_message
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
-from .render import DONE, ChatRenderer, CompletionRenderer, Renderer, sse
+from .render import DONE, ChatRenderer, CompletionRenderer, Renderer, model_card, sse
 from .scheduler import Job, QueueFullError, Scheduler
-from .schema import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
+from .schema import ChatCompletionRequest, CompletionRequest
 from .settings import ServerSettings
 
 log = logging.getLogger("kvboost.server")
@@ -176,12 +176,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return dump(ModelList(data=[ModelCard(id=settings.model_id, created=state.started)]))
+        return {"object": "list", "data": [model_card(settings.model_id, state.started)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict:
         _check_model(settings, model)
-        return dump(ModelCard(id=settings.model_id, created=state.started))
+        return model_card(settings.model_id, state.started)
 
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:

@@ -62,14 +62,9 @@ class BackgroundServer:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: a free one, read it back with getsockname)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    # (create_server would make an IPv6 socket v6-only; Linux's default, dual-stack, is kept)
+    dual = family == socket.AF_INET6 and socket.has_dualstack_ipv6()
+    sock = socket.create_server(address, family=family, backlog=2048, dualstack_ipv6=dual)
     sock.set_inheritable(True)
     return sock

@@ -81,9 +81,11 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _known(_: Request, exc: Exception) -> JSONResponse:  # an APIError, or the engine's validation
+        return to_api_error(exc).response()
+
+    for known in (APIError, InvalidRequestError):
+        app.add_exception_handler(known, _known)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -95,10 +97,6 @@ def install_error_handlers(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)
                         ).response()
-
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return to_api_error(exc).response()
 
     @app.exception_handler(Exception)
     async def _unknown(request: Request, exc: Exception) -> JSONResponse:

@@ -1,10 +1,11 @@
-"""Pydantic models of the OpenAI request and response bodies this server speaks. Requests validate strictly; unknown
-fields are ignored (clients send many optional ones); unsupported ones changing the result fail in prepare.py."""
+"""Pydantic models of the OpenAI request bodies this server takes (responses are built in render.py). Requests validate
+strictly; unknown fields are ignored (clients send many optional ones); unsupported ones changing the result fail in
+prepare.py."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
@@ -103,136 +104,3 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's top-k
-
-
-# ---- responses --------------------------------------------------------------------------------------
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class CompletionTokensDetails(BaseModel):
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
-    reasoning_tokens: int = 0
-    audio_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails | None = None  # with a prediction only
-
-    @model_serializer(mode="wrap")
-    def _only_set_details(self, handler) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("completion_tokens_details") is None:
-            data.pop("completion_tokens_details", None)
-        return data
-
-
-class ResponseFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ResponseToolCall(BaseModel):
-    index: int | None = None  # streamed deltas only
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: ResponseFunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ResponseToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _no_empty_tool_calls(self, handler) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        else:
-            for call in data["tool_calls"]:
-                call.pop("index", None)
-        return data
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-
-
-class ChunkDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ResponseToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChunkDelta
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-    @field_serializer("delta")
-    def _only_what_changed(self, delta: ChunkDelta) -> dict[str, Any]:
-        # As OpenAI streams: only the fields set, so the last delta is {} (some clients append a null as "None").
-        return delta.model_dump(mode="json", exclude_none=True)
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvboost"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json")

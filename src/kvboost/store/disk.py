@@ -286,26 +286,20 @@ class DiskStore(CountedTier):
                 tmp.unlink(missing_ok=True)
 
     def delete(self, key: str) -> None:
-        if not self._may_write():
-            return
-        try:
-            with self._write_txn() as conn:
-                row = conn.execute("SELECT path FROM chunks WHERE namespace = ? AND key = ?",
-                                   (self.namespace, key)).fetchone()
-                conn.execute("DELETE FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key))
-                if row:
-                    (self.directory / row[0]).unlink(missing_ok=True)
-        except Exception as exc:
-            self._write_failed(exc)
+        self._remove("namespace = ? AND key = ?", (self.namespace, key))
 
     def clear(self) -> None:
         """Drop this namespace's entries (other namespaces sharing the directory are left alone)."""
+        self._remove("namespace = ?", (self.namespace,))
+
+    def _remove(self, where: str, params: tuple) -> None:
+        """Delete the index rows matching `where` and their files; a failure is counted (with why), never raised."""
         if not self._may_write():
             return
         try:
             with self._write_txn() as conn:
-                rows = conn.execute("SELECT path FROM chunks WHERE namespace = ?", (self.namespace,)).fetchall()
-                conn.execute("DELETE FROM chunks WHERE namespace = ?", (self.namespace,))
+                rows = conn.execute(f"SELECT path FROM chunks WHERE {where}", params).fetchall()
+                conn.execute(f"DELETE FROM chunks WHERE {where}", params)
                 for (rel,) in rows:
                     (self.directory / rel).unlink(missing_ok=True)
         except Exception as exc:

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import sqlite3
-import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import xxhash
 
 from .base import ChunkMeta
-from .serialize import FRAME_SIZE, CorruptRecordError, RecordError, UnsupportedFormatError, frame_checksum, loads_meta
+from .serialize import RecordError, UnsupportedFormatError, frame_checksum, loads_namespaced_meta
 
 INDEX = "index.sqlite3"
 MANIFEST = "manifest.json"
@@ -135,20 +134,13 @@ def chunk_files(directory: Path) -> set[str]:
     return out
 
 
-def read_chunk_file(path: Path) -> tuple[str, ChunkMeta, bytes]:
-    """(namespace, meta, blob) of a chunk file that verifies; raises RecordError or OSError otherwise."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    namespace = _header_namespace(blob)
-    return namespace, loads_meta(blob, namespace), blob  # loads_meta checks checksum, header and namespace
-
-
 def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) -> tuple[int, list[str]]:
     """Index every file of relpaths that verifies; returns (indexed, relpaths that did not); newer formats skipped."""
     kept, bad = 0, []
     for rel in sorted(relpaths):
         try:
-            namespace, meta, blob = read_chunk_file(directory / rel)
+            blob = (directory / rel).read_bytes()
+            namespace, meta = loads_namespaced_meta(blob)  # checksum, header and the namespace it claims
         except UnsupportedFormatError:
             continue
         except (OSError, RecordError):
@@ -160,19 +152,6 @@ def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) ->
         conn.execute(UPSERT, index_row(namespace, meta, blob, rel))
         kept += 1
     return kept, bad
-
-
-def _header_namespace(blob: bytes) -> str:
-    """The namespace a blob's header claims (verified afterwards by loads_meta against the checksum)."""
-    try:
-        (n,) = struct.unpack_from("<Q", blob, FRAME_SIZE)  # safetensors: u64 header length, then JSON
-        header = json.loads(blob[FRAME_SIZE + 8:FRAME_SIZE + 8 + n])
-        namespace = json.loads(header["__metadata__"]["kvboost"])["namespace"]
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
-        raise CorruptRecordError(f"no readable header: {exc}") from exc
-    if not isinstance(namespace, str):
-        raise CorruptRecordError("header names no namespace")
-    return namespace
 
 
 # ---- the directory ----------------------------------------------------------------------------------

@@ -174,19 +174,18 @@ def decode_key(k: Encoded) -> torch.Tensor:
     return dequantize_tensor(k) if isinstance(k, QuantTensor) else k
 
 
-def decode_value(v: Encoded, n_tokens: int, like: torch.Tensor) -> torch.Tensor:
+def decode_value(v: Encoded, heads: int) -> torch.Tensor:
+    """V of `heads` K/V heads ([heads, tokens, head_dim]) from its encoding (see _heads)."""
     if not isinstance(v, QuantTensor):
         return v
     flat = dequantize_tensor(v)  # [tokens, heads*head_dim]
-    heads = like.shape[0] if like.dim() == 3 else 1
-    return flat.reshape(n_tokens, heads, -1).permute(1, 0, 2).contiguous()
+    return flat.reshape(flat.shape[0], heads, -1).permute(1, 0, 2).contiguous()
 
 
 def decode_record(payload: QuantRecord) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every layer's K and V of one chunk, dequantized to the original dtype ([heads, tokens, head_dim])."""
-    n_tokens = len(payload.meta.token_ids)
     keys = [decode_key(k) for k in payload.keys]
-    values = [decode_value(v, n_tokens, k) for v, k in zip(payload.values, keys)]
+    values = [decode_value(v, _heads(k)) for v, k in zip(payload.values, payload.keys)]
     return keys, values
 
 
@@ -249,7 +248,7 @@ class QuantRun:
             codes = torch.cat([q.data.reshape(rows, q.shape[1]) for q in qs], dim=1)
         else:
             packed = torch.cat([q.data.reshape(rows, q.shape[1] // 2) for q in qs], dim=1)
-            codes = torch.stack([packed & 0x0F, packed >> 4], -1).reshape(rows, -1)
+            codes = unpack_int4(packed, packed.numel() * 2).reshape(rows, -1)
         index = self._index(qs, codes.device)
         scale = torch.cat([q.scale.reshape(rows, -1) for q in qs], dim=1).float().index_select(1, index)
         zero = torch.cat([q.zero.reshape(rows, -1) for q in qs], dim=1).float().index_select(1, index)
@@ -319,7 +318,7 @@ def _value_batch_kind(item: tuple[Encoded, int]) -> tuple | None:
 def _values(run: list[tuple[Encoded, int]]) -> list[torch.Tensor]:
     """V is stored as codes of [tokens, heads * head_dim]: chunks concatenate along tokens into one QuantTensor."""
     if _value_batch_kind(run[0]) is None or len(run) == 1:
-        return [_decode_value_alone(v, heads) for v, heads in run]
+        return [decode_value(v, heads) for v, heads in run]
     qs: list[QuantTensor] = [v for v, _ in run]  # type: ignore[misc]
     n_tokens = sum(q.shape[0] for q in qs)
     q0, heads = qs[0], run[0][1]
@@ -327,13 +326,6 @@ def _values(run: list[tuple[Encoded, int]]) -> list[torch.Tensor]:
                          torch.cat([q.zero for q in qs]), q0.bits, (n_tokens, q0.shape[1]), 1, q0.group_size,
                          q0.dtype)
     return [dequantize_tensor(joined).reshape(n_tokens, heads, -1).permute(1, 0, 2)]
-
-
-def _decode_value_alone(v: Encoded, heads: int) -> torch.Tensor:
-    if not isinstance(v, QuantTensor):
-        return v
-    flat = dequantize_tensor(v)
-    return flat.reshape(flat.shape[0], heads, -1).permute(1, 0, 2).contiguous()
 
 
 def _heads(k: Encoded) -> int:

@@ -109,6 +109,12 @@ def loads_meta(blob: bytes, namespace: str | None = None) -> ChunkMeta:
     return _meta(*_verify(blob, namespace))
 
 
+def loads_namespaced_meta(blob: bytes) -> tuple[str, ChunkMeta]:
+    """(the namespace it was written under, its metadata) of a verified blob of any namespace."""
+    header, tensors = _verify(blob, None)
+    return header["namespace"], _meta(header, tensors)
+
+
 # ---- internals -----------------------------------------------------------------------------------
 def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
     """The header and tensors of an intact blob; NamespaceMismatchError when written under another namespace."""
@@ -173,7 +179,7 @@ def _decode(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkRecord:
     values: list[torch.Tensor] = []
     for i in range(header["n_layers"]):
         k = decode_key(_encoded(header, tensors, f"k.{i}"))
-        v = decode_value(_encoded(header, tensors, f"v.{i}"), n_tokens, k)
+        v = decode_value(_encoded(header, tensors, f"v.{i}"), k.shape[0] if k.dim() == 3 else 1)
         if k.dim() != 3 or k.shape[1] != n_tokens or v.shape[:2] != k.shape[:2]:
             raise CorruptRecordError(f"layer {i}: K {tuple(k.shape)} / V {tuple(v.shape)} do not fit {n_tokens} tokens")
         keys.append(k)
