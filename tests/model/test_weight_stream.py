@@ -74,3 +74,23 @@ def test_static_fast_paths_are_refused_with_streamed_weights(tokenizer):
             KVBoost(model, tokenizer, device="cpu", fast_path=path, weight_budget_bytes=_budget(model, 0))
     with pytest.raises(ValueError, match="weight_budget_bytes must be a positive int"):
         KVBoost(model, tokenizer, device="cpu", weight_budget_bytes=0)
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
+def test_speculation_over_a_streamed_target_is_greedy_exact(tokenizer, method):
+    """The target streams its layers; the draft (a resident model sharing the tokenizer, or prompt lookup) proposes,
+    and the target verifies the drafts in the pass that streams its weights."""
+    prompt = "Copy: a b c d e f g h. Copy: a b c d e f g h. Copy: a b c"
+    plain = KVBoost(make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4), tokenizer, device="cpu",
+                    fast_path="off").generate(prompt, max_new_tokens=16).output_token_ids
+    target = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4)
+    draft = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=1, seed=1) if method == "draft" \
+        else None
+    engine = KVBoost(target, tokenizer, device="cpu", weight_budget_bytes=_budget(target, 1), speculative=method,
+                     draft_model=draft)
+    out = engine.generate(prompt, max_new_tokens=16)
+    assert out.output_token_ids == plain
+    spec = engine.cache_stats()["speculative"]
+    assert len(engine.cache_stats()["weights"]["streamed_layers"]) == 3
+    if method == "draft":  # a draft model always proposes (prompt lookup may find no match in a random model's text)
+        assert spec["proposals"] > 0 and spec["draft_tokens"] > 0
