@@ -19,8 +19,34 @@ from ..kv.static import StaticLayer
 from .attention.static import static_attention
 from .cache_arg import cache_kwargs
 
-PACKAGE_FORMAT = 1  # bump when DecodeStep's inputs or outputs change: old packages are then never loaded
+PACKAGE_FORMAT = 2  # bump when DecodeStep's inputs or outputs change: old packages are then never loaded
 _MAX_POSITIONS = 1 << 20
+
+
+@torch.library.custom_op("kvboost::write_token", mutates_args=("cache",))
+def write_token(cache: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
+    """cache [1, kv_heads, capacity, d] <- states [1, kv_heads, q, d] at columns `positions`, in place. An op of its
+    own so that the exported step writes into the caller's buffer: an index_copy_ on the input is functionalized into
+    a copy of the whole valid cache per layer and step."""
+    cache.index_copy_(2, positions, states)
+
+
+@write_token.register_fake
+def _(cache: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
+    return None
+
+
+class _PackagedLayer(StaticLayer):
+    """A StaticLayer over whole buffers that writes through write_token and attends to their first `end` columns."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, end: int):
+        super().__init__(keys, values, positions, 0)
+        self.end = end
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        write_token(self.keys, self.positions, key_states)
+        write_token(self.values, self.positions, value_states)
+        return self.keys[:, :, :self.end], self.values[:, :, :self.end]
 
 
 class DecodeStep(torch.nn.Module):
@@ -34,7 +60,7 @@ class DecodeStep(torch.nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, marker: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor]) -> torch.Tensor:
         end = marker.shape[0]
-        cache = Cache(layers=[StaticLayer(k[:, :, :end], v[:, :, :end], positions, 0) for k, v in zip(keys, values)])
+        cache = Cache(layers=[_PackagedLayer(k, v, positions, end) for k, v in zip(keys, values)])
         out = self.model(input_ids=ids, position_ids=positions[None], **cache_kwargs(cache), use_cache=True,
                          logits_to_keep=1, kvboost_ends=None, kvboost_exact_views=True, kvboost_backend=self.backend)
         return out.logits.float()
