@@ -11,12 +11,14 @@ are per calling thread, so the thread that steps the engine gives up its core it
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -110,11 +112,14 @@ class DecodePackage:
 
     def _start(self, model: torch.nn.Module, shapes: list, backend: str | None) -> None:
         global _building
-        job = self.path.with_name(f"{self.path.stem}.{os.getpid()}.job.pt")
+        # The child needs the module itself, so the job is a pickle; it lives in a private (0700) directory of this
+        # user's, only until the child has loaded it, and is never read from the shared cache directory.
+        job = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             mine = _take_lock(self.lock)
             if mine:
+                job = Path(tempfile.mkdtemp(prefix="kvboost-aot-")) / "job.pt"
                 _unspawned.update((job, self.lock))
                 torch.save({"model": model, "shapes": shapes, "backend": backend}, job)
         except Exception as exc:  # a model that does not pickle, a cache directory that cannot be written
@@ -226,8 +231,15 @@ def _take_lock(lock: Path) -> bool:
 def _forget(*paths: Path | None) -> None:
     for path in paths:
         if path is not None:
-            path.unlink(missing_ok=True)
+            _remove(path)
             _unspawned.discard(path)
+
+
+def _remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    if path.name == "job.pt":  # and its private directory
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
 
 
 @atexit.register
@@ -244,13 +256,13 @@ def _main(job: str, path: str) -> None:
         from torch._inductor import config as inductor_config
 
         inductor_config.compile_threads = 1
-        spec = torch.load(job, weights_only=False, mmap=True)
-        Path(job).unlink(missing_ok=True)
+        spec = torch.load(job, weights_only=False, mmap=True)  # our own job: see DecodePackage._start
+        _remove(Path(job))
         with torch.no_grad():
             build_package(spec["model"], spec["shapes"], spec["backend"], Path(path))
         log_path.unlink(missing_ok=True)  # a failed build keeps its log
     finally:
-        Path(job).unlink(missing_ok=True)
+        _remove(Path(job))
         if _lock_holder(lock) == os.getpid():
             lock.unlink(missing_ok=True)
 
