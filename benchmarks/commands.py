@@ -48,6 +48,7 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
     from .gpu import bench_gpu_command
     from .longctx import bench_longctx_command
     from .multiturn import bench_multiturn_command
+    from .offload import bench_offload_command
     from .prefix import bench_prefix_command
     from .quant import bench_quant_command
     from .rag import eval_rag_command
@@ -72,6 +73,9 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
                                          "without the mask, compile ms (needs the structured extra).")(
         _plot_needs_bench_extra("kvboost bench structured", _needs_extras(
             "kvboost bench structured", bench_structured_command, "structured", modules=("jsonschema",))))
+    bench_app.command("offload", help="INT4 weights against float ones and llama.cpp on a CPU: decode tok/s, peak "
+                                      "RSS, teacher-forced agreement.")(
+        _plot_needs_bench_extra("kvboost bench offload", bench_offload_command))
     # Each takes --model/--shape/--device/--dtype (model_options).
     for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),
                           ("multiturn", bench_multiturn_command), ("decode", bench_decode_command),

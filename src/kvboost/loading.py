@@ -147,10 +147,11 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
                              device: str | None = None, weights: str = "float", **hf_kwargs):
     """(model, tokenizer) in eval mode on the chosen device; the embedded model when name is None. weights="int4":
     the Linear layers as INT4 (model/int4): a GGUF's Q4_0 / Q4_1 blocks as stored (the embedded model's included),
-    else rounded to nearest in groups of 128."""
+    else rounded to nearest in groups of 128; the output projection as int8 rows (model/int4/head.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .model.int4.checkpoint import load_quantized, quantization_config
+    from .model.int4.head import quantize_head
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -166,14 +167,22 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
         if dev.type != "cpu":
             raise ValueError(f"INT4 checkpoints run on the CPU in this version (the CUDA kernels are not built "
                              f"yet); the device is {dev}")
-        return load_quantized(source, quantized, choose_dtype(dtype, dev)), tokenizer
+        model = load_quantized(source, quantized, choose_dtype(dtype, dev))
+        quantize_head(model)
+        return model, tokenizer
+    if weights == "int4" and is_embedded(name_or_path):  # its INT4 layers from the GGUF, never built in float
+        from .model.int4.gguf import model_from_gguf
+
+        model = model_from_gguf(source, embedded_gguf_path(), cache_root() / "int4", choose_dtype(dtype, dev))
+        quantize_head(model)
+        return model, tokenizer
     with no_transformers_bars():
         model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
     model.to(dev)
     model.eval()
     if weights == "int4":
-        _to_int4(model, embedded_gguf_path() if is_embedded(name_or_path) else
-                 (Path(source) / hf_kwargs["gguf_file"] if "gguf_file" in hf_kwargs else None))
+        _to_int4(model, Path(source) / hf_kwargs["gguf_file"] if "gguf_file" in hf_kwargs else None)
+        quantize_head(model)
     return model, tokenizer
 
 

@@ -64,11 +64,12 @@ def test_a_package_is_written_whole_and_loads_without_compiling(built):
     assert dict(torch._dynamo.utils.counters["inductor"]) == before  # nothing traced or compiled to load it
 
 
-def test_the_key_changes_with_any_weight_or_the_backend(tokenizer):
+def test_the_key_changes_with_any_weight_the_backend_or_the_threads(tokenizer):
     model = make_tiny_model("llama", tokenizer, device="cpu")
     key = package_key(model, "sdpa")
-    assert package_key(model, "sdpa") == key
+    assert package_key(model, "sdpa") == key == package_key(model, "sdpa", torch.get_num_threads())
     assert package_key(model, None) != key
+    assert package_key(model, "sdpa", torch.get_num_threads() + 1) != key
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
     assert package_key(model, "sdpa") != key
@@ -107,6 +108,25 @@ def test_the_step_continues_a_sequence_as_the_model_does(built):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_kernels_are_built_for_the_threads_asked_not_the_builder_s(tokenizer, tmp_path, monkeypatch):
+    """The background build runs on one thread for an engine of several: inductor blocks and parallelizes the
+    kernels for the count it is given (cpp.threads), whatever the building process runs on."""
+    from torch._inductor import config as inductor_config
+
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu")
+    seen = []
+
+    def record(program, package_path):
+        seen.append(inductor_config.cpp.threads)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", record)
+    for threads in (3, None):
+        with pytest.raises(RuntimeError, match="stop here"):
+            build_package(engine.model, engine.workspace.shapes, "sdpa", tmp_path / "step.pt2", threads)
+    assert seen == [3, torch.get_num_threads()]
+
+
 def test_a_failed_build_leaves_nothing_behind(tokenizer, tmp_path, monkeypatch):
     engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu")
 
@@ -118,3 +138,32 @@ def test_a_failed_build_leaves_nothing_behind(tokenizer, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="compiler crashed"):
         build_package(engine.model, engine.workspace.shapes, "sdpa", tmp_path / "step.pt2")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_quantized_model_s_package_runs_its_int4_and_int8_kernels(tokenizer, aot_cache_dir):
+    """INT4 layers and an int8 head (model/int4) inside the package: the eager step's logits, within the bfloat16
+    activations' rounding (an upstream difference in the last fp32 bit may round one activation the other way)."""
+    from kvboost.model.int4.head import Int8Head, quantize_head
+    from kvboost.model.int4.linear import quantize_linears
+
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    assert quantize_linears(model, group=32) > 0 and quantize_head(model)
+    engine = KVBoost(model, tokenizer, device="cpu")
+    path = aot_cache_dir / "aot" / f"{package_key(model, 'sdpa')}.pt2"
+    build_package(model, engine.workspace.shapes, "sdpa", path)
+    step, reference = AotDecodeStep(path), DecodeStep(model, "sdpa")
+    assert isinstance(model.get_output_embeddings(), Int8Head)
+    for end in (2, 37):
+        keys, values = _buffers(engine, 64, seed=end)
+        ref_keys, ref_values = [k.clone() for k in keys], [v.clone() for v in values]
+        ids, positions = torch.tensor([[11]]), torch.tensor([end - 1])
+        with torch.inference_mode():
+            got = step(ids, positions, end, keys, values)
+            with static_attention(model):
+                want = reference(ids, positions, torch.empty(end, dtype=torch.uint8), ref_keys, ref_values)
+        assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+        assert got.argmax() == want.argmax()
+        for mine, theirs in zip(keys + values, ref_keys + ref_values):
+            torch.testing.assert_close(mine[:, :, end - 1], theirs[:, :, end - 1], rtol=2e-2, atol=2e-2)
+            assert torch.equal(mine[:, :, :end - 1], theirs[:, :, :end - 1])

@@ -26,16 +26,15 @@ from pathlib import Path
 import torch
 
 from .aot_step import AotDecodeStep, build_package, default_package_dir, package_key
-from .compiled_step import linear_weight_bytes, packing_refusal
-from .int4.linear import weight_formats
+from .compiled_step import packing_refusal
 
 log = logging.getLogger(__name__)
 
 # "0": no package (auto on a CPU decodes eagerly); "cached": a cached package loads, none is built; else (the
 # default) a missing package is built in the background.
 AOT_ENV = "KVBOOST_AOT"
-# Free disk a build needs, in weights' bytes: the package holds them twice (packed and as given), and the child reads
-# the model from a temporary file.
+# Free disk a build needs, in the model's bytes: the package holds its weights twice (packed and as given), and the
+# child reads the model from a temporary file.
 DISK_FACTOR = 3.5
 _BUILD_LOCK = threading.Lock()  # one build at a time: each takes a core
 _building = 0  # builds this process runs or waits for
@@ -45,17 +44,17 @@ _local = threading.local()  # per stepping thread: its thread count before a bui
 
 
 def package_refusal(model: torch.nn.Module, directory: Path) -> str | None:
-    """Why the decode step should not run from a package here (None: it may)."""
+    """Why the decode step should not run from a package here (None: it may). Quantized layers (model/int4) run their
+    CPU kernels inside the package."""
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32:
         return f"the decode-step package is built for float32 CPU models, this one is {param.dtype} on {param.device}"
-    if weight_formats(model):
-        return "quantized (INT4) layers decode eagerly: the decode-step package is built for float weights"
     refusal = packing_refusal(model)
     if refusal is not None:
         return refusal
     probe = next((p for p in (directory, *directory.parents) if p.exists()), None)
-    need = int(DISK_FACTOR * linear_weight_bytes(model))
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    need = int(DISK_FACTOR * sum(t.numel() * t.element_size() for t in tensors.values()))
     if probe is not None and shutil.disk_usage(probe).free < need:
         return f"building the decode-step package needs ~{need / 2**30:.1f} GiB free in {directory}"
     return None
@@ -79,7 +78,8 @@ class DecodePackage:
                  build: bool = True):
         """build: start a build when no package is cached (or wait for the one running)."""
         directory = default_package_dir() if directory is None else directory
-        self.path = directory / f"{package_key(model, backend)}.pt2"
+        self.threads = torch.get_num_threads()  # the engine's: the build runs on one, for this many
+        self.path = directory / f"{package_key(model, backend, self.threads)}.pt2"
         self.lock = self.path.with_suffix(".lock")
         self.step: AotDecodeStep | None = None
         self.failure: str | None = None
@@ -121,7 +121,7 @@ class DecodePackage:
             if mine:
                 job = Path(tempfile.mkdtemp(prefix="kvboost-aot-")) / "job.pt"
                 _unspawned.update((job, self.lock))
-                torch.save({"model": model, "shapes": shapes, "backend": backend}, job)
+                torch.save({"model": model, "shapes": shapes, "backend": backend, "threads": self.threads}, job)
         except Exception as exc:  # a model that does not pickle, a cache directory that cannot be written
             _forget(job, self.lock)
             self.failure = f"the decode-step package cannot be built: {type(exc).__name__}: {exc}"
@@ -259,7 +259,7 @@ def _main(job: str, path: str) -> None:
         spec = torch.load(job, weights_only=False, mmap=True)  # our own job: see DecodePackage._start
         _remove(Path(job))
         with torch.no_grad():
-            build_package(spec["model"], spec["shapes"], spec["backend"], Path(path))
+            build_package(spec["model"], spec["shapes"], spec["backend"], Path(path), spec["threads"])
         log_path.unlink(missing_ok=True)  # a failed build keeps its log
     finally:
         _remove(Path(job))

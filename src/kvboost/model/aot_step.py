@@ -18,22 +18,29 @@ from transformers.cache_utils import Cache
 from ..kv.static import StaticLayer
 from .attention.static import static_attention
 from .cache_arg import cache_kwargs
+from .int4.linear import weight_formats
 
-PACKAGE_FORMAT = 2  # bump when DecodeStep's inputs or outputs change: old packages are then never loaded
+# Bumped when DecodeStep's inputs or outputs change, or what a package is built for: old ones are then never loaded.
+PACKAGE_FORMAT = 3
 _MAX_POSITIONS = 1 << 20
 
 
-@torch.library.custom_op("kvboost::write_token", mutates_args=("cache",))
-def write_token(cache: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
-    """cache [1, kv_heads, capacity, d] <- states [1, kv_heads, q, d] at columns `positions`, in place. An op of its
-    own so that the exported step writes into the caller's buffer: an index_copy_ on the input is functionalized into
-    a copy of the whole valid cache per layer and step."""
+# cache [1, kv_heads, capacity, d] <- states [1, kv_heads, q, d] at columns `positions`, in place. An op of its own so
+# that the exported step writes into the caller's buffer (an index_copy_ on the input is functionalized into a copy of
+# the whole valid cache per layer and step). Defined through torch.library.Library rather than custom_op: the package
+# calls it 2 x layers times per step, and custom_op's Python wrappers cost ~12 us a call.
+_LIBRARY = torch.library.Library("kvboost", "FRAGMENT")
+_LIBRARY.define("write_token(Tensor(a!) cache, Tensor positions, Tensor states) -> ()")
+
+
+def _write_token(cache: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
     cache.index_copy_(2, positions, states)
 
 
-@write_token.register_fake
-def _(cache: torch.Tensor, positions: torch.Tensor, states: torch.Tensor) -> None:
-    return None
+_LIBRARY.impl("write_token", _write_token, "CPU")
+_LIBRARY.impl("write_token", _write_token, "CUDA")
+torch.library.register_fake("kvboost::write_token", lambda cache, positions, states: None)
+write_token = torch.ops.kvboost.write_token
 
 
 class _PackagedLayer(StaticLayer):
@@ -66,13 +73,16 @@ class DecodeStep(torch.nn.Module):
         return out.logits.float()
 
 
-def package_key(model: torch.nn.Module, backend: str | None) -> str:
-    """What a package depends on: its format, torch, this CPU's kernels, the attention backend, the model's config and
-    every weight's bytes (a model changed in memory gets a package of its own)."""
+def package_key(model: torch.nn.Module, backend: str | None, threads: int | None = None) -> str:
+    """What a package depends on: its format, torch, this CPU's kernels, the threads its kernels are blocked for
+    (default: torch's count now), the attention backend, the model's config and every weight's bytes (a model changed
+    in memory gets a package of its own)."""
     import xxhash
 
+    threads = torch.get_num_threads() if threads is None else threads
     digest = xxhash.xxh3_128()
-    digest.update(f"{PACKAGE_FORMAT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{backend}".encode())
+    digest.update(f"{PACKAGE_FORMAT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{threads}|"
+                  f"{backend}".encode())
     digest.update(model.config.to_json_string(use_diff=False).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
@@ -87,9 +97,12 @@ def default_package_dir() -> Path:
     return cache_root() / "aot"
 
 
-def build_package(model: torch.nn.Module, shapes: list, backend: str | None, path: Path) -> Path:
-    """Export and compile the decode step of `model` (on the CPU, float weights) into the package `path`; shapes: the
-    workspace's LayerShape per layer. Written to a temporary name and renamed, so a reader never sees half a package."""
+def build_package(model: torch.nn.Module, shapes: list, backend: str | None, path: Path,
+                  threads: int | None = None) -> Path:
+    """Export and compile the decode step of `model` (on the CPU; float32 weights or model/int4 layers) into the package
+    `path`; shapes: the workspace's LayerShape per layer. threads: the count its kernels are blocked and parallelized
+    for (default: torch's now), whatever this process runs on. Written to a temporary name and renamed, so a reader
+    never sees half a package."""
     from torch._inductor import config as inductor_config
 
     from .compiled_step import PACKED_GEMM_OPTIONS
@@ -108,7 +121,10 @@ def build_package(model: torch.nn.Module, shapes: list, backend: str | None, pat
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     try:
-        with inductor_config.patch(freezing=True, **PACKED_GEMM_OPTIONS):
+        options = {**PACKED_GEMM_OPTIONS, "cpp.threads": torch.get_num_threads() if threads is None else threads}
+        if weight_formats(model):  # inductor's INT4 template takes some shapes only: ATEN's kernel for the others
+            options["max_autotune_gemm_backends"] += ",ATEN"
+        with inductor_config.patch(freezing=True, **options):
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
         partial.replace(path)
     finally:

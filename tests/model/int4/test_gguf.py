@@ -1,6 +1,7 @@
 """model/int4/gguf.py on the embedded SmolLM2 (slow): every Q4_1 Linear of the shipped GGUF becomes an Int4Linear of its
 stored codes, computing what transformers' own dequantization of the file (the converted float model) computes,
-q/k rows in transformers' order; `from_pretrained(weights="int4")` serves it under its own cache namespace."""
+q/k rows in transformers' order; `from_pretrained(weights="int4")` builds it without float layers (int8 head) and
+serves it under its own cache namespace."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from kvboost import KVBoost
-from kvboost.loading import embedded_gguf_path, load_model_and_tokenizer
+from kvboost.loading import cache_root, embedded_gguf_path, load_model_and_tokenizer
 from kvboost.model.int4.gguf import int4_linears_from_gguf
+from kvboost.model.int4.head import Int8Head, quantize_head
 from kvboost.model.int4.linear import Int4Linear
 
 pytestmark = pytest.mark.slow
@@ -51,6 +53,15 @@ def test_from_pretrained_int4_serves_under_its_own_namespace(smol):
     q4 = KVBoost.from_pretrained(weights="int4", device="cpu")
     fp = KVBoost(*smol, device="cpu")
     assert sum(isinstance(m, Int4Linear) for m in q4.model.modules()) == 210
+    assert isinstance(q4.model.get_output_embeddings(), Int8Head)
+    # Built without its float layers (model_from_gguf): the model the float conversion gives once converted alike
+    converted, _ = load_model_and_tokenizer(device="cpu")
+    int4_linears_from_gguf(converted, embedded_gguf_path(), cache_root() / "int4")
+    quantize_head(converted)
+    ids = torch.tensor([[5, 9, 11, 300, 42, 1000, 7]])
+    with torch.inference_mode():
+        assert torch.equal(q4.model(input_ids=ids).logits, converted(input_ids=ids).logits)
+    assert not [n for n, p in q4.model.named_parameters() if p.device.type != "cpu"]
     assert q4.fingerprint != fp.fingerprint  # K/V of one never serves the other
     out = q4.generate("The capital of France is", max_new_tokens=8)
     assert out.generated_tokens == 8 and out.text.strip()

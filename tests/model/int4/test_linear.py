@@ -57,17 +57,14 @@ def test_quantize_linears_spares_the_head_and_keeps_the_model_close(tokenizer):
     assert torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0) > 0.95
 
 
-def test_an_int4_model_runs_in_the_engine_and_refuses_the_compiled_path(tokenizer, monkeypatch, tmp_path):
+def test_an_int4_model_runs_in_the_engine_and_refuses_the_compiled_path(tokenizer):
     from kvboost import KVBoost
 
     model = make_tiny_model("llama", tokenizer, device="cpu")
     quantize_linears(model, group=32)
     with pytest.raises(ValueError, match="compiles float weights; this model's layers are int4-g32"):
         KVBoost(model, tokenizer, device="cpu", fast_path="compiled")
-    monkeypatch.setenv("KVBOOST_AOT", "1")
-    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(tmp_path))
-    engine = KVBoost(model, tokenizer, device="cpu")  # auto: no decode-step package for quantized layers
-    assert engine.runner is None and "quantized (INT4) layers decode eagerly" in engine.fast_path_reason
+    engine = KVBoost(model, tokenizer, device="cpu")  # the decode-step package of INT4 layers: test_aot_step.py
     first = engine.generate("Hello there, how are", max_new_tokens=6)
     again = engine.generate("Hello there, how are", max_new_tokens=6)
     assert again.cached_tokens > 0 and again.output_token_ids == first.output_token_ids

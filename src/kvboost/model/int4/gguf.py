@@ -31,21 +31,24 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path) 
     from safetensors.torch import load_file, save_file
 
     cache = _cache_path(Path(path), cache_dir)
-    layers = None
+    tensors = None
     if cache.exists():
         try:
-            layers = _from_tensors(load_file(str(cache)))
+            tensors = load_file(str(cache))
+            names = _cached_names(tensors)
         except Exception as exc:  # unreadable: decoded again and rewritten
             log.warning("kvboost: INT4 cache %s unreadable (%s); decoding %s again", cache, exc, path)
-    if layers is None:
-        layers = _decode(model, Path(path))
+            tensors = None
+    if tensors is None:
+        tensors = _to_tensors(_decode(model, Path(path)))
+        names = _cached_names(tensors)
         cache.parent.mkdir(parents=True, exist_ok=True)
         partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial")
-        save_file(_to_tensors(layers), str(partial))
+        save_file(tensors, str(partial))
         partial.replace(cache)  # atomic: a reader never sees half a file
-    for name, weights in layers.items():
-        replace_linear(model, name, weights)
-    return len(layers)
+    for name in names:  # one layer's codes unpacked at a time: the peak stays near the packed bytes
+        replace_linear(model, name, _cached_layer(tensors, name))
+    return len(names)
 
 
 def _cache_path(path: Path, cache_dir: Path) -> Path:
@@ -90,9 +93,44 @@ def _to_tensors(layers: dict[str, Int4Weights]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, Int4Weights]:
-    layers = {}
-    for name in [k.removesuffix(".codes") for k in tensors if k.endswith(".codes")]:
-        layers[name] = Int4Weights(unpack_nibbles(tensors[f"{name}.codes"]), tensors[f"{name}.scales"],
-                                   tensors[f"{name}.zeros"], int(tensors[f"{name}.group"]))
-    return layers
+PARTS = ("codes", "scales", "zeros", "group")
+
+
+def _cached_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The layers a cache file holds, each with all its parts (else KeyError: the file is unreadable)."""
+    names = [k.removesuffix(".codes") for k in tensors if k.endswith(".codes")]
+    for name in names:
+        for part in PARTS:
+            if f"{name}.{part}" not in tensors:
+                raise KeyError(f"{name}.{part}")
+    return names
+
+
+def _cached_layer(tensors: dict[str, torch.Tensor], name: str) -> Int4Weights:
+    """One layer's Int4Weights, its tensors removed from `tensors`."""
+    codes, scales, zeros, group = (tensors.pop(f"{name}.{part}") for part in PARTS)
+    return Int4Weights(unpack_nibbles(codes), scales, zeros, int(group))
+
+
+def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of `folder` (a float conversion of the GGUF file `gguf`: config and safetensors) with its Q4_0 /
+    Q4_1 layers read from the GGUF and every other tensor from the folder, never building the float layers (peak
+    memory: the INT4 model's, not the float one's)."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    int4_linears_from_gguf(model, gguf, cache_dir)
+    wanted = {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"}
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({k: handle.get_tensor(k).to(dtype) for k in handle.keys() if k in wanted})
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{folder}: no tensor for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    return model.eval()

@@ -57,7 +57,7 @@ class Int4Linear(nn.Module):
 
 
 def weight_formats(model: nn.Module) -> list[str]:
-    """The quantized formats of a model's layers (e.g. ["int4-g32"]); [] for float weights."""
+    """The quantized formats of a model's layers (e.g. ["int4-g32", "int8-row"]); [] for float weights."""
     return sorted({m.weight_format for m in model.modules() if isinstance(getattr(m, "weight_format", None), str)})
 
 
