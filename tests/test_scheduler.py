@@ -345,3 +345,24 @@ def test_boundary_window_rows_cut_differently_right_after_the_shared_tokens(case
     for ids, h in zip(rows, handles):
         assert h.error is None and h.result.cached_tokens >= expected
         assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 8)
+
+
+def test_grow_ahead_grows_a_well_filled_workspace_between_requests_keeping_what_it_holds(tokenizer):
+    """The server's idle loop calls grow_ahead: a conversation's next turn then finds room (no allocation inside its
+    time to first token), reuses everything it held, and answers as without the early growth."""
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu", chunk_size=CHUNK)
+    ws = engine.kv_workspace
+    assert not engine.grow_ahead()  # nothing held yet
+    prompt = _ids(20, seed=3)
+    engine.generate(input_ids=prompt, max_new_tokens=4)
+    while max(len(r.ids) for r in ws.residents) <= 0.75 * ws.capacity:  # a conversation that has grown
+        prompt = _ids(len(prompt) + 40, seed=3)
+        engine.generate(input_ids=prompt, max_new_tokens=4)
+    capacity, held = ws.capacity, list(ws.residents[0].ids)
+    assert engine.grow_ahead()
+    assert ws.capacity > capacity and list(ws.residents[0].ids) == held
+    assert not engine.grow_ahead()  # room enough now
+    follow_up = prompt + _ids(8, seed=4)
+    again = engine.generate(input_ids=follow_up, max_new_tokens=6)
+    assert ws.capacity > capacity and again.cached_tokens >= len(prompt) - CHUNK
+    assert list(again.output_token_ids) == hf_greedy(engine.model, tokenizer, follow_up, 6)

@@ -243,6 +243,10 @@ class InferenceEngine:
         with self.lock:
             self.scheduler.step()
 
+    def grow_ahead(self) -> bool:
+        """For a loop with idle time (the server's): grow the workspace before a growing conversation needs it."""
+        return self.scheduler.grow_ahead()
+
     # ---- storing ahead of requests ------------------------------------------------------------------
     def warm(self, text: str | None = None, position_offset: int = 0, *, messages: Messages | None = None,
              cache_salt: str | None = None) -> WarmResult:

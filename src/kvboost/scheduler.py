@@ -30,6 +30,8 @@ from .slot import HostSlot, Slot
 # With a runner, rows share a prefix through cascade attention only from this length on: a shorter one is copied per row
 # so decode steps replay as graphs.
 CASCADE_MIN_TOKENS = 2048
+# Between requests, a workspace whose resident rows fill more than this share of it grows ahead of the next request.
+GROW_AHEAD = 0.75
 
 
 class Scheduler:
@@ -113,6 +115,21 @@ class Scheduler:
         p = self.prefix.length if self.prefix is not None else 0
         return {"shared": self.prefix.nbytes if self.prefix is not None else 0,
                 "rows": sum(r.length - p for r in self._active) * per_token, "allocated": self.ws.nbytes}
+
+    def grow_ahead(self) -> bool:
+        """Between requests: grow the workspace now when what its rows hold resident fills more than GROW_AHEAD of
+        it, so the next turn of a growing conversation does not pay for the allocation (~0.1-0.3 s on a CPU) inside
+        its time to first token. True if it grew."""
+        with self.engine.lock:  # steps hold it: no row starts meanwhile
+            ws = self.ws
+            if self._pending or self._active or self._streamed or not ws.capacity:
+                return False
+            if ws.max_positions is not None and ws.capacity >= ws.max_positions:
+                return False
+            if max((len(r.ids) for r in ws.residents), default=0) <= GROW_AHEAD * ws.capacity:
+                return False
+            ws.ensure_capacity(ws.capacity + 1)
+            return True
 
     def step(self) -> None:
         """Admit waiting rows, then one forward for every active row. A step that raises fails the rows it ran (each

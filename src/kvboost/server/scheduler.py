@@ -223,6 +223,7 @@ class Scheduler:
             if not rows:
                 job = self._next(0.1)
                 if job is None:
+                    self.engine.grow_ahead()  # idle: the allocation a growing chat needs is made now
                     continue
                 self._admit(job, rows, new)
                 # The batch window: requests arriving now prefill together (shared prefix K/V loaded once).
