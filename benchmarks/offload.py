@@ -90,8 +90,12 @@ def _agreement(choice: ModelChoice, prompts: int, new_tokens: int, threads: int)
 
 
 def _in_child(fn, *args) -> dict:
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
         return pool.apply(fn, args)
+    finally:
+        pool.close()
+        pool.join()
 
 
 def _llama_cpp(binary: str, gguf: str, prompt_tokens: int, new_tokens: int, repeats: int, threads: int) -> dict:

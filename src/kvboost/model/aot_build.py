@@ -84,6 +84,7 @@ class DecodePackage:
         self.step: AotDecodeStep | None = None
         self.failure: str | None = None
         self.building = False
+        self.attempted = False  # a build started here (it may have ended, even failed, by the time anyone looks)
         self.spawn_error = ""
         if self.path.exists():
             self._load()
@@ -126,7 +127,7 @@ class DecodePackage:
             _forget(job, self.lock)
             self.failure = f"the decode-step package cannot be built: {type(exc).__name__}: {exc}"
             return
-        self.building = True
+        self.building = self.attempted = True
         _building += 1
         log.info("kvboost: %s the decode-step package %s in the background (%s=0 turns this off)",
                  "building" if mine else "waiting for another process building", self.path, AOT_ENV)

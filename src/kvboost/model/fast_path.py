@@ -67,7 +67,7 @@ def _package_runner(model: torch.nn.Module, workspace: KVWorkspace, backend: str
     if choice == "0" or refusal is not None:
         return None, f"off: {refusal or AOT_ENV + '=0'}"
     package = DecodePackage(model, workspace.shapes, backend, directory, build=choice != "cached")
-    if package.step is None and not package.building:
+    if package.step is None and not package.attempted:  # none cached, none to build: a build that ran says why
         return None, f"off: {package.failure}"
     return ModelRunner(model, workspace, mode="package", backend=backend, package=package), \
         f"{package.description} (auto)"
