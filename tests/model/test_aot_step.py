@@ -35,7 +35,7 @@ def _buffers(engine: KVBoost, capacity: int, seed: int) -> tuple[list[torch.Tens
 @pytest.mark.parametrize("capacity", [64, 200, 1024])  # the example was built at 64: other capacities' strides too
 def test_the_package_computes_the_eager_step_at_any_capacity_and_length(built, capacity):
     engine, path = built
-    step = AotDecodeStep(path)
+    step = AotDecodeStep(path, engine.model.get_input_embeddings())
     reference = DecodeStep(engine.model, "sdpa")
     for end in (2, 37, capacity):
         keys, values = _buffers(engine, capacity, seed=end)
@@ -44,7 +44,8 @@ def test_the_package_computes_the_eager_step_at_any_capacity_and_length(built, c
         with torch.inference_mode():
             got = step(ids, positions, end, keys, values)
             with static_attention(engine.model):
-                want = reference(ids, positions, torch.empty(end, dtype=torch.uint8), ref_keys, ref_values)
+                embeds = engine.model.get_input_embeddings()(ids)
+                want = reference(embeds, positions, torch.empty(end, dtype=torch.uint8), ref_keys, ref_values)
         assert got.shape == want.shape == (1, 1, engine.model.config.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for mine, theirs in zip(keys + values, ref_keys + ref_values):  # the token's K/V written at end - 1 only
@@ -60,7 +61,7 @@ def test_a_package_is_written_whole_and_loads_without_compiling(built):
     import torch._dynamo.utils
 
     before = dict(torch._dynamo.utils.counters["inductor"])
-    AotDecodeStep(path)
+    AotDecodeStep(path, engine.model.get_input_embeddings())
     assert dict(torch._dynamo.utils.counters["inductor"]) == before  # nothing traced or compiled to load it
 
 
@@ -91,7 +92,7 @@ def test_the_step_continues_a_sequence_as_the_model_does(built):
     from kvboost.model.cache_arg import cache_kwargs
 
     engine, path = built
-    model, step = engine.model, AotDecodeStep(path)
+    model, step = engine.model, AotDecodeStep(path, engine.model.get_input_embeddings())
     ids = engine.encode("the quick brown fox jumps over the lazy dog and then")
     prefix, nxt = ids[:-2], ids[-2:]
     with torch.inference_mode():
@@ -151,7 +152,7 @@ def test_a_quantized_model_s_package_runs_its_int4_and_int8_kernels(tokenizer, a
     engine = KVBoost(model, tokenizer, device="cpu")
     path = aot_cache_dir / "aot" / f"{package_key(model, 'sdpa')}.pt2"
     build_package(model, engine.workspace.shapes, "sdpa", path)
-    step, reference = AotDecodeStep(path), DecodeStep(model, "sdpa")
+    step, reference = AotDecodeStep(path, model.get_input_embeddings()), DecodeStep(model, "sdpa")
     assert isinstance(model.get_output_embeddings(), Int8Head)
     for end in (2, 37):
         keys, values = _buffers(engine, 64, seed=end)
@@ -160,7 +161,8 @@ def test_a_quantized_model_s_package_runs_its_int4_and_int8_kernels(tokenizer, a
         with torch.inference_mode():
             got = step(ids, positions, end, keys, values)
             with static_attention(model):
-                want = reference(ids, positions, torch.empty(end, dtype=torch.uint8), ref_keys, ref_values)
+                embeds = engine.model.get_input_embeddings()(ids)
+                want = reference(embeds, positions, torch.empty(end, dtype=torch.uint8), ref_keys, ref_values)
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
         assert got.argmax() == want.argmax()

@@ -79,6 +79,7 @@ class DecodePackage:
         """build: start a build when no package is cached (or wait for the one running)."""
         directory = default_package_dir() if directory is None else directory
         self.threads = torch.get_num_threads()  # the engine's: the build runs on one, for this many
+        self.embedding = model.get_input_embeddings()  # looked up outside the package
         self.path = directory / f"{package_key(model, backend, self.threads)}.pt2"
         self.lock = self.path.with_suffix(".lock")
         self.step: AotDecodeStep | None = None
@@ -103,7 +104,7 @@ class DecodePackage:
 
     def _load(self) -> None:
         try:
-            self.step = AotDecodeStep(self.path)
+            self.step = AotDecodeStep(self.path, self.embedding)
         except Exception as exc:  # a package this torch cannot load: decode eagerly
             self.fail(f"loading {self.path} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
 

@@ -21,7 +21,7 @@ from .cache_arg import cache_kwargs
 from .int4.linear import weight_formats
 
 # Bumped when DecodeStep's inputs or outputs change, or what a package is built for: old ones are then never loaded.
-PACKAGE_FORMAT = 3
+PACKAGE_FORMAT = 4
 _MAX_POSITIONS = 1 << 20
 
 
@@ -57,18 +57,20 @@ class _PackagedLayer(StaticLayer):
 
 
 class DecodeStep(torch.nn.Module):
-    """ids [1, 1] int64, positions [1] int64, marker [end] (any dtype), keys / values: per layer [1, kv_heads,
-    capacity, d] -> float32 logits [1, 1, vocab]. Writes the token's K/V into the buffers at `positions`."""
+    """embeds [1, 1, hidden] (the token's input embedding), positions [1] int64, marker [end] (any dtype), keys /
+    values: per layer [1, kv_heads, capacity, d] -> float32 logits [1, 1, vocab]. Writes the token's K/V into the
+    buffers at `positions`. The embedding lookup stays outside: a package holds its own copy of every weight it reads,
+    and an untied table (an INT4 model's, whose head is Int8Head) is the largest."""
 
     def __init__(self, model: torch.nn.Module, backend: str | None):
         super().__init__()
         self.model, self.backend = model, backend
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, marker: torch.Tensor, keys: list[torch.Tensor],
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, marker: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor]) -> torch.Tensor:
         end = marker.shape[0]
         cache = Cache(layers=[_PackagedLayer(k, v, positions, end) for k, v in zip(keys, values)])
-        out = self.model(input_ids=ids, position_ids=positions[None], **cache_kwargs(cache), use_cache=True,
+        out = self.model(inputs_embeds=embeds, position_ids=positions[None], **cache_kwargs(cache), use_cache=True,
                          logits_to_keep=1, kvboost_ends=None, kvboost_exact_views=True, kvboost_backend=self.backend)
         return out.logits.float()
 
@@ -110,8 +112,8 @@ def build_package(model: torch.nn.Module, shapes: list, backend: str | None, pat
     capacity, end = 64, 16  # example sizes only: both axes are dynamic
     keys = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_k) for s in shapes]
     values = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_v) for s in shapes]
-    example = (torch.zeros(1, 1, dtype=torch.long), torch.tensor([end - 1]), torch.empty(end, dtype=torch.uint8),
-               keys, values)
+    embeds = torch.zeros(1, 1, model.get_input_embeddings().embedding_dim, dtype=next(model.parameters()).dtype)
+    example = (embeds, torch.tensor([end - 1]), torch.empty(end, dtype=torch.uint8), keys, values)
     columns = torch.export.Dim("capacity", min=3, max=_MAX_POSITIONS)
     valid = torch.export.Dim("end", min=2, max=_MAX_POSITIONS)
     dynamic = (None, None, {0: valid}, [{2: columns}] * len(shapes), [{2: columns}] * len(shapes))
@@ -133,13 +135,14 @@ def build_package(model: torch.nn.Module, shapes: list, backend: str | None, pat
 
 
 class AotDecodeStep:
-    """A loaded package: call it with the step's inputs (DecodeStep.forward's) under torch.inference_mode()."""
+    """A loaded package: call it with the token id, its position, the valid length and the buffers (DecodeStep.forward's
+    inputs) under torch.inference_mode(); `embedding` is the model's input embedding, looked up here."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, embedding: torch.nn.Module):
+        self.path, self.embedding = path, embedding
         self._run = torch._inductor.aoti_load_package(str(path))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, end: int, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> torch.Tensor:
         marker = torch.empty(end, dtype=torch.uint8)
-        return self._run(ids, positions, marker, keys, values)
+        return self._run(self.embedding(ids), positions, marker, keys, values)
