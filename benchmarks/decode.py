@@ -86,7 +86,7 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
     import torch
 
     from .gpu.decode import decode_rows, measure
-    from .plots import write_json
+    from .plots import save_tok_s
 
     console = bench_console()
     device = torch.device(choice.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -148,16 +148,9 @@ def run_decode_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, r
         row["identical_to_hf_generate"] = outputs.get(key) == reference
         row["over_kvboost_off"] = row["decode_tok_s"] / base if base > 0 else float("nan")
     _print(console, report)
-    if json_path:
-        write_json(json_path, report)
-        console.print(f"wrote {json_path}")
-    if plot_path:
-        from .plots import plot_bars
-
-        plot_bars({r["system"]: r["decode_tok_s"] for r in rows},
-                  f"Decode, batch {batch}, {report['prompt_tokens']}-token prompts ({device.type}, "
-                  f"{report['threads']} threads)", "", "tokens/s", plot_path)
-        console.print(f"wrote {plot_path}")
+    save_tok_s(console, report, json_path, plot_path,
+               f"Decode, batch {batch}, {report['prompt_tokens']}-token prompts ({device.type}, {report['threads']} "
+               f"threads)")
     return report
 
 

@@ -111,7 +111,7 @@ def run_offload_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, 
                       plot_path: str | None) -> dict:
     from kvboost.loading import embedded_gguf_path, is_embedded
 
-    from .plots import plot_bars, write_json
+    from .plots import save_tok_s
 
     console = bench_console()
     rows: list[dict] = []
@@ -135,14 +135,8 @@ def run_offload_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, 
             report["agreement"] = _in_child(_agreement, choice, agreement_prompts, new_tokens, threads)
     _summarize(report)
     _print(console, report)
-    if json_path:
-        write_json(json_path, report)
-        console.print(f"wrote {json_path}")
-    if plot_path:
-        plot_bars({r["system"]: r["decode_tok_s"] for r in rows},
-                  f"Decode, batch 1, {report['prompt_tokens']}-token prompt (cpu, {threads} threads)", "",
-                  "tokens/s", plot_path)
-        console.print(f"wrote {plot_path}")
+    save_tok_s(console, report, json_path, plot_path,
+               f"Decode, batch 1, {report['prompt_tokens']}-token prompt (cpu, {threads} threads)")
     return report
 
 

@@ -233,3 +233,13 @@ def write_json(path: str | Path, obj: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def save_tok_s(console: Any, report: dict, json_path: str | None, plot_path: str | None, title: str) -> None:
+    """The report as JSON and a bar plot of its rows' decode tok/s (by "system"), each where asked, saying so."""
+    if json_path:
+        write_json(json_path, report)
+        console.print(f"wrote {json_path}")
+    if plot_path:
+        plot_bars({r["system"]: r["decode_tok_s"] for r in report["rows"]}, title, "", "tokens/s", plot_path)
+        console.print(f"wrote {plot_path}")
