@@ -57,6 +57,8 @@ def test_a_build_outlives_its_process(tokenizer, aot_on):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(__file__)))!r})
+        import torch
+        torch.set_num_threads({torch.get_num_threads()})  # the package key holds the thread count: this run's
         from tests.tiny_models import make_tiny_model
         from kvboost import KVBoost
         from transformers import AutoTokenizer
