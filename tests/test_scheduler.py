@@ -366,3 +366,26 @@ def test_grow_ahead_grows_a_well_filled_workspace_between_requests_keeping_what_
     again = engine.generate(input_ids=follow_up, max_new_tokens=6)
     assert ws.capacity > capacity and again.cached_tokens >= len(prompt) - CHUNK
     assert list(again.output_token_ids) == hf_greedy(engine.model, tokenizer, follow_up, 6)
+
+
+def test_a_failed_early_growth_keeps_the_workspace_and_is_not_retried(tokenizer, monkeypatch):
+    engine = KVBoost(make_tiny_model("llama", tokenizer, device="cpu"), tokenizer, device="cpu", chunk_size=CHUNK)
+    ws = engine.kv_workspace
+    prompt = _ids(20, seed=5)
+    while not ws.residents[0].ids or max(len(r.ids) for r in ws.residents) <= 0.75 * ws.capacity:
+        prompt = _ids(len(prompt) + 40, seed=5)
+        engine.generate(input_ids=prompt, max_new_tokens=4)
+    capacity, held = ws.capacity, list(ws.residents[0].ids)
+    calls = []
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(args)
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    assert not engine.grow_ahead() and not engine.grow_ahead()
+    monkeypatch.undo()
+    assert len(calls) == 1 and ws.capacity == capacity and list(ws.residents[0].ids) == held
+    again = engine.generate(input_ids=prompt + _ids(8, seed=6), max_new_tokens=4)  # grows as it needs
+    assert again.cached_tokens >= len(prompt) - CHUNK
+    assert list(again.output_token_ids) == hf_greedy(engine.model, tokenizer, prompt + _ids(8, seed=6), 4)

@@ -8,6 +8,7 @@ Speculating rows verify their drafts alone or in one ragged step (batch/speculat
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -26,6 +27,8 @@ from .request import Request
 from .results import GenerationMode
 from .sampling import SamplingParams, sample_rows
 from .slot import HostSlot, Slot
+
+log = logging.getLogger(__name__)
 
 # With a runner, rows share a prefix through cascade attention only from this length on: a shorter one is copied per row
 # so decode steps replay as graphs.
@@ -65,6 +68,7 @@ class Scheduler:
         self._streamed: list[Row] = []  # rows whose K/V lives in host memory (longer than the device holds)
         self._leased: set[int] = set()  # rows lent to a draft sequence or a warm (lease())
         self._lock = threading.Lock()
+        self.grows_ahead = True  # off for good after a failed early growth (the request then grows as it needs)
 
     @property
     def shared_prefix_attention(self) -> bool:
@@ -122,13 +126,19 @@ class Scheduler:
         its time to first token. True if it grew."""
         with self.engine.lock:  # steps hold it: no row starts meanwhile
             ws = self.ws
-            if self._pending or self._active or self._streamed or not ws.capacity:
+            if not self.grows_ahead or self._pending or self._active or self._streamed or not ws.capacity:
                 return False
             if ws.max_positions is not None and ws.capacity >= ws.max_positions:
                 return False
             if max((len(r.ids) for r in ws.residents), default=0) <= GROW_AHEAD * ws.capacity:
                 return False
-            ws.ensure_capacity(ws.capacity + 1)
+            try:
+                ws.ensure_capacity(ws.capacity + 1)
+            except (RuntimeError, MemoryError) as exc:  # out of memory: the buffers it had are kept
+                self.grows_ahead = False
+                log.warning("kvboost: growing the workspace ahead of requests failed (%s); it grows when a request "
+                            "needs it", exc)
+                return False
             return True
 
     def step(self) -> None:
