@@ -96,8 +96,13 @@ def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.
         if bias is not None:
             model.get_submodule(name).bias = nn.Parameter(bias.to(dtype), requires_grad=False)
         replace_linear(model, name, weights)
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()},
-                          strict=False, assign=True)
+    return assign_rest(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, folder)
+
+
+def assign_rest(model: nn.Module, tensors: dict[str, torch.Tensor], folder: str | Path) -> nn.Module:
+    """Give a model built on the meta device (its quantized layers already real) the rest of its tensors, tie its
+    embeddings, and refuse it if any parameter is still missing; returns it in eval mode."""
+    model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if missing:

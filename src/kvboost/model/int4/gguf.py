@@ -120,6 +120,8 @@ def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .checkpoint import assign_rest
+
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
     int4_linears_from_gguf(model, gguf, cache_dir)
@@ -128,9 +130,4 @@ def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             tensors.update({k: handle.get_tensor(k).to(dtype) for k in handle.keys() if k in wanted})
-    model.load_state_dict(tensors, strict=False, assign=True)
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise ValueError(f"{folder}: no tensor for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    return model.eval()
+    return assign_rest(model, tensors, folder)
