@@ -10,7 +10,7 @@ import torch
 
 from .host_transfer import CudaCopies, InlineCopies, copies_for
 from .pinned import pinned_empty
-from .workspace import LayerShape, grown_capacity
+from .workspace import LayerShape, concat_into, grown_capacity
 
 
 class _Pending(Protocol):
@@ -204,8 +204,8 @@ class HostWorkspace:
             raise ValueError(f"positions [{start}, {start + n}) exceed this host workspace's {self.capacity}")
         self.sync()
         k_buf, v_buf = self.buffers(layer_idx)
-        _concat_into(keys, k_buf[0, :, start:start + n])
-        _concat_into(values, v_buf[0, :, start:start + n])
+        concat_into(keys, k_buf[0, :, start:start + n])
+        concat_into(values, v_buf[0, :, start:start + n])
         if self.resident is not None:
             self.resident.invalidate_from(start)
 
@@ -230,15 +230,3 @@ def _check_row(row: int | None) -> None:
     if row not in (None, 0):
         raise ValueError(f"a host workspace holds one sequence (row 0); got row {row}")
 
-
-def _concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
-    """dst [kv_heads, n, d] (host) <- the pieces concatenated along positions (device pieces first there)."""
-    devices = {p.device for p in pieces}
-    if len(pieces) > 1 and len(devices) == 1 and dst.device not in devices:
-        dst.copy_(torch.cat(pieces, dim=-2))
-        return
-    offset = 0
-    for p in pieces:
-        n = p.shape[-2]
-        dst[:, offset:offset + n].copy_(p)
-        offset += n

@@ -28,6 +28,23 @@ def grown_capacity(needed: int, capacity: int, max_positions: int | None, base: 
     return max(needed, min(target, max_positions)) if max_positions else target
 
 
+def concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
+    """dst ([kv_heads, n, d], a strided view of a buffer) <- the pieces concatenated along tokens (any devices)."""
+    many = len(pieces) > _FEW_PIECES
+    if many and all(p.device == dst.device and p.dtype == dst.dtype for p in pieces):
+        # cat(out=) writes the strided slice directly; CUDA's batched cat needs contiguous inputs.
+        torch.cat([p.contiguous() for p in pieces], dim=-2, out=dst)
+    elif many and all(p.device == pieces[0].device for p in pieces):
+        # Records from a CPU tier into a device workspace: one transfer per layer instead of one per chunk.
+        dst.copy_(torch.cat(pieces, dim=-2))
+    else:  # a few pieces (or mixed devices): one copy each
+        offset = 0
+        for p in pieces:
+            n = p.shape[-2]
+            dst[:, offset:offset + n].copy_(p)
+            offset += n
+
+
 class InPlaceLayer(LengthLayer):
     """A full-attention cache layer that writes into the workspace buffer of its layer."""
 
@@ -204,26 +221,9 @@ class KVWorkspace:
             if n == 0:
                 continue
             first = 0 if row is None else row
-            self._concat_into(pieces, buf[first, :, c:c + n])
+            concat_into(pieces, buf[first, :, c:c + n])
             if row is None and self.batch_size > 1:  # every row gets the same K/V
                 buf[1:, :, c:c + n].copy_(buf[:1, :, c:c + n])
-
-    @staticmethod
-    def _concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
-        """dst ([kv_heads, n, d], a strided view of a buffer) <- the pieces concatenated along tokens."""
-        many = len(pieces) > _FEW_PIECES
-        if many and all(p.device == dst.device and p.dtype == dst.dtype for p in pieces):
-            # cat(out=) writes the strided slice directly; CUDA's batched cat needs contiguous inputs.
-            torch.cat([p.contiguous() for p in pieces], dim=-2, out=dst)
-        elif many and all(p.device == pieces[0].device for p in pieces):
-            # Records from a CPU tier into a device workspace: one transfer per layer instead of one per chunk.
-            dst.copy_(torch.cat(pieces, dim=-2))
-        else:  # a few pieces (or mixed devices): one copy each
-            offset = 0
-            for p in pieces:
-                n = p.shape[-2]
-                dst[:, offset:offset + n].copy_(p)
-                offset += n
 
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned copies of positions [start, end) of one batch row: safe to store after the buffers move on."""

@@ -9,7 +9,7 @@ import torch
 from ..kv.workspace import KVWorkspace
 from ..store.base import ChunkRecord, ChunkStore
 from .content import ContentIndex, ContentSegment, Piece
-from .rope import RotaryInfo, rerotate_keys, rotary_info_for
+from .rope import RotaryInfo, rerotate_keys, rotation_support
 
 
 @dataclass
@@ -30,18 +30,6 @@ class Assembly:
             for p in seg.pieces:
                 out[p.start:p.end] = True
         return out
-
-
-def rotation_support(model: torch.nn.Module) -> tuple[list[RotaryInfo] | None, str | None]:
-    """Per-layer rotary settings when every layer's keys can be moved exactly; else (None, reason). Length-dependent
-    schemes are refused: a stored chunk's source pass length is unknown."""
-    infos = rotary_info_for(model)
-    if not infos:
-        return None, "model has no decoder layers"
-    for i, info in enumerate(infos):
-        if not info.exact:
-            return None, f"layer {i}: {info.reason}"
-    return infos, None
 
 
 def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:

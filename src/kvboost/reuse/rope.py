@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import ModelNotSupportedError
 
-__all__ = ["RotaryInfo", "rotary_info_for", "rerotate_keys", "can_rerotate", "decoder_of"]
+__all__ = ["RotaryInfo", "rotary_info_for", "rotation_support", "rerotate_keys", "can_rerotate", "decoder_of"]
 
 # inv_freq is fixed at init for these, so any pair of positions is related by one rotation.
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
@@ -182,16 +182,23 @@ def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
     return infos
 
 
+def rotation_support(model: nn.Module, *, src_len: int | None = None,
+                     dst_len: int | None = None) -> tuple[list[RotaryInfo] | None, str | None]:
+    """Per-layer rotary settings when every layer's cached keys can be moved exactly; else (None, first reason)."""
+    infos = rotary_info_for(model, src_len=src_len, dst_len=dst_len)
+    if not infos:
+        return None, "model has no decoder layers"
+    for i, info in enumerate(infos):
+        if not info.exact:
+            return None, f"layer {i}: {info.reason}"
+    return infos, None
+
+
 def can_rerotate(model: nn.Module, *, src_len: int | None = None,
                  dst_len: int | None = None) -> tuple[bool, str | None]:
     """(True, None) if every layer's cached keys can be moved exactly, else (False, first reason)."""
-    infos = rotary_info_for(model, src_len=src_len, dst_len=dst_len)
-    if not infos:
-        return False, "model has no decoder layers"
-    for i, info in enumerate(infos):
-        if not info.exact:
-            return False, f"layer {i}: {info.reason}"
-    return True, None
+    infos, reason = rotation_support(model, src_len=src_len, dst_len=dst_len)
+    return infos is not None, reason
 
 
 def rerotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, info: RotaryInfo, *,
