@@ -66,8 +66,7 @@ class Request:
     def sampler(self, device) -> Sampler:
         """This sequence's sampler, with a fresh grammar state when the request has a format."""
         constraint = self.format.constraint(self.params.max_new_tokens) if self.format is not None else None
-        return Sampler(self.params, device, constraint,
-                       prompt_ids=self.ids)
+        return Sampler(self.params, device, constraint, prompt_ids=self.ids)
 
     def tracker(self, tokenizer, eos_token_ids: set[int]) -> OutputTracker:
         return OutputTracker(tokenizer, eos_token_ids, self.params.stop, self.params.max_new_tokens)

@@ -49,8 +49,6 @@ class RequestFactory:
                      t_start: float | None = None, output_format: OutputFormat | None = None,
                      speculative: SpeculativeParams | str | None = "default") -> Request:
         """A validated Request from token ids; ContextLengthError if prompt plus max_new_tokens exceeds the context."""
-        if content_reuse is not None and not isinstance(content_reuse, bool):
-            raise InvalidRequestError(f"content_reuse must be a bool or None, got {content_reuse!r}", "content_reuse")
         self.check_logit_bias(params)
         request = Request(list(ids), params, prompt_text, self.tenant(cache_salt), GenerationMode.parse(mode),
                           self.config.content_reuse if content_reuse is None else content_reuse, return_logits,

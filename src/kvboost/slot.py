@@ -158,10 +158,6 @@ class HostSlot:
     def forward(self, tokens: list[int], start: int, all_logits: bool = False) -> torch.Tensor:
         return streamed_forward(self.engine.model, self.host, tokens, start, all_logits, self.engine.attention)
 
-    def forward_all(self, tokens: list[int], start: int) -> torch.Tensor:
-        """float32 logits [n, vocab] of every token (a speculative verify, or a plain step)."""
-        return self.forward(tokens, start, all_logits=True)
-
     def finish(self, request: Request, plan: Plan, fed: list[int]) -> None:
         self.host.set_length(len(fed))
         if request.uses_cache and self.engine.config.write_back:

@@ -3,6 +3,7 @@ step verifies every row's drafts at once (q per row, drafting.py). A seeded row'
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..decoding import factory
@@ -31,7 +32,7 @@ class RowSpeculation:
         costs = engine.spec_costs.setdefault(params.method, StepCosts())  # one per engine and method
         proposer = factory.make_proposer(engine, request, row.ids + [row.next_token], costs)
         # A bound method, not a closure: a row -> speculator -> row cycle would keep the plan alive until GC.
-        forward = self.scheduler.forward_alone if row.host is None else row.host.forward_all
+        forward = self.scheduler.forward_alone if row.host is None else partial(row.host.forward, all_logits=True)
         spec = Speculator(proposer, row.sampler, params, forward, costs)
         self.drafting.prior(spec.adaptive)
         return spec

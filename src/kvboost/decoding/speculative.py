@@ -107,10 +107,6 @@ class StepCosts:
             return None
         return self.base + (self.extra or 0.0) * (n_tokens - 2)
 
-    def verify_ms(self, n_tokens: int) -> float | None:
-        s = self.verify_s(n_tokens)
-        return None if s is None else 1e3 * s
-
     def estimate_s(self, n_tokens: int) -> float:
         """Seconds per verify of n_tokens: as timed; else the longest timed length below (optimistic), else the fit."""
         timed = self.by_length
@@ -145,7 +141,7 @@ class StepCosts:
     def as_dict(self, lengths: tuple[int, ...] = tuple(range(2, MAX_SPECULATIVE_TOKENS + 2))) -> dict:
         """Measured costs in ms: a plain step, and verifies with their cost per verified token over a plain step's."""
         t1 = None if self.t1 is None else 1e3 * self.t1
-        verify = {n: self.verify_ms(n) for n in lengths}
+        verify = {n: None if (s := self.verify_s(n)) is None else 1e3 * s for n in lengths}
         return {"plain_step_ms": t1, "verify_ms": {str(n): v for n, v in verify.items()},
                 "verify_per_token_over_step": {str(n): None if v is None or not t1 else v / n / t1
                                                for n, v in verify.items()},

@@ -133,7 +133,8 @@ class KVCacheManager:
         matches are re-positioned and re-verified; a piece whose record is gone is left for prefill."""
         t0 = time.perf_counter()
         for run in _runs(_exact_pieces(plan)):
-            _place_run(run, workspace, row)
+            for group in _staged_groups(run, workspace.device):
+                _place_group(group, workspace, row)
         if plan.has_content:
             assert plan.rotary is not None
             plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
@@ -265,11 +266,6 @@ def _runs(pieces: list[_Piece]) -> list[list[_Piece]]:
 # Host records bound for a GPU cross as their packed buffer, one copy per record, in groups of at most this many bytes
 # (per-layer slices would be many small copies).
 _STAGE_BYTES = 64 << 20
-
-
-def _place_run(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> None:
-    for group in _staged_groups(run, workspace.device):
-        _place_group(group, workspace, row)
 
 
 def _staged_groups(run: list[_Piece], device: torch.device):

@@ -232,20 +232,13 @@ def _unsupported(message: str, param: str) -> APIError:
 
 
 def _message_text(i: int, m: ChatMessage) -> str:
-    content = m.content
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        parts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise _unsupported(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                                   f"messages.{i}.content")
-            parts.append(part.text)
-        text = "\n".join(parts)
-    return text
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise _unsupported(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                               f"messages.{i}.content")
+    return "\n".join(part.text for part in m.content)
 
 
 def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,

@@ -269,7 +269,6 @@ class Scheduler:
             return
         new.append(job)
 
-
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):
             _emit_deltas(job, handle)

@@ -87,8 +87,7 @@ class MemoryStore:
         if nbytes > self.budget_bytes:
             return False
         with self._lock:
-            old = self._entries.get(record.key)
-            if old is not None:
+            if record.key in self._entries:
                 self._policy.touch(record.key)
                 return True
             self._entries[record.key] = _Entry(record.meta(), payload, nbytes)

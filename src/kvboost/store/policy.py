@@ -31,9 +31,6 @@ class LfuAging(Generic[K]):
     def __len__(self) -> int:
         return len(self._ranks)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._ranks
-
     def add(self, key: K, depth: int) -> None:
         """A new entry starts at the age floor with no hits (re-adding a known key touches it)."""
         if key in self._ranks:
@@ -57,12 +54,6 @@ class LfuAging(Generic[K]):
     def remove(self, key: K) -> None:
         """Forget `key` without counting it as an eviction (a delete): the age floor stays."""
         self._ranks.pop(key, None)
-
-    def evicted(self, key: K) -> None:
-        """`key` was evicted by its owner (outside evict_while): the age floor rises to its priority."""
-        rank = self._ranks.pop(key, None)
-        if rank is not None:
-            self._age_floor = max(self._age_floor, rank.priority)
 
     def reset(self) -> None:
         self._ranks.clear()
