@@ -24,9 +24,9 @@ def check_penalties(frequency: float, presence: float, repetition: float,
                     logit_bias: Mapping[int, float] | None) -> dict[int, float] | None:
     """Validate the four options (InvalidRequestError naming the option); returns logit_bias with int keys."""
     for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence)):
-        if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+        if not finite_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}", name)
-    if not _number(repetition) or not (0.0 < repetition < math.inf):
+    if not finite_number(repetition) or repetition <= 0:
         raise InvalidRequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {repetition!r}",
                                   "repetition_penalty")
     if logit_bias is None:
@@ -40,14 +40,14 @@ def check_penalties(frequency: float, presence: float, repetition: float,
         token = _token_id(key)
         if token is None:
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        if not _number(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+        if not finite_number(value) or not -MAX_BIAS <= value <= MAX_BIAS:
             raise InvalidRequestError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}",
                                       "logit_bias")
         bias[token] = float(value)
     return bias or None
 
 
-def _number(x: object) -> bool:
+def finite_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 

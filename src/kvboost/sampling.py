@@ -2,7 +2,6 @@
 logit bias (penalties.py), a grammar mask (decoding/constraint.py) and log-probabilities where a request asks."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -10,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import InvalidRequestError
-from .penalties import Penalties, PenaltyParams, check_penalties
+from .penalties import Penalties, PenaltyParams, check_penalties, finite_number
 
 if TYPE_CHECKING:
     from .decoding.constraint import TokenConstraint
@@ -42,12 +41,12 @@ class SamplingParams:
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}",
                                       "max_new_tokens")
-        if not _is_number(self.temperature) or self.temperature < 0 or not math.isfinite(self.temperature):
+        if not finite_number(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
                                       "temperature")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an int >= 0, got {self.top_k!r}", "top_k")
@@ -73,10 +72,6 @@ class SamplingParams:
         if self.do_sample is False:
             return True
         return self.temperature == 0.0
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
