@@ -115,7 +115,6 @@ def structural_tag_format(spec: dict[str, Any], param: str = "tools") -> OutputF
 class CompiledFormat:
     """An OutputFormat compiled for one tokenizer: immutable and shared, it makes a fresh constraint per sequence."""
 
-    fmt: OutputFormat
     compiled: Any  # xgrammar.CompiledGrammar
     vocab_size: int
     stop_token_ids: tuple[int, ...]
@@ -206,7 +205,7 @@ class GrammarCompiler:
 
     def prepare(self, fmt: OutputFormat) -> CompiledFormat:
         """fmt compiled (cached) as a CompiledFormat, which makes one TokenConstraint per sequence."""
-        return CompiledFormat(fmt, self.compile(fmt), self.vocab_size, tuple(self.stop_token_ids), self.closing)
+        return CompiledFormat(self.compile(fmt), self.vocab_size, tuple(self.stop_token_ids), self.closing)
 
     def cache_size(self) -> int:
         return len(self._cache)

@@ -1,9 +1,8 @@
 """Server settings: what the command line decides, in one validated dataclass."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..loading import EMBEDDED_MODEL, is_embedded
 from ..results import GenerationMode
@@ -24,7 +23,6 @@ class ServerSettings:
     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE  # BASELINE turns reuse off (benchmarks)
     # /v1/completions without max_tokens (OpenAI's and vLLM's default); fewer when fewer positions are left
     default_completion_tokens: int = 16
-    engine_options: dict[str, Any] = field(default_factory=dict)  # passed to KVBoost.from_pretrained
 
     def __post_init__(self) -> None:
         self.mode = GenerationMode.parse(self.mode)
