@@ -297,8 +297,7 @@ class RowView:
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return self.parent.read(start, end, row=self.index)
 
-    def make_cache(self, length: int) -> Cache:
-        return Cache(layers=[InPlaceLayer(self, i, length) for i in range(len(self.shapes))])
+    make_cache = KVWorkspace.make_cache  # its layers write through this row
 
     @property
     def nbytes(self) -> int:

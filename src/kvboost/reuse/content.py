@@ -18,10 +18,6 @@ _MAX_CANDIDATES = 8  # per window hash: boilerplate windows repeat, we keep the 
 _BASE = np.uint64(0x100000001B3)  # FNV prime: odd, spreads token ids over all 64 bits
 
 
-def _salt_seed(salt: str | None) -> np.uint64:
-    return np.uint64(xxhash.xxh3_64_intdigest(("kvb-content|" + (salt or "")).encode()))
-
-
 def window_hashes(token_ids: Sequence[int] | np.ndarray, window: int, salt: str | None = None) -> np.ndarray:
     """uint64 hash of every `window` ids (out[i] covers ids[i:i + window]), seeded per tenant."""
     ids = np.asarray(token_ids, dtype=np.int64).astype(np.uint64)
@@ -29,7 +25,7 @@ def window_hashes(token_ids: Sequence[int] | np.ndarray, window: int, salt: str 
     if n <= 0:
         return np.zeros(0, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        h = np.full(n, _salt_seed(salt), dtype=np.uint64)
+        h = np.full(n, xxhash.xxh3_64_intdigest(("kvb-content|" + (salt or "")).encode()), dtype=np.uint64)
         for j in range(window):
             h = h * _BASE + ids[j:j + n] + np.uint64(1)  # +1: a run of id 0 must not hash like an empty one
     return h
