@@ -73,8 +73,9 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
                                          "without the mask, compile ms (needs the structured extra).")(
         _plot_needs_bench_extra("kvboost bench structured", _needs_extras(
             "kvboost bench structured", bench_structured_command, "structured", modules=("jsonschema",))))
-    bench_app.command("offload", help="INT4 weights against float ones and llama.cpp on a CPU: decode tok/s, peak "
-                                      "RSS, teacher-forced agreement.")(
+    bench_app.command("offload", help="INT4 weights against float ones and llama.cpp on a CPU (decode tok/s, peak "
+                                      "RSS, teacher-forced agreement); with --device cuda, INT4 resident and "
+                                      "streamed from host memory on a --shape.")(
         _plot_needs_bench_extra("kvboost bench offload", bench_offload_command))
     # Each takes --model/--shape/--device/--dtype (model_options).
     for name, command in (("prefix", bench_prefix_command), ("quant", bench_quant_command),

@@ -9,8 +9,8 @@ so its peak RSS is its own:
   llama.cpp        `llama-bench -p 0 -n N -d <prompt>` on the model's GGUF (--llama-bench PATH), same threads
 and the fidelity of the INT4 weights: greedy continuations of the fp32 engine on held-out prompts (first turns of
 the bench conversations, not the demo's questions), teacher-forced through the INT4 model; a position agrees when
-the INT4 model's argmax is the fp32 path's token. Streamed rows (weight_budget_bytes) need a CUDA device and INT4
-on CUDA, which this version does not run (docs/weights.md).
+the INT4 model's argmax is the fp32 path's token. With --device cuda: INT4 on the GPU, resident and streamed from
+host memory (weight_budget_bytes), on a random-weight --shape (offload_gpu.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Annotated
 import typer
 
 from .console import bench_console
-from .model_options import ModelChoice, ModelOption, model_choice
+from .model_options import DeviceOption, ModelChoice, ModelOption, ShapeOption, model_choice
 
 ROWS = {"float compiled": ("float", "compiled"), "float auto": ("float", "auto"), "int4 off": ("int4", "off"),
         "int4 auto": ("int4", "auto")}
@@ -176,7 +176,7 @@ def _print(console, report: dict) -> None:
 
 
 def bench_offload_command(
-    model: ModelOption = None,
+    model: ModelOption = None, shape: ShapeOption = None, device: DeviceOption = None,
     prompt: Annotated[int, typer.Option("--prompt", min=16, help="Prompt length in tokens (prefix part).")] = 1000,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Greedy tokens in the long run, and per "
                                                                         "fidelity prompt.")] = 64,
@@ -189,7 +189,19 @@ def bench_offload_command(
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG of tokens/s per system.")] = None,
 ) -> None:
-    """INT4 weights against float ones (decode tok/s, peak RSS, teacher-forced agreement) and llama.cpp, on a CPU."""
+    """INT4 weights against float ones (decode tok/s, peak RSS, teacher-forced agreement) and llama.cpp, on a CPU;
+    with --device cuda, INT4 resident and streamed against bf16 and transformers' offloading on a --shape."""
+    if device is not None and device.startswith("cuda"):
+        from .offload_gpu import run_offload_gpu
+
+        if model is not None:
+            raise typer.BadParameter("the GPU rows run on random weights: use --shape", param_hint="--model")
+        choice = model_choice(shape=shape or "qwen2.5-3b", device=device)
+        report = run_offload_gpu(choice, new_tokens, json_path, plot_path)
+        raise typer.Exit(0 if all(r.get("status") == "ok" for r in report["rows"]) else 1)
+    if shape is not None or (device is not None and device != "cpu"):
+        raise typer.BadParameter("the CPU rows run the --model checkpoint on the CPU (its GGUF for llama.cpp); "
+                                 "--shape is for --device cuda", param_hint="--shape")
     choice = model_choice(model, device="cpu")
     report = run_offload_bench(choice, prompt, new_tokens, repeats, threads, llama_bench, agreement_prompts,
                                json_path, plot_path)

@@ -183,6 +183,7 @@ class Environment:
     cpu_linear_unsupported: str | None  # why W @ x^T does not apply
     has_draft_model: bool = False
     quantized: str | None = None  # the quantized layers' format (model/int4), None for float weights
+    quantized_elsewhere: str | None = None  # why the quantized layers' kernel layout is not this device's
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ def _weight_streaming(config: EngineConfig, env: Environment | None) -> str | No
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(("device",), lambda c, e: e.quantized_elsewhere, needs_environment=True),
     Rule(("chunk_boundary_window", "chunk_size"), lambda c, e: None if c.chunk_boundary_window < c.chunk_size // 2
          else f"chunk_boundary_window must be in [0, chunk_size/2), got {c.chunk_boundary_window}"),
     Rule(("attention_backend",), _attention, needs_environment=True),

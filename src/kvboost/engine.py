@@ -170,14 +170,18 @@ class InferenceEngine:
                         trust_remote_code: bool = False, revision: str | None = None, weights: str = "float",
                         **kwargs) -> InferenceEngine:
         """Load a model (the embedded SmolLM2-135M-Instruct when no name is given) and wrap it. weights="int4": its
-        Linear layers in INT4 (CPU; loading.load_model_and_tokenizer)."""
-        from .loading import load_model_and_tokenizer
+        Linear layers in INT4 (loading.load_model_and_tokenizer). With weight_budget_bytes the model is loaded into
+        host memory and only what the budget keeps resident reaches the device."""
+        from .loading import choose_device, load_model_and_tokenizer
 
         hf = {"trust_remote_code": trust_remote_code}
         if revision:
             hf["revision"] = revision
+        streams = kwargs.get("weight_budget_bytes") is not None
         model, tokenizer = load_model_and_tokenizer(model_name_or_path, dtype=dtype, device=device, weights=weights,
-                                                    **hf)
+                                                    on_host=streams, **hf)
+        if streams:
+            kwargs["device"] = str(choose_device(device))
         return cls(model, tokenizer, strict=strict, **kwargs)
 
     @property

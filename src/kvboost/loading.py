@@ -144,10 +144,12 @@ WEIGHTS = ("float", "int4")
 
 
 def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch.dtype | None = None,
-                             device: str | None = None, weights: str = "float", **hf_kwargs):
-    """(model, tokenizer) in eval mode on the chosen device; the embedded model when name is None. weights="int4":
-    the Linear layers as INT4 (model/int4): a GGUF's Q4_0 / Q4_1 blocks as stored (the embedded model's included),
-    else rounded to nearest in groups of 128; the output projection as int8 rows (model/int4/head.py)."""
+                             device: str | None = None, weights: str = "float", on_host: bool = False, **hf_kwargs):
+    """(model, tokenizer) in eval mode for the chosen device; the embedded model when name is None. weights="int4":
+    the Linear layers as INT4 (model/int4) in the device's kernel layout: a GGUF's Q4_0 / Q4_1 blocks as stored (the
+    embedded model's included), else rounded to nearest in groups of 128; on a CPU the output projection as int8 rows
+    (model/int4/head.py). on_host: built for the device but left in host memory (the engine streams its layers to
+    the device: weight_budget_bytes), so a model larger than the device is never whole there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .model.int4.checkpoint import load_quantized, quantization_config
@@ -157,43 +159,41 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     source = str(embedded_model_dir()) if is_embedded(name_or_path) else name_or_path
     dev = choose_device(device)
-    if weights == "int4" and dev.type != "cpu":
-        raise ValueError(f"weights='int4' runs on the CPU in this version (the CUDA kernels are not built yet); "
-                         f"the device is {dev}")
+    quantized = quantization_config(source)
+    int4 = weights == "int4" or quantized is not None
+    if int4 and dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"INT4 weights run on cpu or cuda (their kernels' devices); the device is {dev}")
+    float_dtype = choose_dtype(dtype, dev)
+    if int4 and float_dtype == "auto":  # the INT4 kernels' activations: bfloat16 on an accelerator
+        float_dtype = torch.bfloat16
     tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in hf_kwargs.items() if k in (
         "revision", "trust_remote_code", "token", "gguf_file")})
-    quantized = quantization_config(source)
     if quantized is not None:  # an AWQ / GPTQ folder: its INT4 layers as stored
-        if dev.type != "cpu":
-            raise ValueError(f"INT4 checkpoints run on the CPU in this version (the CUDA kernels are not built "
-                             f"yet); the device is {dev}")
-        model = load_quantized(source, quantized, choose_dtype(dtype, dev))
-        quantize_head(model)
-        return model, tokenizer
-    if weights == "int4" and is_embedded(name_or_path):  # its INT4 layers from the GGUF, never built in float
+        model = load_quantized(source, quantized, float_dtype, dev)
+    elif weights == "int4" and is_embedded(name_or_path):  # its INT4 layers from the GGUF, never built in float
         from .model.int4.gguf import model_from_gguf
 
-        model = model_from_gguf(source, embedded_gguf_path(), cache_root() / "int4", choose_dtype(dtype, dev))
-        quantize_head(model)
-        return model, tokenizer
-    with no_transformers_bars():
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=choose_dtype(dtype, dev), **hf_kwargs)
-    model.to(dev)
-    model.eval()
-    if weights == "int4":
-        _to_int4(model, Path(source) / hf_kwargs["gguf_file"] if "gguf_file" in hf_kwargs else None)
-        quantize_head(model)
-    return model, tokenizer
+        model = model_from_gguf(source, embedded_gguf_path(), cache_root() / "int4", float_dtype, dev)
+    else:
+        with no_transformers_bars():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=float_dtype, **hf_kwargs)
+        if weights == "int4":  # rounded in host memory: the float model never reaches the device
+            _to_int4(model, Path(source) / hf_kwargs["gguf_file"] if "gguf_file" in hf_kwargs else None, dev)
+    if int4:
+        quantize_head(model, dev)  # the CPU's int8 head; a no-op elsewhere
+    if not on_host:
+        model.to(dev)
+    return model.eval(), tokenizer
 
 
-def _to_int4(model: torch.nn.Module, gguf: Path | None) -> None:
+def _to_int4(model: torch.nn.Module, gguf: Path | None, device: torch.device) -> None:
     from .model.int4.gguf import int4_linears_from_gguf
     from .model.int4.linear import quantize_linears
 
     if gguf is not None:
-        int4_linears_from_gguf(model, gguf, cache_root() / "int4")
+        int4_linears_from_gguf(model, gguf, cache_root() / "int4", device)
     else:
-        quantize_linears(model)
+        quantize_linears(model, device=device)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -10,7 +10,7 @@ import torch
 from .config import EngineConfig, Environment
 from .model.attention.hf import unsupported_reason as attention_unsupported_reason
 from .model.cpu_linear import cpu_linear_reason
-from .model.int4.linear import weight_formats
+from .model.int4.linear import layout_mismatch, weight_formats
 from .model.runner import static_path_unsupported_reason
 
 log = logging.getLogger("kvboost")
@@ -30,7 +30,7 @@ def environment(model: torch.nn.Module, has_draft_model: bool) -> Environment:
         triton = None if picked == "triton" else why
     return Environment(device.type, attention_unsupported_reason(model), triton,
                        static_path_unsupported_reason(model), cpu_linear_reason(model), has_draft_model,
-                       ", ".join(weight_formats(model)) or None)
+                       ", ".join(weight_formats(model)) or None, layout_mismatch(model, device.type))
 
 
 @dataclass(frozen=True)

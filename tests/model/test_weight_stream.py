@@ -47,24 +47,26 @@ def _outputs(engine: KVBoost) -> list[list[int]]:
 
 @pytest.mark.parametrize("layers,resident", [(3, 0), (6, 1), (6, 2)])
 @pytest.mark.parametrize("int4", [False, True])
-def test_a_streamed_engine_gives_the_resident_engines_tokens(tokenizer, layers, resident, int4):
-    def model():
+def test_a_streamed_engine_gives_the_resident_engines_tokens(tokenizer, device, layers, resident, int4):
+    def model():  # built in host memory, for the device
         m = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=layers)
         if int4:
-            quantize_linears(m, group=32)
+            quantize_linears(m, group=32, device=device)
         return m
 
-    want = _outputs(KVBoost(model(), tokenizer, device="cpu", fast_path="off"))
+    want = _outputs(KVBoost(model(), tokenizer, device=str(device), fast_path="off"))
     streamed_model = model()
     weights = {k: v.clone() for k, v in streamed_model.state_dict().items()}
-    engine = KVBoost(streamed_model, tokenizer, device="cpu", weight_budget_bytes=_budget(streamed_model, resident))
+    engine = KVBoost(streamed_model, tokenizer, device=str(device),
+                     weight_budget_bytes=_budget(streamed_model, resident))
     stats = engine.cache_stats()["weights"]
     assert len(stats["resident_layers"]) == resident and len(stats["streamed_layers"]) == layers - resident
     assert engine.runner is None and "weights stream" in engine.fast_path_reason
+    assert stats["pinned"] or device.type != "cuda", stats["unpinned_reason"]  # page-locked, for async copies
     assert _outputs(engine) == want
     assert engine.cache_stats()["weights"]["copies"] >= layers - resident
     for name, value in engine.model.state_dict().items():  # outside a forward: each layer's own weights
-        assert torch.equal(value, weights[name]), name
+        assert torch.equal(value.cpu(), weights[name]), name
 
 
 def test_static_fast_paths_are_refused_with_streamed_weights(tokenizer):
@@ -77,16 +79,16 @@ def test_static_fast_paths_are_refused_with_streamed_weights(tokenizer):
 
 
 @pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
-def test_speculation_over_a_streamed_target_is_greedy_exact(tokenizer, method):
+def test_speculation_over_a_streamed_target_is_greedy_exact(tokenizer, device, method):
     """The target streams its layers; the draft (a resident model sharing the tokenizer, or prompt lookup) proposes,
     and the target verifies the drafts in the pass that streams its weights."""
     prompt = "Copy: a b c d e f g h. Copy: a b c d e f g h. Copy: a b c"
-    plain = KVBoost(make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4), tokenizer, device="cpu",
-                    fast_path="off").generate(prompt, max_new_tokens=16).output_token_ids
+    plain = KVBoost(make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4), tokenizer,
+                    device=str(device), fast_path="off").generate(prompt, max_new_tokens=16).output_token_ids
     target = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4)
-    draft = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=1, seed=1) if method == "draft" \
+    draft = make_tiny_model("llama", tokenizer, device=device, num_hidden_layers=1, seed=1) if method == "draft" \
         else None
-    engine = KVBoost(target, tokenizer, device="cpu", weight_budget_bytes=_budget(target, 1), speculative=method,
+    engine = KVBoost(target, tokenizer, device=str(device), weight_budget_bytes=_budget(target, 1), speculative=method,
                      draft_model=draft)
     out = engine.generate(prompt, max_new_tokens=16)
     assert out.output_token_ids == plain

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvboost import KVBoost
+from kvboost.loading import load_model_and_tokenizer
 from kvboost.model.int4.checkpoint import awq_weights, gptq_weights
 from kvboost.model.int4.linear import Int4Linear
 
@@ -107,21 +108,53 @@ def _save_quantized(model, tokenizer, folder, method: str, group: int = 32, **ex
 
 @pytest.mark.parametrize("method,extra", [("awq", {"version": "gemm", "zero_point": True}),
                                           ("gptq", {"desc_act": False, "sym": False})])
-def test_a_quantized_folder_loads_as_int4_and_computes_its_dequantized_twin(tokenizer, tmp_path, method, extra):
+def test_a_quantized_folder_loads_as_int4_and_computes_its_dequantized_twin(tokenizer, tmp_path, device, method,
+                                                                            extra):
     model = make_tiny_model("llama", tokenizer, device="cpu")
     reference = _save_quantized(model, tokenizer, tmp_path, method, **extra)
     with torch.no_grad():
         for name, weight in reference.items():
             model.get_submodule(name).weight.copy_(weight)  # the float twin
-    engine = KVBoost.from_pretrained(str(tmp_path), device="cpu", fast_path="off")
-    layers = [n for n, m in engine.model.named_modules() if isinstance(m, Int4Linear)]
+    model.to(device)
+    engine = KVBoost.from_pretrained(str(tmp_path), device=str(device), dtype="float32", fast_path="off")
+    layers = {n: m for n, m in engine.model.named_modules() if isinstance(m, Int4Linear)}
     assert sorted(layers) == sorted(reference)
-    ids = torch.tensor([[5, 9, 11, 300, 42, 7, 1000]])
+    assert {m.device_type for m in layers.values()} == {device.type}  # laid out for the device's kernel
+    ids = torch.tensor([[5, 9, 11, 300, 42, 7, 1000]], device=device)
     with torch.inference_mode():
         got, want = engine.model(input_ids=ids).logits, model(input_ids=ids).logits
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
     out = engine.generate("Hello there", max_new_tokens=5)
     assert out.generated_tokens == 5
+
+
+def test_a_quantized_folder_streams_from_host_memory_without_ever_being_whole_on_the_device(tokenizer, tmp_path,
+                                                                                            device):
+    _save_quantized(make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4), tokenizer, tmp_path,
+                    "awq")
+    resident = KVBoost.from_pretrained(str(tmp_path), device=str(device), dtype="float32", fast_path="off")
+    want = [resident.generate(p, max_new_tokens=8).output_token_ids for p in ("Hello there", "Once upon a time")]
+    layers = resident.model.model.layers
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    budget = nbytes(resident.model) - nbytes(layers) + 3 * (nbytes(layers[0]) + 64 * 16)  # two slots, one layer
+    del resident
+    if device.type == "cuda":  # loaded for the device into host memory: nothing reaches it yet
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        load_model_and_tokenizer(str(tmp_path), dtype="float32", device=str(device), on_host=True)
+        assert torch.cuda.max_memory_allocated(device) == before
+    engine = KVBoost.from_pretrained(str(tmp_path), device=str(device), dtype="float32", weight_budget_bytes=budget)
+    assert engine.device.type == device.type
+    if device.type == "cuda":  # the resident weights and the slots, within the budget
+        on_device = sum(t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()]
+                        if t.device.type == "cuda")
+        weights = engine.cache_stats()["weights"]
+        assert on_device + weights["slots"] * weights["slot_bytes"] <= budget
+    stats = engine.cache_stats()["weights"]
+    assert len(stats["resident_layers"]) == 1 and len(stats["streamed_layers"]) == 3
+    assert [engine.generate(p, max_new_tokens=8).output_token_ids for p in ("Hello there", "Once upon a time")] \
+        == want
 
 
 def test_unsupported_quantizations_are_refused(tokenizer, tmp_path):

@@ -66,9 +66,11 @@ def gptq_weights(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     return _to_ours(codes, zeros, scales, group)
 
 
-def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The causal LM in `folder` (config.json with an AWQ / GPTQ quantization_config, safetensors weights) on the CPU,
-    its quantized Linear layers as Int4Linear and every other tensor as stored (in `dtype`)."""
+def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> nn.Module:
+    """The causal LM in `folder` (config.json with an AWQ / GPTQ quantization_config, safetensors weights) in host
+    memory, its quantized Linear layers as Int4Linear built for `device` and every other tensor as stored (in
+    `dtype`)."""
     from accelerate import init_empty_weights
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -95,7 +97,7 @@ def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.
         bias = tensors.pop(f"{name}.bias", None)
         if bias is not None:
             model.get_submodule(name).bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-        replace_linear(model, name, weights)
+        replace_linear(model, name, weights, device)
     return assign_rest(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, folder)
 
 

@@ -24,10 +24,12 @@ FORMATS = ("Q4_0", "Q4_1")
 CACHE_FORMAT = 1  # bump when what the cache file holds changes
 
 
-def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path) -> int:
+def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
+                           device: torch.device | str = "cpu") -> int:
     """Replace every nn.Linear of `model` that the GGUF file at `path` stores as Q4_0 / Q4_1 by an Int4Linear of its
-    stored codes; returns how many. `model` is the file's model (loaded from it, or from a conversion of it).
-    cache_dir: where decoded layers are kept ($KVBOOST_CACHE_DIR/int4 when loading.py calls)."""
+    stored codes, built for `device` (its tensors stay in host memory); returns how many. `model` is the file's model
+    (loaded from it, or from a conversion of it). cache_dir: where decoded layers are kept ($KVBOOST_CACHE_DIR/int4
+    when loading.py calls)."""
     from safetensors.torch import load_file, save_file
 
     cache = _cache_path(Path(path), cache_dir)
@@ -47,7 +49,7 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path) 
         save_file(tensors, str(partial))
         partial.replace(cache)  # atomic: a reader never sees half a file
     for name in names:  # one layer's codes unpacked at a time: the peak stays near the packed bytes
-        replace_linear(model, name, _cached_layer(tensors, name))
+        replace_linear(model, name, _cached_layer(tensors, name), device)
     return len(names)
 
 
@@ -112,10 +114,11 @@ def _cached_layer(tensors: dict[str, torch.Tensor], name: str) -> Int4Weights:
     return Int4Weights(unpack_nibbles(codes), scales, zeros, int(group))
 
 
-def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype: torch.dtype) -> nn.Module:
+def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> nn.Module:
     """The causal LM of `folder` (a float conversion of the GGUF file `gguf`: config and safetensors) with its Q4_0 /
     Q4_1 layers read from the GGUF and every other tensor from the folder, never building the float layers (peak
-    memory: the INT4 model's, not the float one's)."""
+    memory: the INT4 model's, not the float one's). Built for `device`, in host memory."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -124,7 +127,7 @@ def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype
 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
-    int4_linears_from_gguf(model, gguf, cache_dir)
+    int4_linears_from_gguf(model, gguf, cache_dir, device)
     wanted = {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"}
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):

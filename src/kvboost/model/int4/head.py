@@ -41,11 +41,13 @@ class Int8Head(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def quantize_head(model: nn.Module) -> bool:
-    """Replace a CPU model's float output projection by an Int8Head (the input embedding keeps its float weight, tied
-    or not); False where the head is not a float nn.Linear on the CPU."""
+def quantize_head(model: nn.Module, device: torch.device | str = "cpu") -> bool:
+    """Replace the float output projection of a model that runs on the CPU (`device`) by an Int8Head (the input
+    embedding keeps its float weight, tied or not); False elsewhere, or where the head is not a float nn.Linear on the
+    CPU."""
     head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None or head.weight.device.type != "cpu":
+    if torch.device(device).type != "cpu" or type(head) is not nn.Linear or head.bias is not None \
+            or head.weight.device.type != "cpu":
         return False
     model.set_output_embeddings(Int8Head(head.weight))
     return True

@@ -1,0 +1,185 @@
+"""`kvboost bench offload --device cuda`: INT4 weights on a GPU, resident and streamed from host memory, against bf16.
+
+Rows, on one random-weight --shape, batch-1 greedy decode over a ~1,000-token prompt (decode rate from two lengths, as
+`kvboost bench gpu`'s section c), each with the device memory it peaked at:
+  bf16                  the float model, resident (the engine's default fast path: CUDA graphs)
+  int4 triton           its Linear layers rounded to INT4 (group 128) on KVBoost's Triton W4A16 kernel, resident
+  int4 tinygemm         the same codes on torch's `_weight_int4pack_mm`, resident
+  int4 streamed 1/2     weight_budget_bytes keeps half the decoder layers resident, the rest stream through 2 slots
+                        (the default CUDA kernel, torch's)
+  int4 streamed all     every decoder layer streams (the embedding, head and norms stay)
+  hf device_map auto    transformers + accelerate offloading the bf16 model under the streamed-1/2 row's device budget
+For the streamed rows, the bound at one token per pass: measured pinned host-to-device bandwidth / bytes streamed per
+decode step. Rows that fail are reported with the reason; the run goes on.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+from .console import bench_console
+from .model_options import ModelChoice
+
+PROMPT_TOKENS, REPEATS = 1000, 2
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    return _nbytes([*module.parameters(), *module.buffers()])
+
+
+def _h2d_gb_s(device: torch.device, mib: int = 512) -> float:
+    """Pinned host-to-device copy bandwidth, GB/s (best of three)."""
+    host = torch.empty(mib << 20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return host.numel() / best / 1e9
+
+
+def _int4(model: torch.nn.Module, kernel: str | None, device: torch.device) -> torch.nn.Module:
+    """Every decoder Linear rounded to INT4 on the device, laid out for `kernel` (None: the default; the head stays
+    bf16)."""
+    from kvboost.model.int4.linear import Int4Linear
+    from kvboost.model.int4.weights import Int4Weights
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and module.in_features % 128 == 0:
+            parent, _, child = name.rpartition(".")
+            weights = Int4Weights.quantize_rtn(module.weight.to(device), 128)
+            bias = None if module.bias is None else module.bias.to(device)
+            setattr(model.get_submodule(parent), child, Int4Linear(weights, bias, device, kernel))
+    return model
+
+
+def _budget(model: torch.nn.Module, resident_layers: int, slots: int = 2) -> int:
+    layers = model.model.layers
+    per_layer = max(_module_bytes(layer) for layer in layers) + 64 * 32  # + each tensor's alignment in a slot
+    return _module_bytes(model) - _module_bytes(layers) + (slots + resident_layers) * per_layer
+
+
+def _row(name: str, build: Callable[[], tuple[Callable[[int], int], dict]], device: torch.device, n: int,
+         console) -> dict:
+    from .gpu.decode import measure
+
+    gc.collect()  # the previous row's model and engine
+    torch.cuda.empty_cache()
+    row: dict = {"system": name}
+    try:
+        call, extra = build()
+        with torch.inference_mode():
+            row.update(measure(call, n, device, REPEATS), **extra, status="ok")
+        row["peak_device_mb"] = torch.cuda.max_memory_allocated(device) / 2**20  # since the build (see its reset)
+        console.print(f"{name:>20}: {row['decode_tok_s']:8.1f} tok/s, peak device {row['peak_device_mb']:,.0f} MB")
+    except Exception as exc:  # a row that cannot run is reported, the next still runs
+        row.update(status="error", reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+        console.print(f"{name:>20}: {row['reason']}")
+    return row
+
+
+def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None, plot_path: str | None) -> dict:
+    from kvboost import KVBoost
+
+    from .gpu.decode import decode_rows
+    from .plots import save_tok_s, write_json
+    from .shapes import build_shape_model, embedded_tokenizer
+
+    console = bench_console()
+    device = torch.device(choice.device or "cuda")
+    rows: list[dict] = []
+    report: dict = {"benchmark": "offload", **choice.record(), "dtype": "bfloat16", "new_tokens": new_tokens,
+                    "rows": rows, "h2d_gb_s": _h2d_gb_s(device)}
+    console.print(f"pinned host-to-device copies: {report['h2d_gb_s']:.1f} GB/s")
+    tokenizer = embedded_tokenizer()
+    prompt = decode_rows(tokenizer, PROMPT_TOKENS, 1)[0]
+    report["prompt_tokens"] = len(prompt)
+    budgets: dict[str, int] = {}
+
+    def model_on_device() -> torch.nn.Module:  # random init on the device is seconds; on the host, minutes
+        return build_shape_model(choice.shape, device, torch.bfloat16, tokenizer=tokenizer)[0]
+
+    def in_host_memory(model: torch.nn.Module) -> torch.nn.Module:
+        model.cpu()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # the row's peak starts here, not at the build's
+        return model
+
+    def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]]) -> Callable[[], tuple]:
+        def build():
+            model, budget = make()
+            torch.cuda.reset_peak_memory_stats(device)
+            engine = KVBoost(model, tokenizer, device=str(device), weight_budget_bytes=budget)
+            weights = engine.cache_stats()["weights"]
+            streamed = sum(_module_bytes(model.model.layers[i]) for i in weights["streamed_layers"])
+            extra = {"weight_mb": _module_bytes(model) / 2**20, "budget_mb": budget / 2**20 if budget else None,
+                     "streamed_layers": len(weights["streamed_layers"]), "streamed_mb_per_step": streamed / 2**20,
+                     "fast_path": engine.cache_stats()["fast_path"].get("mode")}
+            if streamed:
+                extra["bound_tok_s"] = report["h2d_gb_s"] * 1e9 / streamed
+            return lambda k: engine.generate(input_ids=prompt, max_new_tokens=k).generated_tokens, extra
+        return build
+
+    def streamed(share: float):
+        def make():
+            model = in_host_memory(_int4(model_on_device(), None, device))
+            resident = int(len(model.model.layers) * share)
+            budgets[f"{share}"] = _budget(model, resident)
+            return model, budgets[f"{share}"]
+        return make
+
+    plan = [("bf16", engine_row(lambda: (model_on_device(), None))),
+            ("int4 triton", engine_row(lambda: (_int4(model_on_device(), "triton", device), None))),
+            ("int4 tinygemm", engine_row(lambda: (_int4(model_on_device(), "tinygemm", device), None))),
+            ("int4 streamed 1/2", engine_row(streamed(0.5))),
+            ("int4 streamed all", engine_row(streamed(0.0)))]
+    def add(row: dict) -> None:
+        rows.append(row)
+        if json_path:  # after every row: a run cut short keeps what it measured
+            write_json(json_path, report)
+
+    with console.status("offload rows"):
+        for name, build in plan:
+            add(_row(name, build, device, new_tokens, console))
+        if "0.5" in budgets:
+            add(_row("hf device_map auto", lambda: _hf_offload(in_host_memory(model_on_device()), budgets["0.5"],
+                                                               device, prompt), device, min(new_tokens, 8), console))
+    ok = {r["system"]: r for r in rows if r.get("status") == "ok"}
+    if "bf16" in ok:
+        for r in ok.values():
+            r["over_bf16"] = r["decode_tok_s"] / ok["bf16"]["decode_tok_s"]
+    save_tok_s(console, {**report, "rows": list(ok.values())}, None, plot_path,
+               f"Decode, batch 1, {len(prompt)}-token prompt ({choice.shape}, {torch.cuda.get_device_name(device)})")
+    if json_path:
+        write_json(json_path, report)
+        console.print(f"wrote {json_path}")
+    return report
+
+
+def _hf_offload(model: torch.nn.Module, budget: int, device: torch.device, prompt: list[int]) -> tuple:
+    """transformers' generate over accelerate's offloading: the layers that do not fit `budget` bytes of the device
+    live in host memory and are copied in by hooks at every forward."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    device_map = infer_auto_device_map(model, max_memory={index: budget, "cpu": 2**40},
+                                       no_split_module_classes=[type(model.model.layers[0]).__name__])
+    model = dispatch_model(model, device_map=device_map)
+    torch.cuda.reset_peak_memory_stats(device)
+    ids = torch.tensor([prompt], device=device)
+    offloaded = sum(1 for where in device_map.values() if where == "cpu")
+
+    def call(k: int) -> int:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, do_sample=False)
+        return out.shape[1] - ids.shape[1]
+    return call, {"budget_mb": budget / 2**20, "offloaded_modules": offloaded}
