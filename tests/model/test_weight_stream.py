@@ -4,6 +4,8 @@ rest, refusals when even that does not fit), and an engine whose layers stream f
 forward the layers hold their own weights."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -96,3 +98,29 @@ def test_speculation_over_a_streamed_target_is_greedy_exact(tokenizer, device, m
     assert len(engine.cache_stats()["weights"]["streamed_layers"]) == 3
     if method == "draft":  # a draft model always proposes (prompt lookup may find no match in a random model's text)
         assert spec["proposals"] > 0 and spec["draft_tokens"] > 0
+
+
+def test_draft_lengths_are_judged_by_the_streamed_pass(tokenizer, monkeypatch):
+    """Weights that cross slowly (a delay per streamed layer copied, as a slow link adds) make every pass cost about
+    the same for one token as for nine: the engine's step costs are measured on the streamed pass, and the adaptive
+    policy proposes the longest drafts its twin draft model keeps."""
+    from kvboost.model import weight_stream
+
+    copy = weight_stream.WeightStreamer._copy
+
+    def slow_copy(self, k: int) -> None:
+        crossing = k not in self.where
+        copy(self, k)
+        if crossing:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(weight_stream.WeightStreamer, "_copy", slow_copy)
+    target = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4)
+    twin = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=4)  # same seed: every draft is kept
+    engine = KVBoost(target, tokenizer, device="cpu", weight_budget_bytes=_budget(target, 1), speculative="draft",
+                     draft_model=twin, num_speculative_tokens=8)
+    engine.generate("Copy: a b c d e f g h. Copy: a b c", max_new_tokens=40)
+    spec = engine.cache_stats()["speculative"]
+    costs = spec["step_costs"]["draft"]
+    assert costs["plain_step_ms"] >= 30  # three streamed layers cross in every pass
+    assert spec["accepted_tokens"] == spec["draft_tokens"] >= 6 * spec["proposals"]
