@@ -52,9 +52,8 @@ class LongContexts:
         if (self.staged or self.device.type != "cpu") and self.max_device_tokens:
             resident = self.max_device_tokens * bytes_per_position(self.shapes, self.dtype)
         self.sequences += 1
-        host = HostWorkspace(self.shapes, self.dtype, self.device, resident_bytes=resident, staged=self.staged,
+        return HostWorkspace(self.shapes, self.dtype, self.device, resident_bytes=resident, staged=self.staged,
                              max_positions=self.max_positions)
-        return host
 
     def count(self, host: HostWorkspace) -> None:
         """A sequence is over: add what its forwards moved."""

@@ -3,6 +3,7 @@ An idle worker waits up to the batch window so requests arriving together prefil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -61,10 +62,8 @@ class Job:
 
     def emit(self, kind: str, payload: Any) -> None:
         """From the worker thread: hand one event to the event loop (dropped if the loop has closed)."""
-        try:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
 
     async def stream(self) -> AsyncIterator[Event]:
         """Events until (and including) the final "done" or "error"."""
