@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .. import __version__
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
+from . import access_log
 from .errors import APIError, install_error_handlers, to_api_error, validation_message
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
@@ -121,7 +122,8 @@ async def _run_to_end(scheduler: Scheduler, ids: list[int], params: SamplingPara
 
 
 class GatewayMiddleware:
-    """Bearer-token check on /v1 routes (when an API key is set) and request counting by route and status."""
+    """Bearer-token check on /v1 routes (when an API key is set), request counting by route and status, and the access
+    log line (when asked)."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics):
         self.app = app
@@ -142,6 +144,7 @@ class GatewayMiddleware:
                 status = message["status"]
             await send(message)
 
+        tally, t0 = access_log.open_tally() if self.settings.access_log else None, time.perf_counter()
         try:
             if self.settings.api_key and path.startswith("/v1") and not self._authorized(scope):
                 await APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
@@ -150,6 +153,8 @@ class GatewayMiddleware:
             await self.app(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
+            if tally is not None:
+                access_log.write(scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3, tally)
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", ()):
@@ -217,15 +222,31 @@ def _decoder(state: ServerState):
     return decode
 
 
+MAX_BODY_BYTES = 64 << 20  # a request's JSON: far above any context window's text
+MAX_JSON_DEPTH = 64  # nesting levels: a chat body with tools and JSON schemas needs a few dozen
+
+
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding); 400 otherwise."""
-    raw = await request.body()
+    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding); 400 otherwise. A body
+    too large or nested too deep is refused before anything recursive reads it: a 400, and the connection stays
+    usable (an exception escaping the app makes the server close it)."""
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(400, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    too_deep = False
     try:
         data = json.loads(raw)
+    except RecursionError:  # deeper than the parser goes
+        too_deep = True
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"could not parse the JSON body: {exc}", code="invalid_json") from None
+    if too_deep or json_depth(data) > MAX_JSON_DEPTH:  # deeper than recursive readers (validation) should go
+        raise APIError(400, f"the JSON body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
     if not isinstance(data, dict):
         raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
     try:
@@ -233,6 +254,18 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
     except ValidationError as exc:
         message, param = validation_message(exc.errors())
         raise APIError(400, message, param=param, code="invalid_request") from None
+
+
+def json_depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests objects and arrays, read without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_model(settings: ServerSettings, name: str) -> None:
@@ -303,6 +336,7 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Re
                 raise to_api_error(payload)
             metrics.latency.labels(endpoint).observe(time.perf_counter() - job.t_start)
             metrics.observe_result(endpoint, payload)
+            access_log.count(payload)
             return payload
     finally:
         if not job.finished:
@@ -354,6 +388,7 @@ async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_
                 elif kind == "done":
                     results[index] = payload
                     metrics.observe_result(endpoint, payload)
+                    access_log.count(payload)
                     for chunk in renderer.final(payload, index):
                         yield sse(chunk)
                 else:  # the headers are out: the error travels in the stream, where the OpenAI SDK raises it
