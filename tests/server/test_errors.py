@@ -261,3 +261,35 @@ def test_client_disconnect_stops_generation(start_server, tiny_engine, batch, st
         assert srv.scheduler.stats.completed == 0
         r = srv.client().completions.create(model=TINY_NAME, prompt="still alive?", max_tokens=2)
         assert r.choices[0].text is not None
+
+
+def test_a_body_too_deep_or_too_large_is_a_400_and_the_connection_stays_usable(server, monkeypatch):
+    from kvboost.server import app as server_app
+
+    chat = {"model": TINY_NAME, "messages": CHAT, "max_tokens": 2}
+    with server.http() as http:  # one keep-alive connection for every request below
+        deep = "[" * 5000 + "]" * 5000
+        for body in (f'{{"model": "{TINY_NAME}", "messages": {deep}}}', "[" * 100 + "]" * 100):
+            error = _assert_error_body(http.post("/v1/chat/completions", content=body), 400)
+            assert error["type"] == "invalid_request_error" and "levels deep" in error["message"]
+        nested = {"model": TINY_NAME, "messages": CHAT, "max_tokens": 2, "metadata": {"a": [[[[["fine"]]]]]}}
+        assert http.post("/v1/chat/completions", json=nested).status_code != 500
+        monkeypatch.setattr(server_app, "MAX_BODY_BYTES", 4096)
+        error = _assert_error_body(http.post("/v1/chat/completions", json={**chat, "user": "x" * 5000}), 400)
+        assert error["code"] == "request_too_large"
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_the_access_log_has_a_line_per_request_with_its_tokens(tiny_engine, start_server, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kvboost.access")
+    with start_server(tiny_engine, access_log=True) as srv:
+        srv.client().chat.completions.create(model=TINY_NAME, messages=CHAT, max_tokens=3, temperature=0)
+        with srv.http() as http:
+            http.get("/v1/models/nope")
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvboost.access"]
+    chat_line = next(line for line in lines if line.startswith("POST /v1/chat/completions 200 "))
+    assert " ms prompt=" in chat_line and chat_line.endswith("completion=3")
+    assert int(chat_line.split("prompt=")[1].split()[0]) > 0
+    assert any(line.startswith("GET /v1/models/nope 404 ") for line in lines)

@@ -69,7 +69,8 @@ def serve_command(
     weight_budget_bytes: int | None = typer.Option(None, min=1, help="Device bytes for the weights: decoder layers "
                                                    "that do not fit stream from host memory a layer at a time."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
-    access_log: bool = typer.Option(False, help="Log every request line."),
+    access_log: bool = typer.Option(False, help="Log one line per request: method, path, status, ms, and the "
+                                                "prompt / cached / completion tokens."),
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, streaming) with KV-cache reuse across requests.
 
@@ -88,7 +89,7 @@ def serve_command(
     try:
         settings = ServerSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                                   api_key=api_key, max_queue=max_queue, max_batch_size=max_batch_size,
-                                  batch_window_ms=batch_window_ms, mode=reuse)
+                                  batch_window_ms=batch_window_ms, mode=reuse, access_log=access_log)
         options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
                        kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
@@ -141,7 +142,7 @@ def serve_command(
     if not settings.api_key and not _is_loopback(host):
         typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it",
                    err=True)
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",  # the app writes its own
                             timeout_graceful_shutdown=10)
     run_on_main_thread(uvicorn.Server(config), sock, app.state.kvboost.scheduler)
 

@@ -25,12 +25,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .. import __version__
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
+from . import access_log
 from .errors import APIError, install_error_handlers, to_api_error, validation_message
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
-from .render import DONE, ChatRenderer, CompletionRenderer, Renderer, model_card, sse
+from .render import ChatRenderer, CompletionRenderer, Renderer, model_card
+from .responses import ResponseRenderer, ResponseStore, to_chat
 from .scheduler import Job, QueueFullError, Scheduler
-from .schema import ChatCompletionRequest, CompletionRequest
+from .schema import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from .settings import ServerSettings
 
 log = logging.getLogger("kvboost.server")
@@ -38,7 +40,7 @@ log = logging.getLogger("kvboost.server")
 _DISCONNECT_POLL_S = 0.5  # non-streaming requests check this often whether their client is still there
 _FINGERPRINT = f"kvboost-{__version__}"
 BodyT = TypeVar("BodyT", bound=BaseModel)
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/stats", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/stats", "/health", "/metrics")
 _WARM_UP_MESSAGES = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
@@ -50,6 +52,7 @@ class ServerState:
     metrics: ServerMetrics
     tokenizer_lock: threading.Lock
     started: int
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # for previous_response_id
 
 
 def create_app(engine, settings: ServerSettings | None = None, scheduler: Scheduler | None = None) -> FastAPI:
@@ -121,7 +124,8 @@ async def _run_to_end(scheduler: Scheduler, ids: list[int], params: SamplingPara
 
 
 class GatewayMiddleware:
-    """Bearer-token check on /v1 routes (when an API key is set) and request counting by route and status."""
+    """Bearer-token check on /v1 routes (when an API key is set), request counting by route and status, and the access
+    log line (when asked)."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics):
         self.app = app
@@ -142,6 +146,7 @@ class GatewayMiddleware:
                 status = message["status"]
             await send(message)
 
+        tally, t0 = access_log.open_tally() if self.settings.access_log else None, time.perf_counter()
         try:
             if self.settings.api_key and path.startswith("/v1") and not self._authorized(scope):
                 await APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
@@ -150,6 +155,8 @@ class GatewayMiddleware:
             await self.app(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
+            if tally is not None:
+                access_log.write(scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3, tally)
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", ()):
@@ -200,6 +207,28 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                 n=prepared.n, predicted=prepared.predicted)
         return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = await parse_body(request, ResponsesRequest)
+        _check_model(settings, req.model)
+        chat, conversation = to_chat(req, state.responses)
+        prepared = prepare_chat(state.engine, chat, settings, state.tokenizer_lock)
+        if prepared.n != 1:
+            raise APIError(400, "n is a chat completions parameter", param="n", code="unsupported_parameter")
+        renderer = ResponseRenderer(settings.model_id, req, conversation, state.responses, decode=_decoder(state),
+                                    tool_parse=prepared.tool_parse)
+        return await _respond(state, prepared, renderer, chat.cache_salt, request, t0)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return state.responses.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -217,15 +246,31 @@ def _decoder(state: ServerState):
     return decode
 
 
+MAX_BODY_BYTES = 64 << 20  # a request's JSON: far above any context window's text
+MAX_JSON_DEPTH = 64  # nesting levels: a chat body with tools and JSON schemas needs a few dozen
+
+
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding); 400 otherwise."""
-    raw = await request.body()
+    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding); 400 otherwise. A body
+    too large or nested too deep is refused before anything recursive reads it: a 400, and the connection stays
+    usable (an exception escaping the app makes the server close it)."""
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(400, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    too_deep = False
     try:
         data = json.loads(raw)
+    except RecursionError:  # deeper than the parser goes
+        too_deep = True
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"could not parse the JSON body: {exc}", code="invalid_json") from None
+    if too_deep or json_depth(data) > MAX_JSON_DEPTH:  # deeper than recursive readers (validation) should go
+        raise APIError(400, f"the JSON body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
     if not isinstance(data, dict):
         raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
     try:
@@ -235,14 +280,26 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
         raise APIError(400, message, param=param, code="invalid_request") from None
 
 
+def json_depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests objects and arrays, read without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _check_model(settings: ServerSettings, name: str) -> None:
     if not settings.accepts_model(name):
         raise APIError(404, f"The model '{name}' does not exist. This server serves '{settings.model_id}'.",
                        param="model", code="model_not_found")
 
 
-async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, salt: str | None,
-                   request: Request, t0: float) -> Response:
+async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer | ResponseRenderer,
+                   salt: str | None, request: Request, t0: float) -> Response:
     # n choices: n rows of one prompt submitted together, so its K/V is computed once. Choice i gets seed + i.
     jobs = []
     for i in range(prepared.n):
@@ -275,7 +332,8 @@ async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer, s
     return JSONResponse(renderer.full(list(results)))
 
 
-async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Request) -> GenerationResult:
+async def _collect(state: ServerState, job: Job, renderer: Renderer | ResponseRenderer,
+                   request: Request) -> GenerationResult:
     """Wait for a non-streaming request's result; cancel it if the client goes away meanwhile."""
     metrics, endpoint = state.metrics, renderer.endpoint
     first = True
@@ -303,6 +361,7 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer, request: Re
                 raise to_api_error(payload)
             metrics.latency.labels(endpoint).observe(time.perf_counter() - job.t_start)
             metrics.observe_result(endpoint, payload)
+            access_log.count(payload)
             return payload
     finally:
         if not job.finished:
@@ -334,7 +393,8 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
             task.cancel()
 
 
-async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer | ResponseRenderer,
+               include_usage: bool) -> AsyncIterator[str]:
     """Role, content / tool-call and final chunks, usage if asked, [DONE]; an error ends the stream."""
     metrics, endpoint = state.metrics, renderer.endpoint
     first = True
@@ -342,7 +402,7 @@ async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_
     t_start = jobs[0].t_start
     try:
         for chunk in renderer.head():
-            yield sse(chunk)
+            yield renderer.frame(chunk)
         async with contextlib.aclosing(_merged(jobs)) as events:
             async for index, kind, payload in events:
                 if first:
@@ -350,22 +410,24 @@ async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer, include_
                     first = False
                 if kind == "delta":
                     for chunk in renderer.delta(payload, index):
-                        yield sse(chunk)
+                        yield renderer.frame(chunk)
                 elif kind == "done":
                     results[index] = payload
                     metrics.observe_result(endpoint, payload)
+                    access_log.count(payload)
                     for chunk in renderer.final(payload, index):
-                        yield sse(chunk)
+                        yield renderer.frame(chunk)
                 else:  # the headers are out: the error travels in the stream, where the OpenAI SDK raises it
                     metrics.outcomes.labels(endpoint, "error").inc()
                     log.warning("request failed mid-stream: %r", payload)
-                    yield sse(to_api_error(payload).body())
+                    yield renderer.frame(renderer.error(to_api_error(payload).body()))
                     break
         if all(r is not None for r in results):
             metrics.latency.labels(endpoint).observe(time.perf_counter() - t_start)
             if include_usage:
-                yield sse(renderer.usage(results))  # type: ignore[arg-type]
-        yield DONE
+                yield renderer.frame(renderer.usage(results))  # type: ignore[arg-type, union-attr]
+        if renderer.done:
+            yield renderer.done
     finally:
         for job in jobs:
             if not job.finished:  # the client went away (or a sibling choice failed): stop generating for it

@@ -80,6 +80,13 @@ def model_card(model_id: str, created: int) -> Body:
 class _RendererBase:
     id_prefix = ""
     object_name = ""  # the body's "object"
+    done = DONE  # what ends a stream
+    frame = staticmethod(sse)  # one streamed body as SSE text
+
+    @staticmethod
+    def error(body: Body) -> Body:
+        """An error body as it travels in a stream (the openai SDK raises it)."""
+        return body
 
     def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None, n: int = 1):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"

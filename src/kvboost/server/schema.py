@@ -104,3 +104,30 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's top-k
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses (server/responses.py turns it into a chat completion request)."""
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # accepted where they change nothing here, refused otherwise (responses.to_chat)
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None

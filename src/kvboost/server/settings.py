@@ -23,6 +23,7 @@ class ServerSettings:
     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE  # BASELINE turns reuse off (benchmarks)
     # /v1/completions without max_tokens (OpenAI's and vLLM's default); fewer when fewer positions are left
     default_completion_tokens: int = 16
+    access_log: bool = False  # one line per request: method, path, status, ms, prompt / cached / completion tokens
 
     def __post_init__(self) -> None:
         self.mode = GenerationMode.parse(self.mode)
