@@ -64,7 +64,8 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
     metrics = ServerMetrics(scheduler.queue_depth, scheduler.active_count,
                             lambda: _cache_stats(engine).get("reuse_ratio", 0.0),
                             lambda: _cache_stats(engine).get("speculative", {}).get("acceptance_rate", 0.0),
-                            lambda: _cache_stats(engine).get("speculative", {}).get("batched_proposals", 0))
+                            lambda: _cache_stats(engine).get("speculative", {}).get("batched_proposals", 0),
+                            settings.model_id, lambda: _device_tier_usage(_cache_stats(engine)))
     state = ServerState(engine, settings, scheduler, metrics, lock, int(time.time()))
 
     @asynccontextmanager
@@ -351,7 +352,7 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer | ResponseRe
             if kind == "wait":
                 continue
             if first:
-                metrics.ttft.labels(endpoint).observe(time.perf_counter() - job.t_start)
+                metrics.observe_ttft(endpoint, time.perf_counter() - job.t_start)
                 first = False
             if kind == "delta":
                 continue
@@ -359,7 +360,7 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer | ResponseRe
             if kind == "error":
                 metrics.outcomes.labels(endpoint, "error").inc()
                 raise to_api_error(payload)
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - job.t_start)
+            metrics.observe_latency(endpoint, time.perf_counter() - job.t_start)
             metrics.observe_result(endpoint, payload)
             access_log.count(payload)
             return payload
@@ -406,7 +407,7 @@ async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer | Respons
         async with contextlib.aclosing(_merged(jobs)) as events:
             async for index, kind, payload in events:
                 if first:
-                    metrics.ttft.labels(endpoint).observe(time.perf_counter() - t_start)
+                    metrics.observe_ttft(endpoint, time.perf_counter() - t_start)
                     first = False
                 if kind == "delta":
                     for chunk in renderer.delta(payload, index):
@@ -423,7 +424,7 @@ async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer | Respons
                     yield renderer.frame(renderer.error(to_api_error(payload).body()))
                     break
         if all(r is not None for r in results):
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - t_start)
+            metrics.observe_latency(endpoint, time.perf_counter() - t_start)
             if include_usage:
                 yield renderer.frame(renderer.usage(results))  # type: ignore[arg-type, union-attr]
         if renderer.done:
@@ -453,6 +454,11 @@ def _json_safe(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, bool)):
         return value
     return str(value)
+
+
+def _device_tier_usage(stats: dict) -> float:
+    tier = stats.get("tiers", {}).get("memory", {})
+    return tier.get("bytes", 0) / tier["budget_bytes"] if tier.get("budget_bytes") else 0.0
 
 
 def _cache_stats(engine) -> dict:
