@@ -1,0 +1,108 @@
+"""Which replica should serve a request: the one holding the longest run of its chunks, unless load says otherwise.
+
+A request's chunks are keyed as each replica's engine keys them (chunking.Chunker: a prefix-chain key per chunk,
+which names the chunk and everything before it, and a position-free content key). Each replica reports the short
+forms of the keys it holds (`short_key`: 64 bits of each). A replica's score for a request is
+  exact   = how many of the request's leading chunks it holds as one unbroken chain (reused as they are), then
+  content = how many of the remaining chunks it holds anywhere by content (reused at another position; only for
+            requests that ask for content reuse),
+compared in that order. The best-scoring replica wins unless it has `imbalance` or more requests queued beyond the
+least-loaded one: then the least-loaded replica takes it (K/V can be recomputed; a queue cannot be skipped). A request
+nothing is cached for goes to the least-loaded replica, ties broken by rendezvous hashing on its first chunk, so a new
+conversation's later turns meet their first turn's K/V even before any report shows it. Replicas whose report could
+not be read are routed by load alone. No Ray here: the Ray Serve router calls `choose`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from ..chunking import Chunker
+
+SHORT_KEY_HEX = 16  # 64 bits of a chunk key: a replica's report stays small, collisions stay negligible
+
+
+def short_key(key: str) -> str:
+    return key[:SHORT_KEY_HEX]
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """A request's complete chunks, in order: prefix-chain keys and content keys (short forms)."""
+
+    chains: tuple[str, ...]
+    contents: tuple[str, ...]
+    content_reuse: bool = False
+
+    @classmethod
+    def of(cls, chunker: Chunker, token_ids: Sequence[int], salt: str | None = None,
+           content_reuse: bool = False) -> RequestKeys:
+        chunks = chunker.split(token_ids, salt, include_partial=False)
+        return cls(tuple(short_key(c.prefix_key) for c in chunks), tuple(short_key(c.content_key) for c in chunks),
+                   content_reuse)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the router knows of one replica: its load and the short keys it reported."""
+
+    name: str
+    queued: int  # requests waiting or running there
+    chains: frozenset[str] = field(default_factory=frozenset)
+    contents: frozenset[str] = field(default_factory=frozenset)
+    reachable: bool = True  # False: its report could not be read; it is routed to by load alone
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    imbalance: int = 4  # queued requests beyond the least-loaded replica's at which load wins over cached K/V
+
+    def __post_init__(self) -> None:
+        if self.imbalance < 1:
+            raise ValueError(f"imbalance must be >= 1, got {self.imbalance}")
+
+
+@dataclass(frozen=True)
+class Route:
+    replica: str
+    reason: str  # "prefix", "content", "no match", "imbalanced"
+    exact_chunks: int = 0
+    content_chunks: int = 0
+
+
+def score(request: RequestKeys, replica: ReplicaView) -> tuple[int, int]:
+    """(exact, content): the unbroken run of leading chunks held, then the rest of the chunks held by content."""
+    if not replica.reachable:
+        return 0, 0
+    exact = 0
+    for key in request.chains:
+        if key not in replica.chains:
+            break
+        exact += 1
+    content = sum(key in replica.contents for key in request.contents[exact:]) if request.content_reuse else 0
+    return exact, content
+
+
+def choose(request: RequestKeys, replicas: Sequence[ReplicaView], policy: RoutingPolicy = RoutingPolicy()) -> Route:
+    if not replicas:
+        raise ValueError("no replica to route to")
+    least = min(r.queued for r in replicas)
+    scored = [(score(request, r), r) for r in replicas]
+    (exact, content), best = max(scored, key=lambda s: (s[0], -s[1].queued, _rendezvous(request, s[1].name)))
+    if exact == 0 and content == 0:
+        return Route(_least_loaded(request, replicas, least), "no match")
+    if best.queued - least >= policy.imbalance:
+        return Route(_least_loaded(request, replicas, least), "imbalanced")
+    return Route(best.name, "prefix" if exact else "content", exact, content)
+
+
+def _least_loaded(request: RequestKeys, replicas: Iterable[ReplicaView], least: int) -> str:
+    return max((r for r in replicas if r.queued == least), key=lambda r: _rendezvous(request, r.name)).name
+
+
+def _rendezvous(request: RequestKeys, name: str) -> int:
+    """A stable preference of this request for this replica (highest random weight), from its first chunk."""
+    first = request.chains[0] if request.chains else ""
+    return xxhash.xxh3_64_intdigest(f"{first}|{name}".encode())
