@@ -119,3 +119,31 @@ def test_build_store_defaults(tmp_path):
     assert plain.memory.codec is None and plain.disk is None and plain.redis is None
     auto = build_store(EngineConfig(memory_budget_bytes=10**6, disk_cache_dir=str(tmp_path / "auto")), namespace="x")
     assert 0 < auto.disk.budget_bytes <= 16 * 1024**3  # no unbounded disk cache by default
+
+
+def test_watch_reports_what_the_fast_tiers_hold_with_their_medium():
+    from kvboost.store.host import HostStore
+
+    one = make_record(0).nbytes
+    store = TieredStore(MemoryStore(2 * one), host=HostStore(2 * one))
+    seen: list[tuple[str, str | None, str]] = []
+    store.watch(lambda kind, meta, medium: seen.append((kind, meta.key if meta else None, medium)), "GPU")
+    for i in range(3):  # the third pushes the coldest out of the device tier into the host tier
+        store.put(make_record(i))
+    assert seen[:2] == [("stored", "chunk-0", "GPU"), ("stored", "chunk-1", "GPU")]
+    assert sorted(seen[2:]) == sorted([("removed", seen[2][1], "GPU"), ("stored", seen[2][1], "CPU"),
+                                       ("stored", "chunk-2", "GPU")])
+    held = {key: medium for kind, key, medium in seen if kind == "stored"}
+    for kind, key, medium in seen:
+        if kind == "removed" and held.get(key) == medium:
+            del held[key]
+    assert all(store.contains(key) for key in held) and len(held) == 3  # the events replay to what is held
+    seen.clear()
+    store.delete("chunk-2")
+    assert seen == [("removed", "chunk-2", "GPU")]
+    seen.clear()
+    store.clear()
+    assert seen == [("cleared", None, "GPU"), ("cleared", None, "CPU")]
+    store.watch(None, "GPU")
+    store.put(make_record(5))
+    assert seen == [("cleared", None, "GPU"), ("cleared", None, "CPU")]  # no listener: nothing told

@@ -68,6 +68,8 @@ def serve_command(
                                                     "only)."),
     weight_budget_bytes: int | None = typer.Option(None, min=1, help="Device bytes for the weights: decoder layers "
                                                    "that do not fit stream from host memory a layer at a time."),
+    kv_events: str | None = typer.Option(None, help="Publish the chunks this server stores and drops as vLLM's KV "
+                                         "events on this ZMQ endpoint (e.g. tcp://*:5557), for KV-aware routers."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log one line per request: method, path, status, ms, and the "
                                                 "prompt / cached / completion tokens."),
@@ -89,7 +91,8 @@ def serve_command(
     try:
         settings = ServerSettings(model=model, served_model_name=served_model_name, host=host, port=port,
                                   api_key=api_key, max_queue=max_queue, max_batch_size=max_batch_size,
-                                  batch_window_ms=batch_window_ms, mode=reuse, access_log=access_log)
+                                  batch_window_ms=batch_window_ms, mode=reuse, access_log=access_log,
+                                  kv_events=kv_events)
         options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
                        kv_cache_bits=kv_cache_bits,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
@@ -122,7 +125,12 @@ def serve_command(
         typer.echo(f"kvboost serve: --warm: {exc}", err=True)
         raise typer.Exit(2) from None
     warm_prompts_s = time.perf_counter() - t0
-    app = create_app(engine, settings)
+    try:
+        app = create_app(engine, settings)
+    except ValueError as exc:  # --kv-events that cannot bind
+        sock.close()
+        typer.echo(f"kvboost serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     # One short generation before "listening": the first client must not pay for first-call initialisation.
     try:
         warm_s = warm_up(app)

@@ -67,6 +67,7 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
                             lambda: _cache_stats(engine).get("speculative", {}).get("batched_proposals", 0),
                             settings.model_id, lambda: _device_tier_usage(_cache_stats(engine)))
     state = ServerState(engine, settings, scheduler, metrics, lock, int(time.time()))
+    events = _kv_events(engine, settings.kv_events)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +78,9 @@ def create_app(engine, settings: ServerSettings | None = None, scheduler: Schedu
             await asyncio.to_thread(scheduler.stop)
             # Chunks written behind to disk / Redis land before the process goes (bounded by flush_timeout_s).
             await asyncio.to_thread(engine.flush)
+            if events is not None:
+                engine.store.watch(None, "")
+                events.close()
 
     app = FastAPI(title="KVBoost", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvboost = state
@@ -454,6 +458,17 @@ def _json_safe(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, bool)):
         return value
     return str(value)
+
+
+def _kv_events(engine, endpoint: str | None):
+    """The KV-event publisher on `endpoint`, listening to the engine's store (None: not asked for)."""
+    if endpoint is None:
+        return None
+    from .kv_events import KVEventPublisher
+
+    publisher = KVEventPublisher(endpoint, engine.config.chunk_size)
+    engine.store.watch(publisher, "GPU" if engine.device.type == "cuda" else "CPU")
+    return publisher
 
 
 def _device_tier_usage(stats: dict) -> float:

@@ -24,6 +24,7 @@ class ServerSettings:
     # /v1/completions without max_tokens (OpenAI's and vLLM's default); fewer when fewer positions are left
     default_completion_tokens: int = 16
     access_log: bool = False  # one line per request: method, path, status, ms, prompt / cached / completion tokens
+    kv_events: str | None = None  # a ZMQ endpoint (tcp://*:5557) for vLLM-format KV events (server/kv_events.py)
 
     def __post_init__(self) -> None:
         self.mode = GenerationMode.parse(self.mode)

@@ -40,6 +40,9 @@ class MemoryStore:
         self.max_entries = max_entries
         self.codec = codec
         self.on_evict = on_evict  # the tiered store spills evicted chunks to the next tier here
+        # Told of every change, under the store's lock (keep it cheap): ("stored" | "removed", meta) and
+        # ("cleared", None). The KV-event publisher (server/kv_events.py) listens here.
+        self.watch: Callable[[str, ChunkMeta | None], None] | None = None
         self._entries: dict[str, _Entry] = {}
         self._children: dict[str | None, set[str]] = defaultdict(set)
         self._by_content: dict[str, set[str]] = defaultdict(set)
@@ -96,6 +99,8 @@ class MemoryStore:
             self._by_content[record.content_key].add(record.key)
             self._bytes += nbytes
             evicted = self._evict_over_budget(protect=record.key)
+            if self.watch is not None and record.key in self._entries:
+                self.watch("stored", self._entries[record.key].meta)
         if self.on_evict:
             for victim in evicted:
                 self.on_evict(victim)
@@ -112,9 +117,15 @@ class MemoryStore:
 
     def clear(self) -> None:
         with self._lock:
-            for key in list(self._entries):
-                self._remove(key)
-            self._policy.reset()
+            watch, self.watch = self.watch, None  # one "cleared", not a "removed" per chunk
+            try:
+                for key in list(self._entries):
+                    self._remove(key)
+                self._policy.reset()
+            finally:
+                self.watch = watch
+            if watch is not None:
+                watch("cleared", None)
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -154,6 +165,8 @@ class MemoryStore:
         self._bytes -= entry.nbytes
         discard_member(self._children, entry.meta.parent_key, key)
         discard_member(self._by_content, entry.meta.content_key, key)
+        if self.watch is not None:
+            self.watch("removed", entry.meta)
 
     def _decode(self, payload: object) -> ChunkRecord:
         return self.codec.decode(payload) if self.codec else payload  # type: ignore[return-value]

@@ -70,6 +70,15 @@ class TieredStore:
         """Whether the disk receives what the fast tiers evict (rather than every put)."""
         return self.disk is not None and not self.write_through_disk
 
+    def watch(self, listener: Callable[[str, ChunkMeta | None, str], None] | None, device_medium: str) -> None:
+        """Tell `listener` (None: stop) of every chunk stored in or removed from the fast tiers, with the tier's
+        medium (`device_medium` for the memory tier, "CPU" for the host's): what this replica holds. The slow tiers
+        (disk, a Redis shared between replicas) are not reported."""
+        for tier, medium in ((self.memory, device_medium), (self.host, "CPU")):
+            if tier is not None:
+                tier.watch = None if listener is None else \
+                    (lambda kind, meta, medium=medium: listener(kind, meta, medium))
+
     def _spill(self, record: ChunkRecord) -> None:
         self.writer.submit(record, [self.disk])  # (a dropped spill is counted by the queue)
 
