@@ -1,7 +1,8 @@
 """server/kv_events.py: `--kv-events` publishes vLLM-format KV events, read here by an independent subscriber with its
-own msgspec schema (written from vLLM's kv_events_subscriber example): [topic, 8-byte big-endian sequence number,
-msgpack KVEventBatch]. A prompt's chunks arrive as BlockStored events chained by their parents, block_size the
-chunk size, the tokens the chunks'; clearing the cache is AllBlocksCleared; a port already taken is refused."""
+own msgspec schema (written from vLLM's kv_events_subscriber example, with events as tagged maps, as vllm-router's
+KV index reads them): [topic, 8-byte big-endian sequence number, msgpack KVEventBatch]. A prompt's chunks arrive as
+BlockStored events chained by their parents, block_size the chunk size, the tokens the chunks'; clearing the cache
+is AllBlocksCleared; a port already taken is refused."""
 from __future__ import annotations
 
 import time
@@ -23,7 +24,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     events: list[Any]
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 

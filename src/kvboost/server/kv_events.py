@@ -1,14 +1,14 @@
-"""KV events in vLLM's format (`kvboost serve --kv-events tcp://*:5557`): the chunks this replica's fast tiers store and
-drop, for KV-aware routers that read vLLM's events (llm-d's precise prefix-cache scorer, Dynamo's KV router).
+"""KV events in vLLM's format (`kvboost serve --kv-events tcp://*:5557`): the chunks this replica's fast tiers store
+and drop, for KV-aware routers that read vLLM's events (llm-d's precise prefix-cache scorer, Dynamo's KV router).
 
 On the wire as vLLM publishes them: a ZMQ PUB socket sends [topic, sequence number (8 bytes, big-endian), payload],
-the payload a msgpack `KVEventBatch` (ts, events) of array-like tagged structs: `BlockStored` (block_hashes,
-parent_block_hash, token_ids, block_size, lora_id, medium), `BlockRemoved` (block_hashes, medium) and
-`AllBlocksCleared`. A block is a chunk (block_size = chunk_size); its hash is the first 64 bits of the chunk's
-prefix-chain key (cluster/routing.short_key as an integer), its parent's likewise (None for a first chunk); medium is
-"GPU" or "CPU" for the device tier, "CPU" for the host tier. The store's listener only queues; a thread sends a batch
-every `interval_s`, so a slow or absent subscriber never slows the engine (PUB drops what nobody reads).
-"""
+the payload a msgpack `KVEventBatch` array [ts, events] whose events are maps tagged by "type": `BlockStored`
+(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium), `BlockRemoved` (block_hashes, medium) and
+`AllBlocksCleared` (vllm-router's KV index refuses array-encoded events: "KV event must be a tagged map"). A block
+is a chunk (block_size = chunk_size); its hash is the first 64 bits of the chunk's prefix-chain key
+(cluster/routing.short_key as an integer), its parent's likewise (None for a first chunk); medium is "GPU" or "CPU"
+for the device tier, "CPU" for the host tier. The store's listener only queues; a thread sends a batch every
+`interval_s`, so a slow or absent subscriber never slows the engine (PUB drops what nobody reads)."""
 from __future__ import annotations
 
 import threading
@@ -26,7 +26,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     events: list[Any]
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """A change in what this replica holds."""
 
 
