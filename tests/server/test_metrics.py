@@ -1,6 +1,7 @@
-"""server/metrics.py: after requests, /metrics holds vLLM's names for the quantities KVBoost has (label model_name),
-with values that follow the requests: tokens, prefix-cache queries and hits, finished requests, latency histograms,
-queue and KV usage gauges."""
+"""server/metrics.py and /tokenize: after requests, /metrics holds vLLM's names for the quantities KVBoost has (label
+model_name), with values that follow the requests: tokens, prefix-cache queries and hits, finished requests, latency
+histograms, queue and KV usage gauges. /tokenize (vLLM's, which routers call) gives the ids a request is prefilled
+with."""
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,3 +40,15 @@ def test_vllm_metric_names_follow_the_requests(server, client):
     assert grew("vllm:inter_token_latency_seconds_count") == 6  # tokens after each request's first
     assert after["vllm:num_requests_waiting"] == 0 and after["vllm:num_requests_running"] == 0
     assert 0 < after["vllm:kv_cache_usage_perc"] <= 1
+
+
+def test_tokenize_gives_the_ids_the_chat_endpoint_prefills(server, client):
+    messages = [{"role": "user", "content": "Count the tokens of this question."}]
+    with server.http() as http:
+        got = http.post("/tokenize", json={"model": TINY_NAME, "messages": messages}).json()
+        text = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        both = http.post("/tokenize", json={"prompt": PROMPT, "messages": messages})
+    chat = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=1)
+    assert got["count"] == len(got["tokens"]) == chat.usage.prompt_tokens
+    assert text["count"] == client.completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    assert both.status_code == 400

@@ -32,7 +32,7 @@ from .prepare import Prepared, prepare_chat, prepare_completion
 from .render import ChatRenderer, CompletionRenderer, Renderer, model_card
 from .responses import ResponseRenderer, ResponseStore, to_chat
 from .scheduler import Job, QueueFullError, Scheduler
-from .schema import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from .schema import ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest
 from .settings import ServerSettings
 
 log = logging.getLogger("kvboost.server")
@@ -40,7 +40,8 @@ log = logging.getLogger("kvboost.server")
 _DISCONNECT_POLL_S = 0.5  # non-streaming requests check this often whether their client is still there
 _FINGERPRINT = f"kvboost-{__version__}"
 BodyT = TypeVar("BodyT", bound=BaseModel)
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/stats", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/v1/models", "/v1/stats",
+           "/health", "/metrics")
 _WARM_UP_MESSAGES = [{"role": "user", "content": "Hello! Who are you?"}]
 
 
@@ -194,6 +195,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def get_model(model: str) -> dict:
         _check_model(settings, model)
         return model_card(settings.model_id, state.started)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        """vLLM's tokenizer endpoint, which routers (vllm-router's kv_aware policy) call to key a request."""
+        req = await parse_body(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt", code="invalid_value")
+        with state.tokenizer_lock:
+            ids = state.engine.encode(prompt=req.prompt, messages=req.messages,
+                                      add_generation_prompt=req.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids, "token_strs": None}
 
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:

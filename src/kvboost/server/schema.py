@@ -131,3 +131,12 @@ class ResponsesRequest(_Request):
     truncation: str | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): the token ids a prompt or chat messages become here."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
