@@ -24,16 +24,21 @@
 #                                      budget left) can overrun
 #                                      into nothing but the step's own cap
 #                    (model build ~20 s). The kernels section is left out (KVBOOST_GPU_CHECK_KERNELS=1 adds it).
-#   3. longctx, spec: off unless asked (KVBOOST_GPU_CHECK_LONGCTX / _SPEC), 90 s each, if time is left.
+#   3. offload   150 s  `kvboost bench offload --device cuda --shape qwen2.5-3b --new-tokens 32`: bf16 against INT4 on
+#                    torch's kernel and the Triton one, resident and streamed from host memory, and transformers'
+#                    device_map offloading (on by default on CUDA; KVBOOST_GPU_CHECK_OFFLOAD=0 skips it), if time
+#                    is left. longctx, spec: off unless asked (KVBOOST_GPU_CHECK_LONGCTX / _SPEC), 90 s each.
 #   4. summary: one screen, printed and written to summary.txt; written after every step as well.
 # Total of the caps: 120 + 365 + ~10 s of reports and start-up = ~495 s, under the 505 s budget; with setup.sh
-# (~15 s) ~510 s, and at worst (a step that ignores SIGINT for its 15 s grace) ~525 s: under 540 s.
+# (~15 s) ~510 s, and at worst (a step that ignores SIGINT for its 15 s grace) ~525 s: under 540 s. Step 3 only gets
+# what steps 1 and 2 leave of the budget (on 2026-11-27 they took 293 s of it).
 #
 # Files written to KVBOOST_GPU_CHECK_OUT (default $OUT when set, as on a lent machine; else benchmarks/results):
 #   summary.txt   the one-screen summary          tests.txt  counts, failing tests, the pytest log's tail
 #   failures.txt  each failure's traceback, appended as it happens (pytest --failures-log)
 #   gpu.json      `kvboost bench gpu`'s report, rewritten after every row (a chat turn, a prefix length, a decode
 #                 system, a fidelity case): a check killed at its limit keeps every finished row
+#   offload.json  `kvboost bench offload`'s rows (CUDA)
 #   and only when asked: gpu.png (KVBOOST_GPU_CHECK_PLOTS=1), longctx.json, spec_gpu.json.
 #
 # Exit status: 0 every step passed; 1 a test failed, the tests hit their cap, or a bench step failed or was cut;
@@ -157,10 +162,10 @@ if [[ "${KVBOOST_GPU_CHECK_BENCH:-}" != "0" ]]; then
 fi
 
 # 3. optional: long-context decode and speculative decoding (JSON only)
-extra_bench() {  # NAME FILE SETTING CUDA_DEFAULT CPU_DEFAULT
+extra_bench() {  # NAME FILE SETTING CUDA_DEFAULT CPU_DEFAULT [CAP]
     local name=$1 file=$2 setting=$3 limit
     [[ -z "$setting" || "$setting" == "0" ]] && return 0
-    limit=$(cap 90)
+    limit=$(cap "${6:-90}")
     # shellcheck disable=SC2206
     if [[ "$setting" != "1" ]]; then args=($setting); elif (( cuda )); then args=($4); else args=($5); fi
     if (( limit == 0 )); then steps+=("$name=0:skipped, no time left"); return 0; fi
@@ -174,6 +179,9 @@ extra_bench longctx longctx "${KVBOOST_GPU_CHECK_LONGCTX:-}" "--shape qwen2.5-3b
     "--shape tiny --context 300"
 extra_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b --batch-runner" \
     "--shape tiny --max-new-tokens 8 --per-workload 1 --batch-runner"
+# INT4 weights, resident and streamed from host memory (issue 38's GPU rows): on by default on CUDA, off on CPU
+offload_default=""; (( cuda )) && offload_default=1
+extra_bench offload offload "${KVBOOST_GPU_CHECK_OFFLOAD:-$offload_default}" "--shape qwen2.5-3b --new-tokens 32" "" 150
 
 rm -f "$OUTDIR"/.*.tmp  # a JSON write cut by a kill leaves its temporary file
 steps+=("total=$(( SECONDS - START )):$([[ $status -eq 0 ]] && echo ok || echo FAILED)")

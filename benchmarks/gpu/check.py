@@ -205,6 +205,19 @@ def bench_lines(report: dict) -> list[tuple[str, str]]:
     return lines
 
 
+def offload_lines(report: dict | None) -> list[tuple[str, str]]:
+    """`kvboost bench offload --device cuda`: tok/s and peak device MB of each row (or why it did not run)."""
+    if not report:
+        return []
+    rows = []
+    for r in report.get("rows", []):
+        if r.get("status") == "ok":
+            rows.append(f"{r['system']} {_f(r.get('decode_tok_s'))} tok/s, {_f(r.get('peak_device_mb'), 0)} MB")
+        else:
+            rows.append(f"{r['system']} {r.get('status')}: {r.get('reason', '')[:60]}")
+    return [("offload (INT4)", " | ".join(rows) or "no rows")]
+
+
 def summary_text(out: Path, steps: list[str], device: str = "") -> str:
     report = _load(out / "gpu.json") or {}
     machine = report.get("machine") or {}
@@ -219,6 +232,7 @@ def summary_text(out: Path, steps: list[str], device: str = "") -> str:
         first = tests.read_text().splitlines()[:1]
         lines.append(("tests (gpu_smoke)", first[0].removeprefix("tests: ") if first else "-"))
     lines += bench_lines(report)
+    lines += offload_lines(_load(out / "offload.json"))
     for extra, label in (("longctx.json", "longctx"), ("spec_gpu.json", "spec")):
         if (out / extra).exists():
             lines.append((label, f"see {extra}" if _load(out / extra) else f"{extra} unreadable"))

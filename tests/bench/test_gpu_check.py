@@ -146,3 +146,14 @@ def test_the_cpu_rehearsal_runs_end_to_end(tmp_path):
     assert "chat TTFT from turn 2" in summary and "total " in summary and "(ok)" in summary
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert report["complete"] and report["sections"]["chat"]["status"] == "ok"
+
+
+def test_the_summary_has_a_line_for_the_offload_rows():
+    from benchmarks.gpu.check import offload_lines
+
+    assert offload_lines(None) == []
+    report = {"rows": [{"system": "int4 tinygemm", "status": "ok", "decode_tok_s": 232.27, "peak_device_mb": 2440.7},
+                       {"system": "hf device_map auto", "status": "error", "reason": "RuntimeError: out of memory"}]}
+    [(label, text)] = offload_lines(report)
+    assert label == "offload (INT4)"
+    assert text == "int4 tinygemm 232.3 tok/s, 2,441 MB | hf device_map auto error: RuntimeError: out of memory"
