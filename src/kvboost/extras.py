@@ -13,6 +13,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib",),
     "redis": ("redis",),
     "structured": ("xgrammar",),
+    "cluster": ("ray",),
 }
 # Modules outside any extra that a command may still need: module -> what to pip install.
 STANDALONE = {"openai": "openai", "jsonschema": "jsonschema"}

@@ -45,11 +45,11 @@ def _read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> list[st
     return seen
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
     """Ctrl-C, as a user stops it; killed only if it does not exit in time."""
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(30)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)

@@ -73,12 +73,25 @@ def serve_command(
     log_level: str = typer.Option("info", help="uvicorn log level."),
     access_log: bool = typer.Option(False, help="Log one line per request: method, path, status, ms, and the "
                                                 "prompt / cached / completion tokens."),
+    replicas: int = typer.Option(0, min=0, help="Serve N replicas on Ray Serve behind one endpoint, each request "
+                                                "routed to the replica holding most of its K/V (needs the cluster "
+                                                "extra; 0: this process serves alone)."),
+    ray_address: str | None = typer.Option(None, help="With --replicas: join this Ray cluster (default: start a "
+                                                      "local one-node cluster)."),
+    route_imbalance: int = typer.Option(4, min=1, help="With --replicas: queued requests beyond the least-loaded "
+                                                       "replica's at which a request goes there instead of to its "
+                                                       "K/V."),
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, streaming) with KV-cache reuse across requests.
 
     Sampling follows OpenAI: temperature omitted means 1.0 (sampling); send temperature=0 for greedy output.
     """
     require("kvboost serve", "server")  # before anything loads: a one-line hint, not an ImportError
+    if replicas:
+        require("kvboost serve --replicas", "cluster")
+    elif ray_address is not None:
+        typer.echo("kvboost serve: --ray-address needs --replicas N", err=True)
+        raise typer.Exit(2)
     import uvicorn
 
     from .. import KVBoost
@@ -104,6 +117,14 @@ def serve_command(
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)
         warm_messages = [read_warm_file(path) for path in warm or []]
+        if replicas:
+            from ..cluster.deploy import ReplicaSpec
+            from ..cluster.launch import serve_replicas
+
+            load = dict(options, device=device, dtype=dtype, draft_model=draft_model, weights=weights)
+            spec = ReplicaSpec(settings, load, warm_messages)
+            serve_replicas(spec, replicas, ray_address, route_imbalance, log_level)
+            return
         t0 = time.perf_counter()
         if config.fast_path == "compiled":  # minutes without output otherwise
             batched = ["batched decode"] + (["batched verify"] if config.speculative else [])

@@ -1,0 +1,67 @@
+"""Ray Serve's side of KV-aware routing: a RequestRouter that ranks replicas by cluster/routing.py's policy, from the
+routing stats each replica reports (Replica.record_routing_stats: its held chunk keys and queue)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from .asgi import HttpRequest
+from .routing import ReplicaView, RequestKeys, RoutingPolicy, choose
+
+_NO_KEYS = RequestKeys((), ())
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """What the ingress hands a replica: the HTTP request, its chunk keys (None: none could be read) and, for a
+    Responses turn that continues a stored response, the replica that stored it."""
+
+    http: HttpRequest
+    keys: RequestKeys | None = None
+    pin: str | None = None  # a replica's unique id
+
+
+class KVBoostRouter(RequestRouter):
+    """First rank: the replica choose() picks (longest run of held chunks, unless load is imbalanced; a pinned replica
+    while it lives); then the others, least loaded first, for when the first is full."""
+
+    def initialize_state(self, imbalance: int = 4, **kwargs) -> None:
+        self.policy = RoutingPolicy(imbalance=imbalance)
+        self.last_route = None  # the latest Route, for logs and tests
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        request = _routed(pending_request)
+        views = {r.replica_id.unique_id: self._view(r) for r in candidate_replicas}
+        by_load = sorted(candidate_replicas, key=lambda r: views[r.replica_id.unique_id].queued)
+        if request is None:  # a call that is not an HTTP request (e.g. the ingress asking for the recipe)
+            return [by_load]
+        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
+        if pinned:
+            return [pinned, [r for r in by_load if r is not pinned[0]]]
+        route = choose(request.keys or _NO_KEYS, list(views.values()), self.policy)
+        self.last_route = route
+        first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
+        return [first, [r for r in by_load if r not in first]]
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        stats = replica.routing_stats or {}
+        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        if queued is None:
+            queued = int(stats.get("queued", 0))
+        if "chains" not in stats:  # no report yet, or the last one failed: routed by load alone
+            return ReplicaView(replica.replica_id.unique_id, queued, reachable=False)
+        return ReplicaView(replica.replica_id.unique_id, queued, frozenset(stats["chains"]),
+                           frozenset(stats.get("contents", ())))
+
+
+def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
+    if pending is None:
+        return None
+    for arg in pending.args:
+        if isinstance(arg, RoutedRequest):
+            return arg
+    return None
