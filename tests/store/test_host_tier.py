@@ -104,7 +104,7 @@ def test_a_record_larger_than_the_device_budget_lives_on_the_host():
 def test_a_quantized_device_tier_moves_its_payloads_unchanged():
     codec = QuantCodec(8, v_group_size=256)
     recs = [make_record(i, tokens=128, head_dim=64, dtype=torch.float16) for i in range(6)]
-    one = codec.nbytes(codec.encode(recs[0]))
+    one = codec.encode(recs[0]).nbytes
     store = TieredStore(MemoryStore(2 * one, codec=codec), host=HostStore(10 * one))
     reference = MemoryStore(10 * one, codec=codec)  # the same quantized records, never moved
     for r in recs:
@@ -283,7 +283,7 @@ def test_random_traces_keep_every_key_in_exactly_one_tier(seed):
             assert store.memory.contains(key) == ref.device.contains(key), f"{key}: device membership differs"
             assert store.host.contains(key) == ref.host.contains(key), f"{key}: host membership differs"
             assert store.contains(key) == bool(where(store, key))
-        assert store.memory.bytes_used <= device_bytes and store.host.bytes_used <= host_bytes
+        assert store.memory.stats().bytes <= device_bytes and store.host.stats().bytes <= host_bytes
         parents = {m.parent_key for m in store.memory.metas() + store.host.metas()} | {None}
         for p in parents:
             assert sorted(m.key for m in store.children(p)) == sorted(
@@ -317,7 +317,7 @@ def test_concurrent_puts_and_gets_never_hold_a_key_twice():
         t.join()
     assert errors == []
     assert all(len(where(store, r.key)) <= 1 for r in recs)
-    assert store.memory.bytes_used <= 3 * nb and store.host.bytes_used <= 5 * nb
+    assert store.memory.stats().bytes <= 3 * nb and store.host.stats().bytes <= 5 * nb
 
 
 def test_build_store_and_options():
@@ -360,7 +360,7 @@ def test_cuda_quantized_payloads_move_and_dequantize_alike(device):
         pytest.skip("needs a CUDA device (pytest --device cuda)")
     codec = QuantCodec(8, v_group_size=256)
     recs = [make_record(i, tokens=128, head_dim=64, dtype=torch.float16, device=device) for i in range(4)]
-    one = codec.nbytes(codec.encode(recs[0]))
+    one = codec.encode(recs[0]).nbytes
     store = TieredStore(MemoryStore(one, codec=codec), host=HostStore(10 * one, pin=True))
     reference = MemoryStore(10 * one, codec=codec)
     for r in recs:

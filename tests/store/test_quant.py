@@ -10,7 +10,6 @@ from kvboost.store.quant import (
     QuantRecord,
     QuantTensor,
     dequantize_tensor,
-    fp16_baseline_bytes,
     pack_int4,
     quantize_tensor,
     unpack_int4,
@@ -71,8 +70,8 @@ def test_byte_ratio_targets(record_factory, heads):
         payload = QuantCodec(bits).encode(rec)
         # exact accounting: packed codes + fp16 scales + fp16 minimums, nothing hidden
         parts = sum(t.data.numel() + 2 * t.scale.numel() + 2 * t.zero.numel() for t in payload.keys + payload.values)
-        assert QuantCodec(bits).nbytes(payload) == payload.nbytes == parts
-        ratios[bits] = payload.nbytes / fp16_baseline_bytes(rec)
+        assert payload.nbytes == parts
+        ratios[bits] = payload.nbytes / (2 * sum(t.numel() for t in rec.keys + rec.values))  # vs fp16
     assert ratios[8] <= 0.52, ratios
     assert ratios[4] <= 0.28, ratios
 
@@ -108,11 +107,11 @@ def test_non_finite_tensor_is_kept_raw(record_factory):
 def test_memory_store_accounts_quantized_bytes(record_factory):
     codec = QuantCodec(4)
     recs = [record_factory(i, tokens=128, head_dim=64) for i in range(3)]
-    budget = sum(codec.nbytes(codec.encode(r)) for r in recs)
+    budget = sum(codec.encode(r).nbytes for r in recs)
     store = MemoryStore(budget, codec=codec)
     assert all(store.put(r) for r in recs)
-    assert store.bytes_used == budget  # three fit exactly; at fp16 they would need ~3.7x as much
+    assert store.stats().bytes == budget  # three fit exactly; at fp16 they would need ~3.7x as much
     assert store.put(record_factory(9, tokens=128, head_dim=64))
-    assert store.stats().evictions == 1 and store.bytes_used <= budget
+    assert store.stats().evictions == 1 and store.stats().bytes <= budget
     got = store.get("chunk-9")
     assert got is not None and got.keys[0].dtype == torch.float32

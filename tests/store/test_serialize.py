@@ -17,7 +17,7 @@ from kvboost.store.serialize import (
     UnsupportedFormatError,
     dumps,
     loads,
-    loads_meta,
+    loads_namespaced_meta,
 )
 
 
@@ -42,7 +42,7 @@ def test_quantized_blob_is_smaller_and_decodes(record_factory, bits):
     assert len(packed) < len(raw) * (0.55 if bits == 8 else 0.31)
     out = loads(packed, "ns")
     assert out.keys[0].dtype == torch.float16 and out.meta() == rec.meta()
-    assert loads_meta(packed, "ns") == rec.meta()
+    assert loads_namespaced_meta(packed) == ("ns", rec.meta())
 
 
 def test_namespace_and_key_checked(record_factory):
@@ -106,7 +106,7 @@ def test_format_1_records_are_still_read(record_factory):
     rec = record_factory(10, parent_key="p", start=16)
     out = loads(layered_blob(rec, "ns"), "ns", rec.key)
     assert same(out, rec) and out.packed is None
-    assert loads_meta(layered_blob(rec, "ns"), "ns") == rec.meta()
+    assert loads_namespaced_meta(layered_blob(rec, "ns")) == ("ns", rec.meta())
 
 
 def test_an_unknown_format_is_refused_by_name_not_misread(record_factory):

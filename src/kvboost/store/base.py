@@ -1,6 +1,7 @@
 """The unit of storage (one chunk's K/V for every layer) and the protocol every tier implements."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field, fields
@@ -98,22 +99,18 @@ class TierHealth:
         self._lock = threading.Lock()
         self._events: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
-        self._logged: set[str] = set()
 
     def event(self, reason: str, detail: str = "", n: int = 1) -> None:
         self._add(self._events, reason, n, f"{reason}: {detail}" if detail else reason)
 
     def dropped(self, reason: str, detail: str = "", n: int = 1) -> None:
         """A write (put or delete) that did not reach this tier."""
-        message = f"writes dropped ({reason})" + (f": {detail}" if detail else "")
-        self._add(self._dropped, reason, n, message, key=f"dropped:{reason}")
+        self._add(self._dropped, reason, n, f"writes dropped ({reason})" + (f": {detail}" if detail else ""))
 
-    def _add(self, table: dict[str, int], reason: str, n: int, message: str, key: str | None = None) -> None:
-        key = key or reason
+    def _add(self, table: dict[str, int], reason: str, n: int, message: str) -> None:
         with self._lock:
+            first = reason not in table
             table[reason] = table.get(reason, 0) + n
-            first = key not in self._logged
-            self._logged.add(key)
         if first:
             self.log.warning("kvboost %s tier: %s (logged once; counted in cache_stats()['tiers'][%r])",
                              self.tier, message, self.tier)
@@ -137,6 +134,13 @@ class CountedTier:
 
     def _get(self, key: str) -> ChunkRecord | None:
         raise NotImplementedError
+
+    def _snapshot(self) -> TierStats:
+        """A copy of the stats, with the counters and the health's events and dropped writes in extra."""
+        with self._lock:
+            s = dataclasses.replace(self._stats, extra=dict(self._counters))
+        s.extra.update(self.health.as_extra())
+        return s
 
     def _count(self, field: str, n: int = 1) -> None:
         with self._lock:

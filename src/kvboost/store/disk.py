@@ -20,8 +20,6 @@ from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
 from .quant import DEFAULT_GROUP_SIZE, QuantCodec
 from .serialize import RecordError, UnsupportedFormatError, dumps, loads
 
-MANIFEST = idx.MANIFEST
-_SUFFIX, _TMP_SUFFIX = idx.SUFFIX, idx.TMP_SUFFIX
 # errno values that mean "this directory cannot be written", as opposed to "this write failed"
 _READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
 _READ_BUSY_MS = 100
@@ -39,7 +37,6 @@ class DiskStore(CountedTier):
         self.codec = QuantCodec(bits, group_size) if bits < 16 else None
         self.fsync = fsync
         self.stale_tmp_s = stale_tmp_s
-        self._ns_dir = self.directory / "chunks" / idx.namespace_dir(namespace)
         self._host = socket.gethostname().replace(".", "_")
         # Two connections, so a read never queues behind the write-behind thread's write transactions.
         self._lock = threading.RLock()  # guards _conn (reads)
@@ -69,7 +66,7 @@ class DiskStore(CountedTier):
         if not _writable(self.directory):
             return self._open_read_only("read-only directory")
         try:
-            self._ns_dir.mkdir(parents=True, exist_ok=True)
+            (self.directory / "chunks" / idx.namespace_dir(self.namespace)).mkdir(parents=True, exist_ok=True)
             idx.check_manifest(self.directory)
             self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -84,14 +81,14 @@ class DiskStore(CountedTier):
                 raise
             alone = False
         if not alone:
-            self._shared_lock(timeout_s=max(30.0, busy_timeout_s))  # waits only while another opener sweeps
+            self._shared_lock()
         damaged: Exception | None = None
         try:
             self._conn = idx.connect(self.directory, busy_timeout_s, check=alone)
-        except sqlite3.OperationalError:  # locked, I/O error, permissions: not damage, so nothing is rebuilt
-            raise
         except sqlite3.DatabaseError as exc:  # not a database, malformed, quick_check failed
-            if not alone:  # others have it open: rebuilding now would pull it from under them
+            # OperationalError (locked, I/O error, permissions) is not damage, so nothing is rebuilt; nor while
+            # others have it open: rebuilding now would pull it from under them
+            if isinstance(exc, sqlite3.OperationalError) or not alone:
                 raise
             damaged = exc
             idx.remove_index_files(self.directory)  # rebuilt from the chunk files by the sweep below
@@ -109,11 +106,11 @@ class DiskStore(CountedTier):
     def _open_read_only(self, why: str) -> None:
         """Serve what the directory holds without writing a byte: no manifest, lock, sweep or hit counts."""
         self.read_only = why
-        if (self.directory / MANIFEST).exists():
+        if (self.directory / idx.MANIFEST).exists():
             idx.check_manifest(self.directory)
         with contextlib.suppress(FileNotFoundError):
             self._lock_fd = os.open(self.directory / ".lock", os.O_RDONLY)
-            self._shared_lock(timeout_s=max(30.0, self._busy_timeout_s))  # not while a writer's opener sweeps
+            self._shared_lock()
         self._conn, detail = self._read_only_index()
         self.health.event("read_only", f"{self.directory}: {why}; serving hits, skipping writes ({detail})")
 
@@ -122,12 +119,13 @@ class DiskStore(CountedTier):
             return idx.connect_read_only(self.directory), "index opened read-only"
         except (sqlite3.Error, OSError) as exc:  # missing, damaged, or a WAL index we may not open
             conn = idx.memory_index()
-            kept, bad = idx.adopt(conn, self.directory, idx.chunk_files(self.directory))
+            kept, bad = idx.adopt(conn, self.directory, idx.scan_chunks(self.directory)[0])
             return conn, (f"index unusable ({type(exc).__name__}: {exc}); indexed {kept} chunk files in memory, "
                           f"{len(bad)} failed verification")
 
-    def _shared_lock(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _shared_lock(self) -> None:
+        """Waits only while another opener (the one that sweeps) holds the lock exclusively."""
+        deadline = time.monotonic() + max(30.0, self._busy_timeout_s)
         while True:
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -243,17 +241,11 @@ class DiskStore(CountedTier):
         rows = self._query("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM chunks WHERE namespace = ?",
                            (self.namespace,))
         total = self._query("SELECT COALESCE(SUM(nbytes), 0) FROM chunks", ())
-        with self._lock:
-            s = TierStats(**vars(self._stats))
-            s.extra = dict(self._counters)
+        s = self._snapshot()
         if rows:
             s.entries, s.bytes = rows[0]
         s.extra["directory_bytes"] = total[0][0] if total else 0
-        s.extra.update(self.health.as_extra())
-        if self.disabled:
-            s.extra["disabled"] = self.disabled
-        if self.read_only:
-            s.extra["read_only"] = self.read_only
+        s.extra.update({name: why for name, why in (("disabled", self.disabled), ("read_only", self.read_only)) if why})
         return s
 
     # ---- writes --------------------------------------------------------------------------------
@@ -307,12 +299,10 @@ class DiskStore(CountedTier):
 
     def _may_write(self) -> bool:
         """False (and the write counted as dropped, with why) when this store does not write."""
-        if self.disabled:
-            self.health.dropped("disabled", self.disabled)
-            return False
-        if self.read_only:
-            self.health.dropped("read_only", self.read_only)
-            return False
+        for reason, why in (("disabled", self.disabled), ("read_only", self.read_only)):
+            if why:
+                self.health.dropped(reason, why)
+                return False
         return True
 
     def _write_failed(self, exc: Exception) -> None:
@@ -390,10 +380,9 @@ class DiskStore(CountedTier):
                     now = os.stat(path)
                 except FileNotFoundError:
                     now = None
-                same_file = seen is not None and now is not None and \
-                    (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns)
-                if now is not None and not same_file:  # a concurrent put wrote a fresh file since our read
-                    return
+                if now is not None and (seen is None or (now.st_ino, now.st_mtime_ns)
+                                        != (seen.st_ino, seen.st_mtime_ns)):
+                    return  # a concurrent put wrote a fresh file since our read
                 conn.execute("DELETE FROM chunks WHERE namespace = ? AND key = ?", (self.namespace, key))
                 if now is not None:
                     path.unlink(missing_ok=True)
@@ -403,25 +392,16 @@ class DiskStore(CountedTier):
 
     def _sweep(self, everything: bool) -> tuple[int, int]:
         """Remove dead writers' temp files; alone, also fix the index both ways. Returns (adopted, removed)."""
-        chunks_root = self.directory / "chunks"
+        files, tmps = idx.scan_chunks(self.directory)
         now = time.time()
-        files: set[str] = set()
-        for ns_dir in chunks_root.iterdir():
-            if not ns_dir.is_dir():
-                continue
-            for entry in os.scandir(ns_dir):
-                if entry.name.endswith(_TMP_SUFFIX):
-                    age_s = now - entry.stat().st_mtime
-                    if everything or idx.tmp_is_dead(entry.name, age_s, self._host, self.stale_tmp_s):
-                        Path(entry.path).unlink(missing_ok=True)
-                        self._counters["swept_tmp"] += 1
-                elif entry.name.endswith(_SUFFIX):
-                    files.add(str(Path(entry.path).relative_to(self.directory)))
-        for tmp in self.directory.glob(f".{MANIFEST}.*{_TMP_SUFFIX}"):
-            if everything:
-                tmp.unlink(missing_ok=True)
+        for entry in tmps:
+            if everything or idx.tmp_is_dead(entry.name, now - entry.stat().st_mtime, self._host, self.stale_tmp_s):
+                Path(entry.path).unlink(missing_ok=True)
+                self._counters["swept_tmp"] += 1
         if not everything:
             return 0, 0
+        for tmp in self.directory.glob(f".{idx.MANIFEST}.*{idx.TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
         with self._write_txn() as conn:
             indexed = {rel for (rel,) in conn.execute("SELECT path FROM chunks")}
             for rel in indexed - files:

@@ -93,20 +93,17 @@ def connect(directory: Path, busy_timeout_s: float, check: bool = False) -> sqli
 def connect_read_only(directory: Path) -> sqlite3.Connection:
     """The index of a directory we may not write: immutable when no writer holds the WAL's -shm file."""
     uri = (directory / INDEX).resolve().as_uri()
-    last: Exception | None = None
     for flags in ("?mode=ro", "?mode=ro&immutable=1"):
+        conn = None
         try:
             conn = sqlite3.connect(uri + flags, uri=True, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
-            last = exc
-            continue
-        try:
             conn.execute("SELECT COUNT(*) FROM chunks").fetchone()
             return conn
         except sqlite3.Error as exc:
-            conn.close()
+            if conn is not None:
+                conn.close()
             last = exc
-    raise last if last is not None else sqlite3.DatabaseError("index unreadable")
+    raise last
 
 
 def memory_index() -> sqlite3.Connection:
@@ -122,16 +119,18 @@ def remove_index_files(directory: Path) -> None:
 
 
 # ---- rebuilding from the files ------------------------------------------------------------------------
-def chunk_files(directory: Path) -> set[str]:
-    """Every chunk file under directory/chunks, as paths relative to directory."""
-    out: set[str] = set()
+def scan_chunks(directory: Path) -> tuple[set[str], list[os.DirEntry]]:
+    """(every chunk file under directory/chunks, as paths relative to directory; the temp files there)."""
+    files: set[str] = set()
+    tmps: list[os.DirEntry] = []
     root = directory / "chunks"
-    if not root.is_dir():
-        return out
-    for ns_dir in root.iterdir():
-        if ns_dir.is_dir():
-            out.update(f"chunks/{ns_dir.name}/{e.name}" for e in os.scandir(ns_dir) if e.name.endswith(SUFFIX))
-    return out
+    for ns_dir in root.iterdir() if root.is_dir() else ():
+        for entry in os.scandir(ns_dir) if ns_dir.is_dir() else ():
+            if entry.name.endswith(SUFFIX):
+                files.add(f"chunks/{ns_dir.name}/{entry.name}")
+            elif entry.name.endswith(TMP_SUFFIX):
+                tmps.append(entry)
+    return files, tmps
 
 
 def adopt(conn: sqlite3.Connection, directory: Path, relpaths: Iterable[str]) -> tuple[int, list[str]]:
@@ -172,7 +171,6 @@ def tmp_is_dead(name: str, age_s: float, host: str, stale_s: float) -> bool:
 
 
 def existing_ancestor(path: Path) -> Path:
-    """path itself if it exists, else its nearest parent that does."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path

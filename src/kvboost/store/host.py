@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 
 from .base import ChunkRecord, TierStats
 from .host_pack import HostMoveError, HostPayload, host_nbytes, move_to_host
@@ -41,9 +40,6 @@ class HostCodec:
     def decode(self, payload: HostPayload) -> ChunkRecord:
         return payload.host_record()
 
-    def nbytes(self, payload: HostPayload) -> int:
-        return payload.nbytes
-
     def failed(self, reason: str, detail: str = "") -> None:
         with self._lock:
             first = reason not in self._failures
@@ -64,10 +60,9 @@ class HostStore(MemoryStore):
 
     name = "host"
 
-    def __init__(self, budget_bytes: int, pin: bool = False,
-                 on_evict: Callable[[ChunkRecord], None] | None = None):
+    def __init__(self, budget_bytes: int, pin: bool = False):
         self.mover = HostCodec(pin)
-        super().__init__(budget_bytes, codec=self.mover, on_evict=on_evict)
+        super().__init__(budget_bytes, codec=self.mover)
 
     def put(self, record: ChunkRecord) -> bool:
         """Move (copy) `record` here. False when larger than the budget or the move failed (counted)."""

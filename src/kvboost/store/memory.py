@@ -12,13 +12,11 @@ from .policy import LfuAging
 
 
 class Codec(Protocol):
-    """Turns a record into a (smaller) payload and back; quantizing tiers plug in here."""
+    """Turns a record into a payload (its `nbytes` charged to the budget) and back: quantizing, moving to the host."""
 
     def encode(self, record: ChunkRecord) -> object: ...
 
     def decode(self, payload: object) -> ChunkRecord: ...
-
-    def nbytes(self, payload: object) -> int: ...
 
 
 @dataclass
@@ -86,7 +84,7 @@ class MemoryStore:
                 self._policy.touch(record.key)
                 return True
         payload = self.codec.encode(record) if self.codec else record
-        nbytes = self.codec.nbytes(payload) if self.codec else record.nbytes
+        nbytes = payload.nbytes
         if nbytes > self.budget_bytes:
             return False
         with self._lock:
@@ -132,10 +130,6 @@ class MemoryStore:
             self._stats.entries = len(self._entries)
             self._stats.bytes = self._bytes
             return TierStats(**vars(self._stats))
-
-    @property
-    def bytes_used(self) -> int:
-        return self._bytes
 
     # ---- internals ---------------------------------------------------------------------------
     def _over_budget(self) -> bool:

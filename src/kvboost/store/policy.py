@@ -1,4 +1,4 @@
-"""LFU with dynamic aging (LFU-DA), shared by the memory tier and the block cache: priority = age floor + hits, the
+"""LFU with dynamic aging (LFU-DA), the memory tier's eviction order: priority = age floor + hits, the
 floor rising to each victim's; ties evict the deepest, then stalest entry. A lazy-deletion heap: O(log n) evictions."""
 from __future__ import annotations
 
@@ -59,11 +59,6 @@ class LfuAging(Generic[K]):
         self._ranks.clear()
         self._heap.clear()
         self._age_floor = 0.0
-
-    def order(self) -> list[K]:
-        """Every key, first victim first (a snapshot: the owner may evict while walking it)."""
-        return sorted(self._ranks, key=lambda k: (self._ranks[k].priority, -self._ranks[k].depth,
-                                                  self._ranks[k].last_tick))
 
     def evict_while(self, over_budget: Callable[[], bool], evict: Callable[[K], bool]) -> list[K]:
         """Offer keys to `evict` (True: dropped) in order while `over_budget()`; returns the keys evicted."""

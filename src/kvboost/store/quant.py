@@ -40,15 +40,12 @@ def _round_toward(x16: torch.Tensor, exact: torch.Tensor, up: bool) -> torch.Ten
     """fp16 rounding that never lands on the wrong side of `exact`, so every value stays inside the grid."""
     wrong = x16.float() < exact if up else x16.float() > exact
     target = torch.full_like(x16, float("inf") if up else float("-inf"))
-    return torch.where(wrong, _nextafter(x16, target), x16)
-
-
-def _nextafter(x: torch.Tensor, toward: torch.Tensor) -> torch.Tensor:
     try:
-        return torch.nextafter(x, toward)
+        nudged = torch.nextafter(x16, target)
     except (RuntimeError, NotImplementedError):
         # fp16 nextafter exists on CUDA only from torch 2.6 (and not on every backend): the CPU kernel has it.
-        return torch.nextafter(x.cpu(), toward.cpu()).to(x.device)
+        nudged = torch.nextafter(x16.cpu(), target.cpu()).to(x16.device)
+    return torch.where(wrong, nudged, x16)
 
 
 def quantizable(x: torch.Tensor) -> bool:
@@ -166,9 +163,6 @@ class QuantCodec:
         # Lazy: a lookup reads only ids and start, and place() dequantizes many chunks together (QuantRun).
         return LazyQuantRecord(payload)
 
-    def nbytes(self, payload: QuantRecord) -> int:
-        return payload.nbytes
-
 
 def decode_key(k: Encoded) -> torch.Tensor:
     return dequantize_tensor(k) if isinstance(k, QuantTensor) else k
@@ -232,9 +226,10 @@ class QuantRun:
         """Layer i's K and V of every chunk in order, as pieces [heads, tokens, head_dim]."""
         layer_keys = [p.keys[i] for p in self.payloads]
         cap = _batch_tokens(layer_keys[0])
-        keys = [k for run in _runs(layer_keys, _key_batch_kind, _key_tokens, cap) for k in self._keys(run)]
+        keys = [k for run in _runs(layer_keys, _key_batch_kind, lambda k: k.shape[1], cap) for k in self._keys(run)]
         layer_values = list(zip([p.values[i] for p in self.payloads], [_heads(k) for k in layer_keys]))
-        values = [v for run in _runs(layer_values, _value_batch_kind, _value_tokens, cap) for v in _values(run)]
+        value_runs = _runs(layer_values, _value_batch_kind, lambda item: item[0].shape[0], cap)
+        values = [v for run in value_runs for v in _values(run)]
         return keys, values
 
     def _keys(self, run: list[Encoded]) -> list[torch.Tensor]:
@@ -274,11 +269,13 @@ def _batch_tokens(t: Encoded) -> int:
 
 
 def _runs(items: list, kind, tokens, cap: int) -> list[list]:
-    """Consecutive items of one batchable kind grouped, up to `cap` tokens per group; others alone."""
+    """Consecutive items of one batchable kind grouped, up to `cap` tokens per group; others alone. `tokens` is asked
+    of batchable items only."""
     runs: list[list] = []
     last, held = None, 0
     for item in items:
-        k, n = kind(item), tokens(item)
+        k = kind(item)
+        n = tokens(item) if k is not None else 0
         if runs and k is not None and k == last and held + n <= cap:
             runs[-1].append(item)
             held += n
@@ -287,14 +284,6 @@ def _runs(items: list, kind, tokens, cap: int) -> list[list]:
             held = n
         last = k
     return runs
-
-
-def _key_tokens(k: Encoded) -> int:
-    return k.shape[1] if len(k.shape) > 1 else 0
-
-
-def _value_tokens(item: tuple[Encoded, int]) -> int:
-    return item[0].shape[0]
 
 
 def _key_batch_kind(k: Encoded) -> tuple | None:
@@ -333,7 +322,3 @@ def _heads(k: Encoded) -> int:
     shape = k.shape if isinstance(k, QuantTensor) else tuple(k.shape)
     return shape[0] if len(shape) == 3 else 1
 
-
-def fp16_baseline_bytes(record: ChunkRecord) -> int:
-    """What the same K/V would take at 2 bytes per element: the reference for compression ratios."""
-    return 2 * sum(t.numel() for t in (*record.keys, *record.values))

@@ -77,17 +77,8 @@ class CircuitBreaker:
             self._open_until = time.monotonic() + self._backoff_s
 
     @property
-    def closed(self) -> bool:
-        with self._lock:
-            return not self._is_open
-
-    def blocked(self) -> bool:
-        """Whether allow() would refuse right now, without taking the probe slot."""
-        with self._lock:
-            return self._is_open and time.monotonic() < self._open_until
-
-    @property
     def state(self) -> str:
+        """"open" while allow() would refuse (read without taking the probe slot), then "half-open"."""
         with self._lock:
             if not self._is_open:
                 return "closed"
@@ -152,29 +143,27 @@ class RedisStore(CountedTier):
 
     # ---- reads -----------------------------------------------------------------------------------
     def _get(self, key: str) -> ChunkRecord | None:
-        record = None
-        results = self._run(lambda p: self._fetch(p, key))
-        if results is not None:
-            blob, raw_meta = results[0], results[1]
-            if blob is None:
-                if raw_meta is not None:  # blob expired or was evicted before its index entry
-                    self._forget([(key, raw_meta)], "stale_index_cleaned")
-            else:
-                try:
-                    record = loads(blob, self.namespace, key)
-                except UnsupportedFormatError as exc:  # a newer kvboost's record: a miss, left in place
-                    self.health.event("unsupported_format", str(exc))
-                except RecordError:
-                    self._forget([(key, raw_meta)], "corrupt_dropped")
-        return record
-
-    def _fetch(self, pipe, key: str) -> None:
-        if self._sliding_ttl:  # sliding expiry: a chunk in use stays
-            pipe.getex(self.chunk_key(key), ex=self.ttl_s)
-            pipe.getex(self.meta_key(key), ex=self.ttl_s)
-        else:
-            pipe.get(self.chunk_key(key))
-            pipe.get(self.meta_key(key))
+        def fetch(pipe):
+            for name in (self.chunk_key(key), self.meta_key(key)):
+                if self._sliding_ttl:  # sliding expiry: a chunk in use stays
+                    pipe.getex(name, ex=self.ttl_s)
+                else:
+                    pipe.get(name)
+        results = self._run(fetch)
+        if results is None:
+            return None
+        blob, raw_meta = results
+        if blob is None:
+            if raw_meta is not None:  # blob expired or was evicted before its index entry
+                self._forget([(key, raw_meta)], "stale_index_cleaned")
+            return None
+        try:
+            return loads(blob, self.namespace, key)
+        except UnsupportedFormatError as exc:  # a newer kvboost's record: a miss, left in place
+            self.health.event("unsupported_format", str(exc))
+        except RecordError:
+            self._forget([(key, raw_meta)], "corrupt_dropped")
+        return None
 
     @_never_raises(False)
     def contains(self, key: str) -> bool:
@@ -208,8 +197,7 @@ class RedisStore(CountedTier):
             return []
         metas: list[ChunkMeta] = []
         stale: list[tuple[str, bytes | None]] = []
-        for i, member in enumerate(members):
-            raw_meta, has_blob = checked[2 * i], checked[2 * i + 1]
+        for member, raw_meta, has_blob in zip(members, checked[0::2], checked[1::2]):
             meta = _parse_meta(member, raw_meta)
             if meta is None or not has_blob:
                 stale.append((member, raw_meta))
@@ -220,19 +208,17 @@ class RedisStore(CountedTier):
         return metas
 
     def stats(self) -> TierStats:
-        with self._lock:
-            s = TierStats(**vars(self._stats))
-            s.extra = dict(self._counters)
+        s = self._snapshot()
         for name, breaker in (("breaker", self.breaker), ("write_breaker", self.write_breaker)):
             s.extra[name], s.extra[f"{name}_opened"] = breaker.state, breaker.opened
-        s.extra.update(self.health.as_extra())
         return s
 
     # ---- writes ----------------------------------------------------------------------------------
     @_never_raises(False)
     def put(self, record: ChunkRecord) -> bool:
-        if self.breaker.blocked() or self.write_breaker.blocked():  # do not even serialize for a server we know is
-            self._count("short_circuited")                          # down or refusing writes
+        # Do not even serialize for a server we know is down or refusing writes.
+        if self.breaker.state == "open" or self.write_breaker.state == "open":
+            self._count("short_circuited")
             self.health.dropped("breaker_open")
             return False
         # A memoryview: redis-py would decode a refused command's multi-MB blob into the error message.
@@ -252,7 +238,7 @@ class RedisStore(CountedTier):
 
     @_never_raises(None)
     def delete(self, key: str) -> None:
-        if self.write_breaker.blocked():
+        if self.write_breaker.state == "open":
             self.health.dropped("breaker_open")
             return
         results = self._run(lambda p: p.get(self.meta_key(key)))
@@ -281,7 +267,7 @@ class RedisStore(CountedTier):
     # ---- internals -------------------------------------------------------------------------------
     def _run(self, build, transaction: bool = False, write: bool = False) -> list | None:
         """Run one pipeline (one round trip); None on any failure, which is counted, never raised."""
-        if not self.breaker.closed:
+        if self.breaker.state != "closed":
             if self.breaker.allow():  # this caller holds the probe slot: probe without making it wait
                 threading.Thread(target=self._probe, name="kvboost-redis-probe", daemon=True).start()
             blocked = True
@@ -293,7 +279,9 @@ class RedisStore(CountedTier):
                 self.health.dropped("breaker_open")
             return None
         try:
-            results = self._execute(build, transaction)
+            pipe = self.client.pipeline(transaction=transaction)
+            build(pipe)
+            results = pipe.execute(raise_on_error=True)
         except _READ_ONLY as exc:
             if write or not self._sliding_ttl:
                 self._failed(exc, write)
@@ -318,11 +306,6 @@ class RedisStore(CountedTier):
             self._failed(exc, write=False)
             return
         self.breaker.success()
-
-    def _execute(self, build, transaction: bool) -> list:
-        pipe = self.client.pipeline(transaction=transaction)
-        build(pipe)
-        return pipe.execute(raise_on_error=True)
 
     def _failed(self, exc: Exception, write: bool) -> None:
         """Count a failure by reason and feed the breaker it concerns."""

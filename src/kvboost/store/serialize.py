@@ -50,10 +50,8 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
     """Serialize a record; with a codec, full-precision K/V are quantized first (QuantRecords go as they are)."""
     if isinstance(record, ChunkRecord) and codec is not None:
         record = codec.encode(record)
-    if isinstance(record, QuantRecord):
-        meta, keys, values, bits = record.meta, record.keys, record.values, record.bits
-    else:
-        meta, keys, values, bits = record.meta(), record.keys, record.values, 16
+    meta, bits = (record.meta, record.bits) if isinstance(record, QuantRecord) else (record.meta(), 16)
+    keys, values = record.keys, record.values
     tensors: dict[str, torch.Tensor] = {"token_ids": torch.tensor(meta.token_ids, dtype=torch.int64)}
     layout: dict[str, Any] = {}
     dtype = None
@@ -102,11 +100,6 @@ def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> 
         raise
     except Exception as exc:  # shapes that do not fit together: damage the checksum could not see
         raise CorruptRecordError(f"inconsistent record: {exc}") from exc
-
-
-def loads_meta(blob: bytes, namespace: str | None = None) -> ChunkMeta:
-    """The metadata of a verified blob, without dequantizing K/V (used to rebuild indexes)."""
-    return _meta(*_verify(blob, namespace))
 
 
 def loads_namespaced_meta(blob: bytes) -> tuple[str, ChunkMeta]:
@@ -199,11 +192,6 @@ def _encoded(header: dict, tensors: dict[str, torch.Tensor], name: str) -> Encod
                         _DTYPES[spec["dtype"]])
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptRecordError(f"quantized tensor {name} incomplete: {exc}") from exc
-    _check_quant(q, name)
-    return q
-
-
-def _check_quant(q: QuantTensor, name: str) -> None:
     if q.bits not in (4, 8) or q.data.dtype != torch.uint8 or q.scale.dtype != torch.float16 or len(q.shape) < 1:
         raise CorruptRecordError(f"quantized tensor {name}: bad dtype or bits")
     if not 0 <= q.axis < len(q.shape) or q.group_size < 1:
@@ -216,6 +204,7 @@ def _check_quant(q: QuantTensor, name: str) -> None:
     other.pop(q.axis)
     if q.data.numel() != expected or list(q.scale.shape) != other + [groups] or q.zero.shape != q.scale.shape:
         raise CorruptRecordError(f"quantized tensor {name}: parts do not match shape {q.shape}")
+    return q
 
 
 def _packed(record: ChunkRecord) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 from .base import ChunkMeta, ChunkRecord, ChunkStore, TierStats
@@ -25,23 +26,20 @@ class TieredStore:
                  flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, host: HostStore | None = None):
         self.memory, self.host, self.disk, self.redis = memory, host, disk, redis
         self.write_through_disk = write_through_disk and disk is not None
+        self.fast_tiers: list[MemoryStore] = [t for t in (memory, host) if t is not None]
+        self.slow_tiers: list[ChunkStore] = [t for t in (disk, redis) if t is not None]
+        self.spills = disk is not None and not write_through_disk  # the disk gets what the fast tiers evict, not puts
         self._lock = threading.Lock()
         self._fast = threading.RLock()  # memory + host together: moves between them look atomic
         self._stats = TierStats(self.name)
         self._promotions: dict[str, int] = {}
         self._queue_hits = 0
-        self.writer: WriteBehind | None = None
-        if disk is not None or redis is not None:
-            self.writer = WriteBehind(write_queue_bytes, flush_timeout_s, targets=_targets(
-                getattr(disk, "directory", None), getattr(redis, "url", None)))
+        self.writer = WriteBehind(write_queue_bytes, flush_timeout_s, targets=_targets(
+            getattr(disk, "directory", None), getattr(redis, "url", None))) if self.slow_tiers else None
         if host is not None:
             _chain_on_evict(memory, self._to_host)
         if self.spills:
             _chain_on_evict(self.fast_tiers[-1], self._spill)
-
-    @property
-    def tiers(self) -> list[ChunkStore]:
-        return [t for t in (self.memory, self.host, self.disk, self.redis) if t is not None]
 
     def tier_names(self) -> list[str]:
         """Where stored chunks live, fastest first, with their budgets: for the engine's plan."""
@@ -56,19 +54,6 @@ class TieredStore:
         if self.redis is not None:
             names.append("redis")
         return names
-
-    @property
-    def fast_tiers(self) -> list[MemoryStore]:
-        return [t for t in (self.memory, self.host) if t is not None]
-
-    @property
-    def slow_tiers(self) -> list[ChunkStore]:
-        return [t for t in (self.disk, self.redis) if t is not None]
-
-    @property
-    def spills(self) -> bool:
-        """Whether the disk receives what the fast tiers evict (rather than every put)."""
-        return self.disk is not None and not self.write_through_disk
 
     def watch(self, listener: Callable[[str, ChunkMeta | None, str], None] | None, device_medium: str) -> None:
         """Tell `listener` (None: stop) of every chunk stored in or removed from the fast tiers, with the tier's
@@ -227,11 +212,14 @@ class TieredStore:
         with self._lock:
             promotions = dict(self._promotions)
             queue_hits = self._queue_hits
-        for t in self.tiers:
+        for t in self.fast_tiers + self.slow_tiers:
             s = t.stats()
             s.promotions = promotions.get(t.name, 0)
             if t in self.slow_tiers and self.writer is not None:
-                _add_queue_stats(s, self.writer.stats(t.name))
+                queue = self.writer.stats(t.name)
+                # the queue's drops join the tier's own dropped_writes, so one dict gives every reason
+                dropped = Counter(s.extra.get("dropped_writes", {})) + Counter(queue.pop("queue_dropped"))
+                s.extra.update(queue, dropped_writes=dict(dropped))
             out[t.name] = s
         out["memory"].extra["queue_hits"] = queue_hits
         return out
@@ -259,15 +247,6 @@ def _chain_on_evict(tier: MemoryStore, handler: Callable[[ChunkRecord], None]) -
         if previous is not None:
             previous(record)
     tier.on_evict = evicted
-
-
-def _add_queue_stats(s: TierStats, queue: dict) -> None:
-    """Merge the queue's drops into the tier's own dropped_writes, so one dict gives every reason."""
-    dropped = dict(s.extra.get("dropped_writes", {}))
-    for reason, n in queue.pop("queue_dropped").items():
-        dropped[reason] = dropped.get(reason, 0) + n
-    s.extra.update(queue)
-    s.extra["dropped_writes"] = dropped
 
 
 def _targets(directory: str | os.PathLike | None, redis_url: str | None) -> frozenset[str]:

@@ -9,9 +9,9 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .base import ChunkMeta, ChunkRecord, ChunkStore, discard_member
+from .base import ChunkMeta, ChunkRecord, ChunkStore, TierHealth, discard_member
 
 log = logging.getLogger("kvboost.store.writeback")
 
@@ -28,7 +28,7 @@ class _Op:
     record: ChunkRecord | None
     tiers: list[ChunkStore]
     nbytes: int
-    meta: ChunkMeta | None = field(default=None)
+    meta: ChunkMeta | None = None
 
 
 class WriteBehind:
@@ -40,11 +40,9 @@ class WriteBehind:
         self.idle_exit_s = idle_exit_s  # an idle writer thread exits; the next put starts another
         self._init_state()
         self._closed = False
-        # tier name -> reason -> count, for writes this queue itself dropped
-        self._dropped: dict[str, dict[str, int]] = defaultdict(dict)
+        self._dropped: dict[str, TierHealth] = {}  # tier name -> the writes this queue itself dropped
         self._written: dict[str, int] = defaultdict(int)
         self._failed: dict[str, int] = defaultdict(int)
-        self._logged: set[tuple[str, str]] = set()
         _LIVE.add(self)
 
     def _init_state(self) -> None:
@@ -152,7 +150,8 @@ class WriteBehind:
             pending = sum(1 for op in self._ops.values() if any(t.name == tier_name for t in op.tiers))
             return {"queued_writes": pending, "written_behind": self._written.get(tier_name, 0),
                     "failed_behind": self._failed.get(tier_name, 0),
-                    "queue_dropped": dict(self._dropped.get(tier_name, {}))}
+                    "queue_dropped": self._dropped[tier_name].as_extra()["dropped_writes"]
+                    if tier_name in self._dropped else {}}
 
     # ---- the writer thread ------------------------------------------------------------------------
     def _start_writer(self) -> None:
@@ -214,14 +213,9 @@ class WriteBehind:
 
     def _drop(self, tier: str, reason: str) -> None:
         with self._cond:
-            table = self._dropped[tier]
-            table[reason] = table.get(reason, 0) + 1
-            first = (tier, reason) not in self._logged
-            self._logged.add((tier, reason))
-        if first:
-            log.warning("kvboost %s tier: writes dropped (%s): the write-behind queue (%d MiB) %s (logged once; "
-                        "counted in cache_stats()['tiers'][%r]['dropped_writes'])", tier, reason,
-                        self.max_bytes >> 20, "is full" if reason == "queue_full" else "is closed", tier)
+            health = self._dropped.setdefault(tier, TierHealth(tier))
+        health.dropped(reason, f"the write-behind queue ({self.max_bytes >> 20} MiB) is "
+                       + ("full" if reason == "queue_full" else "closed"))
 
 
 _LIVE: weakref.WeakSet[WriteBehind] = weakref.WeakSet()
