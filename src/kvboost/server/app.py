@@ -9,16 +9,14 @@ import importlib.util
 import json
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,7 +24,7 @@ from .. import __version__
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
 from . import access_log
-from .errors import APIError, install_error_handlers, to_api_error, validation_message
+from .errors import APIError, ModelT, install_error_handlers, to_api_error, unsupported, validated
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
 from .render import ChatRenderer, CompletionRenderer, Renderer, model_card
@@ -38,8 +36,6 @@ from .settings import ServerSettings
 log = logging.getLogger("kvboost.server")
 
 _DISCONNECT_POLL_S = 0.5  # non-streaming requests check this often whether their client is still there
-_FINGERPRINT = f"kvboost-{__version__}"
-BodyT = TypeVar("BodyT", bound=BaseModel)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/v1/models", "/v1/stats",
            "/health", "/metrics")
 _WARM_UP_MESSAGES = [{"role": "user", "content": "Hello! Who are you?"}]
@@ -51,7 +47,6 @@ class ServerState:
     settings: ServerSettings
     scheduler: Scheduler
     metrics: ServerMetrics
-    tokenizer_lock: threading.Lock
     started: int
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # for previous_response_id
 
@@ -59,16 +54,16 @@ class ServerState:
 def create_app(engine, settings: ServerSettings | None = None, scheduler: Scheduler | None = None) -> FastAPI:
     """The app for an engine that is already loaded. The scheduler's worker runs while the app is up."""
     settings = settings or ServerSettings()
-    lock = scheduler.tokenizer_lock if scheduler is not None else threading.Lock()
-    scheduler = scheduler or Scheduler(engine, settings.max_batch_size, settings.batch_window_ms, settings.max_queue,
-                                       tokenizer_lock=lock)
-    metrics = ServerMetrics(scheduler.queue_depth, scheduler.active_count,
-                            lambda: _cache_stats(engine).get("reuse_ratio", 0.0),
-                            lambda: _cache_stats(engine).get("speculative", {}).get("acceptance_rate", 0.0),
-                            lambda: _cache_stats(engine).get("speculative", {}).get("batched_proposals", 0),
-                            settings.model_id, lambda: _device_tier_usage(_cache_stats(engine)))
-    state = ServerState(engine, settings, scheduler, metrics, lock, int(time.time()))
-    events = _kv_events(engine, settings.kv_events)
+    scheduler = scheduler or Scheduler(engine, settings.max_batch_size, settings.batch_window_ms, settings.max_queue)
+    metrics = ServerMetrics(scheduler.queue_depth, scheduler.active_count, lambda: _cache_stats(engine),
+                            settings.model_id)
+    state = ServerState(engine, settings, scheduler, metrics, int(time.time()))
+    events = None  # the KV-event publisher, listening to the engine's store
+    if settings.kv_events is not None:
+        from .kv_events import KVEventPublisher
+
+        events = KVEventPublisher(settings.kv_events, engine.config.chunk_size)
+        engine.store.watch(events, "GPU" if engine.device.type == "cuda" else "CPU")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -97,36 +92,34 @@ def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> 
     state: ServerState = app.state.kvboost
     t0 = time.perf_counter()
     if importlib.util.find_spec("xgrammar") is not None and hasattr(type(state.engine), "grammars"):
-        _ = state.engine.grammars  # the grammar library's vocabulary preprocessing (~0.3-0.8 s), before listening
-    with state.tokenizer_lock:
+        _ = state.engine.grammars  # the grammar library's vocabulary preprocessing, before listening
+    with state.scheduler.tokenizer_lock:
         ids = state.engine.encode(messages=_WARM_UP_MESSAGES)
         text = state.engine.tokenizer.decode(ids)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     state.scheduler.start()
-    asyncio.run(_run_to_end(state.scheduler, ids, params, text, timeout_s, 2 if state.scheduler.batched else 1))
+
+    async def run_to_end() -> None:
+        jobs = [Job(ids, params, text, asyncio.get_running_loop(), mode=GenerationMode.BASELINE)
+                for _ in range(2 if state.scheduler.batched else 1)]
+        for job in jobs:
+            state.scheduler.submit(job)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(_result(job) for job in jobs)), timeout_s)
+        finally:
+            for job in jobs:
+                job.cancel()  # a no-op once done; stops the worker's generation after a timeout
+
+    asyncio.run(run_to_end())
     return time.perf_counter() - t0
 
 
-async def _run_to_end(scheduler: Scheduler, ids: list[int], params: SamplingParams, text: str,
-                      timeout_s: float, copies: int = 1) -> list[GenerationResult]:
-    loop = asyncio.get_running_loop()
-    jobs = [Job(ids, params, text, loop, mode=GenerationMode.BASELINE) for _ in range(copies)]
-    for job in jobs:
-        scheduler.submit(job)
-
-    async def result(job: Job) -> GenerationResult:
-        async for kind, payload in job.stream():
-            if kind == "error":
-                raise payload
-            if kind == "done":
-                return payload
-        raise RuntimeError("the warm-up generation ended without a result")
-
-    try:
-        return await asyncio.wait_for(asyncio.gather(*(result(job) for job in jobs)), timeout_s)
-    finally:
-        for job in jobs:
-            job.cancel()  # a no-op once done; stops the worker's generation after a timeout
+async def _result(job: Job) -> GenerationResult | None:
+    """The job's result; raises what its generation raised."""
+    async for kind, payload in job.stream():
+        if kind == "error":
+            raise payload
+    return job.result
 
 
 class GatewayMiddleware:
@@ -174,7 +167,7 @@ class GatewayMiddleware:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    settings, scheduler, metrics = state.settings, state.scheduler, state.metrics
+    settings, scheduler, metrics, lock = state.settings, state.scheduler, state.metrics, state.scheduler.tokenizer_lock
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -202,7 +195,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", param="prompt", code="invalid_value")
-        with state.tokenizer_lock:
+        with lock:
             ids = state.engine.encode(prompt=req.prompt, messages=req.messages,
                                       add_generation_prompt=req.add_generation_prompt)
         return {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids, "token_strs": None}
@@ -210,7 +203,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/stats")
     async def stats() -> JSONResponse:
         body: dict[str, Any] = {"model": settings.model_id, "mode": settings.mode.value}
-        body["scheduler"] = _guard(scheduler.snapshot)
+        try:
+            body["scheduler"] = scheduler.snapshot()
+        except Exception as exc:
+            body["scheduler"] = {"error": f"{type(exc).__name__}: {exc}"}
         body["cache"] = _cache_stats(state.engine)
         return JSONResponse(_json_safe(body))
 
@@ -219,9 +215,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         req = await parse_body(request, ChatCompletionRequest)
         _check_model(settings, req.model)
-        prepared = prepare_chat(state.engine, req, settings, state.tokenizer_lock)
-        renderer = ChatRenderer(settings.model_id, _FINGERPRINT, decode=_decoder(state), tool_parse=prepared.tool_parse,
-                                n=prepared.n, predicted=prepared.predicted)
+        prepared = prepare_chat(state.engine, req, settings, lock)
+        renderer = ChatRenderer(settings.model_id, _decoder(state), prepared.n, prepared.tool_parse, prepared.predicted)
         return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
 
     @app.post("/v1/responses")
@@ -230,11 +225,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, ResponsesRequest)
         _check_model(settings, req.model)
         chat, conversation = to_chat(req, state.responses)
-        prepared = prepare_chat(state.engine, chat, settings, state.tokenizer_lock)
+        prepared = prepare_chat(state.engine, chat, settings, lock)
         if prepared.n != 1:
-            raise APIError(400, "n is a chat completions parameter", param="n", code="unsupported_parameter")
-        renderer = ResponseRenderer(settings.model_id, req, conversation, state.responses, decode=_decoder(state),
-                                    tool_parse=prepared.tool_parse)
+            raise unsupported("n is a chat completions parameter", "n")
+        renderer = ResponseRenderer(settings.model_id, req, conversation, state.responses, prepared.tool_parse)
         return await _respond(state, prepared, renderer, chat.cache_salt, request, t0)
 
     @app.get("/v1/responses/{response_id}")
@@ -251,14 +245,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         req = await parse_body(request, CompletionRequest)
         _check_model(settings, req.model)
-        prepared = prepare_completion(state.engine, req, settings, state.tokenizer_lock)
-        renderer = CompletionRenderer(settings.model_id, _FINGERPRINT, decode=_decoder(state), n=prepared.n)
+        prepared = prepare_completion(state.engine, req, settings, lock)
+        renderer = CompletionRenderer(settings.model_id, _decoder(state), prepared.n)
         return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
 
 
 def _decoder(state: ServerState):
     def decode(token: int) -> str:
-        with state.tokenizer_lock:
+        with state.scheduler.tokenizer_lock:
             return state.engine.tokenizer.decode([token])
     return decode
 
@@ -267,7 +261,7 @@ MAX_BODY_BYTES = 64 << 20  # a request's JSON: far above any context window's te
 MAX_JSON_DEPTH = 64  # nesting levels: a chat body with tools and JSON schemas needs a few dozen
 
 
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding); 400 otherwise. A body
     too large or nested too deep is refused before anything recursive reads it: a 400, and the connection stays
     usable (an exception escaping the app makes the server close it)."""
@@ -278,23 +272,19 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
             raise APIError(400, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    too_deep = False
     try:
         data = json.loads(raw)
+        too_deep = json_depth(data) > MAX_JSON_DEPTH  # deeper than recursive readers (validation) should go
     except RecursionError:  # deeper than the parser goes
         too_deep = True
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"could not parse the JSON body: {exc}", code="invalid_json") from None
-    if too_deep or json_depth(data) > MAX_JSON_DEPTH:  # deeper than recursive readers (validation) should go
+    if too_deep:
         raise APIError(400, f"the JSON body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
                        code="invalid_json")
     if not isinstance(data, dict):
         raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise APIError(400, message, param=param, code="invalid_request") from None
+    return validated(model, data)
 
 
 def json_depth(value: Any) -> int:
@@ -325,19 +315,18 @@ async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer | 
         jobs.append(Job(prepared.ids, params, prepared.prompt_text, asyncio.get_running_loop(), cache_salt=salt,
                         mode=prepared.mode or state.settings.mode, content_reuse=prepared.content_reuse, t_start=t0,
                         output_format=prepared.output_format, speculative=prepared.speculative))
-    try:
-        for job in jobs:
-            state.scheduler.submit(job)
-    except QueueFullError as exc:
-        for job in jobs:
-            job.cancel()
-        state.metrics.outcomes.labels(renderer.endpoint, "rejected").inc()
-        raise to_api_error(exc) from None
 
     def cancel_all() -> None:
         for job in jobs:
             job.cancel()
 
+    try:
+        for job in jobs:
+            state.scheduler.submit(job)
+    except QueueFullError as exc:
+        cancel_all()
+        state.metrics.outcomes.labels(renderer.endpoint, "rejected").inc()
+        raise to_api_error(exc) from None
     if prepared.stream:
         return StreamingResponse(_sse(state, jobs, renderer, prepared.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -388,10 +377,6 @@ async def _collect(state: ServerState, job: Job, renderer: Renderer | ResponseRe
 
 async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
     """(choice index, kind, payload) from every job, as they come, until each has ended."""
-    if len(jobs) == 1:
-        async for kind, payload in jobs[0].stream():
-            yield 0, kind, payload
-        return
     events: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
@@ -452,13 +437,6 @@ async def _sse(state: ServerState, jobs: list[Job], renderer: Renderer | Respons
                 metrics.outcomes.labels(endpoint, "cancelled").inc()
 
 
-def _guard(fn) -> Any:
-    try:
-        return fn()
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
 def _json_safe(value: Any) -> Any:
     """Plain JSON: non-finite floats become null, unknown objects their str()."""
     if isinstance(value, dict):
@@ -472,24 +450,8 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def _kv_events(engine, endpoint: str | None):
-    """The KV-event publisher on `endpoint`, listening to the engine's store (None: not asked for)."""
-    if endpoint is None:
-        return None
-    from .kv_events import KVEventPublisher
-
-    publisher = KVEventPublisher(endpoint, engine.config.chunk_size)
-    engine.store.watch(publisher, "GPU" if engine.device.type == "cuda" else "CPU")
-    return publisher
-
-
-def _device_tier_usage(stats: dict) -> float:
-    tier = stats.get("tiers", {}).get("memory", {})
-    return tier.get("bytes", 0) / tier["budget_bytes"] if tier.get("budget_bytes") else 0.0
-
-
 def _cache_stats(engine) -> dict:
-    """engine.cache_stats(), retried once (the worker may be mutating a store), and never an exception."""
+    """engine.cache_stats(), retried (the worker may be mutating a store), and never an exception."""
     for _ in range(3):
         try:
             return dict(engine.cache_stats())

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextLengthError, InvalidRequestError
@@ -17,33 +18,32 @@ log = logging.getLogger("kvboost.server")
 
 # An engine argument → the OpenAI request field a client sent it as.
 _OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "input_ids": "prompt"}
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class APIError(Exception):
     """An error with an HTTP status that the client should see as an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, type_: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type_ or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.type = "rate_limit_exceeded" if status == 429 else "invalid_request_error" if status < 500 \
+            else "server_error"
         self.param = param
         self.code = code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def unsupported(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -51,9 +51,9 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextLengthError):  # prepare.py checks first; this is the engine's own check
-        return APIError(400, str(exc), param=_openai_param(exc.param), code="context_length_exceeded")
+        return APIError(400, str(exc), param=openai_param(exc.param), code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=_openai_param(exc.param), code="invalid_value")
+        return APIError(400, str(exc), param=openai_param(exc.param), code="invalid_value")
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ShuttingDownError):
@@ -61,23 +61,31 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error while generating: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-def _openai_param(param: str | None) -> str | None:
+def openai_param(param: str | None) -> str | None:
     return _OPENAI_PARAMS.get(param, param) if param else param
 
 
-def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter (dotted path) from pydantic / FastAPI errors."""
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 with a one-line message naming the offending parameter (dotted path), from pydantic / FastAPI errors."""
     if not errors:
-        return "invalid request body", None
+        return APIError(400, "invalid request body", code="invalid_request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
     if first.get("type") == "json_invalid":
-        return f"could not parse the JSON body: {first.get('msg', '')}".rstrip(": "), None
+        return APIError(400, f"could not parse the JSON body: {first.get('msg', '')}".rstrip(": "),
+                        code="invalid_request")
     text = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return text, param
+    return APIError(400, text, param=param, code="invalid_request")
+
+
+def validated(model: type[ModelT], data: Any) -> ModelT:
+    """`data` as `model`, or the 400 saying what is wrong with it."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -89,14 +97,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc.errors())
-        return APIError(400, message, param=param, code="invalid_request").response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)
-                        ).response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unknown(request: Request, exc: Exception) -> JSONResponse:

@@ -22,6 +22,13 @@ _NO_EFFECT: dict[str, tuple] = {
     "n_probs": (0,),
     "return_logits": (False,),  # generate()'s: first-token logits have no place in an OpenAI reply (use logprobs)
 }
+# OpenAI's own fields that would change the reply and that this server does not implement: refused, never ignored.
+_UNSUPPORTED = {
+    "audio": "audio output is not supported by this server (text models only)",
+    "web_search_options": "web search is not supported by this server",
+    "reasoning_effort": "reasoning_effort is not supported with this model",
+    "verbosity": "verbosity is not supported with this model",
+}
 _META = set("\\.^$*+?()[]{}|")
 _BACKENDS = (None, "auto", "xgrammar")  # guided_decoding_backend values this server satisfies
 # field -> the kind of grammar it asks for (vLLM's guided decoding; llama.cpp's json_schema and grammar)
@@ -30,7 +37,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 def refuse_unsupported(extra: dict[str, Any]) -> None:
-    """InvalidRequestError (param = the field) for a known extension field set to a value changing the reply."""
+    """InvalidRequestError (param = the field) for a known field set to a value changing the reply."""
     for name, harmless in _NO_EFFECT.items():
         if name in extra and extra[name] is not None and extra[name] not in harmless:
             raise InvalidRequestError(f"{name} is not supported by this server (value {extra[name]!r})", name)
@@ -38,6 +45,13 @@ def refuse_unsupported(extra: dict[str, Any]) -> None:
     if backend not in _BACKENDS:
         raise InvalidRequestError(f"guided_decoding_backend {backend!r}: this server constrains output with xgrammar",
                                   "guided_decoding_backend")
+    for name, message in _UNSUPPORTED.items():
+        if extra.get(name) is not None:
+            raise InvalidRequestError(message, name)
+    modalities = extra.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise InvalidRequestError(f"modalities {modalities!r}: this server answers in text only (['text'])",
+                                  "modalities")
 
 
 def guided_format(extra: dict[str, Any]) -> OutputFormat | None:

@@ -14,16 +14,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import msgspec
 
 from ..store.base import ChunkMeta
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -48,7 +42,8 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(EventBatch):
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
@@ -93,9 +88,7 @@ class KVEventPublisher:
         self._send()
 
     def _send(self) -> None:
-        events = []
-        while self._pending:
-            events.append(self._pending.popleft())
+        events = [self._pending.popleft() for _ in range(len(self._pending))]
         if not events:
             return
         payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))

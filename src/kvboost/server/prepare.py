@@ -13,13 +13,12 @@ from ..errors import ContextLengthError, InvalidRequestError
 from ..prompting import check_template_kwargs
 from ..results import GenerationMode
 from ..sampling import SamplingParams
-from .errors import APIError
+from .errors import APIError, openai_param, unsupported
 from .extensions import guided_format, refuse_unsupported
 from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from .settings import ServerSettings
-from .tools import native_tools, render_messages, setup_tools, template_supports_tools
+from .tools import render_messages, setup_tools
 
-_PARAM_NAMES = {"max_new_tokens": "max_tokens"}  # engine argument → OpenAI request field
 _FALLBACK_MAX_TOKENS = 4096  # chat without max_tokens on a model that declares no context size
 MAX_N = 16  # choices per request
 
@@ -44,9 +43,10 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     n = _choices(req)
     extra = req.model_extra or {}
     if extra.get("functions") or extra.get("function_call"):
-        raise _unsupported("the deprecated functions / function_call fields are not supported; use tools and "
-                           "tool_choice", "functions")
-    _refuse_unsupported(extra)
+        raise unsupported("the deprecated functions / function_call fields are not supported; use tools and "
+                          "tool_choice", "functions")
+    with _bad_request(code="unsupported_parameter"):
+        refuse_unsupported(extra)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -59,13 +59,14 @@ def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, l
     fmt = fmt or tools.output_format
     texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
     prediction = _prediction_text(req.prediction)
-    with _invalid_value():
+    with _bad_request():
         template_kwargs = check_template_kwargs(extra.get("chat_template_kwargs"))
     with lock:
-        native = bool(tools.functions) and template_supports_tools(engine.tokenizer)
+        template = getattr(engine.tokenizer, "chat_template", None)
+        native = bool(tools.functions) and isinstance(template, str) and "tools" in template  # it renders tools
         messages = render_messages(req.messages, texts, tools, native)
         if native:
-            ids = _encode_with_tools(engine, messages, native_tools(tools), template_kwargs)
+            ids = _encode_with_tools(engine, messages, tools.functions, template_kwargs)
         else:
             ids = _encode(engine, None, messages, "messages", template_kwargs=template_kwargs)
         speculative = _speculation(engine, req, prediction)
@@ -81,16 +82,17 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     n = _choices(req)
     extra = req.model_extra or {}
     if extra.get("echo"):
-        raise _unsupported("echo is not supported by this server", "echo")
+        raise unsupported("echo is not supported by this server", "echo")
     if extra.get("suffix"):
-        raise _unsupported("suffix (insertion) is not supported by this server", "suffix")
+        raise unsupported("suffix (insertion) is not supported by this server", "suffix")
     best_of = extra.get("best_of")
     if best_of not in (None, 1):
-        raise _unsupported("best_of other than 1 is not supported by this server", "best_of")
+        raise unsupported("best_of other than 1 is not supported by this server", "best_of")
     for name in ("prediction", "chat_template_kwargs"):
         if extra.get(name) is not None:
-            raise _unsupported(f"{name} is a chat completions parameter", name)
-    _refuse_unsupported(extra)
+            raise unsupported(f"{name} is a chat completions parameter", name)
+    with _bad_request(code="unsupported_parameter"):
+        refuse_unsupported(extra)
     prompt = req.prompt
     token_ids = None  # OpenAI also takes the prompt as token ids: [int, ...] or a one-element [[int, ...]]
     if isinstance(prompt, list):
@@ -116,15 +118,6 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
-# OpenAI fields that would change the reply and that this server does not implement: refused, never ignored.
-_UNSUPPORTED_FIELDS = {
-    "audio": "audio output is not supported by this server (text models only)",
-    "web_search_options": "web search is not supported by this server",
-    "reasoning_effort": "reasoning_effort is not supported with this model",
-    "verbosity": "verbosity is not supported with this model",
-}
-
-
 def _prediction_text(prediction: dict | None) -> str | None:
     """The text of OpenAI's Predicted Outputs ({"type": "content", "content": str | parts}), or None."""
     if prediction is None:
@@ -151,39 +144,26 @@ def _speculation(engine, req: SamplingRequest, prediction: str | None):
     if not prediction and not given:
         return "default"
     method = req.speculative if "speculative" in given else "default"
-    with _invalid_value():
+    with _bad_request():
         return engine.speculation(method, req.num_speculative_tokens, req.prompt_lookup_max_ngram,
                                   req.prompt_lookup_min_ngram, prediction=prediction or None)
 
 
 def _reuse(req: SamplingRequest) -> tuple[GenerationMode | None, bool | None]:
     """The request's `mode` and `content_reuse` (None: the server's / engine's)."""
-    with _invalid_value("mode"):
+    with _bad_request("mode"):
         mode = None if req.mode is None else GenerationMode.parse(req.mode)
     return mode, req.content_reuse
 
 
 def _output_format(response_format, extra: dict) -> OutputFormat | None:
     """response_format, or one of the guided-decoding fields other servers define (server/extensions.py)."""
-    with _invalid_value():
+    with _bad_request():
         fmt, guided = parse_output_format(response_format), guided_format(extra)
     if fmt is not None and guided is not None:
         raise APIError(400, f"response_format cannot be combined with {guided.param.split('.')[0]}: the reply "
                        "follows one format", param=guided.param.split(".")[0], code="invalid_value")
     return fmt or guided
-
-
-def _refuse_unsupported(extra: dict) -> None:
-    try:
-        refuse_unsupported(extra)
-    except InvalidRequestError as exc:
-        raise _unsupported(str(exc), exc.param or "") from None
-    for name, message in _UNSUPPORTED_FIELDS.items():
-        if extra.get(name) is not None:
-            raise _unsupported(message, name)
-    modalities = extra.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise _unsupported(f"modalities {modalities!r}: this server answers in text only (['text'])", "modalities")
 
 
 def _choices(req: SamplingRequest) -> int:
@@ -198,7 +178,7 @@ def _compile(engine, fmt: OutputFormat | None) -> None:
     if fmt is None:
         return
     try:
-        with _invalid_value():
+        with _bad_request():
             engine.grammars.compile(fmt)
     except StructuredOutputUnavailableError as exc:
         raise APIError(400, f"{exc}: this server cannot constrain output", param=fmt.param,
@@ -206,17 +186,17 @@ def _compile(engine, fmt: OutputFormat | None) -> None:
 
 
 @contextmanager
-def _invalid_value(param: str | None = None) -> Iterator[None]:
+def _bad_request(param: str | None = None, code: str = "invalid_value") -> Iterator[None]:
     """An InvalidRequestError raised inside becomes a 400 naming `param` (None: the error's own, as OpenAI names it)."""
     try:
         yield
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=param or _PARAM_NAMES.get(exc.param or "", exc.param),
-                       code="invalid_value") from None
+        raise APIError(400, str(exc), param=param or openai_param(exc.param), code=code) from None
 
 
-def _encode_with_tools(engine, messages: list[dict], tools: list[dict], template_kwargs: dict) -> list[int]:
+def _encode_with_tools(engine, messages: list[dict], functions: list[dict], template_kwargs: dict) -> list[int]:
     """Through the chat template with its own tool rendering (templates that use `tools`)."""
+    tools = [{"type": "function", "function": f} for f in functions]  # as HF chat templates take them
     try:
         ids = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                    **template_kwargs)
@@ -227,17 +207,13 @@ def _encode_with_tools(engine, messages: list[dict], tools: list[dict], template
     return _encode(engine, None, None, "messages", [int(t) for t in ids])
 
 
-def _unsupported(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param, code="unsupported_parameter")
-
-
 def _message_text(i: int, m: ChatMessage) -> str:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     for part in m.content:
         if part.type != "text" or part.text is None:
-            raise _unsupported(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                               f"messages.{i}.content")
+            raise unsupported(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
+                              f"messages.{i}.content")
     return "\n".join(part.text for part in m.content)
 
 
@@ -277,7 +253,7 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
 
 def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    with _invalid_value():
+    with _bad_request():
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,

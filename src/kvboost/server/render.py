@@ -12,16 +12,13 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
+from .. import __version__
 from ..results import GenerationResult
 from .toolcalls import ToolCallParser, parse_reply
 
-DONE = "data: [DONE]\n\n"
+_FINGERPRINT = f"kvboost-{__version__}"  # every body's system_fingerprint
 Decode = Callable[[int], str]  # token id -> its text
 Body = dict[str, Any]
-
-
-def sse(data: Body) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def usage_of(results: list[GenerationResult], predicted: bool = False) -> Body:
@@ -80,22 +77,25 @@ def model_card(model_id: str, created: int) -> Body:
 class _RendererBase:
     id_prefix = ""
     object_name = ""  # the body's "object"
-    done = DONE  # what ends a stream
-    frame = staticmethod(sse)  # one streamed body as SSE text
+    done = "data: [DONE]\n\n"  # what ends a stream
+
+    @staticmethod
+    def frame(body: Body) -> str:
+        """One streamed body as SSE text."""
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     @staticmethod
     def error(body: Body) -> Body:
         """An error body as it travels in a stream (the openai SDK raises it)."""
         return body
 
-    def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None, n: int = 1):
+    def __init__(self, model: str, decode: Decode, n: int = 1):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
-        self.model, self.created, self.fingerprint = model, int(time.time()), fingerprint
-        self.decode, self.n = decode or str, n
+        self.model, self.created, self.decode, self.n = model, int(time.time()), decode, n
 
     def _body(self, choices: list[Body], usage: Body | None = None, object_name: str | None = None) -> Body:
         return {"id": self.id, "object": object_name or self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage, "system_fingerprint": self.fingerprint}
+                "choices": choices, "usage": usage, "system_fingerprint": _FINGERPRINT}
 
 
 class ChatRenderer(_RendererBase):
@@ -104,18 +104,14 @@ class ChatRenderer(_RendererBase):
 
     endpoint, id_prefix, object_name = "chat", "chatcmpl", "chat.completion"
 
-    def __init__(self, model: str, fingerprint: str | None = None, *, decode: Decode | None = None,
-                 tool_parse: str = "none", n: int = 1, predicted: bool = False):
-        super().__init__(model, fingerprint, decode=decode, n=n)
+    def __init__(self, model: str, decode: Decode, n: int = 1, tool_parse: str = "none", predicted: bool = False):
+        super().__init__(model, decode, n)
         self.predicted, self.tool_parse = predicted, tool_parse
         self._parsers = [ToolCallParser(tool_parse) if tool_parse != "none" else None for _ in range(n)]
         self._call_ids: dict[tuple[int, int], str] = {}
 
-    def _chunk(self, choices: list[Body], usage: Body | None = None) -> Body:
-        return self._body(choices, usage, "chat.completion.chunk")
-
     def _delta(self, index: int, delta: Body, finish_reason: str | None = None, logprobs: Body | None = None) -> Body:
-        return self._chunk([_choice(index, "delta", delta, finish_reason, logprobs)])
+        return self._body([_choice(index, "delta", delta, finish_reason, logprobs)], None, "chat.completion.chunk")
 
     def _call_id(self, choice: int, call: int) -> str:
         return self._call_ids.setdefault((choice, call), f"call_{uuid.uuid4().hex[:24]}")
@@ -152,7 +148,7 @@ class ChatRenderer(_RendererBase):
             else result.finish_reason
 
     def usage(self, results: list[GenerationResult]) -> Body:
-        return self._chunk([], usage_of(results, self.predicted))
+        return self._body([], usage_of(results, self.predicted), "chat.completion.chunk")
 
     def full(self, results: list[GenerationResult]) -> Body:
         choices = []

@@ -15,11 +15,9 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from pydantic import ValidationError
-
 from ..results import GenerationResult
-from .errors import APIError, validation_message
-from .render import Body, Decode
+from .errors import APIError, unsupported, validated
+from .render import Body
 from .schema import ChatCompletionRequest, ResponsesRequest
 from .toolcalls import ToolCallParser, parse_reply
 
@@ -56,10 +54,6 @@ class ResponseStore:
 
 
 # ---- request -> chat request -------------------------------------------------------------------------------
-def _refuse(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param, code="unsupported_parameter")
-
-
 def _text_of(content: Any, param: str) -> str:
     """A message's content: text, or parts of input_text / output_text / text."""
     if isinstance(content, str):
@@ -70,8 +64,8 @@ def _text_of(content: Any, param: str) -> str:
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise _refuse(f"content part of type {kind!r}: this server reads text parts only (input_text)",
-                          f"{param}.{i}")
+            raise unsupported(f"content part of type {kind!r}: this server reads text parts only (input_text)",
+                              f"{param}.{i}")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -103,8 +97,8 @@ def input_messages(items: str | list[Any]) -> list[Body]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
         else:
-            raise _refuse(f"input item of type {kind!r}: this server reads messages, function_call and "
-                          "function_call_output items", param)
+            raise unsupported(f"input item of type {kind!r}: this server reads messages, function_call and "
+                              "function_call_output items", param)
     return messages
 
 
@@ -114,14 +108,14 @@ def _tools(req: ResponsesRequest) -> Body:
         functions = []
         for i, tool in enumerate(req.tools):
             if tool.get("type") != "function":
-                raise _refuse(f"tool type {tool.get('type')!r}: this server calls functions only", f"tools.{i}")
+                raise unsupported(f"tool type {tool.get('type')!r}: this server calls functions only", f"tools.{i}")
             functions.append({"type": "function", "function": {
                 k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}})
         out["tools"] = functions
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise _refuse(f"tool_choice type {choice.get('type')!r}: name a function", "tool_choice")
+            raise unsupported(f"tool_choice type {choice.get('type')!r}: name a function", "tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None:
         out["tool_choice"] = choice
@@ -141,31 +135,25 @@ def _response_format(text: Body | None) -> Body | None:
 def to_chat(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[Body]]:
     """The chat completion request a Responses request runs as, and the conversation without its instructions."""
     if req.background:
-        raise _refuse("background responses are not supported by this server", "background")
+        raise unsupported("background responses are not supported by this server", "background")
     if req.reasoning and req.reasoning.get("effort") is not None:
-        raise _refuse("reasoning effort is not supported with this model", "reasoning")
+        raise unsupported("reasoning effort is not supported with this model", "reasoning")
     if req.truncation not in (None, "disabled"):
-        raise _refuse("truncation 'auto' is not supported: a conversation longer than the context is refused",
-                      "truncation")
+        raise unsupported("truncation 'auto' is not supported: a conversation longer than the context is refused",
+                          "truncation")
     if req.top_logprobs or req.include:
-        raise _refuse("include / top_logprobs are not supported on /v1/responses", "include")
+        raise unsupported("include / top_logprobs are not supported on /v1/responses", "include")
     history = store.get(req.previous_response_id)[1] if req.previous_response_id else []
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    extra = {k: v for k, v in (req.model_extra or {}).items()}
-    body: Body = {**extra, "model": req.model, "messages": system + conversation,
+    body: Body = {**(req.model_extra or {}), "model": req.model, "messages": system + conversation,
                   **{k: getattr(req, k) for k in _CHAT_FIELDS if getattr(req, k) is not None}, **_tools(req)}
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     fmt = _response_format(req.text)
     if fmt is not None:
         body["response_format"] = fmt
-    try:
-        chat = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise APIError(400, message, param=param, code="invalid_request") from None
-    return chat, conversation
+    return validated(ChatCompletionRequest, body), conversation
 
 
 # ---- results -> response bodies and events -------------------------------------------------------------------
@@ -181,7 +169,7 @@ class ResponseRenderer:
     endpoint = "responses"
 
     def __init__(self, model: str, req: ResponsesRequest, conversation: list[Body], store: ResponseStore,
-                 decode: Decode | None = None, tool_parse: str = "none"):
+                 tool_parse: str = "none"):
         self.id, self.created = f"resp_{uuid.uuid4().hex[:24]}", int(time.time())
         self.model, self.req, self.conversation, self.store = model, req, conversation, store
         self.tool_parse = tool_parse
@@ -208,16 +196,11 @@ class ResponseRenderer:
     def delta(self, text: str, index: int = 0) -> list[Body]:
         if self.parser is None:
             return self._text(text)
-        events: list[Body] = []
-        for event in self.parser.feed(text):
-            events += self._parsed(event)
-        return events
+        return [body for event in self.parser.feed(text) for body in self._parsed(event)]
 
     def final(self, result: GenerationResult, index: int = 0) -> list[Body]:
-        events: list[Body] = []
-        for event in self.parser.finish() if self.parser is not None else []:
-            events += self._parsed(event)
-        events += self._close()
+        parsed = self.parser.finish() if self.parser is not None else []
+        events = [body for event in parsed for body in self._parsed(event)] + self._close()
         body = self._finished(result, self.items)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return events + [self._event(kind, response=body)]
@@ -227,8 +210,7 @@ class ResponseRenderer:
         parsed = parse_reply(result.output_text, self.tool_parse) if self.tool_parse != "none" else None
         text = parsed.content if parsed is not None else result.output_text
         items = [self._message(text, "completed")] if text or parsed is None or not parsed.calls else []
-        for call in parsed.calls if parsed is not None else []:
-            items.append(self._call(call.name, call.arguments, "completed"))
+        items += [self._call(call.name, call.arguments, "completed") for call in (parsed.calls if parsed else [])]
         return self._finished(result, items)
 
     # pieces

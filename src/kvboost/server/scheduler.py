@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -117,7 +117,7 @@ class Scheduler:
 
     def start(self) -> None:
         with self._start_lock:
-            if self._in_caller or (self._thread is not None and self._thread.is_alive()):
+            if self._in_caller or self.alive:
                 return
             self._stop.clear()
             self._thread = threading.Thread(target=self._main, name="kvboost-worker", daemon=True)
@@ -150,11 +150,7 @@ class Scheduler:
                 self._caller_done.wait(timeout)
             else:
                 self._thread.join(timeout)
-        while True:  # whoever still waits gets an answer
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
+        while (job := self._next()) is not None:  # whoever still waits gets an answer
             job.emit("error", ShuttingDownError("the server is shutting down"))
 
     @property
@@ -168,10 +164,8 @@ class Scheduler:
             self._queue.put_nowait(job)
         except queue.Full:
             self.stats.rejected += 1
-            raise QueueFullError(self.max_queue, self.retry_after()) from None
-
-    def retry_after(self) -> int:
-        return 1 if self.batched else max(1, min(30, self._queue.qsize() // 4))
+            retry_after = 1 if self.batched else max(1, min(30, self._queue.qsize() // 4))
+            raise QueueFullError(self.max_queue, retry_after) from None
 
     def queue_depth(self) -> int:
         return self._queue.qsize()
@@ -240,7 +234,7 @@ class Scheduler:
                 continue
             try:
                 if len(new) > 1:  # their prefills run one after another inside this step
-                    with _FirstTokenPump([(job, rows[job]) for job in new if job in rows]):
+                    with _first_tokens([(job, rows[job]) for job in new if job in rows]):
                         self.engine.step()
                 else:
                     self.engine.step()
@@ -284,27 +278,23 @@ class Scheduler:
                 job.emit("done", handle.result)
 
 
-class _FirstTokenPump:
+@contextlib.contextmanager
+def _first_tokens(rows: list[tuple[Job, Any]], interval_s: float = 0.005) -> Iterator[None]:
     """While one step prefills several new rows, hand out each row's first token as soon as it exists."""
+    done = threading.Event()
 
-    def __init__(self, rows: list[tuple[Job, Any]], interval_s: float = 0.005):
-        self.rows = rows
-        self.interval_s = interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvboost-first-tokens", daemon=True)
-
-    def __enter__(self) -> _FirstTokenPump:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        pending = list(self.rows)
-        while pending and not self._done.wait(self.interval_s):
+    def pump() -> None:
+        pending = rows
+        while pending and not done.wait(interval_s):
             pending = [(job, handle) for job, handle in pending if not _emit_deltas(job, handle)]
+
+    thread = threading.Thread(target=pump, name="kvboost-first-tokens", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _emit_deltas(job: Job, handle: Any) -> bool:

@@ -12,7 +12,6 @@ from .errors import APIError
 from .schema import ChatMessage, NamedToolChoice, Tool
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 @dataclass
@@ -24,10 +23,6 @@ class ToolSetup:
     output_format: OutputFormat | None = None
     parse: str = "none"
 
-    @property
-    def names(self) -> list[str]:
-        return [f["name"] for f in self.functions]
-
 
 def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None,
                 parallel_tool_calls: bool | None = None) -> ToolSetup:
@@ -38,7 +33,7 @@ def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | N
         return ToolSetup()
     functions = []
     for i, tool in enumerate(tools):
-        params = tool.function.parameters if tool.function.parameters is not None else _ANY_OBJECT
+        params = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
         if params.get("type", "object") != "object":
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of type object",
                            param=f"tools.{i}.function.parameters", code="invalid_value")
@@ -69,11 +64,6 @@ def _call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     options = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-def template_supports_tools(tokenizer) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
 
 
 def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSetup,
@@ -136,8 +126,3 @@ def _with_tool_prompt(messages: list[dict[str, Any]], setup: ToolSetup) -> list[
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]
     return [{"role": "system", "content": prompt}] + messages
-
-
-def native_tools(setup: ToolSetup) -> list[dict[str, Any]]:
-    """The tools as HF chat templates take them."""
-    return [{"type": "function", "function": f} for f in setup.functions]
