@@ -4,6 +4,7 @@ import random
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvboost.chunking import BOUNDARY_END, BOUNDARY_WORD, Chunker, boundary_classes, make_namespace, model_fingerprint
 
@@ -67,14 +68,25 @@ _OLD_KEYS = {
 }
 
 
+def _digest(*parts: bytes) -> str:
+    """The key hash as it was: xxh3-128 over length-prefixed parts."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()
+
+
 def _old_split(chunker: Chunker, token_ids, salt=None, include_partial=True) -> list[tuple]:
-    """The fixed-size rule as it was: chunks every chunk_size tokens from 0, keys through the public helpers."""
+    """The fixed-size rule as it was: chunks every chunk_size tokens from 0, keys H(ns, parent, tokens) and
+    H("content", ns, tokens)."""
     out, parent, size, n = [], chunker.root_key(salt), chunker.chunk_size, len(token_ids)
+    ns = (chunker.namespace + "|salt=" + (salt or "")).encode()
     stop = n if include_partial else n - n % size
     for start in range(0, stop, size):
         ids = tuple(int(t) for t in token_ids[start:min(start + size, stop)])
-        key = chunker.prefix_key(parent, ids, salt)
-        out.append((start, ids, key, chunker.content_key(ids, salt), parent))
+        raw = np.asarray(ids, dtype=np.int64).tobytes()
+        key = _digest(ns, parent.encode(), raw)
+        out.append((start, ids, key, _digest(b"content", ns, raw), parent))
         parent = key
     return out
 

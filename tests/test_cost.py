@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def test_second_hand_computed_case():
     assert est.usd_per_day == pytest.approx(200 * 2.0 / 3600)
     assert est.usd_per_year == pytest.approx(365 * est.usd_per_day)
     assert est.usd_per_month == pytest.approx(365 / 12 * est.usd_per_day)
-    assert est.to_dict()["reuse_rate"] == 0.5
+    assert asdict(est)["reuse_rate"] == 0.5
 
 
 @pytest.mark.parametrize("field", ["requests_per_day", "prefix_tokens", "reuse_rate"])

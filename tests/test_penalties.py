@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvboost import InvalidRequestError, KVBoost
-from kvboost.penalties import Penalties, PenaltyParams
+from kvboost.penalties import Penalties
 from kvboost.sampling import Sampler, SamplingParams
 
 from .decoding.test_speculative import _script
@@ -56,8 +56,8 @@ def _kvb(engine, ids, **kwargs) -> list[int]:
 
 
 def test_penalty_math_on_a_small_vocabulary():
-    pen = Penalties(PenaltyParams(frequency=0.5, presence=0.25, repetition=2.0, logit_bias={3: -10.0}),
-                    prompt_ids=[0])
+    pen = Penalties(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0,
+                                   logit_bias={3: -10.0}), prompt_ids=[0])
     logits = torch.tensor([4.0, -2.0, 1.0, 3.0])
     first = pen.apply(logits)
     assert torch.equal(first, torch.tensor([2.0, -2.0, 1.0, -7.0]))  # token 0 seen in the prompt: 4 / 2

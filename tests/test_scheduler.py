@@ -230,7 +230,7 @@ def test_with_a_runner_rows_copy_a_short_prefix_and_match_sequential(tokenizer, 
     assert len(system) < CASCADE_MIN_TOKENS
     prompts = [system + _ids(n, seed=n) for n in (4, 11, 7)]
     runner = Scheduler(engine, max_batch_size=4)
-    assert runner.shared_prefix_attention and runner.runner is not None
+    assert runner.shared_prefix_off_reason is None and runner.runner is not None
     handles = [_add(runner, ids, 8) for ids in prompts]
     runner.step()
     assert runner.prefix is None and runner.ws.base == 0
@@ -250,7 +250,7 @@ def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
     prompts = [system + _ids(n, seed=n) for n in (4, 7)]
     for runner in (Scheduler(engine, max_batch_size=2),
                    Scheduler(KVBoost(model, tokenizer, chunk_size=CHUNK), 2, shared_prefix_attention=False)):
-        assert not runner.shared_prefix_attention and runner.shared_prefix_off_reason == "disabled"
+        assert runner.shared_prefix_off_reason == "disabled"
         handles = [_add(runner, ids, 5) for ids in prompts]
         runner.step()
         assert runner.prefix is None
@@ -260,7 +260,7 @@ def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
         for ids, h in zip(prompts, handles):
             assert h.result.output_token_ids == hf_greedy(model, tokenizer, ids, 5)
     assert not prefix_reads
-    assert Scheduler(KVBoost(model, tokenizer, chunk_size=CHUNK)).shared_prefix_attention
+    assert Scheduler(KVBoost(model, tokenizer, chunk_size=CHUNK)).shared_prefix_off_reason is None
     with pytest.raises(TypeError):
         Scheduler(engine, shared_prefix_attention="yes")
     with pytest.raises(ValueError, match="shared_prefix_attention"):
@@ -270,7 +270,7 @@ def test_shared_prefix_attention_can_be_turned_off(tokenizer, prefix_reads):
 def test_sliding_window_models_keep_the_per_row_path(tokenizer):
     engine = KVBoost(make_tiny_model("gemma3", tokenizer), tokenizer, chunk_size=CHUNK)
     runner = Scheduler(engine, max_batch_size=4)
-    assert not runner.shared_prefix_attention and "sliding" in runner.shared_prefix_off_reason
+    assert "sliding" in runner.shared_prefix_off_reason
 
 
 @pytest.mark.slow

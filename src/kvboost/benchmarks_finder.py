@@ -13,11 +13,6 @@ NEEDS_A_CHECKOUT = ("kvboost bench and kvboost eval run from a source checkout: 
                     "run pip install -e \".[bench]\" in it")
 
 
-def checkout_beside_package() -> Path:
-    """The folder an editable install of a clone leaves this package in: ``<clone>/src/kvboost`` -> ``<clone>``."""
-    return Path(__file__).resolve().parents[2]
-
-
 def _import_commands() -> ModuleType | None:
     try:
         return importlib.import_module(COMMANDS)
@@ -29,11 +24,12 @@ def _import_commands() -> ModuleType | None:
 
 
 def find_benchmark_commands(beside: Path | None = None) -> ModuleType | None:
-    """The `benchmarks.commands` module, or None without a checkout (beside: default checkout_beside_package())."""
+    """The `benchmarks.commands` module, or None without a checkout (beside: default the clone an editable install
+    leaves this package in, ``<clone>/src/kvboost`` -> ``<clone>``)."""
     module = _import_commands()
     if module is not None:
         return module
-    root = beside if beside is not None else checkout_beside_package()
+    root = beside if beside is not None else Path(__file__).resolve().parents[2]
     if not (root / PACKAGE / "commands.py").is_file():
         return None
     sys.path.append(str(root))

@@ -75,10 +75,6 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    return np.asarray(token_ids, dtype=np.int64).tobytes()
-
-
 class Chunker:
     """Cuts token ids into chunks and keys them. boundary_window W = 0: fixed cuts every chunk_size tokens. W > 0: the
     cut after a chunk starting at s lies in [s + chunk_size - W, s + chunk_size + W]: after a sentence end if any, else
@@ -104,19 +100,10 @@ class Chunker:
         """Parent of every chain's first chunk, namespaced so child searches never cross models or tenants."""
         return _digest(b"root", self._ns(salt))
 
-    def prefix_key(self, parent_key: str | None, token_ids: Sequence[int], salt: str | None = None) -> str:
-        return _digest(self._ns(salt), (parent_key or "").encode(), _token_bytes(token_ids))
-
-    def content_key(self, token_ids: Sequence[int], salt: str | None = None) -> str:
-        return _digest(b"content", self._ns(salt), _token_bytes(token_ids))
-
-    def spans(self, token_ids: Sequence[int], end: int | None = None) -> list[tuple[int, int, bool]]:
+    def spans(self, token_ids: Sequence[int] | np.ndarray, end: int | None = None) -> list[tuple[int, int, bool]]:
         """(start, stop, complete) of every chunk, in order (with `end`: those with stop <= end, cut as in the whole
         sequence). complete: every longer sequence sharing enough leading tokens has this chunk; never the remainder."""
-        return self._spans(token_ids, len(token_ids), end)
-
-    def _spans(self, token_ids: Sequence[int] | np.ndarray, n: int, end: int | None) -> list[tuple[int, int, bool]]:
-        size, w = self.chunk_size, self.boundary_window
+        size, w, n = self.chunk_size, self.boundary_window, len(token_ids)
         limit = n if end is None else min(n, end)
         if w == 0:
             return [(s, min(s + size, n), s + size <= n) for s in range(0, limit, size) if min(s + size, n) <= limit]
@@ -146,19 +133,16 @@ class Chunker:
               end: int | None = None) -> list[Chunk]:
         """Chunks from position 0 (see spans()), plus the trailing incomplete one when include_partial."""
         chunks: list[Chunk] = []
-        parent: str | None = self.root_key(salt)
-        ns = self._ns(salt)
+        parent, ns = self.root_key(salt), self._ns(salt)
         # One conversion for the whole sequence: cuts, per-chunk tuples and bytes all come from slices of it.
         arr = np.asarray(token_ids, dtype=np.int64)
-        spans = self._spans(arr, len(arr), end)
-        for index, (start, stop, complete) in enumerate(spans):
+        for index, (start, stop, complete) in enumerate(self.spans(arr, end)):
             if not complete and not include_partial:
                 break
             piece = arr[start:stop]
             raw = piece.tobytes()
-            ids = tuple(piece.tolist())
-            key = _digest(ns, (parent or "").encode(), raw)
-            chunks.append(Chunk(index, start, ids, key, _digest(b"content", ns, raw), parent, complete))
+            key, content = _digest(ns, parent.encode(), raw), _digest(b"content", ns, raw)
+            chunks.append(Chunk(index, start, tuple(piece.tolist()), key, content, parent, complete))
             parent = key
         return chunks
 

@@ -42,18 +42,14 @@ class CacheOptions:
 
     def __post_init__(self) -> None:
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
-        _require(_is_int(self.chunk_size) and 8 <= self.chunk_size <= 8192,
-                 f"chunk_size must be an int in [8, 8192], got {self.chunk_size!r}")
-        _require(_is_int(self.chunk_boundary_window) and self.chunk_boundary_window >= 0,
-                 f"chunk_boundary_window must be an int >= 0, got {self.chunk_boundary_window!r}")
-        _require(isinstance(self.content_reuse, bool), f"content_reuse must be a bool, got {self.content_reuse!r}")
-        _require(0.0 <= float(self.recompute_ratio) <= 1.0,
-                 f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
-        _require(self.recompute_overlap >= 0, f"recompute_overlap must be >= 0, got {self.recompute_overlap}")
-        _require(self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        _require(self.cache_salt is None or isinstance(self.cache_salt, str),
-                 f"cache_salt must be a string or None, got {self.cache_salt!r}")
-        _require(isinstance(self.write_back, bool), f"write_back must be a bool, got {self.write_back!r}")
+        _option(self, "chunk_size", _is_int(self.chunk_size) and 8 <= self.chunk_size <= 8192, "an int in [8, 8192]")
+        _int_option(self, "chunk_boundary_window", 0, "an int >= 0")
+        _option(self, "content_reuse", isinstance(self.content_reuse, bool), "a bool")
+        _option(self, "recompute_ratio", 0.0 <= float(self.recompute_ratio) <= 1.0, "in [0, 1]")
+        _option(self, "recompute_overlap", self.recompute_overlap >= 0, ">= 0")
+        _option(self, "sink_tokens", self.sink_tokens >= 0, ">= 0")
+        _option(self, "cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "a string or None")
+        _option(self, "write_back", isinstance(self.write_back, bool), "a bool")
 
 
 @dataclass
@@ -80,18 +76,13 @@ class TierOptions:
 
         if self.memory_budget_bytes is None:
             self.memory_budget_bytes = default_memory_budget()
-        _require(_is_int(self.memory_budget_bytes) and self.memory_budget_bytes >= 0,
-                 f"memory_budget_bytes must be a non-negative int, got {self.memory_budget_bytes!r}")
-        _require(self.max_chunks is None or (_is_int(self.max_chunks) and self.max_chunks > 0),
-                 f"max_chunks must be a positive int or None, got {self.max_chunks!r}")
-        _require(self.device_kv_budget_bytes is None or (
-            _is_int(self.device_kv_budget_bytes) and self.device_kv_budget_bytes >= 0),
-                 f"device_kv_budget_bytes must be a non-negative int or None, got {self.device_kv_budget_bytes!r}")
-        _require(self.kv_cache_bits in KV_CACHE_BITS,
-                 f"kv_cache_bits must be one of {', '.join(map(str, KV_CACHE_BITS))}, got {self.kv_cache_bits!r}")
-        _require(_is_int(self.write_queue_bytes) and self.write_queue_bytes > 0,
-                 f"write_queue_bytes must be a positive int, got {self.write_queue_bytes!r}")
-        _require(self.flush_timeout_s > 0, f"flush_timeout_s must be > 0, got {self.flush_timeout_s!r}")
+        _int_option(self, "memory_budget_bytes", 0, "a non-negative int")
+        _int_option(self, "max_chunks", 1, "a positive int or None", optional=True)
+        _int_option(self, "device_kv_budget_bytes", 0, "a non-negative int or None", optional=True)
+        _option(self, "kv_cache_bits", self.kv_cache_bits in KV_CACHE_BITS,
+                f"one of {', '.join(map(str, KV_CACHE_BITS))}")
+        _int_option(self, "write_queue_bytes", 1, "a positive int")
+        _option(self, "flush_timeout_s", self.flush_timeout_s > 0, "> 0")
 
 
 @dataclass
@@ -121,22 +112,13 @@ class ExecutionOptions:
         from .model.forward import ATTENTION_BACKENDS
         from .model.runner import FAST_PATHS
 
-        _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of "
-                 f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        _require(self.fast_path in FAST_PATHS, f"fast_path must be one of {', '.join(FAST_PATHS)}, "
-                 f"got {self.fast_path!r}")
-        _require(self.cpu_linear in CPU_LINEAR_MODES, f"cpu_linear must be one of {', '.join(CPU_LINEAR_MODES)}, "
-                 f"got {self.cpu_linear!r}")
-        _require(_is_int(self.max_batch_size) and self.max_batch_size >= 1,
-                 f"max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
-        _require(isinstance(self.shared_prefix_attention, bool),
-                 f"shared_prefix_attention must be a bool, got {self.shared_prefix_attention!r}")
-        _require(self.device_kv_max_tokens is None or (_is_int(self.device_kv_max_tokens)
-                                                       and self.device_kv_max_tokens > 0),
-                 f"device_kv_max_tokens must be a positive int or None, got {self.device_kv_max_tokens!r}")
-        _require(self.weight_budget_bytes is None or (_is_int(self.weight_budget_bytes)
-                                                      and self.weight_budget_bytes > 0),
-                 f"weight_budget_bytes must be a positive int or None, got {self.weight_budget_bytes!r}")
+        for name, modes in (("attention_backend", ATTENTION_BACKENDS), ("fast_path", FAST_PATHS),
+                            ("cpu_linear", CPU_LINEAR_MODES)):
+            _option(self, name, getattr(self, name) in modes, f"one of {', '.join(modes)}")
+        _int_option(self, "max_batch_size", 1, "an int >= 1")
+        _option(self, "shared_prefix_attention", isinstance(self.shared_prefix_attention, bool), "a bool")
+        _int_option(self, "device_kv_max_tokens", 1, "a positive int or None", optional=True)
+        _int_option(self, "weight_budget_bytes", 1, "a positive int or None", optional=True)
 
 
 @dataclass
@@ -309,6 +291,13 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+def _option(options: object, name: str, ok: bool, what: str) -> None:
+    """ValueError "<name> must be <what>, got <value>" unless ok."""
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {getattr(options, name)!r}")
+
+
+def _int_option(options: object, name: str, least: int, what: str, optional: bool = False) -> None:
+    """An int >= least (optional: or None)."""
+    value = getattr(options, name)
+    _option(options, name, (optional and value is None) or (_is_int(value) and value >= least), what)

@@ -47,9 +47,6 @@ class CostEstimate:
     usd_per_month: float
     usd_per_year: float
 
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class BenchRates:
@@ -133,10 +130,8 @@ def read_bench_rates(path: str | Path) -> BenchRates:
     if not isinstance(data, dict):
         raise BenchSchemaError(f"{p}: expected a JSON object at the top level, got {type(data).__name__}")
     try:
-        rates = _checked({key: _number(key, _lookup(data, key, p)) for key in ("reuse_rate", "prefill_tokens_per_s")})
-    except BenchSchemaError:
-        raise
-    except ValueError as e:  # CostInputError: "<key> must be ..."
+        rates = _checked({key: _lookup(data, key, p) for key in ("reuse_rate", "prefill_tokens_per_s")})
+    except CostInputError as e:  # "<key> must be ..."
         raise BenchSchemaError(f"{p}: {e}") from None
     return BenchRates(**rates, source=str(p))
 
@@ -225,5 +220,5 @@ def cost_command(
         raise typer.BadParameter(str(e), param_hint="--from-bench") from None
     Console().print(render_cost_table(est, reuse_source=reuse_src, prefill_source=prefill_src))
     if json_path is not None:
-        write_estimate(json_path, {**est.to_dict(), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
+        write_estimate(json_path, {**asdict(est), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
     return est

@@ -259,10 +259,7 @@ class InferenceEngine:
         if position_offset != 0:
             raise InvalidRequestError("position_offset other than 0 is not supported: exact reuse stores a prefix "
                                       "from position 0", "position_offset")
-        if messages is not None:
-            ids = self.encode(messages=messages, add_generation_prompt=False)
-        else:
-            ids = self.encode(text)
+        ids = self.encode(messages=messages, add_generation_prompt=False) if messages is not None else self.encode(text)
         check_prompt_length(len(ids), self.max_context)
         new, existing = self.warm_ids(ids, self.requests.tenant(cache_salt))
         warnings = []
@@ -333,8 +330,7 @@ class InferenceEngine:
         fast = fast_path_stats(self.runner, self.fast_path_reason, self.cpu_linear)
         weights = self.weight_stream.as_dict() if self.weight_stream is not None else {"streamed_layers": []}
         return dict(self.kv.stats(), plan=self.plan.as_dict(), workspace_bytes=self.kv_workspace.nbytes, fast_path=fast,
-                    weights=weights,
-                    streamed=self.long_contexts.as_dict(),
+                    weights=weights, streamed=self.long_contexts.as_dict(),
                     speculative=speculation_stats(self.config, self.spec_counts, self.spec_costs))
 
     def clear_cache(self) -> None:

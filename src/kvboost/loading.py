@@ -177,23 +177,19 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
     else:
         with no_transformers_bars():
             model = AutoModelForCausalLM.from_pretrained(source, dtype=float_dtype, **hf_kwargs)
-        if weights == "int4":  # rounded in host memory: the float model never reaches the device
-            _to_int4(model, Path(source) / hf_kwargs["gguf_file"] if "gguf_file" in hf_kwargs else None, dev)
+        if weights == "int4" and "gguf_file" in hf_kwargs:  # the GGUF's blocks as stored
+            from .model.int4.gguf import int4_linears_from_gguf
+
+            int4_linears_from_gguf(model, Path(source) / hf_kwargs["gguf_file"], cache_root() / "int4", dev)
+        elif weights == "int4":  # rounded in host memory: the float model never reaches the device
+            from .model.int4.linear import quantize_linears
+
+            quantize_linears(model, device=dev)
     if int4:
         quantize_head(model, dev)  # the CPU's int8 head; a no-op elsewhere
     if not on_host:
         model.to(dev)
     return model.eval(), tokenizer
-
-
-def _to_int4(model: torch.nn.Module, gguf: Path | None, device: torch.device) -> None:
-    from .model.int4.gguf import int4_linears_from_gguf
-    from .model.int4.linear import quantize_linears
-
-    if gguf is not None:
-        int4_linears_from_gguf(model, gguf, cache_root() / "int4", device)
-    else:
-        quantize_linears(model, device=device)
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
 
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|: OpenAI's range
 MAX_BIAS = 100.0  # |logit_bias value|: OpenAI's range
@@ -52,32 +55,20 @@ def finite_number(x: object) -> bool:
 
 
 def _token_id(key: object) -> int | None:
-    # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100}.
-    if isinstance(key, bool):
-        return None
-    if isinstance(key, int):
-        return key if key >= 0 else None
-    if isinstance(key, str) and key.isdigit():
+    if isinstance(key, str) and key.isdigit():  # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100}
         return int(key)
-    return None
+    return key if isinstance(key, int) and not isinstance(key, bool) and key >= 0 else None
 
 
-@dataclass(frozen=True)
-class PenaltyParams:
-    frequency: float = 0.0
-    presence: float = 0.0
-    repetition: float = 1.0
-    logit_bias: Mapping[int, float] | None = None
-
-    @property
-    def active(self) -> bool:
-        return bool(self.frequency or self.presence or self.repetition != 1.0 or self.logit_bias)
+def penalized(params: SamplingParams) -> bool:
+    return bool(params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1.0
+                or params.logit_bias)
 
 
 class Penalties:
     """One sequence's adjustment state ([vocab] tensors on the logits' device), built on the first choice."""
 
-    def __init__(self, params: PenaltyParams, prompt_ids: Sequence[int]):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]):
         self.params = params
         self.prompt_ids = prompt_ids
         self.counts: torch.Tensor | None = None  # [vocab] float32: each token's count among generated ones
@@ -87,7 +78,7 @@ class Penalties:
     def _build(self, vocab: int, device: torch.device) -> None:
         p = self.params
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        if p.repetition != 1.0:
+        if p.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             prompt = [t for t in self.prompt_ids if 0 <= t < vocab]
             if prompt:
@@ -106,9 +97,10 @@ class Penalties:
         p = self.params
         out = logits.float()
         if self.seen is not None:
-            out = torch.where(self.seen, torch.where(out > 0, out / p.repetition, out * p.repetition), out)
-        if p.frequency or p.presence:
-            out = out - self.counts * p.frequency - (self.counts > 0).float() * p.presence
+            r = p.repetition_penalty
+            out = torch.where(self.seen, torch.where(out > 0, out / r, out * r), out)
+        if p.frequency_penalty or p.presence_penalty:
+            out = out - self.counts * p.frequency_penalty - (self.counts > 0).float() * p.presence_penalty
         if self.bias is not None:
             out = out + self.bias
         return out

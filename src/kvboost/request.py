@@ -79,18 +79,19 @@ class Request:
         n = len(self.ids)
         generated = list(tracker.tokens)
         # One entry per sampled token; the final EOS is not an output token, so it is not reported either.
-        logprobs = sampler.logprobs[: len(generated)] if sampler is not None and self.params.logprobs is not None \
-            else None
+        logprobs = sampler.logprobs[: len(generated)] if sampler and self.params.logprobs is not None else None
+        # The tracker's reason, except "length" where the budget forced the output's last tokens (decoding/closing.py).
+        forced = sampler is not None and sampler.constraint is not None and sampler.constraint.forced
         return GenerationResult(
             mode=self.mode.value, prompt=self.prompt_text if self.prompt_text is not None
             else tracker.tokenizer.decode(self.ids), output_text=tracker.text, generated_tokens=len(generated),
             ttft_ms=ttft_ms, total_ms=total_ms,
             tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
             kv_reuse_ratio=plan.cached_tokens / n, prompt_tokens=n, cached_tokens=plan.cached_tokens,
-            output_token_ids=generated, finish_reason=_finish_reason(tracker, sampler), exact_tokens=plan.exact_tokens,
-            approximate_tokens=plan.approximate_tokens, recomputed_tokens=plan.recomputed_tokens,
-            lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits, logprobs=logprobs,
-            speculative=self.speculative.method if self.speculative else None,
+            output_token_ids=generated, finish_reason="length" if forced else tracker.finish_reason,
+            exact_tokens=plan.exact_tokens, approximate_tokens=plan.approximate_tokens,
+            recomputed_tokens=plan.recomputed_tokens, lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits,
+            logprobs=logprobs, speculative=self.speculative.method if self.speculative else None,
             draft_tokens=spec.draft_tokens if spec else 0, accepted_tokens=spec.accepted_tokens if spec else 0)
 
 
@@ -100,8 +101,3 @@ def check_prompt_length(n_prompt: int, max_context: int | None) -> None:
         raise ContextLengthError(f"prompt is {n_prompt} tokens but the model's context is {max_context} tokens "
                                  "(at least one position must stay free for generation)", "prompt")
 
-
-def _finish_reason(tracker: OutputTracker, sampler: Sampler | None) -> str | None:
-    """The tracker's, except "length" where the budget forced the output's last tokens (decoding/closing.py)."""
-    constraint = sampler.constraint if sampler is not None else None
-    return "length" if constraint is not None and constraint.forced else tracker.finish_reason

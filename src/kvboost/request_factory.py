@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 
 from .config import EngineConfig
 from .decoding.factory import resolve_speculation
@@ -21,7 +20,6 @@ _ROW_OPTIONS = {"mode", "temperature", "top_p", "top_k", "min_p", "do_sample", "
                 "content_reuse", "response_format", "regex", "grammar", "logprobs", "speculative",
                 "num_speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram", "frequency_penalty",
                 "presence_penalty", "repetition_penalty", "logit_bias"}
-_SAMPLING_OPTIONS = {f.name for f in fields(SamplingParams)} - {"max_new_tokens"}
 
 
 class RequestFactory:
@@ -129,7 +127,8 @@ class RequestFactory:
                                  return_logits=return_logits, t_start=t0, output_format=fmt, speculative=spec)
 
     def batch(self, prompts, input_ids, max_new_tokens: int, options: dict) -> list[Request]:
-        """One Request per prompt, from exactly one of `prompts` and `input_ids`; each prompt encoded once."""
+        """One Request per prompt, from exactly one of `prompts` and `input_ids`, with the same options; every row's
+        TTFT counts from now."""
         t0 = time.perf_counter()
         if (prompts is None) == (input_ids is None):
             raise InvalidRequestError("pass one of prompts or input_ids", "prompts")
@@ -139,18 +138,10 @@ class RequestFactory:
         unknown = set(options) - _ROW_OPTIONS
         if unknown:
             raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
-        # request()'s sampling defaults are SamplingParams' own
-        params = SamplingParams(max_new_tokens=max_new_tokens,
-                                **{k: v for k, v in options.items() if k in _SAMPLING_OPTIONS})
-        fmt = parse_output_format(options.get("response_format"), options.get("regex"), options.get("grammar"))
-        spec = self.speculation(options.get("speculative", "default"), options.get("num_speculative_tokens"),
-                                options.get("prompt_lookup_max_ngram"), options.get("prompt_lookup_min_ngram"))
-        row = dict(mode=options.get("mode", GenerationMode.CHUNK_KV_REUSE), cache_salt=options.get("cache_salt"),
-                   content_reuse=options.get("content_reuse"), t_start=t0, output_format=fmt, speculative=spec)
         if input_ids is not None:
-            encoded = [self.encode(input_ids=ids) for ids in input_ids]
-            texts = [None] * len(encoded)
+            requests = [self.request(None, max_new_tokens, input_ids=ids, **options) for ids in input_ids]
         else:
-            encoded = [self.encode(p) for p in prompts]
-            texts = [p if isinstance(p, str) else None for p in prompts]
-        return [self.make_request(ids, params, text, **row) for ids, text in zip(encoded, texts)]
+            requests = [self.request(p, max_new_tokens, **options) for p in prompts]
+        for request in requests:
+            request.t_start = t0
+        return requests

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import InvalidRequestError
-from .penalties import Penalties, PenaltyParams, check_penalties, finite_number
+from .penalties import Penalties, check_penalties, finite_number, penalized
 
 if TYPE_CHECKING:
     from .decoding.constraint import TokenConstraint
@@ -34,9 +34,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # OpenAI's: {token id: bias in [-100, 100]}
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         n = self.max_new_tokens
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
             raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}",
@@ -64,14 +62,8 @@ class SamplingParams:
                                           self.logit_bias)
 
     @property
-    def penalties(self) -> PenaltyParams:
-        return PenaltyParams(self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.logit_bias)
-
-    @property
     def greedy(self) -> bool:
-        if self.do_sample is False:
-            return True
-        return self.temperature == 0.0
+        return self.do_sample is False or self.temperature == 0.0
 
 
 @dataclass
@@ -92,7 +84,7 @@ class Sampler:
                  constraint: TokenConstraint | None = None, prompt_ids: Sequence[int] = ()):
         self.params = params
         self.constraint = constraint
-        self.penalties = Penalties(params.penalties, prompt_ids) if params.penalties.active else None
+        self.penalties = Penalties(params, prompt_ids) if penalized(params) else None
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None
         if not params.greedy:

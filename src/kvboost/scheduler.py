@@ -26,7 +26,7 @@ from .model.runner import BATCH_BUCKETS, ModelRunner
 from .request import Request
 from .results import GenerationMode
 from .sampling import SamplingParams, sample_rows
-from .slot import HostSlot, Slot
+from .slot import HostSlot, Prefill, Slot
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,10 @@ class Scheduler:
         if workspace is None:
             workspace = KVWorkspace(engine.workspace_shapes, engine.kv_dtype, engine.device,
                                     max_positions=engine.max_context)
-            if engine.runner is not None:
-                runner = ModelRunner(engine.model, workspace, mode=engine.runner.mode, backend=engine.runner.backend,
-                                     verifies=engine.runner.verifies,
-                                     fallback_on_failure=engine.runner.fallback_on_failure, reports_to=engine.runner,
-                                     package=engine.runner.package)
+            own = engine.runner
+            if own is not None:
+                runner = ModelRunner(engine.model, workspace, mode=own.mode, backend=own.backend, verifies=own.verifies,
+                                     fallback_on_failure=own.fallback_on_failure, reports_to=own, package=own.package)
         self.ws, self.runner = workspace, runner
         self.forwards = RowForwards(engine, self.ws)
         self.speculation = RowSpeculation(self)
@@ -69,10 +68,6 @@ class Scheduler:
         self._leased: set[int] = set()  # rows lent to a draft sequence or a warm (lease())
         self._lock = threading.Lock()
         self.grows_ahead = True  # off for good after a failed early growth (the request then grows as it needs)
-
-    @property
-    def shared_prefix_attention(self) -> bool:
-        return self.shared_prefix_off_reason is None
 
     @property
     def shared_prefix_off_reason(self) -> str | None:
@@ -167,6 +162,10 @@ class Scheduler:
 
     def slot(self, index: int) -> Slot:
         return Slot(self.engine, self.ws.row(index), self.runner)
+
+    def _own(self, row: Row) -> Slot | HostSlot:
+        """Where the row's K/V lives from position 0: its host workspace, else its workspace row."""
+        return row.host if row.host is not None else self.slot(row.slot)
 
     def lease(self) -> Slot:
         """A row no request uses, lent until release() (a draft sequence, a warm): the first row when free, else the
@@ -269,7 +268,7 @@ class Scheduler:
 
     def _shared_length(self, new: list[Row]) -> int:
         rows = self._active + new
-        if not self.shared_prefix_attention or len(rows) < 2:  # a lone row keeps the runner's own steps
+        if self.shared_prefix_off_reason is not None or len(rows) < 2:  # a lone row keeps the runner's own steps
             return 0
         if any(r.mode is GenerationMode.BASELINE for r in rows) or len({r.salt for r in rows}) != 1:
             return 0
@@ -301,12 +300,8 @@ class Scheduler:
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: Row) -> None:
         request = row.request
-        if row.host is not None:  # its K/V in host memory
-            pre = row.host.prefill(request)
-            plan, logits = pre.plan, pre.logits
-        elif self.prefix is None:  # the row's own slot, from position 0: resident reuse, placement, repair, runner
-            pre = self.slot(row.slot).prefill(request)
-            plan, logits = pre.plan, pre.logits
+        if row.host is not None or self.prefix is None:  # host memory, or the row's own slot from position 0
+            plan, logits = self._own(row).prefill(request)
         else:
             plan, logits = self._prefill_over_prefix(row)
         row.plan = plan
@@ -316,7 +311,7 @@ class Scheduler:
         row.next_token = row.sampler(logits.float())
         row.ttft_ms = (time.perf_counter() - request.t_start) * 1e3
 
-    def _prefill_over_prefix(self, row: Row):
+    def _prefill_over_prefix(self, row: Row) -> Prefill:
         """A row reading positions below the shared prefix from it: only its own chunks are placed."""
         request, shared = row.request, self.prefix.length
         plan = self.kv.lookup(request.ids, request.salt, request.mode, request.approximate, skip_before=shared)
@@ -324,11 +319,10 @@ class Scheduler:
             # Placed content is repaired over one contiguous sequence: a private one-row workspace, copied over.
             scratch = Slot(self.engine, self._private_workspace())
             pre = scratch.prefill(request)
-            keys, values = scratch.ws.read(shared, len(request.ids))
-            self.ws.write(keys, values, shared, row=row.slot)
-            return pre.plan, pre.logits
+            self.ws.write(*scratch.ws.read(shared, len(request.ids)), shared, row=row.slot)
+            return pre
         self.kv.place(plan, self.ws, request.ids, row=row.slot)
-        return plan, self.forwards.prefill(row.slot, request.ids[plan.reuse_len:], plan.reuse_len)
+        return Prefill(plan, self.forwards.prefill(row.slot, request.ids[plan.reuse_len:], plan.reuse_len))
 
     # ---- decode: one token (or a verify) for every active row ---------------------------------------------
     def _decode(self) -> None:
@@ -406,10 +400,8 @@ class Scheduler:
         request, plan = row.request, row.plan
         assert plan is not None
         fed = (request.ids + row.tracker.tokens)[: row.length]
-        if row.host is not None:
-            row.host.finish(request, plan, fed)
-        elif self.prefix is None:  # the slot holds it all from position 0: it stays resident for the next request
-            self.slot(row.slot).finish(request, plan, fed)
+        if row.host is not None or self.prefix is None:  # a slot from position 0 keeps it resident for the next
+            self._own(row).finish(request, plan, fed)
         elif request.uses_cache and self.engine.config.write_back:
             # Only the exact part may be stored under prefix-chain keys; PrefixedRows reads the columns below the
             # prefix.

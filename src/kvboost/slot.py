@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache
@@ -21,8 +20,7 @@ if TYPE_CHECKING:
     from .model.runner import ModelRunner
 
 
-@dataclass
-class Prefill:
+class Prefill(NamedTuple):
     """The prompt's K/V is in the slot; `logits` [vocab] float32 pick the first new token."""
 
     plan: Plan
