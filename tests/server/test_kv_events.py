@@ -35,6 +35,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None  # no default: an event without it fails to decode, as vllm-router refuses it
 
 
 class BlockRemoved(KVCacheEvent):

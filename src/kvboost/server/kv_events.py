@@ -3,7 +3,7 @@ and drop, for KV-aware routers that read vLLM's events (llm-d's precise prefix-c
 
 On the wire as vLLM publishes them: a ZMQ PUB socket sends [topic, sequence number (8 bytes, big-endian), payload],
 the payload a msgpack `KVEventBatch` array [ts, events] whose events are maps tagged by "type": `BlockStored`
-(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium), `BlockRemoved` (block_hashes, medium) and
+(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name), `BlockRemoved` (block_hashes, medium) and
 `AllBlocksCleared` (vllm-router's KV index refuses array-encoded events: "KV event must be a tagged map"). A block
 is a chunk (block_size = chunk_size); its hash is the first 64 bits of the chunk's prefix-chain key
 (cluster/routing.short_key as an integer), its parent's likewise (None for a first chunk); medium is "GPU" or "CPU"
@@ -31,6 +31,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None  # vllm-router's KV index requires the field (None: no adapter)
 
 
 class BlockRemoved(KVCacheEvent):
@@ -78,7 +79,7 @@ class KVEventPublisher:
         elif kind == "stored":
             parent = None if meta.start == 0 or meta.parent_key is None else block_hash(meta.parent_key)
             self._pending.append(BlockStored([block_hash(meta.key)], parent, list(meta.token_ids), self.chunk_size,
-                                             None, medium))
+                                             None, medium, None))
         else:
             self._pending.append(BlockRemoved([block_hash(meta.key)], medium))
 
