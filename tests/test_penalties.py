@@ -79,7 +79,8 @@ def test_a_sampler_with_penalties_is_not_plain():
 
 @pytest.mark.parametrize("option", [{"frequency_penalty": 2.1}, {"presence_penalty": float("nan")},
                                     {"repetition_penalty": 0.0}, {"repetition_penalty": -1},
-                                    {"logit_bias": {"x": 1}}, {"logit_bias": {1: 100.5}}, {"logit_bias": [1]},
+                                    {"logit_bias": {"x": 1}}, {"logit_bias": {"²": 1}}, {"logit_bias": {1: 100.5}},
+                                    {"logit_bias": [1]},
                                     {"frequency_penalty": True}])
 def test_bad_values_are_typed_errors(engine, ids, option):
     with pytest.raises(InvalidRequestError) as info:

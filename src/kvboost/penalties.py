@@ -55,7 +55,8 @@ def finite_number(x: object) -> bool:
 
 
 def _token_id(key: object) -> int | None:
-    if isinstance(key, str) and key.isdigit():  # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100}
+    # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100} (ASCII digits only: int("²") fails)
+    if isinstance(key, str) and key.isascii() and key.isdecimal():
         return int(key)
     return key if isinstance(key, int) and not isinstance(key, bool) and key >= 0 else None
 
