@@ -391,6 +391,8 @@ class Scheduler:
         row.handle.error = exc
         if row in self._active or row in self._streamed:
             self._release(row)
+        elif row.host is not None:  # failed in its prefill: its host workspace goes now, not at garbage collection
+            row.host.forget()
         if row.host is None:
             self.slot(row.slot).forget()  # whatever the row wrote is not a finished request's K/V
         row.handle.finished = True

@@ -139,11 +139,20 @@ def test_a_forward_that_fails_midway_fails_its_request_only(tokenizer, device, p
             raise RuntimeError("copy failed")
         return update(self, *args, **kwargs)
 
+    made = []
+    host_workspace = streaming.long_contexts.host_workspace
+
+    def recorded():
+        made.append(host_workspace())
+        return made[-1]
+
+    monkeypatch.setattr(streaming.long_contexts, "host_workspace", recorded)
     monkeypatch.setattr(host_stream.HostStreamLayer, "update", failing)
     with pytest.raises(RuntimeError, match="copy failed"):
         streaming.generate(prompt, max_new_tokens=4)
     monkeypatch.setattr(host_stream.HostStreamLayer, "update", update)
     assert not streaming.scheduler.has_work()
+    assert len(made) == 1 and made[0].capacity == 0 and made[0].nbytes == 0  # the failed row's memory went with it
     got = streaming.generate(prompt, max_new_tokens=4)
     assert got.output_token_ids == resident.generate(prompt, max_new_tokens=4, mode="baseline").output_token_ids
 
