@@ -135,7 +135,8 @@ class DecodePackage:
         if not mine:
             threading.Thread(target=self._wait_for_other, daemon=True, name="kvboost-aot-wait").start()
         elif _BUILD_LOCK.acquire(blocking=False):  # spawned now: a process that exits at once still gets its build
-            self._watch(job, self._spawn(job))
+            threading.Thread(target=self._watch, args=(job, self._spawn(job)), daemon=True,
+                             name="kvboost-aot-build").start()
         else:  # after this process's running build
             threading.Thread(target=self._queued, args=(job,), daemon=True, name="kvboost-aot-queue").start()
 
@@ -156,32 +157,27 @@ class DecodePackage:
 
     def _queued(self, job: Path) -> None:
         _BUILD_LOCK.acquire()
-        self._watch(job, self._spawn(job), wait=True)
+        self._watch(job, self._spawn(job))
 
-    def _watch(self, job: Path, child: subprocess.Popen | None, wait: bool = False) -> None:
-        """Wait for the child (on a thread unless `wait`), then load its package; releases _BUILD_LOCK."""
-        def finish() -> None:
-            try:
-                if child is None:
-                    return self._finish(self.spawn_error, self.path.with_suffix(".log"))
-                code = child.wait()
-                _forget(job, self.lock if _lock_holder(self.lock) == child.pid else None)
-                self._finish(f"exit {code}", self.path.with_suffix(".log"))
-            finally:
-                _BUILD_LOCK.release()
-
-        if wait:
-            finish()
-        else:
-            threading.Thread(target=finish, daemon=True, name="kvboost-aot-build").start()
+    def _watch(self, job: Path, child: subprocess.Popen | None) -> None:
+        """Wait for the child, then load its package; releases _BUILD_LOCK."""
+        try:
+            if child is None:
+                return self._finish(self.spawn_error)
+            code = child.wait()
+            _forget(job, self.lock if _lock_holder(self.lock) == child.pid else None)
+            self._finish(f"exit {code}")
+        finally:
+            _BUILD_LOCK.release()
 
     def _wait_for_other(self) -> None:
         while _holder_alive(self.lock):
             time.sleep(POLL_S)
-        self._finish(f"the process that held {self.lock} ended", self.path.with_suffix(".log"))
+        self._finish(f"the process that held {self.lock} ended")
 
-    def _finish(self, outcome: str, log_path: Path) -> None:
+    def _finish(self, outcome: str) -> None:
         global _building
+        log_path = self.path.with_suffix(".log")
         try:
             if self.path.exists():
                 self._load()

@@ -7,14 +7,9 @@ from typing import Any
 
 from transformers import GenerationMixin
 
-
-def _installed_name() -> str:
-    # prepare_inputs_for_generation takes the cache under the name this version's forwards take.
-    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-CACHE_ARG: str = _installed_name()
+# prepare_inputs_for_generation takes the cache under the name this version's forwards take.
+_PARAMS = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+CACHE_ARG: str = "cache" if "cache" in _PARAMS else "past_key_values"
 
 
 def cache_kwargs(cache: Any) -> dict[str, Any]:

@@ -95,9 +95,7 @@ class CompiledStep:
         self._compiled = self._compile()
 
     def _compile(self) -> Callable[..., torch.Tensor]:
-        if self.packed:
-            return torch.compile(self._fn, dynamic=None, options=dict(PACKED_GEMM_OPTIONS))
-        return torch.compile(self._fn, dynamic=None)
+        return torch.compile(self._fn, dynamic=None, options=dict(PACKED_GEMM_OPTIONS) if self.packed else None)
 
     def __call__(self, *args) -> torch.Tensor:
         """The compiled function's result; StepNotCompiled where dynamo would run it eagerly instead."""

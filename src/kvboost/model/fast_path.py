@@ -15,11 +15,10 @@ from .runner import ModelRunner, static_path_unsupported_reason
 
 def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) -> dict:
     """cache_stats()["fast_path"]: the runner's mode, why, and its step counts."""
-    fast = {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
+    return {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
             "decode_kernels": runner.decode_kernels if runner else None,
             "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
             **(runner.stats.as_dict() if runner else {})}
-    return fast
 
 
 def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,

@@ -49,15 +49,12 @@ def resolve_attention(choice: str, model: torch.nn.Module) -> tuple[str, str]:
         return "sdpa", "torch SDPA, cuDNN excluded"
     from .attention.backend import select_backend
 
-    picked, why = select_backend(device, next(model.parameters()).dtype, _head_dim(model))
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    picked, why = select_backend(device, next(model.parameters()).dtype, head_dim)
     if picked == "triton":
         return "triton", f"auto on cuda: {why}"
     return "sdpa", f"torch SDPA, cuDNN excluded (auto on cuda: {why})"
-
-
-def _head_dim(model: torch.nn.Module) -> int:
-    config = model.config.get_text_config()
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def attention_context(model: torch.nn.Module, backend: str) -> AbstractContextManager:

@@ -34,15 +34,11 @@ class CaptureRefused(CaptureFailed):
     """Too little device memory to capture now: nothing was run or captured, and a later capture may succeed."""
 
 
-def capture_room(device: torch.device) -> int:
-    """Device memory a capture can have: the driver's free memory plus the allocator's unused cache."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 def capture_refusal(device: torch.device) -> str | None:
-    """Why a CUDA graph must not be captured on `device` now (None: it may)."""
-    room = capture_room(device)
+    """Why a CUDA graph must not be captured on `device` now (None: it may). A capture can have the driver's free
+    memory plus the allocator's unused cache."""
+    free, _ = torch.cuda.mem_get_info(device)
+    room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if room < CAPTURE_MIN_FREE_BYTES:
         return (f"{room >> 20} MiB of device memory free, under the {CAPTURE_MIN_FREE_BYTES >> 20} MiB a capture "
                 "needs")
@@ -69,20 +65,16 @@ def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda
             with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 out = run()
         except Exception as exc:  # an op that cannot be captured (a host sync somewhere in the model)
-            abandon_capture(device, main, pool)
+            # When ending a failed capture fails, torch's graph context neither restores the stream nor stops routing
+            # allocations to the graph's pool: undone here.
+            torch.cuda.set_stream(main)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            try:
+                torch._C._cuda_endAllocateToPool(index, pool)  # noqa: SLF001 - the only handle on this torch state
+            except (RuntimeError, AttributeError):
+                pass  # the capture had ended (or never began) in the allocator already
             raise CaptureFailed(exc) from exc
     return graph, out
-
-
-def abandon_capture(device: torch.device, stream: torch.cuda.Stream, pool: Any) -> None:
-    """Undo what torch's graph context leaves behind when its capture fails: when ending the capture fails, it neither
-    restores the stream nor stops routing allocations to the graph's pool."""
-    torch.cuda.set_stream(stream)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        torch._C._cuda_endAllocateToPool(index, pool)  # noqa: SLF001 - the only handle on this torch state
-    except (RuntimeError, AttributeError):
-        pass  # the capture had ended (or never began) in the allocator already
 
 
 @dataclass
@@ -102,15 +94,6 @@ class GraphSteps:
     fallback_on_failure: bool
     stats: RunnerStats
     failure: str | None
-
-    def _run(self, step: Any) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _device(self) -> torch.device:
-        raise NotImplementedError
-
-    def _forget_graphs(self) -> None:
-        raise NotImplementedError
 
     def _execute(self, step: Any) -> torch.Tensor:
         self.stats.counts["steps"] += 1
@@ -133,13 +116,10 @@ class GraphSteps:
             self.stats.counts["capture_refusals"] += 1
             log.warning("kvboost: CUDA graph capture refused (%s); this step runs eagerly", refused.cause)
         except CaptureFailed as failed:
-            self._give_up_graphs(failed.cause)
-
-    def _give_up_graphs(self, exc: Exception) -> None:
-        if not self.fallback_on_failure:
-            raise exc
-        self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        log.warning("kvboost: CUDA graph capture failed (%s); these steps run eagerly", self.failure)
-        self.stats.counts["capture_failures"] += 1
-        self.mode = "eager"
-        self._forget_graphs()
+            if not self.fallback_on_failure:
+                raise failed.cause from None
+            self.failure = f"{type(failed.cause).__name__}: {str(failed.cause).splitlines()[0][:200]}"
+            log.warning("kvboost: CUDA graph capture failed (%s); these steps run eagerly", self.failure)
+            self.stats.counts["capture_failures"] += 1
+            self.mode = "eager"
+            self._forget_graphs()

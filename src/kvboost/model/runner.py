@@ -179,15 +179,8 @@ class ModelRunner(GraphSteps):
         size = bucket_for(n, self.buckets)
         if size is None:
             raise ValueError(f"{n} tokens: more than the largest bucket ({self.max_tokens}); use the eager path")
-        self._ensure_capacity(start + size, keep=start)
-        step = self._step(("seq", size))
-        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
-        step.ids[0, :n].copy_(ids.reshape(-1), non_blocking=True)
-        torch.arange(start, start + size, out=step.positions)
-        step.ends.fill_(start + size)
+        step = self._row_step(("seq", size), tokens, start)
         step.last.fill_(n - 1)
-        set_length(step.cache, start)
-        step.end = start + size
         return self._execute(step)
 
     def verify(self, tokens: Sequence[int], start: int) -> torch.Tensor:
@@ -199,14 +192,20 @@ class ModelRunner(GraphSteps):
             size = max(n, 2)
         if size is None:
             raise ValueError(f"{n} tokens: more than the largest bucket ({self.max_tokens})")
+        return self._execute(self._row_step(("verify", size), tokens, start))[:n]
+
+    def _row_step(self, key: tuple[str, int], tokens: Sequence[int] | torch.Tensor, start: int) -> _Step:
+        """The one-row step `key`, fed `tokens` at positions [start, start + n) after [0, start) of the workspace."""
+        size = key[1]
         self._ensure_capacity(start + size, keep=start)
-        step = self._step(("verify", size))
-        step.ids[0, :n].copy_(torch.tensor(list(tokens), dtype=torch.long), non_blocking=True)
+        step = self._step(key)
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(list(tokens), dtype=torch.long)
+        step.ids[0, :len(tokens)].copy_(ids.reshape(-1), non_blocking=True)
         torch.arange(start, start + size, out=step.positions)
         step.ends.fill_(start + size)
         set_length(step.cache, start)
         step.end = start + size
-        return self._execute(step)[:n]
+        return step
 
     def fits_batch(self, n_rows: int) -> bool:
         ws = self.workspace
@@ -226,19 +225,10 @@ class ModelRunner(GraphSteps):
     def decode_batch(self, tokens: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """One decode step for rows 0..n-1: row i feeds tokens[i] at position lengths[i]. Returns float32 logits [n,
         vocab], overwritten by the next call; rows past n up to the bucket compute throwaway tokens at position 0."""
-        n = len(tokens)
-        rows = self._decode_rows(n)
+        rows = self._decode_rows(len(tokens))
         if rows is None:
-            raise ValueError(f"{n} rows do not fit a batch bucket of this workspace; use the eager path")
-        self._ensure_capacity(max(lengths) + 1, keep=max(lengths))
-        step = self._step(("rows", rows))
-        pad = rows - n
-        step.ids[:, 0].copy_(torch.tensor(list(tokens) + [0] * pad, dtype=torch.long), non_blocking=True)
-        step.positions[:, 0].copy_(torch.tensor(list(lengths) + [0] * pad, dtype=torch.long), non_blocking=True)
-        step.ends.copy_(step.positions[:, 0] + 1)
-        set_length(step.cache, max(lengths))
-        step.end = max(lengths) + 1
-        return self._execute(step)[:n]
+            raise ValueError(f"{len(tokens)} rows do not fit a batch bucket of this workspace; use the eager path")
+        return self._rows_step(("rows", rows), [[token] for token in tokens], lengths)
 
     def _verify_rows(self, n_rows: int) -> int | None:
         """The rows a batched verify of n_rows rows runs (compiled: exactly, like _decode_rows), or None."""
@@ -264,13 +254,18 @@ class ModelRunner(GraphSteps):
         rows = self._verify_rows(n)
         if rows is None or self.verify_width(n, width) != width or any(len(t) != width for t in tokens):
             raise ValueError(f"{n} rows x {width} tokens do not fit a batched verify step of this workspace")
+        return self._rows_step(("rows_verify", rows, width), tokens, lengths)
+
+    def _rows_step(self, key: tuple, tokens: Sequence[Sequence[int]], lengths: Sequence[int]) -> torch.Tensor:
+        """Run the batched step `key` (key[1] rows): row i feeds tokens[i] at [lengths[i], lengths[i] + W); rows past
+        n compute throwaway tokens at [0, W)."""
+        n, width, pad = len(tokens), len(tokens[0]), key[1] - len(tokens)
         self._ensure_capacity(max(lengths) + width, keep=max(lengths))
-        step = self._step(("rows_verify", rows, width))
-        pad = rows - n
+        step = self._step(key)
         ids = [list(t) for t in tokens] + [[0] * width] * pad
         step.ids.copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        starts = torch.tensor(list(lengths) + [0] * pad, dtype=torch.long).to(step.positions.device)
-        torch.add(starts[:, None], torch.arange(width, device=starts.device), out=step.positions)
+        starts = torch.tensor(list(lengths) + [0] * pad, dtype=torch.long)
+        step.positions.copy_(starts[:, None] + torch.arange(width), non_blocking=True)
         step.ends.copy_(step.positions[:, -1] + 1)
         set_length(step.cache, max(lengths))
         step.end = max(lengths) + width
@@ -284,18 +279,16 @@ class ModelRunner(GraphSteps):
             # Compiled steps attend over views of exactly the valid keys; a length of 1 would compile another graph
             # (torch specializes sizes 0 and 1), so that step runs eagerly.
             compiled = step.end >= 2
-            set_views(step.cache, self.workspace, step.end if compiled else None, rows=self._view_rows(step))
+            set_views(step.cache, self.workspace, step.end if compiled else None, rows=step.ids.shape[0])
         packaged = self.package is not None and self.package.step is not None and step.end >= 2
         with static_attention(self.model):
-            if packaged:
-                logits = self._packaged_logits(step)
-            if not packaged or logits is None:
+            logits = self._packaged_logits(step) if packaged else None
+            if logits is None:
                 logits = self._compiled_logits(step, position_ids, keep) if compiled else \
                     self._logits(step.ids, position_ids, step.cache, step.ends, keep)  # [B, kept, vocab]
-        if step.all_logits:
-            return logits[0] if step.last is not None else logits  # [T, vocab], or [B, W, vocab] of rows
-        logits = logits[:, -1]  # [B, vocab]
-        return logits[0] if step.last is not None else logits
+        if not step.all_logits:
+            logits = logits[:, -1]  # [B, vocab]
+        return logits[0] if step.last is not None else logits  # one row: [T, vocab] (verify) or [vocab]
 
     def _packaged_logits(self, step: _Step) -> torch.Tensor | None:
         """The batch-1 decode step from the package: logits [1, 1, vocab]; None where it failed (then for good, said in
@@ -326,12 +319,8 @@ class ModelRunner(GraphSteps):
                 runner.failure = failure
             log.warning("kvboost: %s", failure)
             # the eager step reads the whole buffer, masked by ends
-            set_views(step.cache, self.workspace, None, rows=self._view_rows(step))
+            set_views(step.cache, self.workspace, None, rows=step.ids.shape[0])
             return self._logits(step.ids, position_ids, step.cache, step.ends, keep)
-
-    @staticmethod
-    def _view_rows(step: _Step) -> int:
-        return step.key[1] if step.key[0].startswith("rows") else 1
 
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache, ends: torch.Tensor | None,
                 keep: int | torch.Tensor) -> torch.Tensor:
@@ -364,38 +353,23 @@ class ModelRunner(GraphSteps):
             self.generation = self.workspace.generation
         step = self.steps.get(key)
         if step is None:
-            kind, size = key[0], key[1]
-            device = self.workspace.device
-
-            def zeros(*shape: int, dtype=torch.long) -> torch.Tensor:
-                return torch.zeros(*shape, dtype=dtype, device=device)
-
-            if kind == "rows_verify":  # `size` rows, key[2] tokens each
-                positions = zeros(size, key[2])
-                step = _Step(key, zeros(size, key[2]), positions, zeros(size, dtype=torch.int32), None,
-                             static_cache(self.workspace, positions, rows=size), all_logits=True)
-                if self._runs_compiled(key):  # one graph for every row count and width
-                    for tensor in (step.ids, step.positions, step.ends):
-                        for dim in range(tensor.dim()):
-                            torch._dynamo.maybe_mark_dynamic(tensor, dim)
-            elif kind in ("seq", "verify"):  # one row, `size` tokens
-                positions = zeros(size)
-                step = _Step(key, zeros(1, size), positions, zeros(1, dtype=torch.int32), zeros(1),
-                             static_cache(self.workspace, positions), all_logits=kind == "verify")
-            else:  # `size` rows, one token each
-                positions = zeros(size, 1)
-                step = _Step(key, zeros(size, 1), positions, zeros(size, dtype=torch.int32), None,
-                             static_cache(self.workspace, positions, rows=size))
-                if self._runs_compiled(key):  # one graph for every row count
-                    for tensor in (step.ids, step.positions, step.ends):
-                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            kind, device = key[0], self.workspace.device
+            one_row = kind in ("seq", "verify")  # one row of key[1] tokens; else key[1] rows of 1 or key[2] tokens
+            rows, width = (1, key[1]) if one_row else (key[1], key[2] if kind == "rows_verify" else 1)
+            positions = torch.zeros(*((width,) if one_row else (rows, width)), dtype=torch.long, device=device)
+            step = _Step(key, torch.zeros(rows, width, dtype=torch.long, device=device), positions,
+                         torch.zeros(rows, dtype=torch.int32, device=device),
+                         torch.zeros(1, dtype=torch.long, device=device) if one_row else None,
+                         static_cache(self.workspace, positions, rows=rows), all_logits="verify" in kind)
             if self.mode == "compiled":  # one graph for every capacity, not one per workspace size
                 for layer in step.cache.layers:
                     torch._dynamo.mark_dynamic(layer.keys, 2)
                     torch._dynamo.mark_dynamic(layer.values, 2)
-                if self._runs_compiled(key) and kind == "verify":  # ... and one for every draft count
-                    torch._dynamo.maybe_mark_dynamic(step.ids, 1)
-                    torch._dynamo.maybe_mark_dynamic(step.positions, 0)
+            if self._runs_compiled(key):  # ... for every row count (batched steps) and token count (verify steps)
+                row_axes = [(step.ids, 0), (step.positions, 0), (step.ends, 0)] if kind.startswith("rows") else []
+                token_axes = [(step.ids, 1), (step.positions, positions.dim() - 1)] if "verify" in kind else []
+                for tensor, dim in row_axes + token_axes:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
             self.steps[key] = step
         return step
 

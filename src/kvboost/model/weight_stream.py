@@ -13,7 +13,8 @@ its host copies, so state_dict and fingerprints read the weights, never a slot's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -41,21 +42,12 @@ def _tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     return out
 
 
-def _layout(tensors: list[tuple[nn.Module, str, torch.Tensor]]) -> tuple[list[int], int]:
-    offsets, size = [], 0
-    for _, _, t in tensors:
-        offsets.append(size)
-        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    return offsets, size
-
-
 @dataclass
 class StreamPlan:
     resident: list[int]  # decoder layer indices kept on the device
     streamed: list[int]  # in forward order
     slots: int  # device buffers for streamed layers in flight
     slot_bytes: int
-    fixed_bytes: int  # everything not in a streamed layer's buffer
 
 
 def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth: int = 2) -> StreamPlan:
@@ -64,7 +56,7 @@ def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth:
         raise ValueError(f"weight_budget_bytes={budget:,}: the embedding, head and norms alone take {fixed_bytes:,}")
     n = len(layer_bytes)
     if fixed_bytes + sum(layer_bytes) <= budget:
-        return StreamPlan(list(range(n)), [], 0, 0, fixed_bytes)
+        return StreamPlan(list(range(n)), [], 0, 0)
     slot = max(layer_bytes)
     slots = min(max(depth, 1), n)
     while slots > 1 and fixed_bytes + slots * slot > budget:  # a shallower prefetch before refusing
@@ -80,42 +72,34 @@ def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth:
     while sum(layer_bytes[i] for i in resident) > room:  # evenly spread ones may be the larger layers
         resident.pop()
     streamed = [i for i in range(n) if i not in resident]
-    return StreamPlan(resident, streamed, min(slots, len(streamed)), slot, fixed_bytes)
+    return StreamPlan(resident, streamed, min(slots, len(streamed)), slot)
 
 
 @dataclass
 class _Streamed:
-    index: int
     tensors: list[tuple[nn.Module, str, torch.Tensor]]  # owner, name, the host copy (a view of `host`)
     offsets: list[int]
     host: torch.Tensor  # uint8, the layer's bytes
     ready: object = None  # the copy's event (CUDA)
 
 
-@dataclass
-class StreamStats:
-    copies: int = 0
-    bytes_copied: int = 0
-    pinned: bool = True
-    unpinned_reason: str | None = None
-    counts: dict = field(default_factory=dict)
-
-
 class WeightStreamer:
     """Streams the plan's layers through `plan.slots` device slots; installed by forward hooks on those layers."""
 
     def __init__(self, model: nn.Module, plan: StreamPlan, device: torch.device):
-        self.plan, self.device, self.stats = plan, device, StreamStats()
+        self.plan, self.device = plan, device
+        self.copies = self.bytes_copied = 0
+        self.unpinned_reason: str | None = None  # why the host copies are not page-locked
         layers = decoder_layers(model)
         self.layers: list[_Streamed] = []
         for i in plan.streamed:
             tensors = _tensors(layers[i])
-            offsets, size = _layout(tensors)
+            *offsets, size = accumulate((-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t in tensors),
+                                        initial=0)
             host, why = pinned_empty((size,), torch.uint8) if device.type == "cuda" else \
                 (torch.empty(size, dtype=torch.uint8), None)
-            if why is not None:
-                self.stats.pinned, self.stats.unpinned_reason = False, why
-            entry = _Streamed(i, [], offsets, host)
+            self.unpinned_reason = why or self.unpinned_reason
+            entry = _Streamed([], offsets, host)
             for (owner, name, t), offset in zip(tensors, offsets):
                 view = self._view(host, offset, t)
                 view.copy_(t.detach())
@@ -163,8 +147,8 @@ class WeightStreamer:
                 entry.ready.record(self.copy_stream)
         self.where[k], self.in_slot[slot] = slot, k
         self.next_slot = (slot + 1) % len(self.slots)
-        self.stats.copies += 1
-        self.stats.bytes_copied += entry.host.numel()
+        self.copies += 1
+        self.bytes_copied += entry.host.numel()
 
     def _before(self, k: int):
         def hook(module, args):
@@ -190,9 +174,9 @@ class WeightStreamer:
 
     def as_dict(self) -> dict:
         return {"resident_layers": self.plan.resident, "streamed_layers": self.plan.streamed,
-                "slots": self.plan.slots, "slot_bytes": self.plan.slot_bytes, "copies": self.stats.copies,
-                "bytes_copied": self.stats.bytes_copied, "pinned": self.stats.pinned,
-                "unpinned_reason": self.stats.unpinned_reason}
+                "slots": self.plan.slots, "slot_bytes": self.plan.slot_bytes, "copies": self.copies,
+                "bytes_copied": self.bytes_copied, "pinned": self.unpinned_reason is None,
+                "unpinned_reason": self.unpinned_reason}
 
 
 def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: int = 2) -> WeightStreamer | None:

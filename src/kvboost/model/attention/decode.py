@@ -9,17 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .support import (
-    KernelUnsupportedError,
-    check_lengths,
-    dot_in_fp32,
-    kernel_refusal,
-    last_dim_contiguous,
-    padded_head_dim,
-)
-from .tiles import attend_tiles, load_group_queries, split_frame, store_partial
+from .support import LOG2E, KernelUnsupportedError, dot_in_fp32, kernel_inputs, padded_head_dim
+from .tiles import attend_tiles
 
-LOG2E = 1.4426950408889634
 INTERPRETER_SMS = 132  # the SM count assumed off CUDA (an H100's): plans stay the same on CPU as on the GPU
 MIN_SPLIT_TILES = 2  # a shorter split costs more in partial traffic and reduce work than its parallelism saves
 WAVES = 1  # programs per SM the split count aims for (a 128-row program fills an SM's registers)
@@ -50,14 +42,30 @@ def _split_kernel(Q, K, V, MidO, MidL, Ends, Valid,
     end = kv_len
     if HAS_ENDS:
         end = tl.maximum(tl.minimum(tl.load(Ends + b).to(tl.int32), kv_len), 0)
-    rows, row_ok, qi, diag, lo, split_end, hi, full = split_frame(tile, split, split_len, end, q_len,
-                                                                   GROUP, BLOCK_M, BLOCK_N)
+    # The program's rows (row r: query r // GROUP of head r % GROUP) and the split's keys [lo, split_end): query i sees
+    # keys j <= i + diag, none of the block's queries a key past hi, and all of them the tiles below `full` (no mask).
+    diag = end - q_len
+    n_rows = GROUP * q_len
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    qi = rows // GROUP
+    first_q = tile * BLOCK_M // GROUP
+    last_q = (tl.minimum(tile * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP
+    lo = split * split_len
+    split_end = tl.minimum(lo + split_len, end)
+    hi = tl.maximum(tl.minimum(split_end, last_q + diag + 1), lo)
+    full = lo + tl.maximum(tl.minimum(split_end, first_q + diag + 1) - lo, 0) // BLOCK_N * BLOCK_N
     lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     # MidO/MidL are [B * Hkv, n_splits, GROUP * q, (HEAD_DIM)]: this program's block is contiguous.
     l_ptrs = MidL + pid_bh.to(tl.int64) * stride_lb + split * stride_ls + rows
     if hi > lo:  # else: past the row's end, or above the causal diagonal of every row: no load at all
-        q, offs_d, d_ok = load_group_queries(Q + b64 * stride_qb, hk, rows, row_ok, qi, stride_qh, stride_qm,
-                                             HEAD_DIM, D_PAD, GROUP, DOT_F32)  # [M, D]
+        head = (hk * GROUP + rows % GROUP).to(tl.int64)
+        offs_d = tl.arange(0, D_PAD)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+        if DOT_F32:
+            q = q.to(tl.float32)
         k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
         v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
         valid_base = Valid + b64 * stride_valid_b  # stride 0 (and never read) without a padding vector
@@ -76,8 +84,13 @@ def _split_kernel(Q, K, V, MidO, MidL, Ends, Valid,
             acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
                                          qi, offs_d, full, hi, split_end, diag, qk_scale,
                                          HEAD_DIM, D_PAD, BLOCK_N, True, False, IEEE, DOT_F32)
-        lse = store_partial(acc, l_i, m_i, MidO + pid_bh.to(tl.int64) * stride_ob + split * stride_os, rows, row_ok,
-                            offs_d, d_ok, HEAD_DIM)
+        # The split's normalized output, and each row's log2-sum-exp (-inf: it saw no key).
+        seen = l_i > 0.0
+        l_safe = tl.where(seen, l_i, 1.0)
+        lse = tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf"))
+        o_base = MidO + pid_bh.to(tl.int64) * stride_ob + split * stride_os
+        tl.store(o_base + rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+                 mask=(row_ok & seen)[:, None] & d_ok[None, :])
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
@@ -187,17 +200,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      key_valid: torch.Tensor | None = None, split_len: int | None = None,
                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Split-K attention, arguments and result as prefill.prefill_attention (KernelUnsupportedError)."""
-    reason = kernel_refusal(query, key, value)
-    if reason:
-        raise KernelUnsupportedError(reason)
+    query, key, value, kv_len, ends, key_valid = kernel_inputs(query, key, value, kv_len, ends, key_valid)
     b, hq, q_len, d = query.shape
-    hkv, kv_cap = key.shape[1], key.shape[2]
+    hkv = key.shape[1]
     group = hq // hkv
-    kv_len = kv_cap if kv_len is None else int(kv_len)
-    if not 0 <= kv_len <= kv_cap:
-        raise KernelUnsupportedError(f"kv_len {kv_len} outside the key tensor's {kv_cap} columns")
-    ends, key_valid = check_lengths(ends, key_valid, b, kv_len, query.device)
-    query, key, value = last_dim_contiguous(query, key, value)
     plan = split_plan(q_len, kv_len, b, hq, hkv, d, query.dtype, sm_count(query.device), split_len=split_len,
                       block_m=block_m, block_n=block_n)
     out = torch.empty(b, q_len, hq, d, dtype=query.dtype, device=query.device).transpose(1, 2)
@@ -220,25 +226,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         HAS_ENDS=ends is not None, HAS_VALID=key_valid is not None, IEEE=query.dtype == torch.float32,
         DOT_F32=dot_in_fp32(query.dtype), num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    reduce_splits(mid_o, mid_l, out, ends, kv_heads=hkv, kv_len=kv_len, plan=plan)
-    return out
-
-
-def reduce_splits(mid_o: torch.Tensor, mid_l: torch.Tensor, out: torch.Tensor, ends: torch.Tensor | None, *,
-                  kv_heads: int, kv_len: int, plan: SplitPlan) -> None:
-    """Merge split partials into out [B, Hq, q, d] by log-sum-exp: mid_o [B * Hkv, splits, GROUP * q, d] and mid_l [B *
-    Hkv, splits, GROUP * q] (fp32), as _split_kernel writes them."""
-    b, hq, q_len, d = out.shape
-    group = hq // kv_heads
-    rows = group * q_len
-    ends_arg = ends if ends is not None else mid_l  # a dummy pointer, never read without HAS_ENDS
-    # Fixed reduce tiles (masked where rows or splits are fewer): one compile per head dim, group and flags.
-    reduce_m, reduce_s = REDUCE_BLOCK_M, REDUCE_BLOCK_S
-    _reduce_kernel[(triton.cdiv(rows, reduce_m), b * kv_heads)](
+    # Merge the partials by log-sum-exp, in fixed reduce tiles (masked where rows or splits are fewer): one compile per
+    # head dim, group and flags.
+    _reduce_kernel[(triton.cdiv(rows, REDUCE_BLOCK_M), b * hkv)](
         mid_o, mid_l, out, ends_arg,
         mid_o.stride(0), mid_o.stride(1), mid_l.stride(0), mid_l.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        kv_heads, q_len, kv_len, plan.split_len, plan.n_splits,
-        HEAD_DIM=d, D_PAD=padded_head_dim(d), GROUP=group, BLOCK_M=reduce_m, BLOCK_S=reduce_s,
-        HAS_ENDS=ends is not None, num_warps=8 if reduce_m * reduce_s * padded_head_dim(d) > 4096 else 4,
+        hkv, q_len, kv_len, plan.split_len, plan.n_splits,
+        HEAD_DIM=d, D_PAD=padded_head_dim(d), GROUP=group, BLOCK_M=REDUCE_BLOCK_M, BLOCK_S=REDUCE_BLOCK_S,
+        HAS_ENDS=ends is not None, num_warps=8 if REDUCE_BLOCK_M * REDUCE_BLOCK_S * padded_head_dim(d) > 4096 else 4,
     )
+    return out

@@ -16,7 +16,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from .backend import dispatch
 from .reference import bottom_right_mask, sdpa_with_mask
-from .switch import switch_unsupported_reason, switched_attention
+from .switch import switch_unsupported_reason as unsupported_reason  # noqa: F401 - the package's public name
+from .switch import switched_attention
 
 KVBOOST_ATTENTION = "kvboost_attention"
 _EAGER_ONLY = ("softcap", "s_aux", "sinks")  # scores must be transformed before softmax: SDPA cannot
@@ -152,11 +153,6 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
 AttentionInterface.register(KVBOOST_ATTENTION, kvboost_attention_forward)
 AttentionMaskInterface.register(KVBOOST_ATTENTION, kvboost_mask)
-
-
-def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why switching this model's attention does nothing (None: its layers dispatch through AttentionInterface)."""
-    return switch_unsupported_reason(model)
 
 
 @contextmanager

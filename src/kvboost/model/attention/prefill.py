@@ -6,17 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .support import (
-    KernelUnsupportedError,
-    check_lengths,
-    dot_in_fp32,
-    kernel_refusal,
-    last_dim_contiguous,
-    padded_head_dim,
-)
+from .support import LOG2E, dot_in_fp32, kernel_inputs, padded_head_dim
 from .tiles import attend_tiles
-
-LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) = exp2(x * log2(e))
 
 
 # Lengths, and strides that follow them, are not specialized (== 1 / % 16): a new length must not recompile.
@@ -101,16 +92,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       block_n: int | None = None) -> torch.Tensor:
     """Attention of query [B, Hq, q, d] over the first kv_len keys of key/value [B, Hkv, kv, d]. ends [B]: valid
     lengths; key_valid [B, >= kv_len]: True = may attend. Returns [B, Hq, q, d], a view of a [B, q, Hq, d] buffer."""
-    reason = kernel_refusal(query, key, value)
-    if reason:
-        raise KernelUnsupportedError(reason)
+    query, key, value, kv_len, ends, key_valid = kernel_inputs(query, key, value, kv_len, ends, key_valid)
     b, hq, q_len, d = query.shape
-    hkv, kv_cap = key.shape[1], key.shape[2]
-    kv_len = kv_cap if kv_len is None else int(kv_len)
-    if not 0 <= kv_len <= kv_cap:
-        raise KernelUnsupportedError(f"kv_len {kv_len} outside the key tensor's {kv_cap} columns")
-    ends, key_valid = check_lengths(ends, key_valid, b, kv_len, query.device)
-    query, key, value = last_dim_contiguous(query, key, value)
+    hkv = key.shape[1]
     bm, bn, warps, stages = default_blocks(d, query.dtype)
     bm, bn = block_m or bm, block_n or bn
     out = torch.empty(b, q_len, hq, d, dtype=query.dtype, device=query.device).transpose(1, 2)

@@ -10,6 +10,7 @@ import torch
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MIN_BLOCK_DIM = 16  # tl.dot needs every matmul dimension >= 16, so tiny head dims are padded up to it
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: exp(x) = exp2(x * log2(e))
 
 
 class KernelUnsupportedError(ValueError):
@@ -63,26 +64,31 @@ def kernel_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     return None
 
 
-def check_lengths(ends: torch.Tensor | None, key_valid: torch.Tensor | None, batch: int, kv_cap: int,
-                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Validate (by shape only) per-row `ends` (kept as is when int32/int64 on `device`, else converted to int32)
-    and convert `key_valid` to uint8 for the kernels. Never reads a value: safe inside a CUDA-graph capture."""
+def kernel_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: int | None,
+                  ends: torch.Tensor | None, key_valid: torch.Tensor | None) -> tuple:
+    """The kernels' checked inputs: (query, key, value with d contiguous, kv_len, ends, key_valid), refusals raised as
+    KernelUnsupportedError. `ends` stays as is when int32/int64 on the query's device (else int32), `key_valid` becomes
+    uint8. Checked on shapes only, never reading a value: safe inside a CUDA-graph capture."""
+    reason = kernel_refusal(query, key, value)
+    if reason:
+        raise KernelUnsupportedError(reason)
+    batch, kv_cap, device = query.shape[0], key.shape[2], query.device
+    kv_len = kv_cap if kv_len is None else int(kv_len)
+    if not 0 <= kv_len <= kv_cap:
+        raise KernelUnsupportedError(f"kv_len {kv_len} outside the key tensor's {kv_cap} columns")
     if ends is not None:
         if ends.shape != (batch,):
             raise KernelUnsupportedError(f"ends must be [B] = [{batch}], got {tuple(ends.shape)}")
         if ends.dtype not in (torch.int32, torch.int64) or ends.device != device:
             ends = ends.to(device=device, dtype=torch.int32)
     if key_valid is not None:
-        if key_valid.dim() != 2 or key_valid.shape[0] != batch or key_valid.shape[1] < kv_cap:
-            raise KernelUnsupportedError(f"key_valid must be [B, >= kv] = [{batch}, {kv_cap}], "
+        if key_valid.dim() != 2 or key_valid.shape[0] != batch or key_valid.shape[1] < kv_len:
+            raise KernelUnsupportedError(f"key_valid must be [B, >= kv] = [{batch}, {kv_len}], "
                                          f"got {tuple(key_valid.shape)}")
         key_valid = key_valid.to(device=device, dtype=torch.bool)
         if key_valid.stride(-1) != 1:
             key_valid = key_valid.contiguous()
         key_valid = key_valid.view(torch.uint8)  # triton loads bytes; bool pointers are awkward across versions
-    return ends, key_valid
-
-
-def last_dim_contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The kernels index [b, h, s] by strides but read d as contiguous lanes."""
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+    # The kernels index [b, h, s] by strides but read d as contiguous lanes.
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return query, key, value, kv_len, ends, key_valid

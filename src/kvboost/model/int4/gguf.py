@@ -30,9 +30,13 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
     stored codes, built for `device` (its tensors stay in host memory); returns how many. `model` is the file's model
     (loaded from it, or from a conversion of it). cache_dir: where decoded layers are kept ($KVBOOST_CACHE_DIR/int4
     when loading.py calls)."""
+    import xxhash
     from safetensors.torch import load_file, save_file
 
-    cache = _cache_path(Path(path), cache_dir)
+    path = Path(path)
+    stat = path.resolve().stat()
+    key = xxhash.xxh3_64_hexdigest(f"{CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    cache = cache_dir / f"{path.stem}-{key}.safetensors"
     tensors = None
     if cache.exists():
         try:
@@ -42,23 +46,19 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
             log.warning("kvboost: INT4 cache %s unreadable (%s); decoding %s again", cache, exc, path)
             tensors = None
     if tensors is None:
-        tensors = _to_tensors(_decode(model, Path(path)))
+        tensors = {}
+        for name, w in _decode(model, path).items():
+            tensors.update({f"{name}.codes": pack_nibbles(w.codes), f"{name}.scales": w.scales.contiguous(),
+                            f"{name}.zeros": w.zeros.contiguous(), f"{name}.group": torch.tensor([w.group])})
         names = _cached_names(tensors)
         cache.parent.mkdir(parents=True, exist_ok=True)
         partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial")
         save_file(tensors, str(partial))
         partial.replace(cache)  # atomic: a reader never sees half a file
-    for name in names:  # one layer's codes unpacked at a time: the peak stays near the packed bytes
-        replace_linear(model, name, _cached_layer(tensors, name), device)
+    for name in names:  # one layer unpacked at a time, its tensors popped: the peak stays near the packed bytes
+        codes, scales, zeros, group = (tensors.pop(f"{name}.{part}") for part in PARTS)
+        replace_linear(model, name, Int4Weights(unpack_nibbles(codes), scales, zeros, int(group)), device)
     return len(names)
-
-
-def _cache_path(path: Path, cache_dir: Path) -> Path:
-    import xxhash
-
-    stat = path.resolve().stat()
-    key = xxhash.xxh3_64_hexdigest(f"{CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return cache_dir / f"{path.stem}-{key}.safetensors"
 
 
 def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
@@ -86,15 +86,6 @@ def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
     return layers
 
 
-def _to_tensors(layers: dict[str, Int4Weights]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, w in layers.items():
-        out[f"{name}.codes"] = pack_nibbles(w.codes)
-        out[f"{name}.scales"], out[f"{name}.zeros"] = w.scales.contiguous(), w.zeros.contiguous()
-        out[f"{name}.group"] = torch.tensor([w.group])
-    return out
-
-
 PARTS = ("codes", "scales", "zeros", "group")
 
 
@@ -106,12 +97,6 @@ def _cached_names(tensors: dict[str, torch.Tensor]) -> list[str]:
             if f"{name}.{part}" not in tensors:
                 raise KeyError(f"{name}.{part}")
     return names
-
-
-def _cached_layer(tensors: dict[str, torch.Tensor], name: str) -> Int4Weights:
-    """One layer's Int4Weights, its tensors removed from `tensors`."""
-    codes, scales, zeros, group = (tensors.pop(f"{name}.{part}") for part in PARTS)
-    return Int4Weights(unpack_nibbles(codes), scales, zeros, int(group))
 
 
 def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype: torch.dtype,

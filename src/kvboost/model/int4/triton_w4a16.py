@@ -8,7 +8,7 @@ them into a [BLOCK_N, BLOCK_K] weight tile in registers and accumulates tl.dot i
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -16,6 +16,9 @@ import triton.language as tl
 
 from ..attention.support import dot_in_fp32
 from .weights import Int4Weights, pack_nibbles
+
+if TYPE_CHECKING:
+    from .linear import Int4Linear
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -48,17 +51,6 @@ def _w4a16_kernel(X, Packed, Scales, Zeros, Out, M, N, K,
     tl.store(out, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-class PackedInt4(Protocol):
-    """What the kernel reads: W4A16Weights, or an Int4Linear built on CUDA (which holds the same tensors)."""
-
-    out_features: int
-    in_features: int
-    group: int
-    packed: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-
-
 class W4A16Weights:
     """Int4Weights laid out for the kernel on `device`: packed codes [N, K / 2], scales and zeros [N, K / group]."""
 
@@ -70,9 +62,9 @@ class W4A16Weights:
         self.zeros = weights.zeros.float().contiguous().to(device)
 
 
-def w4a16_matmul(x: torch.Tensor, weights: PackedInt4) -> torch.Tensor:
+def w4a16_matmul(x: torch.Tensor, weights: W4A16Weights | Int4Linear) -> torch.Tensor:
     """x [..., K] (fp16, bf16 or fp32) @ W^T -> [..., N] in x's dtype, fp32 accumulation; fp32 inputs multiply in
-    IEEE fp32."""
+    IEEE fp32. `weights`: W4A16Weights, or an Int4Linear of the triton kernel (it holds the same tensors)."""
     flat = x.reshape(-1, weights.in_features).contiguous()
     m = flat.shape[0]
     out = torch.empty(m, weights.out_features, dtype=x.dtype, device=x.device)
