@@ -6,6 +6,7 @@ thirds (the shared system prompt is on every replica, each conversation's own hi
 from __future__ import annotations
 
 import random
+from collections import OrderedDict, deque
 
 import pytest
 
@@ -113,3 +114,55 @@ def _simulate(route_kv: bool, replicas: int = 4, conversations: int = 24, turns:
 def test_kv_aware_routing_serves_the_history_a_round_robin_misses():
     kv_aware, round_robin = _simulate(True), _simulate(False)
     assert kv_aware == 1.0 and round_robin < 0.7  # 0.65: the shared system prompt is on every replica
+
+
+def _simulate_at_scale(router: str, replicas: int = 256, conversations: int = 1536, turns: int = 5,
+                       capacity: int = 96, report_every: int = 64, in_flight: int = 512,
+                       imbalance: int = 2) -> tuple[float, float]:
+    """Chats over 16 shared system prompts, turns interleaved; each replica's cache is an LRU of `capacity` chunk keys;
+    a request stays in flight for `in_flight` arrivals (about 2 per replica). router: "kv" (choose() over reports
+    refreshed every `report_every` requests), "oracle" (choose() over every cache as it is now) or "p2c" (power of two
+    choices, Ray's default). Returns (the share of prompt chunks found in the chosen replica's cache, the busiest
+    replica's requests over the mean)."""
+    rng = random.Random(0)
+    names = [f"r{i}" for i in range(replicas)]
+    cache: dict[str, OrderedDict[str, None]] = {n: OrderedDict() for n in names}
+    report = {n: frozenset() for n in names}
+    queued, served = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    finishing: deque[tuple[int, str]] = deque()
+    systems = [list(range(100_000 + s * 1000, 100_064 + s * 1000)) for s in range(16)]
+    history = {c: systems[c % 16] + rng.sample(range(3000, 90_000), 8) for c in range(conversations)}
+    order = [c for _ in range(turns) for c in rng.sample(range(conversations), conversations)]
+    policy, found, total = RoutingPolicy(imbalance), 0, 0
+    for i, c in enumerate(order):
+        if i % report_every == 0:
+            report = {n: frozenset(cache[n]) for n in names}
+        while finishing and finishing[0][0] <= i:
+            queued[finishing.popleft()[1]] -= 1
+        history[c] = history[c] + rng.sample(range(100, 90_000), 40)
+        keys = _keys(history[c])
+        if router == "p2c":
+            a, b = rng.sample(names, 2)
+            name = a if queued[a] <= queued[b] else b
+        else:
+            held = report if router == "kv" else {n: cache[n].keys() for n in names}
+            name = choose(keys, [ReplicaView(n, queued[n], held[n]) for n in names], policy).replica
+        found += score(keys, ReplicaView(name, 0, cache[name].keys()))[0]
+        total += len(keys.chains)
+        for key in keys.chains:
+            cache[name][key] = None
+            cache[name].move_to_end(key)
+        while len(cache[name]) > capacity:
+            cache[name].popitem(last=False)
+        queued[name] += 1
+        served[name] += 1
+        finishing.append((i + in_flight, name))
+    return found / total, max(served.values()) / (len(order) / replicas)
+
+
+def test_at_256_replicas_routing_from_reports_nears_an_oracle_and_keeps_load_even():
+    (kv_hits, kv_load), (oracle_hits, _) = _simulate_at_scale("kv"), _simulate_at_scale("oracle")
+    p2c_hits, _ = _simulate_at_scale("p2c")
+    assert kv_hits >= 0.95 * oracle_hits  # reports a few requests old cost next to nothing
+    assert kv_load <= 1.3
+    assert kv_hits >= 3 * p2c_hits
