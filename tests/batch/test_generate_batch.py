@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvboost import InvalidRequestError, KVBoost
-from kvboost.batch import broadcast_kv, find_common_chunk_prefix, group_by_prefix
+from kvboost.batch import find_common_chunk_prefix, group_by_prefix
 from kvboost.compat import has_sliding_layers
 from kvboost.sampling import SamplingParams
 from kvboost.scheduler import Scheduler
@@ -22,13 +22,6 @@ def test_find_common_chunk_prefix():
     assert find_common_chunk_prefix([[1, 2, 3, 4, 5], [1, 2, 3, 9]], 2) == 2
     assert find_common_chunk_prefix([[1, 2], [3, 4]], 2) == 0
     assert find_common_chunk_prefix([], 2) == 0
-
-
-def test_broadcast_kv_is_zero_copy(device):
-    k, v = torch.randn(1, 2, 5, 4, device=device), torch.randn(1, 2, 5, 4, device=device)
-    (bk, bv), = broadcast_kv([(k, v)], 3)
-    assert bk.shape == (3, 2, 5, 4) and bk.data_ptr() == k.data_ptr() and bk.stride(0) == 0
-    assert torch.equal(bv[2], v[0])
 
 
 def test_group_by_prefix():

@@ -77,22 +77,22 @@ def test_accept_greedy_keeps_the_agreeing_prefix_and_adds_the_targets_token():
 def test_adaptive_k_follows_acceptance_and_step_cost():
     a = AdaptiveK(8)
     assert a.next_k(100) == 0  # the first step is plain: it times t1
-    a.timed(1, 1.0)
+    a.costs.record(1, 1.0)
     assert a.next_k(100) == 2 and a.next_k(100) == 2  # a short probe until an extra token's cost is measured
-    a.timed(9, 5.0)  # a verify costs 5 steps (one length timed: taken as the cost of every length)
+    a.costs.record(9, 5.0)  # a verify costs 5 steps (one length timed: taken as the cost of every length)
     for _ in range(6):
         a.update(8, 8)
     assert a.next_k(100) == 8 and a.next_k(3) == 3  # high acceptance: long drafts, never past the budget
     for _ in range(6):
-        a.update(a.k, 0)
+        a.update(8, 0)
     assert a.next_k(100) == 1  # low acceptance: a plain step pays more; one probe, then a pause
     skipped = 0
     while a.next_k(100) == 0:
         skipped += 1
     assert skipped >= 4
     burst = AdaptiveK(8)
-    burst.timed(1, 1.0)
-    burst.timed(9, 5.0)
+    burst.costs.record(1, 1.0)
+    burst.costs.record(9, 5.0)
     for _ in range(6):
         burst.update(8, 0)
     burst.update(3, 3)  # a span copied whole: long drafts next, whatever the average says
@@ -100,8 +100,8 @@ def test_adaptive_k_follows_acceptance_and_step_cost():
     burst.update(8, 2)
     assert burst.next_k(100) < 8
     free = AdaptiveK(8)  # GPU-like: extra verified tokens cost ~nothing, so even modest acceptance pays
-    free.timed(1, 1.0)
-    free.timed(9, 1.05)
+    free.costs.record(1, 1.0)
+    free.costs.record(9, 1.05)
     for _ in range(6):
         free.update(4, 1)
     assert free.next_k(100) >= 4
@@ -111,16 +111,16 @@ def test_step_costs_carry_over_to_the_next_request():
     costs = StepCosts()
     first = AdaptiveK(8, costs=costs)
     assert first.next_k(100) == 0  # an engine's first request times a plain step and probes
-    first.timed(1, 1.0)
+    first.costs.record(1, 1.0)
     assert first.next_k(100) == 2
-    first.timed(3, 1.8)
-    first.timed(9, 2.0)
+    first.costs.record(3, 1.8)
+    first.costs.record(9, 2.0)
     second = AdaptiveK(8, costs=costs)  # the next request of the same engine and method
     assert second.costs.t1 == 1.0 and second.costs.base is not None and second.costs.extra is not None
     # No plain first step, no probe: the prior acceptance decides at once. 4-9 tokens are taken at the cost of 3
     # (never timed, or 9: timed once only), so the longest wins.
     assert second.next_k(100) == 8
-    second.timed(1, 3.0)  # and what it measures updates the shared costs for the one after
+    second.costs.record(1, 3.0)  # and what it measures updates the shared costs for the one after
     assert costs.t1 == 0.8 * 1.0 + 0.2 * 3.0
     assert AdaptiveK(8).next_k(100) == 0  # costs of its own: starts cold
 
@@ -179,26 +179,26 @@ def test_verify_cost_is_timed_per_length_with_the_fit_below_and_optimism_above()
     never timed costs what the longest timed one below it did (so it is tried once), or the fit's line below
     every timed length."""
     cpu = AdaptiveK(8)
-    cpu.timed(1, 1.0)
-    cpu.timed(3, 2.0)
+    cpu.costs.record(1, 1.0)
+    cpu.costs.record(3, 2.0)
     assert cpu.costs.extra is None  # no slope yet
     assert cpu.costs.estimate_s(9) == 2.0 and cpu.costs.estimate_s(2) == 2.0
-    cpu.timed(9, 2.2)
+    cpu.costs.record(9, 2.2)
     assert 0.0 < cpu.costs.extra < 0.05 and cpu.costs.estimate_s(3) == 2.0
     assert cpu.costs.estimate_s(9) == 2.0  # timed once only: not trusted above the optimistic figure
-    cpu.timed(9, 2.4)
+    cpu.costs.record(9, 2.4)
     assert cpu.costs.estimate_s(9) == pytest.approx(2.2)  # twice: its own time (the better of the two)
     assert cpu.costs.estimate_s(5) == 2.0 and cpu.costs.estimate_s(2) == pytest.approx(cpu.costs.base)
-    cpu.timed(3, 3.0)
+    cpu.costs.record(3, 3.0)
     assert cpu.costs.estimate_s(3) == pytest.approx(2.0)
     for _ in range(6):
         cpu.update(8, 4)  # a ~ 0.8: half of each proposal kept
     assert cpu.next_k(100) >= 3  # long drafts pay where lengths cost about the same
     # Costs that jump past 4 tokens: 3 drafts (4 tokens) are chosen once every length was timed.
     jump = AdaptiveK(8)
-    jump.timed(1, 1.0)
+    jump.costs.record(1, 1.0)
     for n in list(range(2, 10)) * 2:
-        jump.timed(n, 1.05 if n <= 4 else 2.0)
+        jump.costs.record(n, 1.05 if n <= 4 else 2.0)
     for _ in range(6):
         jump.update(8, 4)  # a ~ 0.8
     assert jump.next_k(100) == 3
@@ -207,17 +207,17 @@ def test_verify_cost_is_timed_per_length_with_the_fit_below_and_optimism_above()
     # One slow outlier the first time a length runs does not rule it out: it is retried, then trusted.
     spike = AdaptiveK(8)
     for n, t in ((1, 1.0), (3, 1.0), (4, 5.0)):
-        spike.timed(n, t)
+        spike.costs.record(n, t)
     assert spike.costs.estimate_s(4) == 1.0
-    spike.timed(4, 1.1)
+    spike.costs.record(4, 1.1)
     assert spike.costs.estimate_s(4) == pytest.approx(1.1)  # the better of its first two timings
-    spike.timed(4, 2.1)
+    spike.costs.record(4, 2.1)
     assert spike.costs.estimate_s(4) == pytest.approx(0.8 * 1.1 + 0.2 * 2.1)  # then a decaying mean
     # A cost growing a plain step per token: nothing beats a plain step once every length was tried.
     linear = AdaptiveK(8)
-    linear.timed(1, 1.0)
+    linear.costs.record(1, 1.0)
     for n in list(range(2, 10)) * 2:
-        linear.timed(n, float(n))
+        linear.costs.record(n, float(n))
     assert abs(linear.costs.extra - 1.0) < 1e-6 and abs(linear.costs.base - 2.0) < 1e-6
     for _ in range(6):
         linear.update(8, 4)

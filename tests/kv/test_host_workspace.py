@@ -34,6 +34,10 @@ def _host(model, mode: str) -> HostWorkspace:
     return HostWorkspace(shapes, dtype, device, resident_bytes=resident, staged=mode != "host")
 
 
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _per_position(shapes: list[LayerShape], dtype: torch.dtype) -> int:
     """Bytes of one position's K and V, every layer."""
     return sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in shapes) * dtype.itemsize
@@ -211,13 +215,14 @@ def test_counters_count_what_crosses(tokenizer, device):
     assert staged.stats.bytes_to_device == (40 + 42) * per_position  # every earlier position, every step
     # The resident positions (the first 24: kept by the prefill) do not cross again.
     assert kept.stats.bytes_to_device == (40 - 24 + 42 - 24) * per_position
-    assert kept.device_nbytes == staged.device_nbytes + RESIDENT_POSITIONS * per_position
+    assert _bytes(*sum(kept.scratch.flat, ())) == _bytes(*sum(staged.scratch.flat, ())) and staged.resident is None
+    assert _bytes(*kept.resident.keys, *kept.resident.values) == RESIDENT_POSITIONS * per_position
     if device.type == "cpu":  # attention over host memory: nothing crosses
         host = _host(model, "host")
         streamed_forward(model, host, ids, 0)
         streamed_forward(model, host, [3], 40)
         assert host.stats.forwards == 2 and host.stats.bytes_to_device == host.stats.bytes_to_host == 0
-        assert host.device_nbytes == 0 and not host.pinned
+        assert host.scratch is None and host.resident is None and not host.pinned
 
 
 def test_copy_heads_copies_a_range_of_positions_of_every_head(device):

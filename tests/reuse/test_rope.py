@@ -13,7 +13,7 @@ import transformers as tf
 
 from kvboost.errors import ModelNotSupportedError
 from kvboost.model.cache_arg import returned_cache
-from kvboost.reuse.rope import RotaryInfo, can_rerotate, rerotate_keys, rotary_info_for
+from kvboost.reuse.rope import RotaryInfo, rerotate_keys, rotary_info_for, rotation_support
 
 from ..devices import assert_on, current
 
@@ -92,7 +92,8 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("p,q", [(3, 40), (40, 3), (0, 77)])
 def test_rerotation_matches_model(name: str, p: int, q: int) -> None:
     model = _model(name)
-    assert can_rerotate(model) == (True, None)
+    infos, reason = rotation_support(model)
+    assert infos is not None and reason is None
     infos = rotary_info_for(model)
     keys_p, keys_q = _keys(model, p), _keys(model, q)
     assert len(infos) == len(keys_p)
@@ -185,13 +186,13 @@ def test_keys_and_deltas_on_another_device_than_the_model(device) -> None:
 
 def test_dynamic_ntk_is_not_exact(device) -> None:
     model = _model("llama-dynamic")
-    ok, reason = can_rerotate(model)
-    assert not ok and "dynamic" in reason
+    infos, reason = rotation_support(model)
+    assert infos is None and "dynamic" in reason
     assert all(not i.exact for i in rotary_info_for(model))
     with pytest.raises(ModelNotSupportedError):
         rerotate_keys(torch.randn(1, 2, 4, 16, device=device), 3, rotary_info_for(model)[0])
     # Crossing max_position_embeddings (128) changes the frequencies: refused, and rightly so.
-    assert not can_rerotate(model, src_len=3 + N_TOKENS, dst_len=120 + N_TOKENS)[0]
+    assert rotation_support(model, src_len=3 + N_TOKENS, dst_len=120 + N_TOKENS)[0] is None
     kp, k_long = _keys(model, 3)[0], _keys(model, 120)[0]
     short = rotary_info_for(model, src_len=3 + N_TOKENS, dst_len=40 + N_TOKENS)[0]
     assert _err(rerotate_keys(kp, 117, short), k_long) > 1e-3
@@ -203,8 +204,8 @@ def test_dynamic_ntk_is_not_exact(device) -> None:
 
 def test_longrope_exact_only_on_one_side_of_the_switch() -> None:
     model = _model("phi3-longrope")  # switch at original_max_position_embeddings = 32
-    assert not can_rerotate(model)[0]
-    assert not can_rerotate(model, src_len=3 + N_TOKENS, dst_len=40 + N_TOKENS)[0]
+    assert rotation_support(model)[0] is None
+    assert rotation_support(model, src_len=3 + N_TOKENS, dst_len=40 + N_TOKENS)[0] is None
     both_short = rotary_info_for(model, src_len=0 + N_TOKENS, dst_len=15 + N_TOKENS)[0]
     # Computed before any long pass, so the long factors come from ROPE_INIT_FUNCTIONS, not the module cache.
     both_long = rotary_info_for(model, src_len=30 + N_TOKENS, dst_len=90 + N_TOKENS)[0]
@@ -224,5 +225,5 @@ def test_longrope_exact_only_on_one_side_of_the_switch() -> None:
 
 @pytest.mark.parametrize("name,needle", [("cohere-interleaved", "rotate_half"), ("gpt2-learned", "rotary_emb")])
 def test_unsupported_layouts_are_refused(name: str, needle: str) -> None:
-    ok, reason = can_rerotate(_model(name))
-    assert not ok and needle in reason
+    infos, reason = rotation_support(_model(name))
+    assert infos is None and needle in reason

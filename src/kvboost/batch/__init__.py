@@ -2,8 +2,7 @@
 speculation per row."""
 from __future__ import annotations
 
-from .prefix import PrefixedRows, SharedPrefix, broadcast_kv, find_common_chunk_prefix, group_by_prefix
+from .prefix import PrefixedRows, SharedPrefix, find_common_chunk_prefix, group_by_prefix
 from .rows import SequenceHandle
 
-__all__ = ["SequenceHandle", "SharedPrefix", "PrefixedRows", "broadcast_kv", "find_common_chunk_prefix",
-           "group_by_prefix"]
+__all__ = ["SequenceHandle", "SharedPrefix", "PrefixedRows", "find_common_chunk_prefix", "group_by_prefix"]

@@ -22,15 +22,11 @@ class RowDrafts:
 
     def expected_by_width(self, limit: int) -> list[float]:
         """Tokens this row emits from a step of w tokens per row (its token and up to w - 1 drafts), for w in 0..limit
-        (index 0 and 1: one token), in one pass: E(k) = 1 + a + ... + a^k."""
-        out, total, term = [1.0, 1.0], 1.0, 1.0
-        a = min(self.adaptive.judged_acceptance, 0.999) if self.adaptive is not None else 0.0
-        for k in range(1, limit):
-            if k <= len(self.drafts) and self.adaptive is not None:
-                term *= a
-                total += term
-            out.append(total)
-        return out
+        (index 0 and 1: one token): E(k) = 1 + a + ... + a^k."""
+        if self.adaptive is None:
+            return [1.0] * (limit + 1)
+        a = self.adaptive.judged_acceptance
+        return [1.0] + [self.adaptive.expected(min(w - 1, len(self.drafts)), a) for w in range(1, limit + 1)]
 
 
 @dataclass
@@ -112,10 +108,8 @@ class BatchDrafting:
             timed = c.by_length[total]
             # Timed once: not trusted above what the totals below it say (a first run may have paid one-off costs).
             return timed if c.samples.get(total, 0) >= 2 or scaled is None else min(timed, scaled)
-        if c.extra is not None:
-            line = c.verify_s(total)
-            assert line is not None
-            return line
+        if c.extra is not None and c.base is not None:  # on the fitted line
+            return c.base + c.extra * (total - 2)
         return scaled if scaled is not None else c.by_length[min(c.by_length)]
 
     def observed(self, proposed: int, kept: int, decay: float = 0.85) -> None:

@@ -1,4 +1,4 @@
-"""Batch helpers: common chunk prefix, zero-copy broadcast, grouping by prefix, one shared prefix K/V."""
+"""Batch helpers: common chunk prefix, grouping by prefix, one shared prefix K/V."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -52,17 +52,6 @@ def _common_variable_prefix(all_token_ids: Sequence[Sequence[int]], chunker: Chu
     return n
 
 
-def broadcast_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_size: int
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[1, heads, seq, dim] → [batch, heads, seq, dim] views sharing storage (expand, zero-copy)."""
-    out = []
-    for k, v in kv:
-        if k.shape[0] != 1:
-            raise ValueError(f"broadcast_kv expects batch dimension 1, got {k.shape[0]}")
-        out.append((k.expand(batch_size, *k.shape[1:]), v.expand(batch_size, *v.shape[1:])))
-    return out
-
-
 def group_by_prefix(prompts: Sequence[str], token_ids_list: Sequence[Sequence[int]], chunk_size: int,
                     n_prefix_chunks: int = 3, chunker: Chunker | None = None) -> dict[tuple, list[int]]:
     """Prompt indices grouped by their first n_prefix_chunks chunks (the chunker's complete ones)."""
@@ -99,9 +88,6 @@ class SharedPrefix:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[i], self.values[i]
-
     @classmethod
     def from_segments(cls, ids: Sequence[int], salt: str | None, segments: Sequence[Segment],
                       device: torch.device | str | None = None) -> SharedPrefix:
@@ -136,11 +122,10 @@ class PrefixedRows:
         self.ws, self.prefix = ws, prefix
 
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        p = self.prefix.length if self.prefix is not None else 0
-        if start >= p:
-            return self.ws.read(start, end, row=row)
         prefix = self.prefix
-        assert prefix is not None
+        if prefix is None or start >= prefix.length:
+            return self.ws.read(start, end, row=row)
+        p = prefix.length
         if end <= p:
             return ([k[0, :, start:end].clone() for k in prefix.keys],
                     [v[0, :, start:end].clone() for v in prefix.values])

@@ -26,7 +26,7 @@ class SequenceHandle:
     error: Exception | None = None
     _deltas: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _cancelled: bool = False
+    cancelled: bool = False  # set by cancel()
 
     def take_deltas(self) -> list[str]:
         with self._lock:
@@ -34,11 +34,7 @@ class SequenceHandle:
         return out
 
     def cancel(self) -> None:
-        self._cancelled = True
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
+        self.cancelled = True
 
     def push(self, delta: str) -> None:
         """The runner's side: text the caller takes next."""

@@ -20,8 +20,7 @@ class SlotLayer(BufferLayer):
         self.write_cols = write_cols
         self.past = past  # the longest row's length: views end at past + the step's tokens
         self.start = prefix.length if prefix is not None else 0
-        self.shared_prefix = prefix.layer(layer_idx) if prefix is not None else None
-        self.is_initialized = True
+        self.shared_prefix = (prefix.keys[layer_idx], prefix.values[layer_idx]) if prefix is not None else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         k_buf, v_buf = self.ws.buffers(self.layer_idx)

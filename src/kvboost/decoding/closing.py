@@ -45,7 +45,7 @@ class ClosingPlanner:
         chars = dict(vocab.chars)
         self.quote, self.letter = chars.get('"'), chars.get("q")
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # its own: the constraint's holds the next mask
-        self._words = self.bitmask[0].numpy()  # int32 words; reading a few is cheaper than copying them all out
+        self._words = self.bitmask[0].numpy()  # int32 words, a view refilled in place: read a few, copy none out
 
     def plan(self, limit: int) -> list[int] | None:
         """At most `limit` tokens after which the grammar may stop ([]: now), or None; the matcher is kept."""
@@ -63,7 +63,7 @@ class ClosingPlanner:
         """A stop token the grammar allows now, or None."""
         if not self._may_stop():
             return None
-        return next((s for s in self.stop_ids if _allowed(self._row, s)), None)
+        return next((s for s in self.stop_ids if _allowed(self._words, s)), None)
 
     def _characters(self, limit: int) -> list[int] | None:
         out: list[int] = []
@@ -93,11 +93,10 @@ class ClosingPlanner:
 
     def _may_stop(self) -> bool:
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        self._row = self._words  # a view of the bitmask: refilled in place, read word by word
-        return any(_allowed(self._row, s) for s in self.stop_ids)
+        return any(_allowed(self._words, s) for s in self.stop_ids)
 
     def _pick(self) -> int | None:
-        row = self._row
+        row = self._words
         if self.quote is not None and self.letter is not None and _allowed(row, self.letter) \
                 and _allowed(row, self.quote):
             return self.quote  # inside a string: close it

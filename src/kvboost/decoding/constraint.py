@@ -56,13 +56,6 @@ class TokenConstraint:
             row[:, self.vocab_size:] = float("-inf")
         return out
 
-    def allowed(self) -> torch.Tensor:
-        """Bool [vocab] of the tokens allowed next (CPU); for tests and draft checking in bulk."""
-        self.matcher.fill_next_token_bitmask(self.bitmask)
-        bits = self.bitmask[0].to(torch.int64)
-        shifts = torch.arange(32, dtype=torch.int64)
-        return (((bits[:, None] >> shifts) & 1).bool().reshape(-1))[: self.vocab_size]
-
     def accepts(self, token: int) -> bool:
         """Whether token may come next, leaving the state as it was."""
         return self.accepted_prefix([token]) == 1

@@ -31,15 +31,11 @@ def load_draft_model(draft_model, target_model, target_tokenizer):
     else:
         raise InvalidRequestError(f"draft_model must be a path, a hub id or a loaded Hugging Face model, got "
                                   f"{type(draft_model).__name__}", "draft_model")
-    ours, theirs = _vocab_size(model), _vocab_size(target_model)
+    ours, theirs = (m.get_input_embeddings().num_embeddings for m in (model, target_model))
     if ours != theirs:
         raise InvalidRequestError(f"the draft model's vocabulary has {ours} tokens, the target's {theirs}: "
                                   "speculative decoding needs a draft sharing the target's tokenizer", "draft_model")
     return model.eval()
-
-
-def _vocab_size(model) -> int:
-    return model.get_input_embeddings().num_embeddings
 
 
 class DraftProposer:
@@ -69,16 +65,10 @@ class DraftProposer:
         if k <= 0:
             return []
         n = self._synced(self.context)
-        drafts: list[int] = []
         with self.engine.lock, torch.inference_mode():
-            pos = len(self.context)
-            logits = self.slot.forward(self.context[n:], n)
-            for i in range(k):
-                drafts.append(int(torch.argmax(logits)))
-                if i == k - 1:
-                    break
-                logits = self.slot.forward([drafts[-1]], pos)
-                pos += 1
+            drafts = [int(torch.argmax(self.slot.forward(self.context[n:], n)))]
+            for pos in range(len(self.context), len(self.context) + k - 1):  # each draft but the last is fed back
+                drafts.append(int(torch.argmax(self.slot.forward([drafts[-1]], pos))))
         self.base, self.tail = len(self.context), drafts[:-1]
         return drafts
 

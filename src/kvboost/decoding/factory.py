@@ -30,17 +30,13 @@ def resolve_speculation(config: EngineConfig, has_draft: bool, speculative: str 
         return None
     if method == "draft" and not has_draft:
         raise InvalidRequestError("speculative='draft' needs an engine loaded with draft_model=", "speculative")
-
-    def pick(value: int | None, default: int) -> int:
-        return default if value is None else value
-
-    max_ngram = pick(prompt_lookup_max_ngram, config.prompt_lookup_max_ngram)
+    max_ngram = config.prompt_lookup_max_ngram if prompt_lookup_max_ngram is None else prompt_lookup_max_ngram
     # An unset minimum follows the config's (None: auto), lowered to a requested maximum below it.
     min_ngram = prompt_lookup_min_ngram
     if min_ngram is None and config.prompt_lookup_min_ngram is not None:
         min_ngram = min(config.prompt_lookup_min_ngram, max_ngram)
-    return SpeculativeParams(method, pick(num_speculative_tokens, config.num_speculative_tokens), max_ngram,
-                             min_ngram, tuple(prediction))
+    k = config.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+    return SpeculativeParams(method, k, max_ngram, min_ngram, tuple(prediction))
 
 
 def speculation_stats(config: EngineConfig, counts: SpecCounts, costs: dict[str, StepCosts]) -> dict:

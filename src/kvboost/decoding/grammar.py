@@ -43,7 +43,8 @@ def parse_output_format(response_format: Any = None, regex: str | None = None,
                         grammar: str | None = None) -> OutputFormat | None:
     """The one format a request asks for, or None for free text. response_format: OpenAI's shape (a bare schema
     accepted) or a pydantic model class; regex: matches the whole output; grammar: EBNF (root rule `root`)."""
-    given = [name for name, v in (("response_format", _format_given(response_format)), ("regex", regex),
+    text = isinstance(response_format, dict) and response_format.get("type") == "text"  # free text: not a format
+    given = [name for name, v in (("response_format", response_format is not None and not text), ("regex", regex),
                                   ("grammar", grammar)) if v]
     if len(given) > 1:
         raise InvalidRequestError(f"pass at most one of response_format, regex and grammar (got {', '.join(given)})",
@@ -57,11 +58,6 @@ def parse_output_format(response_format: Any = None, regex: str | None = None,
             raise InvalidRequestError("grammar must be a non-empty EBNF string", "grammar")
         return OutputFormat("grammar", grammar, "grammar")
     return _parse_response_format(response_format)
-
-
-def _format_given(response_format: Any) -> bool:
-    return response_format is not None and not (isinstance(response_format, dict)
-                                                and response_format.get("type") == "text")
 
 
 def _parse_response_format(fmt: Any) -> OutputFormat | None:
@@ -182,30 +178,24 @@ class GrammarCompiler:
 
     def _compile(self, fmt: OutputFormat):
         c = self._compiler
+        compile_source = {
+            # json_object: an object (xgrammar's builtin allows any value) with any keys (strict_mode off).
+            "json_object": lambda _: c.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                           max_whitespace_cnt=MAX_JSON_WHITESPACE),
+            "json_schema": lambda source: c.compile_json_schema(source, max_whitespace_cnt=MAX_JSON_WHITESPACE),
+            "regex": c.compile_regex, "grammar": c.compile_grammar, "structural_tag": c.compile_structural_tag,
+        }.get(fmt.kind)
+        if compile_source is None:
+            raise InvalidRequestError(f"unknown output format kind {fmt.kind!r}; expected one of {FORMAT_KINDS}",
+                                      fmt.param)
         try:
-            if fmt.kind == "json_object":
-                # json_object: an object (xgrammar's builtin allows any value) with any keys (strict_mode off).
-                return c.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            if fmt.kind == "json_schema":
-                return c.compile_json_schema(fmt.source, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            if fmt.kind == "regex":
-                return c.compile_regex(fmt.source)
-            if fmt.kind == "grammar":
-                return c.compile_grammar(fmt.source)
-            if fmt.kind == "structural_tag":
-                return c.compile_structural_tag(fmt.source)
+            return compile_source(fmt.source)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types with the reason
             what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(fmt.kind, fmt.kind)
             reason = str(exc).strip().splitlines()
             raise GrammarError(f"the {what} cannot be compiled: {reason[-1] if reason else type(exc).__name__}",
                                fmt.param) from None
-        raise InvalidRequestError(f"unknown output format kind {fmt.kind!r}; expected one of {FORMAT_KINDS}",
-                                  fmt.param)
 
     def prepare(self, fmt: OutputFormat) -> CompiledFormat:
         """fmt compiled (cached) as a CompiledFormat, which makes one TokenConstraint per sequence."""
         return CompiledFormat(self.compile(fmt), self.vocab_size, tuple(self.stop_token_ids), self.closing)
-
-    def cache_size(self) -> int:
-        return len(self._cache)

@@ -3,7 +3,7 @@ while it equals argmax(p_i); sampling draws t ~ p_i and keeps d_{i+1} while t eq
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -157,7 +157,6 @@ class AdaptiveK:
         self.kept, self.rejected = 2.0, 0.5  # prior: drafts are worth trying (a ~ 0.8)
         self.costs = costs if costs is not None else StepCosts()
         self.pause, self.wait = 4, 0
-        self.k = k_max
         self.streak = False  # every draft of the last proposal was kept
 
     @property
@@ -195,12 +194,7 @@ class AdaptiveK:
         if k == 0:  # speculation does not pay now: pause, then retry once with one draft to re-measure
             self.wait, self.pause = self.pause, min(self.max_pause, self.pause * 2)
             k = 1
-        self.k = k
         return max(0, min(k, budget))
-
-    def timed(self, n_tokens: int, seconds: float) -> None:
-        """A step of n_tokens took `seconds` (the caller measured it around a host sync)."""
-        self.costs.record(n_tokens, seconds)
 
     def update(self, proposed: int, kept: int) -> None:
         if proposed <= 0:
@@ -217,9 +211,9 @@ class SpecCounts:
     """Draft accounting for one request (or summed over many)."""
 
     proposals: int = 0  # verify forwards that carried drafts
+    batched_proposals: int = 0  # of the proposals, those verified beside other rows (a batch's ragged step)
     draft_tokens: int = 0  # drafts proposed and verified
     accepted_tokens: int = 0  # drafts kept
-    batched_proposals: int = 0  # of the proposals, those verified beside other rows (a batch's ragged step)
 
     def add(self, proposed: int, kept: int, batched: bool = False) -> None:
         self.proposals += 1
@@ -236,6 +230,4 @@ class SpecCounts:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {"proposals": self.proposals, "batched_proposals": self.batched_proposals,
-                "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate}
+        return {**asdict(self), "acceptance_rate": self.acceptance_rate}

@@ -59,10 +59,9 @@ class Speculator:
         """Feed `token` at position `length` with drafts after it; returns emitted tokens (1 to k + 1, <= `budget`)."""
         t0 = time.perf_counter()  # the cost of a step includes proposing (a draft model's forwards)
         drafts = self.drafts(self.adaptive.next_k(budget - 1))
-        logits = self.forward([token, *drafts], length)
-        out = self.pick(logits, drafts)
+        out = self.pick(self.forward([token, *drafts], length), drafts)
         # pick() copied its tokens to the host, so the time includes the forward.
-        self.adaptive.timed(1 + len(drafts), time.perf_counter() - t0)
+        self.adaptive.costs.record(1 + len(drafts), time.perf_counter() - t0)
         self.account(drafts, out)
         return out
 

@@ -16,7 +16,6 @@ class HostStreamLayer(LengthLayer):
         self.cache, self.layer_idx = cache, layer_idx
         self.length = cache.start  # positions before this forward's tokens; start + q once updated
         self.dtype, self.device = cache.host.dtype, cache.host.compute_device
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.length != self.cache.start:

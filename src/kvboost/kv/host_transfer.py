@@ -127,7 +127,3 @@ class InlineCopies:
 
     def join(self) -> None:
         return None
-
-
-def copies_for(device: torch.device) -> CudaCopies | InlineCopies:
-    return CudaCopies(device) if device.type == "cuda" else InlineCopies()

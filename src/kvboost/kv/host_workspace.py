@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from .host_transfer import CudaCopies, InlineCopies, copies_for
+from .host_transfer import CudaCopies, InlineCopies
 from .pinned import pinned_empty
 from .workspace import LayerShape, concat_into, grown_capacity
-
-
-class _Pending(Protocol):
-    def synchronize(self) -> None: ...
 
 
 @dataclass
@@ -52,10 +47,6 @@ class DeviceResident:
         """The host's K/V from `position` on changed: the device copy of those positions is stale."""
         self.filled = min(self.filled, position)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
 
 class Scratch:
     """Two pairs of device K/V buffers that layers take in turn (layer i: pair i % 2), so layer i + 1 is copied in while
@@ -83,10 +74,6 @@ class Scratch:
         values = v[:s.kv_heads * cols * s.head_dim_v].view(1, s.kv_heads, cols, s.head_dim_v)
         return keys[:, :, :n], values[:, :, :n]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.flat for t in pair)
-
 
 class HostWorkspace:
     """Per-layer K/V [1, kv_heads, capacity, d] of one sequence in host memory. staged: None stages through device
@@ -110,11 +97,13 @@ class HostWorkspace:
         self.pinned = False
         self.pageable_reason: str | None = None  # why the buffers are not page-locked (CUDA), if they are not
         self.stats = HostStreamStats()
-        self.copies: CudaCopies | InlineCopies | None = copies_for(self.compute_device) if self.staged else None
+        self.copies: CudaCopies | InlineCopies | None = None
+        if self.staged:
+            self.copies = CudaCopies(self.compute_device) if self.compute_device.type == "cuda" else InlineCopies()
         self.scratch = Scratch(shapes, dtype, self.compute_device) if self.staged else None
         self.resident = (DeviceResident(shapes, dtype, self.compute_device, resident_bytes)
                          if self.staged and resident_bytes > 0 else None)
-        self.pending: _Pending | None = None  # copies to/from the buffers still in flight (CUDA)
+        self.pending: torch.cuda.Event | None = None  # copies to/from the buffers still in flight (CUDA)
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
 
@@ -185,12 +174,6 @@ class HostWorkspace:
     def nbytes(self) -> int:
         """Host memory held."""
         return sum(t.numel() * t.element_size() for t in self._k + self._v)
-
-    @property
-    def device_nbytes(self) -> int:
-        """Device memory held (staged forwards' scratch and resident positions)."""
-        return ((self.scratch.nbytes if self.scratch is not None else 0)
-                + (self.resident.nbytes if self.resident is not None else 0))
 
     # ---- contents (KVCacheManager's workspace surface) ---------------------------------------------------
     def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,

@@ -9,8 +9,12 @@ class BufferLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_initialized = True  # buffers exist before the first update
+
     def lazy_initialization(self, key_states, value_states) -> None:
-        pass  # buffers exist before the first update
+        pass
 
     def get_max_length(self) -> int:
         return -1

@@ -111,15 +111,15 @@ class KVCacheManager:
         chunks = self.chunker.split(ids, salt)
         if skip_before:
             chunks = [c for c in chunks if c.start >= skip_before]
-        match = match_exact(self.store, chunks, token_granular)
+        matched = match_exact(self.store, chunks, token_granular)
         have = common_prefix_length(resident, ids) if resident else 0
         if not token_granular:
             # Whole chunks only: down to the last complete chunk end (cuts move with a boundary window).
             have = max((c.end for c in chunks if c.complete and c.end <= have), default=0)
         limit = len(ids) - 1  # the last prompt token always runs: its logits pick the first new token
-        plan.reuse_len = min(max(skip_before, have, match.length), limit)
+        plan.reuse_len = min(max(skip_before, have, matched[-1].end if matched else 0), limit)
         plan.resident = min(have, plan.reuse_len)
-        plan.segments = [s for s in match.segments if s.end > plan.resident and s.start < plan.reuse_len]
+        plan.segments = [s for s in matched if s.end > plan.resident and s.start < plan.reuse_len]
         if approximate and token_granular:
             # Sink tokens stay fresh: content is never placed before position sink_tokens.
             start = max(plan.reuse_len, self.config.sink_tokens)
@@ -132,7 +132,7 @@ class KVCacheManager:
         """Copy the plan's stored K/V into `workspace` (every row, or one `row`), skipping resident positions. Content
         matches are re-positioned and re-verified; a piece whose record is gone is left for prefill."""
         t0 = time.perf_counter()
-        for run in _runs(_exact_pieces(plan)):
+        for run in _runs(plan):
             for group in _staged_groups(run, workspace.device):
                 _place_group(group, workspace, row)
         if plan.has_content:
@@ -149,10 +149,8 @@ class KVCacheManager:
         longer sequence starting with seq, whose cuts are used (only chunks ending within seq)."""
         seq = list(seq)
         new = existing = 0
-        chunks = (self.chunker.split(cut_ids, salt, end=len(seq)) if cut_ids is not None
-                  else self.chunker.split(seq, salt))
         index = self.content.index  # every stored chunk is findable by content at other positions too
-        for chunk in chunks:
+        for chunk in self.chunker.split(seq if cut_ids is None else cut_ids, salt, end=len(seq)):
             meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
             if self.store.contains(chunk.prefix_key):
                 existing += 1
@@ -233,30 +231,21 @@ class _Piece:
     n: int
     start: int
 
-    @property
-    def whole_tail(self) -> bool:
-        """The piece runs to its record's last token."""
-        return self.offset + self.n == self.record.n_tokens
 
-
-def _exact_pieces(plan: Plan) -> list[_Piece]:
-    """What place() copies: the plan's segments less the positions the workspace already holds (resident)."""
-    pieces = []
+def _runs(plan: Plan) -> list[list[_Piece]]:
+    """The plan's segments less the positions the workspace already holds (resident), as runs written together:
+    consecutive positions, with every inner boundary between whole records, so a run's K/V is its records' tokens
+    concatenated, trimmed at both ends."""
+    runs: list[list[_Piece]] = []
     for seg in plan.segments:
         start = max(seg.start, plan.resident)
         n = min(seg.end, plan.reuse_len) - start
-        if n > 0:
-            pieces.append(_Piece(seg.record, start - seg.start, n, start))
-    return pieces
-
-
-def _runs(pieces: list[_Piece]) -> list[list[_Piece]]:
-    """Pieces written together: consecutive positions, with every inner boundary between whole records, so a run's K/V
-    is its records' tokens concatenated, trimmed at both ends."""
-    runs: list[list[_Piece]] = []
-    for p in pieces:
+        if n <= 0:
+            continue
+        p = _Piece(seg.record, start - seg.start, n, start)
         prev = runs[-1][-1] if runs else None
-        if prev is not None and prev.start + prev.n == p.start and prev.whole_tail and p.offset == 0:
+        if prev is not None and prev.start + prev.n == start and prev.offset + prev.n == prev.record.n_tokens \
+                and p.offset == 0:
             runs[-1].append(p)
         else:
             runs.append([p])
@@ -291,41 +280,24 @@ def _staged_groups(run: list[_Piece], device: torch.device):
 
 
 def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> None:
-    sources = _LayerSources([p.record for p in run])
+    parts: list[ChunkRecord | QuantRun] = []  # consecutive quantized records are dequantized together
+    for p in run:
+        if not isinstance(p.record, LazyQuantRecord):
+            parts.append(p.record)
+        elif parts and isinstance(parts[-1], QuantRun):
+            parts[-1].payloads.append(p.record.payload)
+        else:
+            parts.append(QuantRun([p.record.payload]))
     head = run[0].offset
     tail = run[-1].record.n_tokens - run[-1].offset - run[-1].n
     for i in range(len(workspace.shapes)):
-        keys, values = sources.layer(i)
-        workspace.write_layer(i, _trim(keys, head, tail), _trim(values, head, tail), run[0].start, row=row)
-
-
-class _LayerSources:
-    """Full-precision K/V of consecutive records, one layer at a time (quantized runs dequantized together)."""
-
-    def __init__(self, records: list[ChunkRecord]):
-        self.parts: list[ChunkRecord | QuantRun] = []
-        for r in records:
-            if isinstance(r, LazyQuantRecord):
-                if self.parts and isinstance(self.parts[-1], QuantRun):
-                    self.parts[-1].payloads.append(r.payload)
-                else:
-                    self.parts.append(QuantRun([r.payload]))
-            else:
-                self.parts.append(r)
-
-    def layer(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Layer i's K and V pieces ([kv_heads, tokens, head_dim]) holding every record's tokens in order."""
-        keys: list[torch.Tensor] = []
+        keys: list[torch.Tensor] = []  # layer i's K and V pieces [kv_heads, tokens, head_dim], every record's in order
         values: list[torch.Tensor] = []
-        for part in self.parts:
-            if isinstance(part, QuantRun):
-                k, v = part.layer(i)
-                keys += k
-                values += v
-            else:
-                keys.append(part.keys[i])
-                values.append(part.values[i])
-        return keys, values
+        for part in parts:
+            k, v = part.layer(i) if isinstance(part, QuantRun) else ([part.keys[i]], [part.values[i]])
+            keys += k
+            values += v
+        workspace.write_layer(i, _trim(keys, head, tail), _trim(values, head, tail), run[0].start, row=row)
 
 
 def _trim(pieces: list[torch.Tensor], head: int, tail: int) -> list[torch.Tensor]:

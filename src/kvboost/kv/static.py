@@ -19,7 +19,6 @@ class StaticLayer(LengthLayer):
         super().__init__()
         self.keys, self.values, self.positions = keys, values, positions
         self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
         # Tokens before this step: transformers sizes masks from it, but the attention ignores them (a None mask).
         self.length = length
 
@@ -44,11 +43,8 @@ def static_cache(workspace: KVWorkspace, positions: torch.Tensor, length: int = 
         raise ValueError("a static cache needs a workspace whose columns start at position 0")
     if rows > workspace.batch_size:
         raise ValueError(f"{rows} rows but the workspace has {workspace.batch_size}")
-    layers = []
-    for i in range(len(workspace.shapes)):
-        k, v = workspace.buffers(i)
-        layers.append(StaticLayer(k[:rows], v[:rows], positions, length))
-    return Cache(layers=layers)
+    buffers = [workspace.buffers(i) for i in range(len(workspace.shapes))]
+    return Cache(layers=[StaticLayer(k[:rows], v[:rows], positions, length) for k, v in buffers])
 
 
 def set_length(cache: Cache, length: int) -> None:

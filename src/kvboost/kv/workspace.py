@@ -57,7 +57,6 @@ class InPlaceLayer(LengthLayer):
         self.workspace = workspace
         self.layer_idx = layer_idx
         self.length = length
-        self.is_initialized = True
         self._refresh_views()
 
     def _refresh_views(self) -> None:
@@ -298,7 +297,3 @@ class RowView:
         return self.parent.read(start, end, row=self.index)
 
     make_cache = KVWorkspace.make_cache  # its layers write through this row
-
-    @property
-    def nbytes(self) -> int:
-        return self.parent.nbytes // max(1, self.parent.batch_size)

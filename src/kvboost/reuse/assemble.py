@@ -2,6 +2,7 @@
 (reuse/rope.py), values copied. Whatever cannot be rotated exactly is refused before anything is written."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -99,36 +100,26 @@ class ContentState:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.index = ContentIndex()
-        self._infos: list[RotaryInfo] | None = None
-        self._reason: str | None = None
-        self._checked = False
 
+    @functools.cached_property
     def eligibility(self) -> tuple[list[RotaryInfo] | None, str | None]:
         """Rotary settings if both re-rotation and the layer-wise repair are exact for this model."""
-        if not self._checked:
-            from .repair import repair_support
+        from .repair import repair_support
 
-            infos, reason = rotation_support(self.model)
-            self._infos, self._reason = infos, reason or repair_support(self.model)
-            if self._reason is not None:
-                self._infos = None
-            self._checked = True
-        return self._infos, self._reason
+        infos, reason = rotation_support(self.model)
+        reason = reason or repair_support(self.model)
+        return (None, reason) if reason is not None else (infos, None)
 
     def find(self, store: ChunkStore, ids: list[int], start: int, stop: int, salt: str | None
              ) -> tuple[list[ContentSegment], list[RotaryInfo] | None, str | None]:
         """Content matches in ids[start:stop] and their rotary settings; ([], None, reason) if not placeable exactly."""
         if self.index.prune_due():
             self.index.prune(store.contains)
-        if stop - start <= 0 or not len(self.index):
-            return [], None, None
         segments = self.index.find(ids, start, stop, salt)
         if not segments:
             return [], None, None
-        infos, reason = self.eligibility()
-        if infos is None:
-            return [], None, reason
-        return segments, infos, None
+        infos, reason = self.eligibility
+        return (segments, infos, None) if infos is not None else ([], None, reason)
 
     def place(self, workspace: KVWorkspace, store: ChunkStore, ids: list[int], segments: list[ContentSegment],
               infos: list[RotaryInfo], row: int | None = None) -> tuple[Assembly | None, str | None]:

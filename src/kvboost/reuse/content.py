@@ -65,10 +65,6 @@ class ContentSegment:
     def end(self) -> int:
         return self.pieces[-1].end
 
-    @property
-    def n_tokens(self) -> int:
-        return sum(p.n_tokens for p in self.pieces)
-
 
 class ContentIndex:
     """Window hash -> (chunk key, offset) for every chunk the engine stored in this process."""
@@ -160,17 +156,16 @@ class ContentIndex:
     def find(self, ids: Sequence[int], start: int, stop: int, salt: str | None = None,
              min_match: int = MIN_MATCH) -> list[ContentSegment]:
         """Non-overlapping stored-content segments of ids[start:stop], left to right, greedily the longest."""
-        ids = [int(t) for t in ids]
         w = self.window
         if stop - start < max(w, min_match) or not self._metas:
             return []
+        ids = [int(t) for t in ids]
         hashes = window_hashes(ids[:stop], w, salt).tolist()
         segments: list[ContentSegment] = []
         pos = floor = start  # floor: no segment may reach back before it (the previous one ends there)
         with self._lock:
             while pos + w <= stop:
-                best: list[Piece] | None = None
-                best_score: tuple[int, int] | None = None
+                runs: list[list[Piece]] = []
                 target = tuple(ids[pos:pos + w])
                 for key, offset in self._windows.get(hashes[pos], ()):
                     meta = self._metas.get(key)
@@ -178,12 +173,10 @@ class ContentIndex:
                         continue  # evicted chunk or a hash collision
                     # Windows never straddle chunks, so a run may start before its first seed: walk back, then forward.
                     begin, key, offset = self._extend_back(ids, pos, floor, key, offset)
-                    pieces = self._extend(ids, begin, stop, key, offset)
-                    total = pieces[-1].end - begin
-                    score = (total, -abs(pieces[0].delta))
-                    if best_score is None or score > best_score:
-                        best, best_score = pieces, score
-                if best is not None and best_score[0] >= min_match:
+                    runs.append(self._extend(ids, begin, stop, key, offset))
+                # The longest run; of equal ones, the one moved least.
+                best = max(runs, key=lambda r: (r[-1].end - r[0].start, -abs(r[0].delta)), default=None)
+                if best is not None and best[-1].end - best[0].start >= min_match:
                     segments.append(ContentSegment(best))
                     pos = floor = best[-1].end
                 else:

@@ -2,7 +2,7 @@
 granularity among the last matched chunk's stored children (chunk lengths vary with a boundary window)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..chunking import Chunk
 from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
@@ -21,40 +21,27 @@ class Segment:
         return self.start + self.n_tokens
 
 
-@dataclass
-class ExactMatch:
-    segments: list[Segment] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        return self.segments[-1].end if self.segments else 0
-
-
 def common_prefix_length(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = True) -> ExactMatch:
+def match_exact(store: ChunkStore, chunks: list[Chunk], token_granular: bool = True) -> list[Segment]:
     """Longest run of stored exact K/V from chunks[0] on; the first miss (or trailing incomplete chunk) is matched at
     token granularity when token_granular."""
-    match = ExactMatch()
+    segments: list[Segment] = []
     for i, chunk in enumerate(chunks):
         if chunk.complete:
             record = store.get(chunk.prefix_key)
             # A key hit counts only once the stored ids equal the prompt's (a hash collision must not).
             if record is not None and record.token_ids == chunk.token_ids and record.start == chunk.start:
-                match.segments.append(Segment(record, chunk.start, len(chunk.token_ids)))
+                segments.append(Segment(record, chunk.start, len(chunk.token_ids)))
                 continue
         if token_granular:
             partial = _best_partial(store, chunks, i)
             if partial is not None:
-                match.segments.append(partial)
+                segments.append(partial)
         break
-    return match
+    return segments
 
 
 def _best_partial(store: ChunkStore, chunks: list[Chunk], i: int) -> Segment | None:

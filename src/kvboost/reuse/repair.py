@@ -83,7 +83,6 @@ class ScatterLayer(BufferLayer):
         self.candidate_slot: torch.Tensor | None = None  # [total] long: slot in `deviation`, or -1
         self.deviation: torch.Tensor | None = None
         self.probing = False
-        self.is_initialized = True
         k_buf, _ = workspace.buffers(layer_idx)
         self.dtype, self.device = k_buf.dtype, k_buf.device
 
@@ -128,37 +127,20 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 # ---- query schedules ------------------------------------------------------------------------------
 
-class _Fixed:
-    """The same query set in every layer (none, selective)."""
+class _Schedule:
+    """The query set of each layer (`current`), from `first` on. With `keep` (CacheBlend) the placed tokens still in the
+    running (`pool`, sorted by position) are filtered by deviation at layers check, check + 1... (top GRADUAL * r, then
+    top r) and the queries become them with the live positions."""
 
-    def __init__(self, queries: torch.Tensor, recomputed: int):
-        self.first = queries
-        self.recomputed = recomputed
+    def __init__(self, first: torch.Tensor, live: torch.Tensor, pool: torch.Tensor, keep: list[int] | None = None,
+                 check: int = 0):
+        self.first = self.current = first
+        self.live, self.pool, self.keep, self.check = live, pool, keep or [], check
 
-    def queries(self, layer: int) -> torch.Tensor:
-        return self.first
-
-    def probes(self, layer: int) -> bool:
-        return False
-
-
-class _Blend:
-    """CacheBlend: every non-exact position up to the check layer, then placed tokens filtered by deviation (top GRADUAL
-    * r, then top r) with the live positions."""
-
-    def __init__(self, everything: torch.Tensor, live: torch.Tensor, placed: torch.Tensor, ratio: float,
-                 n_layers: int):
-        self.first = everything
-        self.live = live
-        self.pool = placed  # placed tokens still in the running, sorted by position
-        n = placed.numel()
-        self.check = min(CHECK_LAYER, n_layers - 1)
-        self.keep = [math.ceil(min(1.0, ratio * GRADUAL) * n), math.ceil(ratio * n)]
-        self.current = everything
-        self.recomputed = n
-
-    def queries(self, layer: int) -> torch.Tensor:
-        return self.current
+    @property
+    def recomputed(self) -> int:
+        """Placed tokens recomputed (in every layer after selection)."""
+        return self.pool.numel()
 
     def probes(self, layer: int) -> bool:
         return self.check <= layer < self.check + len(self.keep)
@@ -170,7 +152,6 @@ class _Blend:
             top = torch.topk(deviation, k, sorted=False).indices
             self.pool = self.pool.index_select(0, top).sort().values
         self.current = torch.cat([self.live, self.pool]).sort().values
-        self.recomputed = self.pool.numel()
 
 
 # ---- the layer-wise forward -----------------------------------------------------------------------
@@ -194,20 +175,22 @@ def _blocks(n_rows: int) -> list[slice]:
 
 
 def _schedule(strategy: RecomputeStrategy, ratio: float, overlap: int, n: int, exact_len: int,
-              placed: torch.Tensor, seams: list[int], n_layers: int) -> _Fixed | _Blend:
+              placed: torch.Tensor, seams: list[int], n_layers: int) -> _Schedule:
     device = placed.device
     positions = torch.arange(exact_len, n, device=device)
     is_placed = placed[exact_len:]
     live, reused = positions[~is_placed], positions[is_placed]
     if strategy is RecomputeStrategy.CACHEBLEND and ratio > 0 and reused.numel():
-        return _Blend(positions, live, reused, float(ratio), n_layers)
+        # Every non-exact position up to the check layer, then the top GRADUAL * r placed tokens, then the top r.
+        keep = [math.ceil(min(1.0, ratio * GRADUAL) * reused.numel()), math.ceil(ratio * reused.numel())]
+        return _Schedule(positions, live, reused, keep, min(CHECK_LAYER, n_layers - 1))
     if strategy is RecomputeStrategy.SELECTIVE and overlap > 0 and reused.numel():
         forced = torch.zeros(n, dtype=torch.bool, device=device)
         for s in seams:
             forced[s:s + overlap] = True
-        forced &= placed
-        return _Fixed(torch.cat([live, forced.nonzero().flatten()]).sort().values, int(forced.sum()))
-    return _Fixed(live, 0)  # none, cacheblend at r = 0, or nothing placed
+        forced = (forced & placed).nonzero().flatten()
+        return _Schedule(torch.cat([live, forced]).sort().values, live, forced)
+    return _Schedule(live, live, live[:0])  # none, cacheblend at r = 0, or nothing placed
 
 
 def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int], exact_len: int,
@@ -248,7 +231,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     def pre_hook(layer_idx: int):
         def hook(module, args, kwargs):
             layer: ScatterLayer = cache.layers[layer_idx]
-            queries = schedule.queries(layer_idx)
+            queries = schedule.current
             hidden = narrow(args[0] if args else kwargs.pop("hidden_states"), queries)
             if schedule.probes(layer_idx):
                 # Every row's true K/V is written and scored; attention and MLP run for the kept rows only.
@@ -265,7 +248,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
                     layer.probing = False
                 schedule.select(layer_idx, layer.deviation)
                 layer.score(None)
-                queries = schedule.queries(layer_idx)
+                queries = schedule.current
                 hidden = narrow(hidden, queries)
             pe = rotary(kwargs.get("position_embeddings"), queries)
             outs = []

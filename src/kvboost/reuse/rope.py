@@ -3,15 +3,16 @@ R(delta * inv_freq) moves a key to p + delta exactly with the model's own inv_fr
 exact=False unless both passes used the same frequencies."""
 from __future__ import annotations
 
+import contextlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import ModelNotSupportedError
 
-__all__ = ["RotaryInfo", "rotary_info_for", "rotation_support", "rerotate_keys", "can_rerotate", "decoder_of"]
+__all__ = ["RotaryInfo", "rotary_info_for", "rotation_support", "rerotate_keys", "decoder_of"]
 
 # inv_freq is fixed at init for these, so any pair of positions is related by one rotation.
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
@@ -32,7 +33,6 @@ class RotaryInfo:
     layer_type: str | None = None
     # Informational only: already inside the cached keys, never re-applied by rerotate_keys.
     attention_scaling: float = 1.0
-    extra: dict = field(default_factory=dict)
 
 
 def _not_exact(reason: str, layer_type: str | None = None, rope_type: str | None = None) -> RotaryInfo:
@@ -46,14 +46,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The model's decoder stack (model.get_decoder()), or the model itself where it names none."""
-    get = getattr(model, "get_decoder", None)
-    if callable(get):
-        try:
-            dec = get()
-            if isinstance(dec, nn.Module):
-                return dec
-        except Exception:  # exotic wrappers raise here; the model itself is the best remaining guess
-            pass
+    with contextlib.suppress(Exception):  # none, or an exotic wrapper raised: the model itself is the best guess
+        decoder = model.get_decoder()
+        if isinstance(decoder, nn.Module):
+            return decoder
     return model
 
 
@@ -80,10 +76,9 @@ def _model_level_reason(rotary: nn.Module | None, config) -> str | None:
     if fn is None:
         return f"{type(rotary).__module__} has no rotate_half: RoPE layout unknown"
     probe = torch.arange(1.0, 9.0).reshape(1, 8)
-    try:
+    same = False
+    with contextlib.suppress(Exception):
         same = torch.equal(fn(probe), _rotate_half(probe))
-    except Exception:
-        same = False
     if not same:
         return f"{type(rotary).__module__}.rotate_half is not the half-split layout (interleaved RoPE?)"
     return None
@@ -106,11 +101,11 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
     if scaling is None:
         scaling = getattr(rotary, "attention_scaling", 1.0)
 
-    def info(buf: torch.Tensor | None, extra: dict | None = None) -> RotaryInfo:
+    def info(buf: torch.Tensor | None) -> RotaryInfo:
         if buf is None:
             return _not_exact(f"{type(rotary).__name__} has no inv_freq buffer", layer_type, rope_type)
         inv = buf.detach().to(torch.float32).clone()
-        return RotaryInfo(inv, 2 * inv.numel(), True, None, rope_type, layer_type, float(scaling), extra or {})
+        return RotaryInfo(inv, 2 * inv.numel(), True, None, rope_type, layer_type, float(scaling))
 
     if rope_type in _STATIC_ROPE_TYPES:
         # Use the buffer forward() multiplies with (dtype included) so we mirror the model, not the math.
@@ -134,7 +129,7 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
                               layer_type, rope_type)
         short = _attr(rotary, "original_inv_freq", layer_key)
         if src_len <= switch:
-            return info(short, {"longrope_factors": "short"})
+            return info(short)
         long_inv = _attr(rotary, "long_inv_freq", layer_key)
         if long_inv is None:
             # Not cached until the model first sees a long pass; build it exactly as dynamic_rope_update does.
@@ -143,7 +138,7 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
             long_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary.config, short.device, seq_len=switch + 1,
                                                           layer_type=layer_key)
         # forward() copies it into the inv_freq buffer, so it takes that buffer's dtype first.
-        return info(long_inv.to(short.dtype), {"longrope_factors": "long"})
+        return info(long_inv.to(short.dtype))
 
     return _not_exact(f"rope_type {rope_type!r} is not known to be exactly re-rotatable", layer_type, rope_type)
 
@@ -192,13 +187,6 @@ def rotation_support(model: nn.Module, *, src_len: int | None = None,
         if not info.exact:
             return None, f"layer {i}: {info.reason}"
     return infos, None
-
-
-def can_rerotate(model: nn.Module, *, src_len: int | None = None,
-                 dst_len: int | None = None) -> tuple[bool, str | None]:
-    """(True, None) if every layer's cached keys can be moved exactly, else (False, first reason)."""
-    infos, reason = rotation_support(model, src_len=src_len, dst_len=dst_len)
-    return infos is not None, reason
 
 
 def rerotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, info: RotaryInfo, *,
