@@ -4,8 +4,8 @@ and drop, for KV-aware routers that read vLLM's events (llm-d's precise prefix-c
 On the wire as vLLM publishes them: a ZMQ PUB socket sends [topic, sequence number (8 bytes, big-endian), payload],
 the payload a msgpack `KVEventBatch` array [ts, events] whose events are maps tagged by "type": `BlockStored`
 (block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name), `BlockRemoved` (block_hashes,
-medium) and `AllBlocksCleared` (vllm-router's KV index refuses array-encoded events: "KV event must be a tagged map"). A block
-is a chunk (block_size = chunk_size); its hash is the first 64 bits of the chunk's prefix-chain key
+medium) and `AllBlocksCleared` (vllm-router's KV index refuses array-encoded events: "KV event must be a tagged
+map"). A block is a chunk (block_size = chunk_size); its hash is the first 64 bits of the chunk's prefix-chain key
 (cluster/routing.short_key as an integer), its parent's likewise (None for a first chunk); medium is "GPU" or "CPU"
 for the device tier, "CPU" for the host tier. The store's listener only queues; a thread sends a batch every
 `interval_s`, so a slow or absent subscriber never slows the engine (PUB drops what nobody reads)."""
