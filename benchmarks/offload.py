@@ -188,6 +188,9 @@ def bench_offload_command(
         "--agreement-prompts", min=0, help="Held-out prompts of the fidelity check (0: none).")] = 48,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot_path: Annotated[str | None, typer.Option("--plot", help="Write a PNG of tokens/s per system.")] = None,
+    prefetch_depths: Annotated[str, typer.Option("--prefetch-depths", help="With --device cuda: also stream every "
+                                                 "layer through this many device slots, one row each (e.g. 1,3,4)."
+                                                 )] = "",
 ) -> None:
     """INT4 weights against float ones (decode tok/s, peak RSS, teacher-forced agreement) and llama.cpp, on a CPU;
     with --device cuda, INT4 resident and streamed against bf16 and transformers' offloading on a --shape."""
@@ -197,8 +200,14 @@ def bench_offload_command(
         if model is not None:
             raise typer.BadParameter("the GPU rows run on random weights: use --shape", param_hint="--model")
         choice = model_choice(shape=shape or "qwen2.5-3b", device=device)
-        report = run_offload_gpu(choice, new_tokens, json_path, plot_path)
+        try:
+            depths = tuple(int(d) for d in prefetch_depths.split(",") if d.strip())
+        except ValueError:
+            raise typer.BadParameter("a comma-separated list of ints", param_hint="--prefetch-depths") from None
+        report = run_offload_gpu(choice, new_tokens, json_path, plot_path, depths)
         raise typer.Exit(0 if all(r.get("status") == "ok" for r in report["rows"]) else 1)
+    if prefetch_depths:
+        raise typer.BadParameter("the prefetch depth is a GPU row (--device cuda)", param_hint="--prefetch-depths")
     if shape is not None or (device is not None and device != "cpu"):
         raise typer.BadParameter("the CPU rows run the --model checkpoint on the CPU (its GGUF for llama.cpp); "
                                  "--shape is for --device cuda", param_hint="--shape")

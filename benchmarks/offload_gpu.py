@@ -8,6 +8,7 @@ Rows, on one random-weight --shape, batch-1 greedy decode over a ~1,000-token pr
   int4 streamed 1/2     weight_budget_bytes keeps half the decoder layers resident, the rest stream through 2 slots
                         (the default CUDA kernel, torch's)
   int4 streamed all     every decoder layer streams (the embedding, head and norms stay)
+  ..., depth d          the same through d device slots (--prefetch-depths), copies up to d - 1 layers ahead
   hf device_map auto    transformers + accelerate offloading the bf16 model under the streamed-1/2 row's device budget
 For the streamed rows, the bound at one token per pass: measured pinned host-to-device bandwidth / bytes streamed per
 decode step. Rows that fail are reported with the reason; the run goes on.
@@ -88,7 +89,8 @@ def _row(name: str, build: Callable[[], tuple[Callable[[int], int], dict]], devi
     return row
 
 
-def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None, plot_path: str | None) -> dict:
+def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None, plot_path: str | None,
+                    depths: tuple[int, ...] = ()) -> dict:
     from kvboost import KVBoost
 
     from .gpu.decode import decode_rows
@@ -115,11 +117,13 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
         torch.cuda.reset_peak_memory_stats(device)  # the row's peak starts here, not at the build's
         return model
 
-    def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]]) -> Callable[[], tuple]:
+    def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]], depth: int | None = None
+                   ) -> Callable[[], tuple]:
         def build():
             model, budget = make()
             torch.cuda.reset_peak_memory_stats(device)
-            engine = KVBoost(model, tokenizer, device=str(device), weight_budget_bytes=budget)
+            engine = KVBoost(model, tokenizer, device=str(device), weight_budget_bytes=budget,
+                             weight_prefetch_depth=depth)
             weights = engine.cache_stats()["weights"]
             streamed = sum(_module_bytes(model.model.layers[i]) for i in weights["streamed_layers"])
             extra = {"weight_mb": _module_bytes(model) / 2**20, "budget_mb": budget / 2**20 if budget else None,
@@ -130,11 +134,11 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
             return lambda k: engine.generate(input_ids=prompt, max_new_tokens=k).generated_tokens, extra
         return build
 
-    def streamed(share: float):
+    def streamed(share: float, slots: int = 2):
         def make():
             model = in_host_memory(_int4(model_on_device(), None, device))
             resident = int(len(model.model.layers) * share)
-            budgets[f"{share}"] = _budget(model, resident)
+            budgets[f"{share}"] = _budget(model, resident, slots)
             return model, budgets[f"{share}"]
         return make
 
@@ -143,6 +147,8 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
             ("int4 tinygemm", engine_row(lambda: (_int4(model_on_device(), "tinygemm", device), None))),
             ("int4 streamed 1/2", engine_row(streamed(0.5))),
             ("int4 streamed all", engine_row(streamed(0.0)))]
+    # The prefetch depth (device slots for streamed layers) by measurement: every layer streams, `d` slots.
+    plan += [(f"int4 streamed all, depth {d}", engine_row(streamed(0.0, d), d)) for d in depths]
     def add(row: dict) -> None:
         rows.append(row)
         if json_path:  # after every row: a run cut short keeps what it measured

@@ -24,10 +24,11 @@
 #                                      budget left) can overrun
 #                                      into nothing but the step's own cap
 #                    (model build ~20 s). The kernels section is left out (KVBOOST_GPU_CHECK_KERNELS=1 adds it).
-#   3. offload   150 s  `kvboost bench offload --device cuda --shape qwen2.5-3b --new-tokens 32`: bf16 against INT4 on
-#                    torch's kernel and the Triton one, resident and streamed from host memory, and transformers'
-#                    device_map offloading (on by default on CUDA; KVBOOST_GPU_CHECK_OFFLOAD=0 skips it), if time
-#                    is left. longctx, spec: off unless asked (KVBOOST_GPU_CHECK_LONGCTX / _SPEC), 90 s each.
+#   3. offload   150 s  `kvboost bench offload --device cuda --shape qwen2.5-3b --new-tokens 32
+#                    --prefetch-depths 1,3`: bf16 against INT4 on torch's kernel and the Triton one, resident and
+#                    streamed from host memory (2 slots, then 1 and 3: the prefetch depth by measurement), and
+#                    transformers' device_map offloading (on by default on CUDA; KVBOOST_GPU_CHECK_OFFLOAD=0 skips
+#                    it), if time is left. longctx, spec: off unless asked (KVBOOST_GPU_CHECK_LONGCTX / _SPEC), 90 s each.
 #   4. summary: one screen, printed and written to summary.txt; written after every step as well.
 # Total of the caps: 120 + 365 + ~10 s of reports and start-up = ~495 s, under the 505 s budget; with setup.sh
 # (~15 s) ~510 s, and at worst (a step that ignores SIGINT for its 15 s grace) ~525 s: under 540 s. Step 3 only gets
@@ -181,7 +182,7 @@ extra_bench spec spec_gpu "${KVBOOST_GPU_CHECK_SPEC:-}" "--shape qwen2.5-3b --ba
     "--shape tiny --max-new-tokens 8 --per-workload 1 --batch-runner"
 # INT4 weights, resident and streamed from host memory (issue 38's GPU rows): on by default on CUDA, off on CPU
 offload_default=""; (( cuda )) && offload_default=1
-extra_bench offload offload "${KVBOOST_GPU_CHECK_OFFLOAD:-$offload_default}" "--shape qwen2.5-3b --new-tokens 32" "" 150
+extra_bench offload offload "${KVBOOST_GPU_CHECK_OFFLOAD:-$offload_default}" "--shape qwen2.5-3b --new-tokens 32 --prefetch-depths 1,3" "" 150
 
 rm -f "$OUTDIR"/.*.tmp  # a JSON write cut by a kill leaves its temporary file
 steps+=("total=$(( SECONDS - START )):$([[ $status -eq 0 ]] && echo ok || echo FAILED)")

@@ -106,6 +106,9 @@ class ExecutionOptions:
     # Device bytes for the model's weights: decoder layers that do not fit stream from host memory, a layer at a time
     # (model/weight_stream.py). None: the whole model on the device.
     weight_budget_bytes: int | None = None
+    # With weight_budget_bytes: device slots for streamed layers, so copies run up to depth - 1 layers ahead of the
+    # forward. None: 2 (double buffering); fewer when the budget cannot hold that many.
+    weight_prefetch_depth: int | None = None
 
     def __post_init__(self) -> None:
         from .model.cpu_linear import CPU_LINEAR_MODES
@@ -119,6 +122,7 @@ class ExecutionOptions:
         _option(self, "shared_prefix_attention", isinstance(self.shared_prefix_attention, bool), "a bool")
         _int_option(self, "device_kv_max_tokens", 1, "a positive int or None", optional=True)
         _int_option(self, "weight_budget_bytes", 1, "a positive int or None", optional=True)
+        _int_option(self, "weight_prefetch_depth", 1, "a positive int or None", optional=True)
 
 
 @dataclass
@@ -210,6 +214,8 @@ def _attention(config: EngineConfig, env: Environment | None) -> str | None:
 
 
 def _weight_streaming(config: EngineConfig, env: Environment | None) -> str | None:
+    if config.weight_prefetch_depth is not None and config.weight_budget_bytes is None:
+        return "weight_prefetch_depth applies to streamed weights: it needs weight_budget_bytes"
     if config.weight_budget_bytes is not None and config.fast_path in ("graphs", "compiled", "eager"):
         return (f"fast_path={config.fast_path!r} with weight_budget_bytes: streamed weights run the eager path "
                 "(use 'auto' or 'off')")
@@ -222,7 +228,7 @@ RULES: tuple[Rule, ...] = (
          else f"chunk_boundary_window must be in [0, chunk_size/2), got {c.chunk_boundary_window}"),
     Rule(("attention_backend",), _attention, needs_environment=True),
     Rule(("fast_path", "attention_backend"), _fast_path, needs_environment=True),
-    Rule(("weight_budget_bytes", "fast_path"), _weight_streaming),
+    Rule(("weight_budget_bytes", "weight_prefetch_depth", "fast_path"), _weight_streaming),
     Rule(("cpu_linear",), lambda c, e: f"cpu_linear='on': {e.cpu_linear_unsupported}"
          if c.cpu_linear == "on" and e.cpu_linear_unsupported else None, needs_environment=True),
     Rule(("speculative",), lambda c, e: "speculative='draft' needs draft_model= (a path, hub id or loaded model "

@@ -85,7 +85,8 @@ class InferenceEngine:
         self.weight_stream = None  # decoder layers streamed from host memory (weight_budget_bytes)
         if self.config.weight_budget_bytes is not None:
             target = torch.device(device) if device is not None else next(model.parameters()).device
-            self.weight_stream = stream_weights(model, self.config.weight_budget_bytes, target)
+            self.weight_stream = stream_weights(model, self.config.weight_budget_bytes, target,
+                                                self.config.weight_prefetch_depth or 2)
         elif device is not None:
             model.to(device)
         self.model = model.eval()

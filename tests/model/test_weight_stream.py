@@ -71,6 +71,30 @@ def test_a_streamed_engine_gives_the_resident_engines_tokens(tokenizer, device, 
         assert torch.equal(value.cpu(), weights[name]), name
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_every_prefetch_depth_gives_the_resident_engines_tokens(tokenizer, device, depth):
+    model = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=5)
+    want = _outputs(KVBoost(make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=5), tokenizer,
+                            device=str(device), fast_path="off"))
+    engine = KVBoost(model, tokenizer, device=str(device), weight_budget_bytes=_budget(model, 0, slots=depth),
+                     weight_prefetch_depth=depth)
+    stats = engine.cache_stats()["weights"]
+    assert stats["slots"] == depth and len(stats["streamed_layers"]) == 5
+    assert _outputs(engine) == want
+    short = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=5)  # room for one slot only
+    one = KVBoost(short, tokenizer, device=str(device), weight_budget_bytes=_budget(short, 0, slots=1),
+                  weight_prefetch_depth=depth)
+    assert one.cache_stats()["weights"]["slots"] == 1
+
+
+def test_a_prefetch_depth_needs_streamed_weights(tokenizer):
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    with pytest.raises(ValueError, match="weight_prefetch_depth applies to streamed weights"):
+        KVBoost(model, tokenizer, device="cpu", weight_prefetch_depth=3)
+    with pytest.raises(ValueError, match="weight_prefetch_depth"):
+        KVBoost(model, tokenizer, device="cpu", weight_budget_bytes=_budget(model, 0), weight_prefetch_depth=0)
+
+
 def test_static_fast_paths_are_refused_with_streamed_weights(tokenizer):
     model = make_tiny_model("llama", tokenizer, device="cpu")
     for path in ("compiled", "eager"):

@@ -68,6 +68,9 @@ def serve_command(
                                                     "only)."),
     weight_budget_bytes: int | None = typer.Option(None, min=1, help="Device bytes for the weights: decoder layers "
                                                    "that do not fit stream from host memory a layer at a time."),
+    weight_prefetch_depth: int | None = typer.Option(None, min=1, help="With --weight-budget-bytes: device slots for "
+                                                     "streamed layers, copies up to this many - 1 layers ahead "
+                                                     "(default 2)."),
     kv_events: str | None = typer.Option(None, help="Publish the chunks this server stores and drops as vLLM's KV "
                                          "events on this ZMQ endpoint (e.g. tcp://*:5557), for KV-aware routers."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
@@ -112,7 +115,7 @@ def serve_command(
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
                        num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
                        device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens,
-                       weight_budget_bytes=weight_budget_bytes,
+                       weight_budget_bytes=weight_budget_bytes, weight_prefetch_depth=weight_prefetch_depth,
                        **({"paged_kv": True} if paged_kv else {}))
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model, max_batch_size)
