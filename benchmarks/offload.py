@@ -191,6 +191,9 @@ def bench_offload_command(
     prefetch_depths: Annotated[str, typer.Option("--prefetch-depths", help="With --device cuda: also stream every "
                                                  "layer through this many device slots, one row each (e.g. 1,3,4)."
                                                  )] = "",
+    weight_budget_gb: Annotated[float | None, typer.Option("--weight-budget-gb", min=0.1, help="With --device cuda: "
+                                                           "also a row with this device budget for the weights, "
+                                                           "in GiB.")] = None,
 ) -> None:
     """INT4 weights against float ones (decode tok/s, peak RSS, teacher-forced agreement) and llama.cpp, on a CPU;
     with --device cuda, INT4 resident and streamed against bf16 and transformers' offloading on a --shape."""
@@ -204,10 +207,11 @@ def bench_offload_command(
             depths = tuple(int(d) for d in prefetch_depths.split(",") if d.strip())
         except ValueError:
             raise typer.BadParameter("a comma-separated list of ints", param_hint="--prefetch-depths") from None
-        report = run_offload_gpu(choice, new_tokens, json_path, plot_path, depths)
+        report = run_offload_gpu(choice, new_tokens, json_path, plot_path, depths, weight_budget_gb)
         raise typer.Exit(0 if all(r.get("status") == "ok" for r in report["rows"]) else 1)
-    if prefetch_depths:
-        raise typer.BadParameter("the prefetch depth is a GPU row (--device cuda)", param_hint="--prefetch-depths")
+    if prefetch_depths or weight_budget_gb is not None:
+        raise typer.BadParameter("--prefetch-depths and --weight-budget-gb are GPU rows (--device cuda)",
+                                 param_hint="--prefetch-depths")
     if shape is not None or (device is not None and device != "cpu"):
         raise typer.BadParameter("the CPU rows run the --model checkpoint on the CPU (its GGUF for llama.cpp); "
                                  "--shape is for --device cuda", param_hint="--shape")

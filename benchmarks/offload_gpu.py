@@ -9,6 +9,7 @@ Rows, on one random-weight --shape, batch-1 greedy decode over a ~1,000-token pr
                         (the default CUDA kernel, torch's)
   int4 streamed all     every decoder layer streams (the embedding, head and norms stay)
   ..., depth d          the same through d device slots (--prefetch-depths), copies up to d - 1 layers ahead
+  int4 streamed, B GB   weight_budget_bytes = B GiB (--weight-budget-gb), the plan choosing what stays resident
   hf device_map auto    transformers + accelerate offloading the bf16 model under the streamed-1/2 row's device budget
 For the streamed rows, the bound at one token per pass: measured pinned host-to-device bandwidth / bytes streamed per
 decode step. Rows that fail are reported with the reason; the run goes on.
@@ -90,7 +91,7 @@ def _row(name: str, build: Callable[[], tuple[Callable[[int], int], dict]], devi
 
 
 def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None, plot_path: str | None,
-                    depths: tuple[int, ...] = ()) -> dict:
+                    depths: tuple[int, ...] = (), budget_gb: float | None = None) -> dict:
     from kvboost import KVBoost
 
     from .gpu.decode import decode_rows
@@ -149,6 +150,9 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
             ("int4 streamed all", engine_row(streamed(0.0)))]
     # The prefetch depth (device slots for streamed layers) by measurement: every layer streams, `d` slots.
     plan += [(f"int4 streamed all, depth {d}", engine_row(streamed(0.0, d), d)) for d in depths]
+    if budget_gb is not None:  # a device budget as a user gives it (e.g. 12 GB for a 32B model)
+        plan.append((f"int4 streamed, {budget_gb:g} GB budget", engine_row(
+            lambda: (in_host_memory(_int4(model_on_device(), None, device)), int(budget_gb * 2**30)))))
     def add(row: dict) -> None:
         rows.append(row)
         if json_path:  # after every row: a run cut short keeps what it measured

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where used: `kvboost --help` validates names without loading it
     import torch
 
-# Sources: the config.json files published with each checkpoint (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-3B,
+# Sources: the config.json files published with each checkpoint (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-3B, Qwen2.5-32B,
 # meta-llama/Llama-3.1-8B, HuggingFaceTB/SmolLM2-135M-Instruct); head_dim = hidden / heads for all of them.
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -60,6 +60,12 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
                num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
                use_sliding_window=False, vocab_size=151936)),
+    Shape("qwen2.5-32b", "Qwen2.5-32B: 64 layers, hidden 5120, 40 heads / 8 KV heads, head dim 128, untied "
+          "embeddings (layer streaming: larger than most GPUs in bf16)", "qwen2",
+          dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+               num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+               use_sliding_window=False, vocab_size=152064)),
     Shape("llama-3.1-8b", "Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 KV heads, head dim 128, llama3 "
           "RoPE scaling, untied embeddings", "llama",
           dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
