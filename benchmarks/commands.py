@@ -64,6 +64,12 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
     bench_app.command("serve-chat", help="One streamed chat through kvboost serve against generate_stream(): "
                                          "decode rate and TTFT per turn (needs the server extra and openai).")(
         _needs_extras("kvboost bench serve-chat", bench_serve_chat_command, "server", modules=("openai",)))
+    from .cluster import bench_cluster_command
+
+    bench_app.command("cluster", help="KVBoost replicas on a local Ray cluster: KVBoost's router against Ray's "
+                                      "default and one replica, same chat replay (needs the cluster extra).")(
+        _plot_needs_bench_extra("kvboost bench cluster", _needs_extras("kvboost bench cluster", bench_cluster_command,
+                                                                       "cluster", modules=("httpx",))))
     bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
         _plot_needs_bench_extra("kvboost bench batch", bench_batch_command))
     rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."

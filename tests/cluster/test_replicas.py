@@ -4,6 +4,8 @@ continues on the replica that stored the response, the server's endpoints answer
 killed mid-stream ends its client's stream with an error (never a hang) while Ray restarts it and others serve on."""
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import httpx
@@ -19,6 +21,7 @@ from kvboost.server.settings import ServerSettings  # noqa: E402
 
 from ..tiny_models import make_tiny_model  # noqa: E402
 
+STREAM_TOKENS = 200
 SYSTEMS = [f"You are assistant number {i}. Answer every question about {topic} in one short sentence. " * 3
            for i, topic in enumerate(("rivers", "mountains", "deserts"))]
 
@@ -35,7 +38,8 @@ def base_url(tmp_path_factory, tokenizer):
              runtime_env={"env_vars": {"KVBOOST_AOT": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = ServerSettings(model=str(folder), served_model_name="m", max_batch_size=4)
+        # One request at a time per replica: a stream's tokens are those of the same request sent alone.
+        settings = ServerSettings(model=str(folder), served_model_name="m", max_batch_size=1)
         spec = ReplicaSpec(settings, {"chunk_size": 16, "device": "cpu"})
         serve.run(build_app(spec, 2, cpus_per_replica=1, stats_period_s=0.5), name="kvboost", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -78,7 +82,10 @@ def test_a_conversation_stays_on_the_replica_holding_its_kv(http):
 
 def test_the_servers_endpoints_answer_through_the_ingress(http, base_url):
     assert http.get("/health").json()["status"] == "ok"
-    assert "vllm:num_requests_running" in http.get("/metrics").text
+    metrics = http.get("/metrics").text  # every replica that has answered, each sample labelled with it
+    served = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines()
+              if line.startswith("vllm:num_requests_running{")}
+    assert served and served <= _replica_ids()
     assert http.post("/v1/chat/completions", json={"model": "m", "messages": []}).status_code == 400
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
     stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
@@ -107,31 +114,71 @@ def _replica_actor(unique_id: str):
     raise LookupError(unique_id)
 
 
+def _replica_ids() -> set[str]:
+    return {a["name"].rsplit("#", 1)[-1] for a in ray.util.list_named_actors(all_namespaces=True)
+            if "kvboost-replica" in a["name"]}
+
+
 def _running_replicas() -> int:
     status = serve.status().applications["kvboost"].deployments["kvboost-replica"]
     return status.replica_states.get("RUNNING", 0)
 
 
-def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error(base_url, http):
-    body = {"model": "m", "messages": [{"role": "user", "content": "Count for a long time."}], "max_tokens": 900,
-            "temperature": 0, "logit_bias": {"2": -100}, "stream": True}
-    t0 = time.monotonic()
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        victim = r.headers[REPLICA_HEADER]
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-        ray.kill(_replica_actor(victim), no_restart=False)
-        rest = [line for line in lines if line.startswith("data:")]
-    assert time.monotonic() - t0 < 60
-    assert rest and '"replica_failed"' in rest[-1]  # the last event says the output is incomplete
-    # The other replica serves meanwhile; Ray brings the killed one back.
-    r = _chat(http, [{"role": "user", "content": "Still there?"}])
-    assert r.headers[REPLICA_HEADER] != victim
+def _stream(base_url: str, prompt: str, started: threading.Event, out: dict) -> None:
+    """One streaming client: its status, replica, text, and the error event that ended it (if one did)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
+            "logit_bias": {"2": -100}, "stream": True}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
+            out["status"], out["replica"], out["text"] = r.status_code, r.headers.get(REPLICA_HEADER), ""
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out["error"] = event["error"]
+                    break
+                out["text"] += event["choices"][0]["text"]
+                started.set()
+            if r.status_code != 200:
+                out["error"] = json.loads(r.read())["error"]
+    except Exception as exc:  # a broken connection or a timeout: neither a 200 nor a clean error
+        out["failure"] = repr(exc)
+
+
+def test_a_replica_killed_under_16_streams_leaves_no_hung_or_wrong_output(base_url, http):
+    prompts = [f"Story {i}: once upon a time, in a village by the sea, there lived" for i in range(16)]
+    reference = {}
+    for p in prompts:  # each alone, not streamed: what each stream must say if it completes
+        r = http.post("/v1/completions", json={"model": "m", "prompt": p, "max_tokens": STREAM_TOKENS,
+                                               "temperature": 0, "logit_bias": {"2": -100}})
+        reference[p] = r.json()["choices"][0]["text"]
+    results = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    clients = [threading.Thread(target=_stream, args=(base_url, p, s, out), daemon=True)
+               for p, s, out in zip(prompts, started, results)]
+    for c in clients:
+        c.start()
+    deadline = time.monotonic() + 60
+    while not any(s.is_set() for s in started) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    victim = next(out["replica"] for out, s in zip(results, started) if s.is_set())  # one streaming right now
+    ray.kill(_replica_actor(victim), no_restart=False)
+    for c in clients:
+        c.join(timeout=180)
+    assert not any(c.is_alive() for c in clients)  # no client hangs
+    assert not [out["failure"] for out in results if "failure" in out]  # every client: a 200 or a clean error
+    done = [(p, out) for p, out in zip(prompts, results) if "error" not in out]
+    errors = [out["error"] for out in results if "error" in out]
+    assert all(out["status"] == 200 and out["text"] == reference[p] for p, out in done)  # no wrong output
+    assert errors and all(e["code"] in ("replica_failed", "replica_unavailable") for e in errors)
+    assert len(done) >= 8  # the survivor (and the restarted replica) served the rest
+    # Ray brings the killed replica back; the deployment serves on.
     deadline = time.monotonic() + 120
     while _running_replicas() < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert _running_replicas() == 2
+    assert _chat(http, [{"role": "user", "content": "Still there?"}]).status_code == 200
 
 
 def test_the_config_file_builder_makes_the_same_application_and_refuses_unknown_args():

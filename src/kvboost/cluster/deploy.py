@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
@@ -25,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from .asgi import HttpRequest, ResponseStart, call
 from .held_keys import HeldKeys
 from .keying import Recipe, RequestKeying
+from .metrics import merge_expositions
 from .router import KVBoostRouter, RoutedRequest
 
 logger = logging.getLogger("kvboost.cluster")
@@ -170,6 +172,7 @@ class Ingress:
         self.keying: RequestKeying | None = None
         self.pins: OrderedDict[str, str] = OrderedDict()  # stored response id -> the replica that stored it
         self.max_pins = pinned_responses
+        self.seen: set[str] = set()  # replicas that have answered (their /metrics are merged)
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, request: Request) -> Response:
@@ -177,6 +180,8 @@ class Ingress:
         client = (request.client.host, request.client.port) if request.client else ("127.0.0.1", 0)
         http = HttpRequest(request.method, request.url.path, request.url.query.encode(), list(request.headers.raw),
                            body, client)
+        if http.method == "GET" and http.path == "/metrics" and self.seen:
+            return await self._metrics(http)
         keys = (await self._keying()).keys(http.path, body) if http.method == "POST" else None
         routed = RoutedRequest(http, keys, self._pin(http))
         for attempt in range(2):
@@ -190,6 +195,8 @@ class Ingress:
                 logger.warning("a replica failed before answering (%s); retrying on another", type(exc).__name__)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() not in _HOP_HEADERS}
         replica = headers.get(REPLICA_HEADER)
+        if replica is not None:
+            self.seen.add(replica)
         if not headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = b"".join([piece async for piece in stream])
@@ -211,6 +218,23 @@ class Ingress:
             logger.warning("a replica failed while streaming: %s: %s", type(exc).__name__, exc)
             yield _stream_error(http.path, f"the replica serving this stream failed ({type(exc).__name__}); "
                                            "the output so far is incomplete")
+
+    async def _metrics(self, http: HttpRequest) -> Response:
+        """Every replica that has answered, asked by pin; one that another replica answered for is gone."""
+        texts: dict[str, str] = {}
+        for replica in sorted(self.seen):
+            try:
+                pieces = [p async for p in self.replicas.options(stream=True).handle.remote(
+                    RoutedRequest(http, None, replica))]
+            except RayError:
+                continue
+            start = pieces[0]
+            answered = dict(start.headers).get(REPLICA_HEADER.encode(), b"").decode()
+            if answered != replica:
+                self.seen.discard(replica)
+                continue
+            texts[replica] = b"".join(pieces[1:]).decode()
+        return Response(merge_expositions(texts), 200, media_type=CONTENT_TYPE_LATEST)
 
     async def _keying(self) -> RequestKeying:
         if self.keying is None:
@@ -236,14 +260,21 @@ class Ingress:
                 self.pins.popitem(last=False)
 
 
+ROUTERS = ("kvboost", "power-of-two")  # KVBoostRouter, or Ray Serve's default (for comparisons)
+
+
 def build_app(spec: ReplicaSpec, replicas: int, imbalance: int = 4, gpus_per_replica: float = 0.0,
-              cpus_per_replica: float = 1.0, stats_period_s: float = 1.0):
-    """The Ray Serve application: `replicas` engines behind the ingress, routed by KVBoostRouter."""
+              cpus_per_replica: float = 1.0, stats_period_s: float = 1.0, router: str = "kvboost"):
+    """The Ray Serve application: `replicas` engines behind the ingress, routed by KVBoostRouter (or Ray's own
+    power-of-two-choices router, `router="power-of-two"`)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     batch = spec.settings.max_batch_size
-    router = RequestRouterConfig(request_router_class=KVBoostRouter, request_router_kwargs={"imbalance": imbalance},
-                                 request_routing_stats_period_s=stats_period_s,
+    chosen = {"request_router_class": KVBoostRouter, "request_router_kwargs": {"imbalance": imbalance}} \
+        if router == "kvboost" else {}
+    router = RequestRouterConfig(**chosen, request_routing_stats_period_s=stats_period_s,
                                  request_routing_stats_timeout_s=max(5.0, stats_period_s))
     # A replica takes a batch and as many waiting: the rest wait in Ray's router, which can still send them elsewhere.
     engine = Replica.options(num_replicas=replicas, max_ongoing_requests=2 * batch, request_router_config=router,
@@ -255,14 +286,15 @@ def build_app(spec: ReplicaSpec, replicas: int, imbalance: int = 4, gpus_per_rep
 def build(args: dict[str, Any]):
     """Application builder for a Ray Serve config file (`import_path: kvboost.cluster.deploy:build`), args:
     replicas, imbalance, server ({ServerSettings fields}), engine ({KVBoost.from_pretrained keywords}), warm
-    (lists of chat messages), gpus_per_replica, cpus_per_replica."""
+    (lists of chat messages), gpus_per_replica, cpus_per_replica, router ("kvboost" or "power-of-two")."""
     from ..server.settings import ServerSettings
 
-    known = {"replicas", "imbalance", "server", "engine", "warm", "gpus_per_replica", "cpus_per_replica"}
+    known = {"replicas", "imbalance", "server", "engine", "warm", "gpus_per_replica", "cpus_per_replica", "router"}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown args {unknown}: expected some of {sorted(known)}")
     spec = ReplicaSpec(ServerSettings(**args.get("server", {})), dict(args.get("engine", {})),
                        list(args.get("warm", [])))
     return build_app(spec, int(args.get("replicas", 1)), int(args.get("imbalance", 4)),
-                     float(args.get("gpus_per_replica", 0.0)), float(args.get("cpus_per_replica", 1.0)))
+                     float(args.get("gpus_per_replica", 0.0)), float(args.get("cpus_per_replica", 1.0)),
+                     router=str(args.get("router", "kvboost")))

@@ -1,0 +1,214 @@
+"""`kvboost bench cluster`: one chat replay against KVBoost replicas on a local Ray cluster (kvboost serve --replicas),
+routed by KVBoost's router and by Ray Serve's default (power of two choices), and against a single replica: the share
+of prompt tokens served from cached K/V, and TTFT.
+
+Each configuration is deployed fresh (empty caches) and replays the same conversations (benchmarks/data): `clients`
+threads each take whole conversations and send their turns one after another as a chat client does (streamed, the
+model's own greedy reply appended to the history), so conversations interleave across replicas. Every replica gets
+`cpus_per_replica` cores (OpenMP threads)."""
+from __future__ import annotations
+
+import json
+import queue
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import typer
+
+from .console import bench_console
+
+CONFIGS = (("kvboost", 2), ("power-of-two", 2), ("single", 1))
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    replica: str | None
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    replicas: int
+    turns: list[Turn]
+
+    @property
+    def cached_share(self) -> float:
+        return sum(t.cached_tokens for t in self.turns) / max(1, sum(t.prompt_tokens for t in self.turns))
+
+    def ttft_p50(self, later_turns_only: bool = False) -> float:
+        return statistics.median(t.ttft_ms for t in self.turns if t.turn > 0 or not later_turns_only)
+
+    def summary(self) -> dict:
+        return {"name": self.name, "replicas": self.replicas, "cached_share": self.cached_share,
+                "ttft_p50_ms": self.ttft_p50(), "ttft_p50_later_turns_ms": self.ttft_p50(True),
+                "requests_per_replica": sorted(_count(t.replica for t in self.turns).values(), reverse=True)}
+
+
+def _count(items) -> dict:
+    out: dict = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def _turn(base_url: str, messages: list[dict], max_tokens: int) -> tuple[str, int, int, float, str | None]:
+    """One streamed chat turn: (reply, prompt tokens, cached tokens, TTFT ms, replica)."""
+    import httpx
+
+    body = {"model": "kvboost", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    reply, usage, ttft = "", None, None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        replica = r.headers.get("x-kvboost-replica")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the server failed the turn: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                if choice["delta"].get("content"):
+                    ttft = ttft if ttft is not None else (time.perf_counter() - t0) * 1e3
+                    reply += choice["delta"]["content"]
+    assert usage is not None, "the stream carried no usage"
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return reply, usage["prompt_tokens"], cached, ttft if ttft is not None else (time.perf_counter() - t0) * 1e3, \
+        replica
+
+
+def replay(base_url: str, conversations: list[dict], turns: int, clients: int, max_tokens: int) -> list[Turn]:
+    work: queue.Queue[tuple[int, dict]] = queue.Queue()
+    for i, c in enumerate(conversations):
+        work.put((i, c))
+    out: list[Turn] = []
+    failures: list[BaseException] = []
+
+    def client() -> None:
+        while True:
+            try:
+                i, conversation = work.get_nowait()
+            except queue.Empty:
+                return
+            messages = [{"role": "system", "content": conversation["system"]}]
+            for t, text in enumerate(conversation["turns"][:turns]):
+                messages.append({"role": "user", "content": text})
+                try:
+                    reply, prompt, cached, ttft, replica = _turn(base_url, messages, max_tokens)
+                except BaseException as exc:
+                    failures.append(exc)
+                    return
+                messages.append({"role": "assistant", "content": reply})
+                out.append(Turn(i, t, prompt, cached, ttft, replica))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if failures:
+        raise failures[0]
+    return out
+
+
+def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: int, cpus_per_replica: int,
+                      imbalance: int, json_path: str | None, plot_path: str | None) -> list[ConfigResult]:
+    import os
+
+    import ray
+    from ray import serve
+
+    from kvboost.cluster.deploy import ReplicaSpec, build_app
+    from kvboost.server.background import bind_socket
+    from kvboost.server.settings import ServerSettings
+
+    from .workloads import load_conversations
+
+    console = bench_console()
+    chats = [c for c in load_conversations() if len(c["turns"]) >= turns][:conversations]
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {"KVBOOST_AOT": os.environ.get("KVBOOST_AOT", "0")}  # eager steps: no package build in the background
+    ray.init(num_cpus=2 * cpus_per_replica, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    results: list[ConfigResult] = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        spec = ReplicaSpec(ServerSettings(served_model_name="kvboost"), {"device": "cpu"})
+        for name, replicas in CONFIGS:
+            router = "kvboost" if name == "single" else name
+            with console.status(f"{name}: deploying {replicas} replica(s)"):
+                serve.run(build_app(spec, replicas, imbalance, cpus_per_replica=cpus_per_replica, router=router),
+                          name="bench", route_prefix="/")
+            with console.status(f"{name}: {len(chats)} conversations x {turns} turns, {clients} clients"):
+                results.append(ConfigResult(name, replicas, replay(f"http://127.0.0.1:{port}", chats, turns, clients,
+                                                                  max_tokens)))
+            serve.delete("bench")
+            s = results[-1].summary()
+            console.print(f"{name}: cached share {s['cached_share']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms "
+                          f"(turns 2+: {s['ttft_p50_later_turns_ms']:.0f} ms), requests per replica "
+                          f"{s['requests_per_replica']}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    _report(console, results)
+    if json_path:
+        from .plots import write_json
+
+        write_json(json_path, {"conversations": len(chats), "turns": turns, "clients": clients,
+                               "max_tokens": max_tokens, "cpus_per_replica": cpus_per_replica,
+                               "imbalance": imbalance, "configs": [r.summary() for r in results],
+                               "turns_detail": {r.name: [asdict(t) for t in r.turns] for r in results}})
+    if plot_path:
+        _plot(results, plot_path)
+    return results
+
+
+def _report(console, results: list[ConfigResult]) -> None:
+    by = {r.name: r for r in results}
+    kv, p2c, single = by["kvboost"], by["power-of-two"], by["single"]
+    console.print(f"KVBoost router: cached share {kv.cached_share / single.cached_share:.2f}x a single replica's, "
+                  f"{kv.cached_share / max(p2c.cached_share, 1e-9):.2f}x Ray's default router's; TTFT p50 "
+                  f"{kv.ttft_p50() / p2c.ttft_p50():.2f}x the default router's")
+
+
+def _plot(results: list[ConfigResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [f"{r.name}\n({r.replicas} replica{'s' if r.replicas > 1 else ''})" for r in results]
+    a.bar(names, [r.cached_share for r in results], color="#4878a8")
+    a.set_ylabel("prompt tokens served from cache")
+    a.set_ylim(0, 1)
+    b.bar(names, [r.ttft_p50() for r in results], color="#d08040")
+    b.set_ylabel("TTFT p50 (ms)")
+    fig.suptitle("kvboost bench cluster: one chat replay, local Ray")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def bench_cluster_command(
+    conversations: int = typer.Option(8, min=1, help="Conversations replayed (each with at least --turns turns)."),
+    turns: int = typer.Option(4, min=1, help="User turns per conversation."),
+    clients: int = typer.Option(4, min=1, help="Concurrent clients, each sending whole conversations."),
+    max_tokens: int = typer.Option(16, min=1, help="Reply tokens per turn."),
+    cpus_per_replica: int = typer.Option(1, min=1, help="Cores (OpenMP threads) per replica."),
+    imbalance: int = typer.Option(4, min=1, help="KVBoost router's --route-imbalance."),
+    json_path: str | None = typer.Option(None, "--json", help="Write the results here."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG here."),
+) -> None:
+    """KVBoost replicas on a local Ray cluster: KVBoost router vs Ray default vs one replica (cached share, TTFT)."""
+    run_cluster_bench(conversations, turns, clients, max_tokens, cpus_per_replica, imbalance, json_path, plot_path)
