@@ -2,14 +2,15 @@
 routed by KVBoost's router and by Ray Serve's default (power of two choices), and against a single replica: the share
 of prompt tokens served from cached K/V, and TTFT.
 
-Each configuration is deployed fresh (empty caches) and replays the same conversations (benchmarks/data): `clients`
-threads each take whole conversations and send their turns one after another as a chat client does (streamed, the
-model's own greedy reply appended to the history), so conversations interleave across replicas. Every replica gets
+Each configuration is deployed fresh (empty caches) and replays the same conversations (benchmarks/data): their
+turns in order, conversations interleaved (`clients` threads each send the turn of the conversation that has waited
+longest, streamed, the model's own greedy reply appended to the history as a chat client does). Every replica gets
 `cpus_per_replica` cores (OpenMP threads)."""
 from __future__ import annotations
 
 import json
 import queue
+import random
 import statistics
 import threading
 import time
@@ -87,29 +88,42 @@ def _turn(base_url: str, messages: list[dict], max_tokens: int) -> tuple[str, in
         replica
 
 
-def replay(base_url: str, conversations: list[dict], turns: int, clients: int, max_tokens: int) -> list[Turn]:
-    work: queue.Queue[tuple[int, dict]] = queue.Queue()
+def replay(base_url: str, conversations: list[dict], turns: int, clients: int, max_tokens: int,
+           think_s: float = 0.0) -> list[Turn]:
+    """Every conversation's turns in order, conversations interleaved: `clients` threads take the conversation that
+    has waited longest for its next turn, which is ready a think time after the reply to its last one (uniform in
+    [0, think_s], the same in every run: seeded by conversation and turn), so consecutive turns of one conversation
+    are sent by whichever client is free, after other conversations' turns."""
+    ready: queue.Queue[tuple[int, int, list[dict]] | None] = queue.Queue()
     for i, c in enumerate(conversations):
-        work.put((i, c))
+        ready.put((i, 0, [{"role": "system", "content": c["system"]}]))
+    remaining = [len(conversations)]
+    lock = threading.Lock()
     out: list[Turn] = []
     failures: list[BaseException] = []
 
     def client() -> None:
-        while True:
+        while (item := ready.get()) is not None:
+            i, t, messages = item
+            messages = [*messages, {"role": "user", "content": conversations[i]["turns"][t]}]
             try:
-                i, conversation = work.get_nowait()
-            except queue.Empty:
-                return
-            messages = [{"role": "system", "content": conversation["system"]}]
-            for t, text in enumerate(conversation["turns"][:turns]):
-                messages.append({"role": "user", "content": text})
-                try:
-                    reply, prompt, cached, ttft, replica = _turn(base_url, messages, max_tokens)
-                except BaseException as exc:
-                    failures.append(exc)
-                    return
-                messages.append({"role": "assistant", "content": reply})
+                reply, prompt, cached, ttft, replica = _turn(base_url, messages, max_tokens)
+            except BaseException as exc:
+                failures.append(exc)
+                reply, prompt, cached, ttft, replica, t = "", 0, 0, 0.0, None, turns  # this conversation ends
+            else:
                 out.append(Turn(i, t, prompt, cached, ttft, replica))
+            if t + 1 < turns:
+                item = (i, t + 1, [*messages, {"role": "assistant", "content": reply}])
+                timer = threading.Timer(random.Random(i * 1000 + t).uniform(0, think_s), ready.put, (item,))
+                timer.daemon = True
+                timer.start()
+                continue
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    for _ in range(clients):
+                        ready.put(None)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for th in threads:
@@ -122,7 +136,8 @@ def replay(base_url: str, conversations: list[dict], turns: int, clients: int, m
 
 
 def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: int, cpus_per_replica: int,
-                      imbalance: int, json_path: str | None, plot_path: str | None) -> list[ConfigResult]:
+                      imbalance: int, think_s: float, json_path: str | None, plot_path: str | None
+                      ) -> list[ConfigResult]:
     import os
 
     import ray
@@ -152,7 +167,7 @@ def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: 
                           name="bench", route_prefix="/")
             with console.status(f"{name}: {len(chats)} conversations x {turns} turns, {clients} clients"):
                 results.append(ConfigResult(name, replicas, replay(f"http://127.0.0.1:{port}", chats, turns, clients,
-                                                                  max_tokens)))
+                                                                  max_tokens, think_s)))
             serve.delete("bench")
             s = results[-1].summary()
             console.print(f"{name}: cached share {s['cached_share']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms "
@@ -165,7 +180,7 @@ def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: 
     if json_path:
         from .plots import write_json
 
-        write_json(json_path, {"conversations": len(chats), "turns": turns, "clients": clients,
+        write_json(json_path, {"conversations": len(chats), "turns": turns, "clients": clients, "think_s": think_s,
                                "max_tokens": max_tokens, "cpus_per_replica": cpus_per_replica,
                                "imbalance": imbalance, "configs": [r.summary() for r in results],
                                "turns_detail": {r.name: [asdict(t) for t in r.turns] for r in results}})
@@ -201,14 +216,17 @@ def _plot(results: list[ConfigResult], path: str) -> None:
 
 
 def bench_cluster_command(
-    conversations: int = typer.Option(8, min=1, help="Conversations replayed (each with at least --turns turns)."),
+    conversations: int = typer.Option(16, min=1, help="Conversations replayed (each with at least --turns turns)."),
     turns: int = typer.Option(4, min=1, help="User turns per conversation."),
     clients: int = typer.Option(4, min=1, help="Concurrent clients, each sending whole conversations."),
     max_tokens: int = typer.Option(16, min=1, help="Reply tokens per turn."),
     cpus_per_replica: int = typer.Option(1, min=1, help="Cores (OpenMP threads) per replica."),
     imbalance: int = typer.Option(4, min=1, help="KVBoost router's --route-imbalance."),
+    think_s: float = typer.Option(1.0, min=0.0, help="A conversation's next turn is ready up to this many seconds "
+                                                     "after its last reply (uniform, seeded)."),
     json_path: str | None = typer.Option(None, "--json", help="Write the results here."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG here."),
 ) -> None:
     """KVBoost replicas on a local Ray cluster: KVBoost router vs Ray default vs one replica (cached share, TTFT)."""
-    run_cluster_bench(conversations, turns, clients, max_tokens, cpus_per_replica, imbalance, json_path, plot_path)
+    run_cluster_bench(conversations, turns, clients, max_tokens, cpus_per_replica, imbalance, think_s, json_path,
+                      plot_path)

@@ -80,6 +80,25 @@ def test_a_conversation_stays_on_the_replica_holding_its_kv(http):
             time.sleep(0.6)  # a routing report in between (stats every 0.5 s)
 
 
+def test_a_turn_goes_to_its_kv_even_when_that_replica_is_busier(http, base_url):
+    """Below the imbalance threshold the replica holding the history wins over an idle one (routing by load alone
+    would send the turn to the idle replica and lose the history)."""
+    system = "You are the archivist of an old library. Answer in one sentence. " * 4
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Where are the maps?"}]
+    holder = _chat(http, messages).headers[REPLICA_HEADER]
+    busy = threading.Event()
+    out: dict = {}
+    story = [messages[0], {"role": "user", "content": "Tell a long story."}]
+    long = threading.Thread(target=_stream, args=(base_url, story, busy, out), daemon=True)
+    long.start()  # shares the system prompt: routed to the holder, which is then busier than the other replica
+    assert busy.wait(60)
+    messages += [{"role": "assistant", "content": "In the east wing."}, {"role": "user", "content": "And the globes?"}]
+    r = _chat(http, messages)
+    long.join(120)
+    assert out["replica"] == holder and r.headers[REPLICA_HEADER] == holder
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+
+
 def test_the_servers_endpoints_answer_through_the_ingress(http, base_url):
     assert http.get("/health").json()["status"] == "ok"
     metrics = http.get("/metrics").text  # every replica that has answered, each sample labelled with it
@@ -124,12 +143,14 @@ def _running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def _stream(base_url: str, prompt: str, started: threading.Event, out: dict) -> None:
-    """One streaming client: its status, replica, text, and the error event that ended it (if one did)."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
-            "logit_bias": {"2": -100}, "stream": True}
+def _stream(base_url: str, prompt: str | list[dict], started: threading.Event, out: dict) -> None:
+    """One streaming client (a completion, or a chat for a list of messages): its status, replica, text, and the
+    error event that ended it (if one did)."""
+    chat = isinstance(prompt, list)
+    body = {"model": "m", ("messages" if chat else "prompt"): prompt, "max_tokens": STREAM_TOKENS,
+            "temperature": 0, "logit_bias": {"2": -100}, "stream": True}
     try:
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", f"{base_url}/v1/{'chat/' if chat else ''}completions", json=body, timeout=120) as r:
             out["status"], out["replica"], out["text"] = r.status_code, r.headers.get(REPLICA_HEADER), ""
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -138,7 +159,8 @@ def _stream(base_url: str, prompt: str, started: threading.Event, out: dict) -> 
                 if "error" in event:
                     out["error"] = event["error"]
                     break
-                out["text"] += event["choices"][0]["text"]
+                choice = event["choices"][0]
+                out["text"] += (choice["delta"].get("content") or "") if chat else choice["text"]
                 started.set()
             if r.status_code != 200:
                 out["error"] = json.loads(r.read())["error"]

@@ -11,7 +11,15 @@ from collections import OrderedDict, deque
 import pytest
 
 from kvboost.chunking import Chunker
-from kvboost.cluster.routing import ReplicaView, RequestKeys, RoutingPolicy, choose, score, short_key
+from kvboost.cluster.routing import (
+    RecentRoutes,
+    ReplicaView,
+    RequestKeys,
+    RoutingPolicy,
+    choose,
+    score,
+    short_key,
+)
 
 CHUNKER = Chunker(16, "kvb1|test|float32|c16|w0|b16")
 
@@ -166,3 +174,18 @@ def test_at_256_replicas_routing_from_reports_nears_an_oracle_and_keeps_load_eve
     assert kv_hits >= 0.95 * oracle_hits  # reports a few requests old cost next to nothing
     assert kv_load <= 1.3
     assert kv_hits >= 3 * p2c_hits
+
+
+def test_what_was_sent_lately_counts_as_held_until_it_expires():
+    now = [0.0]
+    recent = RecentRoutes(ttl_s=10.0, clock=lambda: now[0])
+    first = _keys(SYSTEM)
+    replicas = [ReplicaView("a", 1), ReplicaView("b", 0)]  # no report shows anything yet; "b" is less loaded
+    assert choose(_keys(SYSTEM + OTHER), replicas).replica == "b"
+    recent.add("a", first)  # the conversation's first turn went to "a"
+    views = [recent.view(r) for r in replicas]
+    route = choose(_keys(SYSTEM + OTHER), views)  # its next turn, before "a" reports: back to "a"
+    assert (route.replica, route.reason, route.exact_chunks) == ("a", "prefix", 4)
+    assert recent.view(ReplicaView("a", 1, reachable=False)).chains == frozenset()  # unreachable: load alone
+    now[0] = 10.5
+    assert choose(_keys(SYSTEM + OTHER), [recent.view(r) for r in replicas]).replica == "b"  # expired

@@ -272,8 +272,10 @@ def build_app(spec: ReplicaSpec, replicas: int, imbalance: int = 4, gpus_per_rep
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     batch = spec.settings.max_batch_size
-    chosen = {"request_router_class": KVBoostRouter, "request_router_kwargs": {"imbalance": imbalance}} \
-        if router == "kvboost" else {}
+    # By import path: a class object would travel pickled by value, with a copy of RoutedRequest that the ingress's
+    # requests are not instances of.
+    chosen = {"request_router_class": f"{KVBoostRouter.__module__}:{KVBoostRouter.__name__}",
+              "request_router_kwargs": {"imbalance": imbalance}} if router == "kvboost" else {}
     router = RequestRouterConfig(**chosen, request_routing_stats_period_s=stats_period_s,
                                  request_routing_stats_timeout_s=max(5.0, stats_period_s))
     # A replica takes a batch and as many waiting: the rest wait in Ray's router, which can still send them elsewhere.

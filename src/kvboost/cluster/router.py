@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from .asgi import HttpRequest
-from .routing import ReplicaView, RequestKeys, RoutingPolicy, choose
+from .routing import RecentRoutes, ReplicaView, RequestKeys, RoutingPolicy, choose
 
 _NO_KEYS = RequestKeys((), ())
 
@@ -26,8 +26,9 @@ class KVBoostRouter(RequestRouter):
     """First rank: the replica choose() picks (longest run of held chunks, unless load is imbalanced; a pinned replica
     while it lives); then the others, least loaded first, for when the first is full."""
 
-    def initialize_state(self, imbalance: int = 4, **kwargs) -> None:
+    def initialize_state(self, imbalance: int = 4, recent_ttl_s: float = 10.0, **kwargs) -> None:
         self.policy = RoutingPolicy(imbalance=imbalance)
+        self.recent = RecentRoutes(recent_ttl_s)  # keys sent lately, until the replicas' reports show them
         self.last_route = None  # the latest Route, for logs and tests
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -42,7 +43,9 @@ class KVBoostRouter(RequestRouter):
         pinned = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
         if pinned:
             return [pinned, [r for r in by_load if r is not pinned[0]]]
-        route = choose(request.keys or _NO_KEYS, list(views.values()), self.policy)
+        keys = request.keys or _NO_KEYS
+        route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
+        self.recent.add(route.replica, keys)
         self.last_route = route
         first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
         return [first, [r for r in by_load if r not in first]]
@@ -59,9 +62,11 @@ class KVBoostRouter(RequestRouter):
 
 
 def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
+    """The RoutedRequest among the call's arguments, recognised by its fields: the ingress's class reaches this
+    process pickled by value with the ingress, so it is a copy of this module's RoutedRequest, not the class itself."""
     if pending is None:
         return None
     for arg in pending.args:
-        if isinstance(arg, RoutedRequest):
+        if all(hasattr(arg, name) for name in ("http", "keys", "pin")):
             return arg
     return None

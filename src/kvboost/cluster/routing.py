@@ -14,7 +14,8 @@ not be read are routed by load alone. No Ray here: the Ray Serve router calls `c
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
@@ -70,6 +71,33 @@ class Route:
     reason: str  # "prefix", "content", "no match", "imbalanced"
     exact_chunks: int = 0
     content_chunks: int = 0
+
+
+class RecentRoutes:
+    """The chunk keys of requests sent to each replica in the last `ttl_s` seconds: the replica holds them (or will,
+    once the request is done) before its next report can say so. A conversation's next turn, sent as soon as the
+    last one ends, finds its history here."""
+
+    def __init__(self, ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s, self.clock = ttl_s, clock
+        self._sent: dict[str, dict[str, float]] = {}  # replica -> {short chain or content key: expiry}
+
+    def add(self, replica: str, keys: RequestKeys) -> None:
+        expiry = self.clock() + self.ttl_s
+        sent = self._sent.setdefault(replica, {})
+        sent.update(dict.fromkeys(keys.chains + keys.contents, expiry))
+
+    def view(self, replica: ReplicaView) -> ReplicaView:
+        """`replica` with what was sent to it lately added to what it reported (an unreachable one stays so)."""
+        sent = self._sent.get(replica.name)
+        if not sent or not replica.reachable:
+            return replica
+        now = self.clock()
+        for key in [k for k, expiry in sent.items() if expiry <= now]:
+            del sent[key]
+        return ReplicaView(replica.name, replica.queued, frozenset(replica.chains | sent.keys()),
+                           frozenset(replica.contents | sent.keys()),
+                           replica.reachable)
 
 
 def score(request: RequestKeys, replica: ReplicaView) -> tuple[int, int]:
