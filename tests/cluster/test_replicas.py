@@ -40,7 +40,8 @@ def base_url(tmp_path_factory, tokenizer):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # One request at a time per replica: a stream's tokens are those of the same request sent alone.
         settings = ServerSettings(model=str(folder), served_model_name="m", max_batch_size=1)
-        spec = ReplicaSpec(settings, {"chunk_size": 16, "device": "cpu"})
+        disk = tmp_path_factory.mktemp("disk")  # each replica writes behind to disk/replica-<rank>
+        spec = ReplicaSpec(settings, {"chunk_size": 16, "device": "cpu", "disk_cache_dir": str(disk)})
         serve.run(build_app(spec, 2, cpus_per_replica=1, stats_period_s=0.5), name="kvboost", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -185,6 +186,7 @@ def test_a_replica_killed_under_16_streams_leaves_no_hung_or_wrong_output(base_u
     while not any(s.is_set() for s in started) and time.monotonic() < deadline:
         time.sleep(0.005)
     victim = next(out["replica"] for out, s in zip(results, started) if s.is_set())  # one streaming right now
+    before = _replica_ids()
     ray.kill(_replica_actor(victim), no_restart=False)
     for c in clients:
         c.join(timeout=180)
@@ -201,6 +203,11 @@ def test_a_replica_killed_under_16_streams_leaves_no_hung_or_wrong_output(base_u
         time.sleep(1)
     assert _running_replicas() == 2
     assert _chat(http, [{"role": "user", "content": "Still there?"}]).status_code == 200
+    # The replacement took the killed replica's rank, so its disk directory: what was written behind is there.
+    (replacement,) = _replica_ids() - before
+    stats = http.get("/v1/stats", headers={REPLICA_HEADER: replacement})
+    assert stats.headers[REPLICA_HEADER] == replacement
+    assert stats.json()["cache"]["tiers"]["disk"]["entries"] > 0
 
 
 def test_the_config_file_builder_makes_the_same_application_and_refuses_unknown_args():

@@ -242,7 +242,11 @@ class Ingress:
         return self.keying
 
     def _pin(self, http: HttpRequest) -> str | None:
-        """The replica holding the stored response this request reads (previous_response_id, GET / DELETE by id)."""
+        """The replica a request asks for by name (an `x-kvboost-replica` header: one replica's /v1/stats or /health),
+        else the one holding the stored response it reads (previous_response_id, GET / DELETE by id)."""
+        asked = dict(http.headers).get(REPLICA_HEADER.encode())
+        if asked:
+            return asked.decode("latin-1")
         match = _RESPONSE_PATH.match(http.path)
         response_id = match[1] if match else None
         if response_id is None and http.path == "/v1/responses" and b"previous_response_id" in http.body:
