@@ -14,6 +14,7 @@ from ..server.test_cli import _read_until, _stop
 from ..tiny_models import make_tiny_model
 
 pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not installed")
+pytestmark = pytest.mark.ray
 
 
 def test_replicas_serve_on_the_commands_port_with_its_flags(tokenizer, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster extra (ray[serve]) is not installed")
 serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.ray
 
 from kvboost.cluster.deploy import REPLICA_HEADER, ReplicaSpec, build_app  # noqa: E402
 from kvboost.server.background import bind_socket  # noqa: E402
