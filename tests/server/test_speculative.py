@@ -57,13 +57,12 @@ def test_a_batching_server_with_a_draft_model_is_identical(tokenizer, tiny_model
 
 
 def test_flag_combinations_that_cannot_run_are_refused():
-    check_speculative_flags("draft", "some/draft", 16)  # draft-model rows join batches
-    check_speculative_flags("prompt_lookup", None, 16)  # its rows verify their drafts in the batch
+    check_speculative_flags("draft", "some/draft")  # draft-model rows join batches
+    check_speculative_flags("prompt_lookup", None)  # its rows verify their drafts in the batch
     with pytest.raises(ValueError, match="--draft-model"):
-        check_speculative_flags("draft", None, 1)
+        check_speculative_flags("draft", None)
     with pytest.raises(ValueError, match="only with --speculative draft"):
-        check_speculative_flags(None, "some/draft", 1)
-    check_speculative_flags("prompt_lookup", None, 1)
+        check_speculative_flags(None, "some/draft")
     import typer
 
     from kvboost.server.__main__ import serve_command

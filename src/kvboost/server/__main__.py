@@ -118,7 +118,7 @@ def serve_command(
                        weight_budget_bytes=weight_budget_bytes, weight_prefetch_depth=weight_prefetch_depth,
                        **({"paged_kv": True} if paged_kv else {}))
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
-        check_speculative_flags(config.speculative, draft_model, max_batch_size)
+        check_speculative_flags(config.speculative, draft_model)
         warm_messages = [read_warm_file(path) for path in warm or []]
         if replicas:
             from ..cluster.deploy import ReplicaSpec
@@ -197,7 +197,7 @@ def run_on_main_thread(server, sock, scheduler) -> None:
     http.join()
 
 
-def check_speculative_flags(speculative: str | None, draft_model: str | None, max_batch_size: int) -> None:
+def check_speculative_flags(speculative: str | None, draft_model: str | None) -> None:
     """ValueError for flag combinations that cannot run (never a silently ignored flag)."""
     if speculative == "draft" and draft_model is None:
         raise ValueError("--speculative draft needs --draft-model")
@@ -230,26 +230,23 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
     tiers = ", ".join(_tier_line(name, tier, config) for name, tier in engine.cache_stats()["tiers"].items())
     reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse
                                    else "")
-    window = f", {scheduler.batch_window_s * 1e3:g} ms window" if scheduler.batched else ""
+    batching = (f"continuous batching (max {scheduler.max_batch_size} rows), {scheduler.batch_window_s * 1e3:g} ms "
+                "window" if scheduler.batched else "one request at a time")
     return [
         f"KVBoost {__version__}: model '{settings.model_id}' on {engine.device}, {dtype}, context {context}; "
         f"loaded in {load_s:.1f} s, warmed up in {warm_s:.1f} s",
         f"  K/V cache: {tiers}; chunks of {config.chunk_size} tokens stored at {config.kv_cache_bits} bits; "
         f"reuse {reuse}",
-        f"  batching: {scheduler.mode_name}{window}; queue {settings.max_queue}; fast path: "
+        f"  batching: {batching}; queue {settings.max_queue}; fast path: "
         f"{engine.fast_path_reason}; Linear products: {engine.cpu_linear}",
     ]
 
 
 def _tier_line(name: str, tier: dict, config) -> str:
-    budget = tier.get("budget_bytes")
+    n = tier.get("budget_bytes")
     where = {"disk": config.disk_cache_dir, "redis": config.redis_url}.get(name)
-    return (f"{name}" + (f" {where}" if where else "")
-            + (f" budget {_gib(budget)}" if budget else ""))
-
-
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
+    size = f"{n / 1024**3:.1f} GiB" if n and n >= 1024**3 else f"{(n or 0) / 1024**2:.0f} MiB"
+    return name + (f" {where}" if where else "") + (f" budget {size}" if n else "")
 
 
 def _is_loopback(host: str) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
@@ -158,12 +159,9 @@ class GatewayMiddleware:
                 access_log.write(scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3, tally)
 
     def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                          str(self.settings.api_key).encode())
-        return False
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                  str(self.settings.api_key).encode())
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -215,7 +213,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         t0 = time.perf_counter()
         req = await parse_body(request, ChatCompletionRequest)
         _check_model(settings, req.model)
-        prepared = prepare_chat(state.engine, req, settings, lock)
+        prepared = prepare_chat(state.engine, req, lock)
         renderer = ChatRenderer(settings.model_id, _decoder(state), prepared.n, prepared.tool_parse, prepared.predicted)
         return await _respond(state, prepared, renderer, req.cache_salt, request, t0)
 
@@ -225,7 +223,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(request, ResponsesRequest)
         _check_model(settings, req.model)
         chat, conversation = to_chat(req, state.responses)
-        prepared = prepare_chat(state.engine, chat, settings, lock)
+        prepared = prepare_chat(state.engine, chat, lock)
         if prepared.n != 1:
             raise unsupported("n is a chat completions parameter", "n")
         renderer = ResponseRenderer(settings.model_id, req, conversation, state.responses, prepared.tool_parse)

@@ -9,55 +9,39 @@ import uvicorn
 
 
 class BackgroundServer:
-    """`with BackgroundServer(app) as srv:` serves on srv.base_url until the block ends."""
+    """`with BackgroundServer(app) as srv:` serves on srv.base_url (a free loopback port) until the block ends;
+    warm_up: run kvboost.server.app.warm_up first, as `kvboost serve` does."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 startup_timeout_s: float = 60.0, warm_up: bool = False):
-        self.app = app
-        self.warm_up = warm_up  # run kvboost.server.app.warm_up first, as `kvboost serve` does
-        self.host = host
-        self.port = port
-        self.log_level = log_level
-        self.startup_timeout_s = startup_timeout_s
+    def __init__(self, app, warm_up: bool = False):
+        self.app, self.warm_up, self.base_url = app, warm_up, ""
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self) -> BackgroundServer:
+    def __enter__(self) -> BackgroundServer:
         if self.warm_up:
             from .app import warm_up
 
             warm_up(self.app)
-        sock = bind_socket(self.host, self.port)
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level=self.log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="kvboost-uvicorn", daemon=True)
+        sock = bind_socket("127.0.0.1", 0)
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
+                                                     timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="kvboost-uvicorn",
+                                        daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + self.startup_timeout_s
+        deadline = time.monotonic() + 60.0
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
+                self.__exit__()
                 raise RuntimeError(f"server on {self.base_url} did not start")
             time.sleep(0.02)
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def __exit__(self, *exc) -> None:
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout)
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+            self._thread.join(30.0)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -39,7 +39,7 @@ class Prepared:
     content_reuse: bool | None = None  # None: the engine's
 
 
-def prepare_chat(engine, req: ChatCompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
+def prepare_chat(engine, req: ChatCompletionRequest, lock: threading.Lock) -> Prepared:
     n = _choices(req)
     extra = req.model_extra or {}
     if extra.get("functions") or extra.get("function_call"):

@@ -89,13 +89,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, engine, max_batch_size: int = 16, batch_window_ms: float = 20.0, max_queue: int = 256,
-                 tokenizer_lock: threading.Lock | None = None):
+    def __init__(self, engine, max_batch_size: int = 16, batch_window_ms: float = 20.0, max_queue: int = 256):
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.batch_window_s = batch_window_ms / 1e3
         self.max_queue = max_queue
-        self.tokenizer_lock = tokenizer_lock or threading.Lock()
+        self.tokenizer_lock = threading.Lock()
         self.stats = SchedulerStats()
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
@@ -110,10 +109,6 @@ class Scheduler:
     @property
     def batched(self) -> bool:
         return self.max_batch_size > 1
-
-    @property
-    def mode_name(self) -> str:
-        return f"continuous batching (max {self.max_batch_size} rows)" if self.batched else "one request at a time"
 
     def start(self) -> None:
         with self._start_lock:
@@ -279,13 +274,13 @@ class Scheduler:
 
 
 @contextlib.contextmanager
-def _first_tokens(rows: list[tuple[Job, Any]], interval_s: float = 0.005) -> Iterator[None]:
+def _first_tokens(rows: list[tuple[Job, Any]]) -> Iterator[None]:
     """While one step prefills several new rows, hand out each row's first token as soon as it exists."""
     done = threading.Event()
 
     def pump() -> None:
         pending = rows
-        while pending and not done.wait(interval_s):
+        while pending and not done.wait(0.005):
             pending = [(job, handle) for job, handle in pending if not _emit_deltas(job, handle)]
 
     thread = threading.Thread(target=pump, name="kvboost-first-tokens", daemon=True)
