@@ -17,26 +17,25 @@ from pathlib import Path
 
 from . import disk_index as idx
 from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
-from .quant import DEFAULT_GROUP_SIZE, QuantCodec
+from .quant import QuantCodec
 from .serialize import RecordError, UnsupportedFormatError, dumps, loads
 
 # errno values that mean "this directory cannot be written", as opposed to "this write failed"
 _READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
 _READ_BUSY_MS = 100
+_BUSY_TIMEOUT_S = 5.0  # how long a write waits for other writers
+_STALE_TMP_S = 600.0  # a temp file this old is a dead writer's, whoever wrote it
 
 
 class DiskStore(CountedTier):
     name = "disk"
 
     def __init__(self, directory: str | os.PathLike, budget_bytes: int | None = None, namespace: str = "default",
-                 bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, fsync: bool = True,
-                 busy_timeout_s: float = 5.0, stale_tmp_s: float = 600.0):
+                 bits: int = 16):
         self.directory = Path(directory).expanduser()
         self.budget_bytes = int(budget_bytes) if budget_bytes is not None else None
         self.namespace = namespace
-        self.codec = QuantCodec(bits, group_size) if bits < 16 else None
-        self.fsync = fsync
-        self.stale_tmp_s = stale_tmp_s
+        self.codec = QuantCodec(bits) if bits < 16 else None
         self._host = socket.gethostname().replace(".", "_")
         # Two connections, so a read never queues behind the write-behind thread's write transactions.
         self._lock = threading.RLock()  # guards _conn (reads)
@@ -51,10 +50,9 @@ class DiskStore(CountedTier):
         self._conn: sqlite3.Connection | None = None
         self._wconn: sqlite3.Connection | None = None
         self._pid = os.getpid()
-        self._busy_timeout_s = busy_timeout_s
         self._lock_fd: int | None = None
         try:
-            self._open(busy_timeout_s)
+            self._open()
         except Exception as exc:  # an unusable directory degrades to "always miss", never to a crash
             self.disabled = f"{type(exc).__name__}: {exc}"
             self._stats.errors += 1
@@ -62,7 +60,7 @@ class DiskStore(CountedTier):
             self.health.event("disabled", f"{self.directory}: {self.disabled}; the disk tier serves nothing")
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def _open(self, busy_timeout_s: float) -> None:
+    def _open(self) -> None:
         if not _writable(self.directory):
             return self._open_read_only("read-only directory")
         try:
@@ -84,7 +82,7 @@ class DiskStore(CountedTier):
             self._shared_lock()
         damaged: Exception | None = None
         try:
-            self._conn = idx.connect(self.directory, busy_timeout_s, check=alone)
+            self._conn = idx.connect(self.directory, _BUSY_TIMEOUT_S, check=alone)
         except sqlite3.DatabaseError as exc:  # not a database, malformed, quick_check failed
             # OperationalError (locked, I/O error, permissions) is not damage, so nothing is rebuilt; nor while
             # others have it open: rebuilding now would pull it from under them
@@ -92,7 +90,7 @@ class DiskStore(CountedTier):
                 raise
             damaged = exc
             idx.remove_index_files(self.directory)  # rebuilt from the chunk files by the sweep below
-            self._conn = idx.connect(self.directory, busy_timeout_s)
+            self._conn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
         self._conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")  # a hit count is not worth waiting for
         if alone:
             adopted, removed = self._sweep(everything=True)
@@ -125,7 +123,7 @@ class DiskStore(CountedTier):
 
     def _shared_lock(self) -> None:
         """Waits only while another opener (the one that sweeps) holds the lock exclusively."""
-        deadline = time.monotonic() + max(30.0, self._busy_timeout_s)
+        deadline = time.monotonic() + 30.0
         while True:
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -142,16 +140,16 @@ class DiskStore(CountedTier):
             if self.read_only:
                 self._conn = self._read_only_index()[0]
             else:
-                self._conn = idx.connect(self.directory, self._busy_timeout_s)
+                self._conn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
                 self._conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")
             self._pid = os.getpid()
         return self._conn
 
     def _wdb(self) -> sqlite3.Connection:
-        """The write connection (opened on first write), waiting up to busy_timeout_s for other writers."""
+        """The write connection (opened on first write), waiting up to _BUSY_TIMEOUT_S for other writers."""
         self._db()  # (fork check)
         if self._wconn is None:
-            self._wconn = idx.connect(self.directory, self._busy_timeout_s)
+            self._wconn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
         return self._wconn
 
     def close(self) -> None:
@@ -262,7 +260,7 @@ class DiskStore(CountedTier):
             if self.budget_bytes is not None and len(blob) > self.budget_bytes:
                 self.health.dropped("over_budget", f"a {len(blob)}-byte chunk exceeds the whole disk budget")
                 return False
-            tmp = idx.write_tmp(path, blob, self._host, self.fsync)
+            tmp = idx.write_tmp(path, blob, self._host)
             row = idx.index_row(self.namespace, record.meta(), blob, str(path.relative_to(self.directory)))
             with self._write_txn() as conn:
                 os.replace(tmp, path)
@@ -395,7 +393,7 @@ class DiskStore(CountedTier):
         files, tmps = idx.scan_chunks(self.directory)
         now = time.time()
         for entry in tmps:
-            if everything or idx.tmp_is_dead(entry.name, now - entry.stat().st_mtime, self._host, self.stale_tmp_s):
+            if everything or idx.tmp_is_dead(entry.name, now - entry.stat().st_mtime, self._host, _STALE_TMP_S):
                 Path(entry.path).unlink(missing_ok=True)
                 self._counters["swept_tmp"] += 1
         if not everything:

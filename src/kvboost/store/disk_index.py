@@ -198,8 +198,8 @@ def check_manifest(directory: Path) -> None:
         raise RuntimeError(f"{path} describes another cache format: {found!r}")
 
 
-def write_tmp(path: Path, blob: bytes, host: str, fsync: bool) -> Path:
-    """Write blob to a fresh temp file next to path (fsynced if asked) and return its name."""
+def write_tmp(path: Path, blob: bytes, host: str) -> Path:
+    """Write blob to a fresh temp file next to path, fsynced, and return its name."""
     # host + pid in the name let a later opener tell a dead writer's leftovers from a live one's.
     tmp = path.with_name(f".{path.stem}.{host}.{os.getpid()}.{os.urandom(4).hex()}{TMP_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -207,8 +207,7 @@ def write_tmp(path: Path, blob: bytes, host: str, fsync: bool) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
             f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .base import ChunkMeta, ChunkRecord, CountedTier, TierHealth, TierStats
-from .quant import DEFAULT_GROUP_SIZE, QuantCodec
+from .quant import QuantCodec
 from .serialize import RecordError, UnsupportedFormatError, dumps, loads
 
 try:  # optional dependency: kvboost[redis]
@@ -103,8 +103,7 @@ class RedisStore(CountedTier):
     name = "redis"
 
     def __init__(self, url: str, namespace: str, ttl_s: int | None = None, socket_timeout: float = 0.25,
-                 bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, breaker: CircuitBreaker | None = None,
-                 write_breaker: CircuitBreaker | None = None):
+                 bits: int = 16, breaker: CircuitBreaker | None = None):
         if _redis is None:
             from ..install_source import pip_install_extra
 
@@ -112,10 +111,10 @@ class RedisStore(CountedTier):
         self.url = url
         self.namespace = namespace
         self.ttl_s = int(ttl_s) if ttl_s else None
-        self.codec = QuantCodec(bits, group_size) if bits < 16 else None
+        self.codec = QuantCodec(bits) if bits < 16 else None
         self.breaker = breaker or CircuitBreaker()
-        self.write_breaker = write_breaker or CircuitBreaker(
-            self.breaker.failure_threshold, self.breaker.base_backoff_s, self.breaker.max_backoff_s)
+        b = self.breaker
+        self.write_breaker = CircuitBreaker(b.failure_threshold, b.base_backoff_s, b.max_backoff_s)
         # Reads refresh TTLs (writes): on a read-only replica they fall back to plain GET/SMEMBERS.
         self._sliding_ttl = self.ttl_s is not None
         self.health = TierHealth(self.name)

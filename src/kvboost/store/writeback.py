@@ -18,6 +18,7 @@ log = logging.getLogger("kvboost.store.writeback")
 DEFAULT_QUEUE_BYTES = 256 * 1024**2
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 _TOMBSTONE_BYTES = 1024  # what a queued delete is charged against the byte bound
+_IDLE_EXIT_S = 2.0  # an idle writer thread exits; the next put starts another
 
 
 @dataclass
@@ -33,11 +34,10 @@ class _Op:
 
 class WriteBehind:
     def __init__(self, max_bytes: int = DEFAULT_QUEUE_BYTES, flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
-                 targets: frozenset[str] = frozenset(), idle_exit_s: float = 2.0):
+                 targets: frozenset[str] = frozenset()):
         self.max_bytes = int(max_bytes)
         self.flush_timeout_s = float(flush_timeout_s)
         self.targets = targets  # what this queue writes to ("disk:/abs/dir", "redis:url"): see flush_targets
-        self.idle_exit_s = idle_exit_s  # an idle writer thread exits; the next put starts another
         self._init_state()
         self._closed = False
         self._dropped: dict[str, TierHealth] = {}  # tier name -> the writes this queue itself dropped
@@ -163,7 +163,7 @@ class WriteBehind:
         while True:
             with self._cond:
                 if not self._ops:
-                    self._cond.wait(self.idle_exit_s)
+                    self._cond.wait(_IDLE_EXIT_S)
                     if not self._ops:
                         self._thread = None  # idle: exit (stores that are dropped do not keep threads)
                         return
