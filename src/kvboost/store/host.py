@@ -2,14 +2,11 @@
 own evictions go on to disk. A key lives in one of the two; a failed move is counted and keeps nothing."""
 from __future__ import annotations
 
-import logging
 import threading
 
-from .base import ChunkRecord, TierStats
+from .base import ChunkRecord, TierHealth, TierStats
 from .host_pack import HostMoveError, HostPayload, host_nbytes, move_to_host
 from .memory import MemoryStore
-
-log = logging.getLogger("kvboost.store.host")
 
 
 class HostCodec:
@@ -21,7 +18,7 @@ class HostCodec:
         self._offloaded = 0
         self._pageable = 0
         self._unpinned_reason: str | None = None
-        self._failures: dict[str, int] = {}
+        self.health = TierHealth("host")  # failed moves by reason, each logged once
 
     def encode(self, record: ChunkRecord) -> HostPayload:
         try:
@@ -41,17 +38,13 @@ class HostCodec:
         return payload.host_record()
 
     def failed(self, reason: str, detail: str = "") -> None:
-        with self._lock:
-            first = reason not in self._failures
-            self._failures[reason] = self._failures.get(reason, 0) + 1
-        if first:  # once per reason: the counts are in cache_stats()
-            log.warning("kvboost host tier: a move failed (%s), the chunk was not kept there (logged once; counted "
-                        "in cache_stats()['tiers']['host']['failures'])", detail or reason)
+        self.health.event(reason, f"a move failed ({detail or reason}), the chunk was not kept there")
 
     def stats(self) -> dict:
+        failures = self.health.as_extra()["events"]
         with self._lock:
             return {"pinned": self.pin and self._pageable == 0, "unpinned_reason": self._unpinned_reason,
-                    "pageable_moves": self._pageable, "offloaded": self._offloaded, "failures": dict(self._failures)}
+                    "pageable_moves": self._pageable, "offloaded": self._offloaded, "failures": failures}
 
 
 class HostStore(MemoryStore):
