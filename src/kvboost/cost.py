@@ -108,11 +108,9 @@ def estimate_cost(requests_per_day: float, prefix_tokens: float, reuse_rate: flo
 
 
 def _lookup(data: dict[str, Any], key: str, path: Path) -> Any:
-    if key in data:
-        return data[key]
-    summary = data.get("summary")
-    if isinstance(summary, dict) and key in summary:
-        return summary[key]
+    for scope in (data, data.get("summary")):  # the top level wins
+        if isinstance(scope, dict) and key in scope:
+            return scope[key]
     raise BenchSchemaError(
         f"{path}: no {key!r} found; expected a top-level key or one inside a 'summary' object, e.g. "
         '{"reuse_rate": 0.86, "prefill_tokens_per_s": 10000} or {"summary": {...}}')

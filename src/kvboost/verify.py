@@ -105,10 +105,9 @@ class ApproximateReport(CorrectnessReport):
                 f"continuations identical to full prefill")
 
 
-def verify_approximate(engine, prompts: Sequence[str] | None = None, max_new_tokens: int = 32,
-                       max_kl: float = 0.1) -> ApproximateReport:
+def verify_approximate(engine, prompts: Sequence[str] | None = None, max_new_tokens: int = 32) -> ApproximateReport:
     """Reuse at another position, against full prefill: each prompt is warmed alone, then sent after unrelated text, so
     it is found by content, re-rotated and repaired. A prompt not reused at all fails: nothing was verified."""
     prompts = list(prompts) if prompts is not None else list(_DEFAULT_PROMPTS)
     checks = [_check(engine, _SHIFT + "\n\n" + p, p, max_new_tokens, content_reuse=True) for p in prompts]
-    return ApproximateReport(checks, max_new_tokens, max_kl)
+    return ApproximateReport(checks, max_new_tokens)
