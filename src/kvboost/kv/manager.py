@@ -17,7 +17,7 @@ import torch
 from ..chunking import Chunker
 from ..config import EngineConfig
 from ..results import GenerationMode
-from ..reuse.assemble import Assembly, ContentState
+from ..reuse.assemble import Assembly, ContentState, place_segments
 from ..reuse.content import ContentSegment
 from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
@@ -137,8 +137,8 @@ class KVCacheManager:
                 _place_group(group, workspace, row)
         if plan.has_content:
             assert plan.rotary is not None
-            plan.assembly, fallback = self.content.place(workspace, self.store, list(ids), plan.content,
-                                                         plan.rotary, row=row)
+            plan.assembly, fallback = place_segments(workspace, self.store, self.content.index, list(ids),
+                                                     plan.content, plan.rotary, row=row)
             plan.content_fallback = plan.content_fallback or fallback
         plan.lookup_ms += (time.perf_counter() - t0) * 1e3
 

@@ -44,9 +44,10 @@ def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:
 
 
 def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentIndex, ids: list[int],
-                   segments: list[ContentSegment], infos: list[RotaryInfo], row: int | None = None) -> Assembly:
+                   segments: list[ContentSegment], infos: list[RotaryInfo], row: int | None = None
+                   ) -> tuple[Assembly | None, str | None]:
     """Load each piece's record, verify its ids, re-rotate its keys and write K/V at its positions (all rows, or `row`);
-    a piece whose record is gone or disagrees is left for prefill."""
+    a piece whose record is gone or disagrees is left for prefill. (None, reason) when nothing could be placed."""
     records: dict[str, ChunkRecord | None] = {}
     groups = _groups(infos)
     placed: list[ContentSegment] = []
@@ -71,7 +72,7 @@ def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentInde
             n_placed += piece.n_tokens
         if current:
             placed.append(ContentSegment(current))
-    return Assembly(placed, n_placed)
+    return (Assembly(placed, n_placed), None) if n_placed else (None, "matched chunks are no longer stored")
 
 
 def _write_piece(workspace: KVWorkspace, record: ChunkRecord, piece: Piece,
@@ -120,9 +121,3 @@ class ContentState:
             return [], None, None
         infos, reason = self.eligibility
         return (segments, infos, None) if infos is not None else ([], None, reason)
-
-    def place(self, workspace: KVWorkspace, store: ChunkStore, ids: list[int], segments: list[ContentSegment],
-              infos: list[RotaryInfo], row: int | None = None) -> tuple[Assembly | None, str | None]:
-        """Place found matches; (None, reason) when nothing could be placed."""
-        assembly = place_segments(workspace, store, self.index, ids, segments, infos, row)
-        return (assembly, None) if assembly.n_tokens else (None, "matched chunks are no longer stored")

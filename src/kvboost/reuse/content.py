@@ -69,9 +69,8 @@ class ContentSegment:
 class ContentIndex:
     """Window hash -> (chunk key, offset) for every chunk the engine stored in this process."""
 
-    def __init__(self, window: int = WINDOW, max_candidates: int = _MAX_CANDIDATES):
+    def __init__(self, window: int = WINDOW):
         self.window = window
-        self.max_candidates = max_candidates
         self._windows: dict[int, list[tuple[str, int]]] = {}
         self._metas: dict[str, ChunkMeta] = {}
         self._children: dict[str, list[str]] = {}
@@ -104,7 +103,7 @@ class ContentIndex:
             bucket = self._windows.setdefault(h, [])
             bucket.append((meta.key, offset))
             self._n_windows += 1
-            if len(bucket) > self.max_candidates:
+            if len(bucket) > _MAX_CANDIDATES:
                 del bucket[0]
                 self._n_windows -= 1
 
