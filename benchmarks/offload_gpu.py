@@ -53,15 +53,17 @@ def _h2d_gb_s(device: torch.device, mib: int = 512) -> float:
 def _int4(model: torch.nn.Module, kernel: str | None, device: torch.device) -> torch.nn.Module:
     """Every decoder Linear rounded to INT4 on the device, laid out for `kernel` (None: the default; the head stays
     bf16)."""
-    from kvboost.model.int4.linear import Int4Linear
+    from kvboost.model.int4.install import install_int4
     from kvboost.model.int4.weights import Int4Weights
 
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and name != "lm_head" and module.in_features % 128 == 0:
-            parent, _, child = name.rpartition(".")
-            weights = Int4Weights.quantize_rtn(module.weight.to(device), 128)
-            bias = None if module.bias is None else module.bias.to(device)
-            setattr(model.get_submodule(parent), child, Int4Linear(weights, bias, device, kernel))
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and n != "lm_head" and m.in_features % 128 == 0]
+    for name in names:  # the bias on the device too: the INT4 layer keeps it
+        module = model.get_submodule(name)
+        if module.bias is not None:
+            module.bias = torch.nn.Parameter(module.bias.to(device), requires_grad=False)
+    install_int4(model, ((n, Int4Weights.quantize_rtn(model.get_submodule(n).weight.to(device), 128)) for n in names),
+                 device, kernel)
     return model
 
 

@@ -182,7 +182,7 @@ def load_model_and_tokenizer(name_or_path: str | None = None, dtype: str | torch
 
             int4_linears_from_gguf(model, Path(source) / hf_kwargs["gguf_file"], cache_root() / "int4", dev)
         elif weights == "int4":  # rounded in host memory: the float model never reaches the device
-            from .model.int4.linear import quantize_linears
+            from .model.int4.install import quantize_linears
 
             quantize_linears(model, device=dev)
     if int4:

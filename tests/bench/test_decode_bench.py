@@ -15,8 +15,8 @@ def _run_options(device: torch.device) -> list[str]:
     """The bench's options on `device`. On CUDA its runner modes are eager and graphs (torch.compile is the CPU's
     mode): fp32 so that the tokens equal HF's, and more tokens, since a replayed step takes a fraction of a
     millisecond and 1 and N steps must time apart."""
-    if device.type == "cpu":
-        return ["--device", "cpu", "--new-tokens", "4"]
+    if device.type == "cpu":  # enough steps that n and 1 time apart on a busy machine (the rate is their difference)
+        return ["--device", "cpu", "--new-tokens", "12"]
     return ["--device", str(device), "--dtype", "float32", "--new-tokens", "16"]
 
 
@@ -36,7 +36,7 @@ def test_decode_bench_measures_every_mode_beside_hf(tmp_path, device, batch):
     options = _run_options(device)
     try:
         out = CliRunner().invoke(app, ["bench", "decode", "--shape", "tiny", *options, "--prompt", "32",
-                                       "--repeats", "1", "--threads", "1", "--batch", str(batch), "--json", str(js)])
+                                       "--repeats", "3", "--threads", "1", "--batch", str(batch), "--json", str(js)])
     finally:
         torch.set_num_threads(threads)
     assert out.exit_code == 0, out.output

@@ -145,7 +145,7 @@ def test_a_quantized_model_s_package_runs_its_int4_and_int8_kernels(tokenizer, a
     """INT4 layers and an int8 head (model/int4) inside the package: the eager step's logits, within the bfloat16
     activations' rounding (an upstream difference in the last fp32 bit may round one activation the other way)."""
     from kvboost.model.int4.head import Int8Head, quantize_head
-    from kvboost.model.int4.linear import quantize_linears
+    from kvboost.model.int4.install import quantize_linears
 
     model = make_tiny_model("llama", tokenizer, device="cpu")
     assert quantize_linears(model, group=32) > 0 and quantize_head(model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.model.int4.linear import quantize_linears
+from kvboost.model.int4.install import quantize_linears
 from kvboost.model.weight_stream import plan_streaming
 
 from ..tiny_models import make_tiny_model

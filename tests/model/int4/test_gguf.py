@@ -24,13 +24,16 @@ def test_every_q4_linear_computes_transformers_dequantization(smol_dir, tmp_path
     assert int4_linears_from_gguf(model, embedded_gguf_path(), cache_dir=tmp_path) == 210
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
     torch.manual_seed(0)
-    for name, module in model.named_modules():
-        if isinstance(module, Int4Linear):
-            x = torch.randn(3, module.in_features)
-            with torch.inference_mode():
-                got, want = module(x), F.linear(x, floats[name])
-            # bfloat16 activations and scales; a row out of place (a wrong q/k permutation) would be far off
-            assert (got - want).abs().max() <= 0.03 * want.abs().max(), name
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 120  # q/k/v and gate/up fused: 4 per layer
+    for name, weight in floats.items():
+        if name == "lm_head":
+            continue
+        module = model.get_submodule(name)  # an Int4Linear, or a sibling's columns of a fused one
+        x = torch.randn(3, weight.shape[1])
+        with torch.inference_mode():
+            got, want = module(x), F.linear(x, weight)
+        # bfloat16 activations and scales; a row out of place (a wrong q/k permutation) would be far off
+        assert (got - want).abs().max() <= 0.03 * want.abs().max(), name
     assert isinstance(model.lm_head, torch.nn.Linear)  # the Q8_0 embedding / tied head stays float
     ids = torch.tensor([[5, 9, 11, 300, 42]])
     with torch.inference_mode():
@@ -52,7 +55,7 @@ def test_from_pretrained_int4_serves_under_its_own_namespace(smol):
         KVBoost.from_pretrained(weights="int4", device="meta")
     q4 = KVBoost.from_pretrained(weights="int4", device="cpu")
     fp = KVBoost(*smol, device="cpu")
-    assert sum(isinstance(m, Int4Linear) for m in q4.model.modules()) == 210
+    assert sum(isinstance(m, Int4Linear) for m in q4.model.modules()) == 120  # 210 projections, siblings fused
     assert isinstance(q4.model.get_output_embeddings(), Int8Head)
     # Built without its float layers (model_from_gguf): the model the float conversion gives once converted alike
     converted, _ = load_model_and_tokenizer(device="cpu")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .linear import replace_linear
+from .install import install_int4
 from .weights import Int4Weights
 
 METHODS = ("awq", "gptq")
@@ -89,15 +89,17 @@ def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(Path(folder).glob("*.safetensors")):
         tensors.update(load_file(file))
-    for name in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
-        parts = [tensors.pop(f"{name}.{k}") for k in ("qweight", "qzeros", "scales")]
-        g_idx = tensors.pop(f"{name}.g_idx", None)
-        weights = awq_weights(*parts, group) if method == "awq" else \
-            gptq_weights(*parts, group, g_idx, v2=config.get("checkpoint_format") == "gptq_v2")
-        bias = tensors.pop(f"{name}.bias", None)
-        if bias is not None:
-            model.get_submodule(name).bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-        replace_linear(model, name, weights, device)
+    def quantized():
+        for name in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
+            parts = [tensors.pop(f"{name}.{k}") for k in ("qweight", "qzeros", "scales")]
+            g_idx = tensors.pop(f"{name}.g_idx", None)
+            bias = tensors.pop(f"{name}.bias", None)
+            if bias is not None:
+                model.get_submodule(name).bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+            yield name, awq_weights(*parts, group) if method == "awq" else \
+                gptq_weights(*parts, group, g_idx, v2=config.get("checkpoint_format") == "gptq_v2")
+
+    install_int4(model, quantized(), device)
     return assign_rest(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, folder)
 
 

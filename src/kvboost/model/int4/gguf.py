@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .linear import replace_linear
+from .install import install_int4
 from .weights import Int4Weights, pack_nibbles, unpack_nibbles
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,13 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
         partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial")
         save_file(tensors, str(partial))
         partial.replace(cache)  # atomic: a reader never sees half a file
-    for name in names:  # one layer unpacked at a time, its tensors popped: the peak stays near the packed bytes
-        codes, scales, zeros, group = (tensors.pop(f"{name}.{part}") for part in PARTS)
-        replace_linear(model, name, Int4Weights(unpack_nibbles(codes), scales, zeros, int(group)), device)
-    return len(names)
+
+    def unpacked():  # one layer at a time, its tensors popped: the peak stays near the packed bytes
+        for name in names:
+            codes, scales, zeros, group = (tensors.pop(f"{name}.{part}") for part in PARTS)
+            yield name, Int4Weights(unpack_nibbles(codes), scales, zeros, int(group))
+
+    return install_int4(model, unpacked(), device)
 
 
 def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:

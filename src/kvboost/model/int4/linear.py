@@ -123,23 +123,13 @@ def layout_mismatch(model: nn.Module, device_type: str) -> str | None:
             f"it for its device (load_model_and_tokenizer(..., device=...))")
 
 
-def replace_linear(model: nn.Module, name: str, weights: Int4Weights, device: torch.device | str | None = None) -> None:
+def replace_linear(model: nn.Module, name: str, weights: Int4Weights, device: torch.device | str | None = None,
+                   kernel: str | None = None) -> None:
     """Swap the nn.Linear at `name` (a module path) for an Int4Linear of `weights` built for `device` (default: where
-    the weights are), keeping its bias."""
+    the weights are) and `kernel` (default: the device's), keeping its bias."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child)
     if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != weights.shape:
         raise ValueError(f"{name}: expected an nn.Linear of shape {weights.shape}, found {old}")
-    setattr(parent, child, Int4Linear(weights, old.bias, device))
-
-
-def quantize_linears(model: nn.Module, group: int = 128, skip: tuple[str, ...] = ("lm_head",),
-                     device: torch.device | str | None = None) -> int:
-    """Round every nn.Linear but those named in `skip` to INT4 (quantize_rtn), built for `device` (default: where each
-    weight is); returns how many. A layer whose inputs the group does not divide stays float."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rpartition(".")[2] not in skip
-             and m.in_features % group == 0]
-    for name in names:
-        replace_linear(model, name, Int4Weights.quantize_rtn(model.get_submodule(name).weight, group), device)
-    return len(names)
+    setattr(parent, child, Int4Linear(weights, old.bias, device, kernel))
