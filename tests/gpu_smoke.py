@@ -30,6 +30,7 @@ GPU_SMOKE: dict[str, str] = {
     "tests/model/int4/test_triton_w4a16.py": "the Triton W4A16 kernel compiled for the GPU, and Int4Linear over it",
     "tests/model/int4/test_linear.py": "Int4Linear's CUDA kernels (Triton, torch's int4 mm) against the dequantized "
                                        "product",
+    "tests/model/int4/test_install.py": "q/k/v and gate/up fused into one layer of the device's INT4 kernel",
     "tests/model/int4/test_checkpoint.py": "AWQ / GPTQ folders loaded for CUDA, resident and streamed from host "
                                            "memory",
     "tests/model/test_weight_stream.py": "decoder layers streamed through device slots on a side stream, float and "

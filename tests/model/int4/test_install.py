@@ -12,16 +12,17 @@ from kvboost.model.int4.weights import Int4Weights
 from tests.tiny_models import TINY_ARCHS, make_tiny_model
 
 
-def _quantized(arch: str, tokenizer, fused: bool):
+def _quantized(arch: str, tokenizer, fused: bool, device: torch.device | str = "cpu"):
+    """The tiny model with INT4 layers laid out for `device` (moved there), fused or each on its own."""
     model = make_tiny_model(arch, tokenizer, device="cpu")
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     layers = [(n, Int4Weights.quantize_rtn(model.get_submodule(n).weight, 32)) for n in names]
     if fused:
-        assert install_int4(model, iter(layers)) == len(names)
+        assert install_int4(model, iter(layers), device) == len(names)
     else:
         for name, weights in layers:
-            replace_linear(model, name, weights)
-    return model
+            replace_linear(model, name, weights, device)
+    return model.to(device)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -43,6 +44,21 @@ def test_fused_siblings_compute_the_separate_layers_bit_for_bit(tokenizer, arch)
             if isinstance(module, Int4Linear):
                 x = torch.randn(2, 3, module.in_features)
                 assert torch.equal(fused.get_submodule(name)(x), module(x)), name
+
+
+def test_fused_siblings_on_the_suite_s_device(tokenizer, device):
+    """The device's own kernel (on CUDA torch's int4 mm, or Triton): the fused model's logits are the separate one's
+    (bit for bit on the CPU; on CUDA the kernels may tile the wider matrix differently, so within float32 rounding)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    separate, fused = _quantized("qwen2", tokenizer, False, device), _quantized("qwen2", tokenizer, True, device)
+    ids = torch.tensor([[5, 9, 11, 300, 42, 7]], device=device)
+    with torch.inference_mode():
+        got, want = fused(input_ids=ids).logits, separate(input_ids=ids).logits
+    if device.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_sibling_holds_nothing_once_every_sibling_has_read(tokenizer):
