@@ -93,9 +93,9 @@ def _install_fused(model: nn.Module, parent_name: str, children: tuple[str, ...]
 def install_int4(model: nn.Module, layers: Iterable[tuple[str, Int4Weights]],
                  device: torch.device | str | None = None, kernel: str | None = None) -> int:
     """Swap each named nn.Linear for an Int4Linear of its weights (replace_linear), built for `device` and `kernel`
-    (default: the device's); siblings that
-    read the same input and share a group size become one fused layer. `layers` may be a generator: siblings are held
-    only until the last of them arrives. Returns how many Linear layers were replaced."""
+    (default: the device's); siblings that read the same input and share a group size become one fused layer.
+    `layers` may be a generator: siblings are held only until the last of them arrives. Returns how many Linear layers
+    were replaced."""
     pending: dict[tuple[str, tuple[str, ...]], dict[str, Int4Weights]] = {}
     count = 0
     for name, weights in layers:
