@@ -12,6 +12,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -173,6 +174,8 @@ class Ingress:
         self.pins: OrderedDict[str, str] = OrderedDict()  # stored response id -> the replica that stored it
         self.max_pins = pinned_responses
         self.seen: set[str] = set()  # replicas that have answered (their /metrics are merged)
+        # One thread: a fast tokenizer shared between threads can fail ("Already borrowed").
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-keying")
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, request: Request) -> Response:
@@ -182,7 +185,10 @@ class Ingress:
                            body, client)
         if http.method == "GET" and http.path == "/metrics" and self.seen:
             return await self._metrics(http)
-        keys = (await self._keying()).keys(http.path, body) if http.method == "POST" else None
+        keys = None
+        if http.method == "POST":  # tokenized off the event loop (a long prompt takes milliseconds), one at a time
+            keying = await self._keying()
+            keys = await asyncio.get_running_loop().run_in_executor(self.tokenizing, keying.keys, http.path, body)
         routed = RoutedRequest(http, keys, self._pin(http))
         for attempt in range(2):
             stream = self.replicas.options(stream=True).handle.remote(routed)
