@@ -96,6 +96,10 @@ def install_int4(model: nn.Module, layers: Iterable[tuple[str, Int4Weights]],
     (default: the device's); siblings that read the same input and share a group size become one fused layer.
     `layers` may be a generator: siblings are held only until the last of them arrives. Returns how many Linear layers
     were replaced."""
+    def each_alone(parent_name: str, group: dict[str, Int4Weights]) -> None:  # replace_linear refuses a wrong shape
+        for c, w in group.items():
+            replace_linear(model, f"{parent_name}.{c}" if parent_name else c, w, device, kernel)
+
     pending: dict[tuple[str, tuple[str, ...]], dict[str, Int4Weights]] = {}
     count = 0
     for name, weights in layers:
@@ -112,11 +116,10 @@ def install_int4(model: nn.Module, layers: Iterable[tuple[str, Int4Weights]],
             parent = model.get_submodule(parent_name) if parent_name else model
             if _fusable(parent, children, waiting):
                 _install_fused(model, parent_name, children, waiting, device, kernel)
-            else:  # each on its own (replace_linear refuses a shape that does not match)
-                pending[(parent_name, children)] = waiting
-    for (parent_name, _), waiting in pending.items():  # and a group with a member left float
-        for c, weights in waiting.items():
-            replace_linear(model, f"{parent_name}.{c}" if parent_name else c, weights, device, kernel)
+            else:
+                each_alone(parent_name, waiting)
+    for (parent_name, _), waiting in pending.items():  # groups with a member left float
+        each_alone(parent_name, waiting)
     return count
 
 
