@@ -1,11 +1,12 @@
-"""`kvboost bench cluster`: one chat replay against KVBoost replicas on a local Ray cluster (kvboost serve --replicas),
-routed by KVBoost's router and by Ray Serve's default (power of two choices), and against a single replica: the share
-of prompt tokens served from cached K/V, and TTFT.
+"""`kvboost bench cluster`: one replay against KVBoost replicas on a local Ray cluster (kvboost serve --replicas),
+routed by KVBoost's router, by Ray Serve's default (power of two choices) and round-robin, and against a single
+replica: the share of prompt tokens served from cached K/V, TTFT p50 / p99 and requests per second.
 
-Each configuration is deployed fresh (empty caches) and replays the same conversations (benchmarks/data): their
-turns in order, conversations interleaved (`clients` threads each send the turn of the conversation that has waited
-longest, streamed, the model's own greedy reply appended to the history as a chat client does). Every replica gets
-`cpus_per_replica` cores (OpenMP threads)."""
+Each configuration is deployed fresh (empty caches) and replays the same requests (benchmarks/data): multi-turn
+conversations, their turns in order, and shared-document RAG questions (one document, then the question; each
+document asked about by several requests spread over the replay), all interleaved (`clients` threads each send the
+turn that has waited longest, streamed, the model's own greedy reply appended to a conversation's history as a chat
+client does). Every replica gets `cpus_per_replica` cores (OpenMP threads)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ import typer
 
 from .console import bench_console
 
-CONFIGS = (("kvboost", 2), ("power-of-two", 2), ("single", 1))
+CONFIGS = (("kvboost", 2), ("power-of-two", 2), ("round-robin", 2), ("single", 1))
+RAG_SYSTEM = "Answer the question from the document below, in one short sentence.\n\n"
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Turn:
     cached_tokens: int
     ttft_ms: float
     replica: str | None
+    kind: str = "chat"  # "chat" (a conversation's turn) or "rag" (a shared-document question)
 
 
 @dataclass
@@ -38,18 +41,62 @@ class ConfigResult:
     name: str
     replicas: int
     turns: list[Turn]
+    seconds: float = 0.0  # the replay's wall time
 
     @property
     def cached_share(self) -> float:
-        return sum(t.cached_tokens for t in self.turns) / max(1, sum(t.prompt_tokens for t in self.turns))
+        return _share(self.turns)
 
     def ttft_p50(self, later_turns_only: bool = False) -> float:
         return statistics.median(t.ttft_ms for t in self.turns if t.turn > 0 or not later_turns_only)
 
+    def ttft_p99(self) -> float:
+        ordered = sorted(t.ttft_ms for t in self.turns)
+        return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
     def summary(self) -> dict:
         return {"name": self.name, "replicas": self.replicas, "cached_share": self.cached_share,
-                "ttft_p50_ms": self.ttft_p50(), "ttft_p50_later_turns_ms": self.ttft_p50(True),
+                "cached_share_chat": _share([t for t in self.turns if t.kind == "chat"]),
+                "cached_share_rag": _share([t for t in self.turns if t.kind == "rag"]),
+                "ttft_p50_ms": self.ttft_p50(), "ttft_p99_ms": self.ttft_p99(),
+                "ttft_p50_later_turns_ms": self.ttft_p50(True),
+                "requests_per_s": len(self.turns) / self.seconds if self.seconds else None,
                 "requests_per_replica": sorted(_count(t.replica for t in self.turns).values(), reverse=True)}
+
+
+def _share(turns: list[Turn]) -> float:
+    return sum(t.cached_tokens for t in turns) / max(1, sum(t.prompt_tokens for t in turns))
+
+
+def rag_requests(n: int) -> list[dict]:
+    """n single-turn requests over shared documents (those asked about most, each answering two or more questions):
+    the document first (as the system message), then one question; ordered so that one document's questions are
+    spread over the replay (every document's first question, then every second one, ...)."""
+    from .rag import doc_text
+    from .workloads import load_rag
+
+    docs, items = load_rag()
+    by_doc: dict[str, list[str]] = {}
+    for item in items:
+        by_doc.setdefault(item["answer_doc_id"], []).append(item["question"])
+    shared = []  # the documents asked about most, until they hold n questions
+    for doc, questions in sorted(by_doc.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if len(questions) < 2 or sum(len(q) for _, q in shared) >= n:
+            break
+        shared.append((doc, questions))
+    out = []
+    for k in range(max((len(q) for _, q in shared), default=0)):
+        out += [{"system": RAG_SYSTEM + doc_text(docs[doc]), "turns": [q[k]], "kind": "rag"}
+                for doc, q in shared if k < len(q)]
+    return out[:n]
+
+
+def interleave(conversations: list[dict], rag: list[dict]) -> list[dict]:
+    """Conversations and RAG requests alternated, the longer list's rest at the end."""
+    out = []
+    for i in range(max(len(conversations), len(rag))):
+        out += [c[i] for c in (conversations, rag) if i < len(c)]
+    return out
 
 
 def _count(items) -> dict:
@@ -90,10 +137,10 @@ def _turn(base_url: str, messages: list[dict], max_tokens: int) -> tuple[str, in
 
 def replay(base_url: str, conversations: list[dict], turns: int, clients: int, max_tokens: int,
            think_s: float = 0.0) -> list[Turn]:
-    """Every conversation's turns in order, conversations interleaved: `clients` threads take the conversation that
-    has waited longest for its next turn, which is ready a think time after the reply to its last one (uniform in
-    [0, think_s], the same in every run: seeded by conversation and turn), so consecutive turns of one conversation
-    are sent by whichever client is free, after other conversations' turns."""
+    """Every conversation's turns in order (at most `turns`; a RAG request has one), conversations interleaved:
+    `clients` threads take the conversation that has waited longest for its next turn, which is ready a think time
+    after the reply to its last one (uniform in [0, think_s], the same in every run: seeded by conversation and turn),
+    so consecutive turns of one conversation are sent by whichever client is free, after other conversations'."""
     ready: queue.Queue[tuple[int, int, list[dict]] | None] = queue.Queue()
     for i, c in enumerate(conversations):
         ready.put((i, 0, [{"role": "system", "content": c["system"]}]))
@@ -112,8 +159,8 @@ def replay(base_url: str, conversations: list[dict], turns: int, clients: int, m
                 failures.append(exc)
                 reply, prompt, cached, ttft, replica, t = "", 0, 0, 0.0, None, turns  # this conversation ends
             else:
-                out.append(Turn(i, t, prompt, cached, ttft, replica))
-            if t + 1 < turns:
+                out.append(Turn(i, t, prompt, cached, ttft, replica, conversations[i].get("kind", "chat")))
+            if t + 1 < min(turns, len(conversations[i]["turns"])):
                 item = (i, t + 1, [*messages, {"role": "assistant", "content": reply}])
                 timer = threading.Timer(random.Random(i * 1000 + t).uniform(0, think_s), ready.put, (item,))
                 timer.daemon = True
@@ -135,9 +182,9 @@ def replay(base_url: str, conversations: list[dict], turns: int, clients: int, m
     return out
 
 
-def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: int, cpus_per_replica: int,
-                      imbalance: int, think_s: float, json_path: str | None, plot_path: str | None
-                      ) -> list[ConfigResult]:
+def run_cluster_bench(conversations: int, turns: int, rag: int, clients: int, max_tokens: int,
+                      cpus_per_replica: int, imbalance: int, think_s: float, json_path: str | None,
+                      plot_path: str | None) -> list[ConfigResult]:
     import os
 
     import ray
@@ -151,6 +198,7 @@ def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: 
 
     console = bench_console()
     chats = [c for c in load_conversations() if len(c["turns"]) >= turns][:conversations]
+    requests = interleave(chats, rag_requests(rag))
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     sock.close()
@@ -165,13 +213,16 @@ def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: 
             with console.status(f"{name}: deploying {replicas} replica(s)"):
                 serve.run(build_app(spec, replicas, imbalance, cpus_per_replica=cpus_per_replica, router=router),
                           name="bench", route_prefix="/")
-            with console.status(f"{name}: {len(chats)} conversations x {turns} turns, {clients} clients"):
-                results.append(ConfigResult(name, replicas, replay(f"http://127.0.0.1:{port}", chats, turns, clients,
-                                                                  max_tokens, think_s)))
+            with console.status(f"{name}: {len(chats)} conversations x {turns} turns and {len(requests) - len(chats)}"
+                                f" RAG requests, {clients} clients"):
+                t0 = time.perf_counter()
+                done = replay(f"http://127.0.0.1:{port}", requests, turns, clients, max_tokens, think_s)
+                results.append(ConfigResult(name, replicas, done, time.perf_counter() - t0))
             serve.delete("bench")
             s = results[-1].summary()
-            console.print(f"{name}: cached share {s['cached_share']:.3f}, TTFT p50 {s['ttft_p50_ms']:.0f} ms "
-                          f"(turns 2+: {s['ttft_p50_later_turns_ms']:.0f} ms), requests per replica "
+            console.print(f"{name}: cached share {s['cached_share']:.3f} (chat {s['cached_share_chat']:.3f}, RAG "
+                          f"{s['cached_share_rag']:.3f}), TTFT p50 {s['ttft_p50_ms']:.0f} ms, p99 "
+                          f"{s['ttft_p99_ms']:.0f} ms, {s['requests_per_s']:.2f} requests/s, requests per replica "
                           f"{s['requests_per_replica']}")
     finally:
         serve.shutdown()
@@ -180,7 +231,8 @@ def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: 
     if json_path:
         from .plots import write_json
 
-        write_json(json_path, {"conversations": len(chats), "turns": turns, "clients": clients, "think_s": think_s,
+        write_json(json_path, {"conversations": len(chats), "turns": turns, "rag_requests": len(requests) - len(chats),
+                               "clients": clients, "think_s": think_s,
                                "max_tokens": max_tokens, "cpus_per_replica": cpus_per_replica,
                                "imbalance": imbalance, "configs": [r.summary() for r in results],
                                "turns_detail": {r.name: [asdict(t) for t in r.turns] for r in results}})
@@ -191,9 +243,10 @@ def run_cluster_bench(conversations: int, turns: int, clients: int, max_tokens: 
 
 def _report(console, results: list[ConfigResult]) -> None:
     by = {r.name: r for r in results}
-    kv, p2c, single = by["kvboost"], by["power-of-two"], by["single"]
+    kv, p2c, rr, single = by["kvboost"], by["power-of-two"], by["round-robin"], by["single"]
     console.print(f"KVBoost router: cached share {kv.cached_share / single.cached_share:.2f}x a single replica's, "
-                  f"{kv.cached_share / max(p2c.cached_share, 1e-9):.2f}x Ray's default router's; TTFT p50 "
+                  f"{kv.cached_share / max(p2c.cached_share, 1e-9):.2f}x Ray's default router's, "
+                  f"{kv.cached_share / max(rr.cached_share, 1e-9):.2f}x round-robin's; TTFT p50 "
                   f"{kv.ttft_p50() / p2c.ttft_p50():.2f}x the default router's")
 
 
@@ -203,21 +256,28 @@ def _plot(results: list[ConfigResult], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
     names = [f"{r.name}\n({r.replicas} replica{'s' if r.replicas > 1 else ''})" for r in results]
+    x = range(len(results))
     a.bar(names, [r.cached_share for r in results], color="#4878a8")
     a.set_ylabel("prompt tokens served from cache")
     a.set_ylim(0, 1)
-    b.bar(names, [r.ttft_p50() for r in results], color="#d08040")
-    b.set_ylabel("TTFT p50 (ms)")
-    fig.suptitle("kvboost bench cluster: one chat replay, local Ray")
+    b.bar([i - 0.2 for i in x], [r.ttft_p50() for r in results], width=0.4, color="#d08040", label="p50")
+    b.bar([i + 0.2 for i in x], [r.ttft_p99() for r in results], width=0.4, color="#a05020", label="p99")
+    b.set_xticks(list(x), names)
+    b.set_ylabel("TTFT (ms)")
+    b.legend()
+    c.bar(names, [r.summary()["requests_per_s"] or 0 for r in results], color="#60a060")
+    c.set_ylabel("requests / s")
+    fig.suptitle("kvboost bench cluster: chat and RAG replay, local Ray")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def bench_cluster_command(
-    conversations: int = typer.Option(16, min=1, help="Conversations replayed (each with at least --turns turns)."),
+    conversations: int = typer.Option(32, min=1, help="Conversations replayed (each with at least --turns turns)."),
     turns: int = typer.Option(4, min=1, help="User turns per conversation."),
+    rag: int = typer.Option(32, min=0, help="Shared-document RAG requests interleaved with the conversations."),
     clients: int = typer.Option(4, min=1, help="Concurrent clients, each sending whole conversations."),
     max_tokens: int = typer.Option(16, min=1, help="Reply tokens per turn."),
     cpus_per_replica: int = typer.Option(1, min=1, help="Cores (OpenMP threads) per replica."),
@@ -227,6 +287,7 @@ def bench_cluster_command(
     json_path: str | None = typer.Option(None, "--json", help="Write the results here."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG here."),
 ) -> None:
-    """KVBoost replicas on a local Ray cluster: KVBoost router vs Ray default vs one replica (cached share, TTFT)."""
-    run_cluster_bench(conversations, turns, clients, max_tokens, cpus_per_replica, imbalance, think_s, json_path,
+    """KVBoost replicas on a local Ray cluster: KVBoost's router vs Ray's default vs round-robin vs one replica
+    (cached share, TTFT p50 / p99, requests/s) over chat and RAG requests."""
+    run_cluster_bench(conversations, turns, rag, clients, max_tokens, cpus_per_replica, imbalance, think_s, json_path,
                       plot_path)

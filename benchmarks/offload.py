@@ -26,11 +26,15 @@ import typer
 from .console import bench_console
 from .model_options import DeviceOption, ModelChoice, ModelOption, ShapeOption, model_choice
 
-ROWS = {"float compiled": ("float", "compiled"), "float auto": ("float", "auto"), "int4 off": ("int4", "off"),
-        "int4 auto": ("int4", "auto")}
+# row -> engine options (kv_dtype "auto" keeps INT4 K/V in bfloat16 where the CPU computes it natively: kv/dtype.py)
+ROWS = {"float compiled": {"weights": "float", "fast_path": "compiled"},
+        "float auto": {"weights": "float", "fast_path": "auto"},
+        "int4 off": {"weights": "int4", "fast_path": "off"},
+        "int4 auto, fp32 K/V": {"weights": "int4", "fast_path": "auto", "kv_dtype": "model"},
+        "int4 auto": {"weights": "int4", "fast_path": "auto"}}
 
 
-def _row(choice: ModelChoice, weights: str, fast_path: str, prompt_tokens: int, new_tokens: int, repeats: int,
+def _row(choice: ModelChoice, options: dict, prompt_tokens: int, new_tokens: int, repeats: int,
          threads: int) -> dict:
     """One engine in this (child) process: load s, decode tok/s, tokens, peak RSS."""
     import torch
@@ -40,7 +44,7 @@ def _row(choice: ModelChoice, weights: str, fast_path: str, prompt_tokens: int, 
 
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    engine = load_engine(choice, fast_path=fast_path, weights=weights)
+    engine = load_engine(choice, **options)
     package = getattr(engine.runner, "package", None)
     while package is not None and package.building:
         time.sleep(0.5)
@@ -56,7 +60,7 @@ def _row(choice: ModelChoice, weights: str, fast_path: str, prompt_tokens: int, 
     with torch.inference_mode():
         row = measure(call, new_tokens, torch.device("cpu"), repeats)
     return {**row, "load_s": load_s, "output": out["tokens"], "prompt_tokens": len(prompt),
-            "fast_path": engine.cache_stats()["fast_path"].get("mode"),
+            "fast_path": engine.cache_stats()["fast_path"].get("mode"), "kv_dtype": str(engine.kv_dtype)[6:],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -64,7 +68,7 @@ def _agreement(choice: ModelChoice, prompts: int, new_tokens: int, threads: int)
     """Teacher-forced agreement of the INT4 model with the fp32 engine's greedy continuations."""
     import torch
 
-    from kvboost.loading import load_model_and_tokenizer
+    from kvboost.model.forward import forward_tokens
 
     from .model_options import load_engine
     from .workloads import load_conversations
@@ -79,14 +83,17 @@ def _agreement(choice: ModelChoice, prompts: int, new_tokens: int, threads: int)
         ids = list(ids["input_ids"])
         pairs.append((ids, list(engine.generate(input_ids=ids, max_new_tokens=new_tokens).output_token_ids)))
     del engine
-    int4, _ = load_model_and_tokenizer(choice.model, device="cpu", weights="int4")
+    # Through the INT4 engine's own forward: its attention over its workspace, in its K/V dtype (kv_dtype="auto").
+    int4 = load_engine(choice, fast_path="off", weights="int4")
     same = total = 0
-    with torch.inference_mode():
+    with torch.inference_mode(), int4.lock:
         for ids, tokens in pairs:
-            logits = int4(input_ids=torch.tensor([ids + tokens[:-1]]), logits_to_keep=len(tokens)).logits[0]
+            logits = forward_tokens(int4.model, ids + tokens[:-1], int4.workspace.make_cache(0),
+                                    logits_to_keep=len(tokens), attention=int4.attention)[0]
             same += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
             total += len(tokens)
-    return {"prompts": len(pairs), "positions": total, "agreeing": same, "agreement": same / max(total, 1)}
+    return {"prompts": len(pairs), "positions": total, "agreeing": same, "agreement": same / max(total, 1),
+            "kv_dtype": str(int4.kv_dtype).removeprefix("torch.")}
 
 
 def _in_child(fn, *args) -> dict:
@@ -99,11 +106,14 @@ def _in_child(fn, *args) -> dict:
 
 
 def _llama_cpp(binary: str, gguf: str, prompt_tokens: int, new_tokens: int, repeats: int, threads: int) -> dict:
+    """llama.cpp's best decode rate, flash attention off and on (its CPU default, on, measured 2.5x slower at 1k)."""
     cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens),
-           "-r", str(repeats), "-o", "json"]
+           "-r", str(repeats), "-fa", "0,1", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
-    result = json.loads(done.stdout)[0]
-    return {"decode_tok_s": float(result["avg_ts"]), "command": " ".join(cmd), "build": result.get("build_commit")}
+    results = json.loads(done.stdout)
+    by_fa = {f"flash_attn_{int(bool(r.get('flash_attn')))}": float(r["avg_ts"]) for r in results}
+    return {"decode_tok_s": max(by_fa.values()), **by_fa, "command": " ".join(cmd),
+            "build": results[0].get("build_commit")}
 
 
 def run_offload_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, repeats: int, threads: int,
@@ -117,10 +127,10 @@ def run_offload_bench(choice: ModelChoice, prompt_tokens: int, new_tokens: int, 
     rows: list[dict] = []
     report: dict = {"benchmark": "offload", **choice.record(), "threads": threads, "new_tokens": new_tokens,
                     "repeats": repeats, "rows": rows}
-    for name, (weights, fast_path) in ROWS.items():
+    for name, options in ROWS.items():
         with console.status(f"{name}: loading (a package or compile is built where none is cached) and decoding"):
-            row = _in_child(_row, choice, weights, fast_path, prompt_tokens, new_tokens, repeats, threads)
-        rows.append({"system": name, "weights": weights, **row})
+            row = _in_child(_row, choice, options, prompt_tokens, new_tokens, repeats, threads)
+        rows.append({"system": name, "weights": options["weights"], **row})
         console.print(f"{name:>15}: {row['decode_tok_s']:7.1f} tok/s, peak RSS {row['peak_rss_mb']:,.0f} MB, "
                       f"load {row['load_s']:.0f} s")
     report["prompt_tokens"] = rows[0]["prompt_tokens"]
@@ -145,6 +155,8 @@ def _summarize(report: dict) -> None:
     int4, compiled, auto = by["int4 auto"], by["float compiled"], by["float auto"]
     report["int4_over_float_compiled"] = int4["decode_tok_s"] / compiled["decode_tok_s"]
     report["int4_rss_over_float"] = int4["peak_rss_mb"] / auto["peak_rss_mb"]
+    report["int4_over_fp32_kv"] = int4["decode_tok_s"] / by["int4 auto, fp32 K/V"]["decode_tok_s"]
+    report["int4_kv_dtype"] = int4["kv_dtype"]
     if "llama.cpp" in by:
         report["int4_over_llama_cpp"] = int4["decode_tok_s"] / by["llama.cpp"]["decode_tok_s"]
     report["float_rows_same_tokens"] = compiled["output"] == auto["output"]
@@ -165,12 +177,14 @@ def _print(console, report: dict) -> None:
     console.print(table)
     console.print(f"int4 auto / float compiled: {report['int4_over_float_compiled']:.2f}x; peak RSS int4 auto / "
                   f"float auto: {report['int4_rss_over_float']:.2f}")
+    console.print(f"int4 auto ({report['int4_kv_dtype']} K/V) / int4 auto, fp32 K/V: "
+                  f"{report['int4_over_fp32_kv']:.2f}x")
     if "int4_over_llama_cpp" in report:
         console.print(f"int4 auto / llama.cpp: {report['int4_over_llama_cpp']:.2f}x")
     if "agreement" in report:
         a = report["agreement"]
         console.print(f"teacher-forced agreement with fp32: {a['agreement']:.1%} of {a['positions']} positions "
-                      f"({a['prompts']} prompts)")
+                      f"({a['prompts']} prompts; INT4 engine's K/V in {a['kv_dtype']})")
     console.print(f"same tokens: float rows {report['float_rows_same_tokens']}, int4 rows "
                   f"{report['int4_rows_same_tokens']}")
 

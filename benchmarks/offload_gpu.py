@@ -120,13 +120,13 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
         torch.cuda.reset_peak_memory_stats(device)  # the row's peak starts here, not at the build's
         return model
 
-    def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]], depth: int | None = None
-                   ) -> Callable[[], tuple]:
+    def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]], depth: int | None = None,
+                   fast_path: str = "auto") -> Callable[[], tuple]:
         def build():
             model, budget = make()
             torch.cuda.reset_peak_memory_stats(device)
             engine = KVBoost(model, tokenizer, device=str(device), weight_budget_bytes=budget,
-                             weight_prefetch_depth=depth)
+                             weight_prefetch_depth=depth, fast_path=fast_path)
             weights = engine.cache_stats()["weights"]
             streamed = sum(_module_bytes(model.model.layers[i]) for i in weights["streamed_layers"])
             extra = {"weight_mb": _module_bytes(model) / 2**20, "budget_mb": budget / 2**20 if budget else None,
@@ -149,7 +149,9 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
             ("int4 triton", engine_row(lambda: (_int4(model_on_device(), "triton", device), None))),
             ("int4 tinygemm", engine_row(lambda: (_int4(model_on_device(), "tinygemm", device), None))),
             ("int4 streamed 1/2", engine_row(streamed(0.5))),
-            ("int4 streamed all", engine_row(streamed(0.0)))]
+            ("int4 streamed 1/2, graphs", engine_row(streamed(0.5), fast_path="graphs")),
+            ("int4 streamed all", engine_row(streamed(0.0))),
+            ("int4 streamed all, graphs", engine_row(streamed(0.0), fast_path="graphs"))]
     # The prefetch depth (device slots for streamed layers) by measurement: every layer streams, `d` slots.
     plan += [(f"int4 streamed all, depth {d}", engine_row(streamed(0.0, d), d)) for d in depths]
     if budget_gb is not None:  # a device budget as a user gives it (e.g. 12 GB for a 32B model)

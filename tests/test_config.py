@@ -29,12 +29,13 @@ def test_options_are_grouped_and_read_flat():
 
 
 def test_each_mode_is_checked_against_its_owners_values():
+    from kvboost.kv.dtype import KV_DTYPES
     from kvboost.model.cpu_linear import CPU_LINEAR_MODES
     from kvboost.model.forward import ATTENTION_BACKENDS
     from kvboost.model.runner import FAST_PATHS
 
     for name, values in (("attention_backend", ATTENTION_BACKENDS), ("fast_path", FAST_PATHS),
-                         ("cpu_linear", CPU_LINEAR_MODES)):
+                         ("cpu_linear", CPU_LINEAR_MODES), ("kv_dtype", KV_DTYPES)):
         for value in values:
             EngineConfig(**{name: value})
         with pytest.raises(ValueError, match=f"{name} must be one of {', '.join(values)}"):
@@ -71,6 +72,9 @@ CPU = Environment("cpu", None, "not a CUDA device", None, None, has_draft_model=
     ({"cpu_linear": "on"}, Environment("cpu", None, None, None, "the model is bfloat16"), CPU,
      "cpu_linear='on': the model is bfloat16"),
     ({"speculative": "draft"}, FINE, CPU, "speculative='draft' needs draft_model="),
+    ({"kv_dtype": "bfloat16"}, Environment("cpu", "its layers call attention directly", None, None, None,
+                                           dtype="float32"), CPU, "kv_dtype='bfloat16' needs KVBoost's attention"),
+    ({"kv_dtype": "bfloat16", "attention_backend": "model"}, CPU, None, "here the model's own attention runs"),
 ])
 def test_the_rules_table_refuses_what_cannot_run(options, bad, good, message):
     cfg = EngineConfig(**options)  # facts of a model and device: refused once they are known, not before

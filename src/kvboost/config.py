@@ -39,8 +39,12 @@ class CacheOptions:
     sink_tokens: int = 0  # content is never placed before this position
     cache_salt: str | None = None  # default tenant (requests and warm()); a request's own cache_salt overrides it
     write_back: bool = True  # store new full chunks (prompt + output) after each request
+    # The dtype of the workspace and stored chunks: "auto", "model", "bfloat16", "float16", "float32" (kv/dtype.py).
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        from .kv.dtype import KV_DTYPES
+
         self.recompute_strategy = RecomputeStrategy.parse(self.recompute_strategy)
         _option(self, "chunk_size", _is_int(self.chunk_size) and 8 <= self.chunk_size <= 8192, "an int in [8, 8192]")
         _int_option(self, "chunk_boundary_window", 0, "an int >= 0")
@@ -50,6 +54,7 @@ class CacheOptions:
         _option(self, "sink_tokens", self.sink_tokens >= 0, ">= 0")
         _option(self, "cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "a string or None")
         _option(self, "write_back", isinstance(self.write_back, bool), "a bool")
+        _option(self, "kv_dtype", self.kv_dtype in KV_DTYPES, f"one of {', '.join(KV_DTYPES)}")
 
 
 @dataclass
@@ -104,7 +109,8 @@ class ExecutionOptions:
     # model's longest context fit in 60% of the device memory free at load, else what 15% of it holds.
     device_kv_max_tokens: int | None = None
     # Device bytes for the model's weights: decoder layers that do not fit stream from host memory, a layer at a time
-    # (model/weight_stream.py). None: the whole model on the device.
+    # (model/weight_stream.py). None: the whole model on the device. fast_path="graphs" captures decode steps over
+    # fixed slots; "auto" keeps streamed weights on the eager path.
     weight_budget_bytes: int | None = None
     # With weight_budget_bytes: device slots for streamed layers, so copies run up to depth - 1 layers ahead of the
     # forward. None: 2 (double buffering); fewer when the budget cannot hold that many.
@@ -170,6 +176,7 @@ class Environment:
     has_draft_model: bool = False
     quantized: str | None = None  # the quantized layers' format (model/int4), None for float weights
     quantized_elsewhere: str | None = None  # why the quantized layers' kernel layout is not this device's
+    dtype: str | None = None  # the model's compute dtype ("float32", ...)
 
 
 @dataclass(frozen=True)
@@ -216,10 +223,24 @@ def _attention(config: EngineConfig, env: Environment | None) -> str | None:
 def _weight_streaming(config: EngineConfig, env: Environment | None) -> str | None:
     if config.weight_prefetch_depth is not None and config.weight_budget_bytes is None:
         return "weight_prefetch_depth applies to streamed weights: it needs weight_budget_bytes"
-    if config.weight_budget_bytes is not None and config.fast_path in ("graphs", "compiled", "eager"):
-        return (f"fast_path={config.fast_path!r} with weight_budget_bytes: streamed weights run the eager path "
-                "(use 'auto' or 'off')")
+    if config.weight_budget_bytes is not None and config.fast_path in ("compiled", "eager"):
+        return (f"fast_path={config.fast_path!r} with weight_budget_bytes: streamed weights run the eager path or "
+                "CUDA graphs over fixed slots (use 'auto', 'graphs' or 'off')")
     return None
+
+
+def _kv_dtype(config: EngineConfig, env: Environment | None) -> str | None:
+    choice = config.kv_dtype
+    if choice in ("auto", "model", env.dtype):
+        return None
+    own = config.attention_backend == "model" or (config.attention_backend == "auto" and env.device not in
+                                                  ("cuda", "cpu"))
+    why = "attention_backend='model'" if config.attention_backend == "model" else \
+        env.attention_unsupported or (f"auto on {env.device}" if own else None)
+    if why is None:
+        return None
+    return (f"kv_dtype={choice!r} needs KVBoost's attention, which reads K/V narrower than the model ({env.dtype}); "
+            f"here the model's own attention runs: {why}")
 
 
 RULES: tuple[Rule, ...] = (
@@ -229,6 +250,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("attention_backend",), _attention, needs_environment=True),
     Rule(("fast_path", "attention_backend"), _fast_path, needs_environment=True),
     Rule(("weight_budget_bytes", "weight_prefetch_depth", "fast_path"), _weight_streaming),
+    Rule(("kv_dtype", "attention_backend"), _kv_dtype, needs_environment=True),
     Rule(("cpu_linear",), lambda c, e: f"cpu_linear='on': {e.cpu_linear_unsupported}"
          if c.cpu_linear == "on" and e.cpu_linear_unsupported else None, needs_environment=True),
     Rule(("speculative",), lambda c, e: "speculative='draft' needs draft_model= (a path, hub id or loaded model "

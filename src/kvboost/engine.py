@@ -24,6 +24,7 @@ from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
 from .kv.build import build_kv_manager
 from .kv.device_budget import device_kv_budget
+from .kv.dtype import resolve_kv_dtype
 from .kv.long_context import LongContexts, device_max_tokens
 from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
@@ -86,16 +87,20 @@ class InferenceEngine:
         if self.config.weight_budget_bytes is not None:
             target = torch.device(device) if device is not None else next(model.parameters()).device
             self.weight_stream = stream_weights(model, self.config.weight_budget_bytes, target,
-                                                self.config.weight_prefetch_depth or 2)
+                                                self.config.weight_prefetch_depth or 2,
+                                                fixed_slots=self.config.fast_path == "graphs")
         elif device is not None:
             model.to(device)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         # Every combination that cannot run on this model and device is refused here, before anything is built.
-        self.config.check(environment(model, has_draft_model=draft_model is not None))
-        self.workspace_shapes, self.kv_dtype = probe_layer_shapes(model)
+        env = environment(model, has_draft_model=draft_model is not None)
+        self.config.check(env)
+        self.workspace_shapes, model_kv_dtype = probe_layer_shapes(model)
         self.attention, self.attention_reason = resolve_attention(self.config.attention_backend, model)
+        self.kv_dtype, kv_dtype_reason = resolve_kv_dtype(self.config.kv_dtype, model_kv_dtype, self.device,
+                                                          self.attention, env.quantized)
         self.cpu_linear = install_cpu_linear(self.config.cpu_linear, model)  # before any timed forward
         text_config = model.config.get_text_config()
         self.max_context: int | None = getattr(text_config, "max_position_embeddings", None)
@@ -119,15 +124,15 @@ class InferenceEngine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.requests = RequestFactory(self.config, model, tokenizer, self.max_context, self.eos_token_ids)
         # Decode steps and short suffixes in fixed-size buckets (CUDA graphs on a GPU): model/runner.py.
-        if self.weight_stream is not None:  # config.RULES refused the explicit static paths
+        if self.weight_stream is not None and not self.weight_stream.fixed_slots:  # RULES refused compiled / eager
             self.runner, self.fast_path_reason = None, "off: weights stream from host memory (the eager path)"
         else:
             self.runner, self.fast_path_reason = make_runner(self.config.fast_path, model, self.kv_workspace,
                                                              self.attention,
                                                              verifies=self.config.speculative is not None)
-        self.plan = describe(self.config, self.device, self.kv_dtype, self.attention, self.attention_reason,
-                             self.runner.mode if self.runner else "off", self.fast_path_reason, self.cpu_linear,
-                             self.kv.store.tier_names(), max_tokens)
+        self.plan = describe(self.config, self.device, model_kv_dtype, kv_dtype_reason, self.attention,
+                             self.attention_reason, self.runner.mode if self.runner else "off",
+                             self.fast_path_reason, self.cpu_linear, self.kv.store.tier_names(), max_tokens)
         # Serializes every forward over the model and the workspace (steps of the loop, warm).
         self.lock = threading.RLock()
         self._warm_up()

@@ -30,7 +30,8 @@ def environment(model: torch.nn.Module, has_draft_model: bool) -> Environment:
         triton = None if picked == "triton" else why
     return Environment(device.type, attention_unsupported_reason(model), triton,
                        static_path_unsupported_reason(model), cpu_linear_reason(model), has_draft_model,
-                       ", ".join(weight_formats(model)) or None, layout_mismatch(model, device.type))
+                       ", ".join(weight_formats(model)) or None, layout_mismatch(model, device.type),
+                       str(param.dtype).removeprefix("torch."))
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EnginePlan:
     fast_path: str
     fast_path_reason: str
     cpu_linear: str
+    kv_dtype: str  # the workspace's and stored chunks' dtype, and why
     kv_design: str  # the one design: "workspace rows" and where stored chunks live
     long_contexts: str
     speculative: str
@@ -52,23 +54,24 @@ class EnginePlan:
                 f"attention: {self.attention} ({self.attention_reason})",
                 f"fast path: {self.fast_path} ({self.fast_path_reason})",
                 f"CPU products: {self.cpu_linear}",
-                f"KV: {self.kv_design}; {self.long_contexts}",
+                f"KV: {self.kv_dtype}; {self.kv_design}; {self.long_contexts}",
                 f"speculative decoding: {self.speculative}"]
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def describe(config: EngineConfig, device: torch.device, dtype: torch.dtype, attention: str, attention_reason: str,
-             fast_path: str, fast_path_reason: str, cpu_linear: str, tiers: list[str],
+def describe(config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_dtype: str, attention: str,
+             attention_reason: str, fast_path: str, fast_path_reason: str, cpu_linear: str, tiers: list[str],
              max_device_tokens: int | None) -> EnginePlan:
+    """dtype: the model's; kv_dtype: the K/V's, with why."""
     long = ("contexts over " + f"{max_device_tokens:,}" + " tokens run from host memory, streamed a layer at a time"
             if max_device_tokens is not None else "every context on the device")
     spec = config.speculative or "off"
     if config.speculative == "prompt_lookup":
         spec += f" (up to {config.num_speculative_tokens} drafts)"
     plan = EnginePlan(str(device), str(dtype).removeprefix("torch."), attention, attention_reason, fast_path,
-                      fast_path_reason, cpu_linear, "one workspace row per running request; stored chunks in "
+                      fast_path_reason, cpu_linear, kv_dtype, "one workspace row per running request; stored chunks in "
                       + " -> ".join(tiers), long, spec, config.max_batch_size)
     log.info("kvboost plan: %s", "; ".join(plan.lines()))
     return plan

@@ -14,7 +14,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from kvboost.chunking import Chunker  # noqa: E402
 from kvboost.cluster.asgi import HttpRequest  # noqa: E402
-from kvboost.cluster.router import KVBoostRouter, RoutedRequest  # noqa: E402
+from kvboost.cluster.router import KVBoostRouter, RoundRobinRouter, RoutedRequest  # noqa: E402
 from kvboost.cluster.routing import RequestKeys  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="kvboost-replica", app_name="kvboost")
@@ -77,3 +77,15 @@ def test_a_pinned_replica_goes_first_while_it_lives():
 def test_calls_that_are_not_requests_go_by_load():
     assert _ranks([_cold("a", queued=2), _cold("b", queued=1)]) == [["b", "a"]]
     assert _ranks([]) == []
+
+
+def test_the_round_robin_baseline_takes_replicas_in_turn_whatever_they_hold():
+    async def run():
+        router = RoundRobinRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        replicas = [_cold("c"), _holding("a", queued=5), _cold("b")]
+        pending = SimpleNamespace(args=[RoutedRequest(HTTP, KEYS)], kwargs={})
+        return [[[r.replica_id.unique_id for r in rank] for rank in await router.choose_replicas(replicas, pending)]
+                for _ in range(4)]
+
+    assert asyncio.run(run()) == [[["a"], ["b", "c"]], [["b"], ["a", "c"]], [["c"], ["a", "b"]], [["a"], ["b", "c"]]]

@@ -25,10 +25,11 @@ def built(tokenizer, aot_cache_dir):
 
 
 def _buffers(engine: KVBoost, capacity: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random K/V buffers in the engine's K/V dtype."""
     g = torch.Generator().manual_seed(seed)
-    shapes = engine.workspace.shapes
-    keys = [torch.randn(1, s.kv_heads, capacity, s.head_dim_k, generator=g) for s in shapes]
-    values = [torch.randn(1, s.kv_heads, capacity, s.head_dim_v, generator=g) for s in shapes]
+    shapes, dtype = engine.workspace.shapes, engine.kv_dtype
+    keys = [torch.randn(1, s.kv_heads, capacity, s.head_dim_k, generator=g).to(dtype) for s in shapes]
+    values = [torch.randn(1, s.kv_heads, capacity, s.head_dim_v, generator=g).to(dtype) for s in shapes]
     return keys, values
 
 
@@ -71,6 +72,7 @@ def test_the_key_changes_with_any_weight_the_backend_or_the_threads(tokenizer):
     assert package_key(model, "sdpa") == key == package_key(model, "sdpa", torch.get_num_threads())
     assert package_key(model, None) != key
     assert package_key(model, "sdpa", torch.get_num_threads() + 1) != key
+    assert package_key(model, "sdpa", kv_dtype=torch.bfloat16) != key
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
     assert package_key(model, "sdpa") != key
@@ -142,16 +144,17 @@ def test_a_failed_build_leaves_nothing_behind(tokenizer, tmp_path, monkeypatch):
 
 
 def test_a_quantized_model_s_package_runs_its_int4_and_int8_kernels(tokenizer, aot_cache_dir):
-    """INT4 layers and an int8 head (model/int4) inside the package: the eager step's logits, within the bfloat16
-    activations' rounding (an upstream difference in the last fp32 bit may round one activation the other way)."""
+    """INT4 layers and an int8 head (model/int4) inside the package, over K/V in the engine's dtype (bfloat16 where
+    the CPU has it: kv/dtype.py): the eager step's logits, within the bfloat16 activations' rounding (an upstream
+    difference in the last fp32 bit may round one activation the other way)."""
     from kvboost.model.int4.head import Int8Head, quantize_head
     from kvboost.model.int4.install import quantize_linears
 
     model = make_tiny_model("llama", tokenizer, device="cpu")
     assert quantize_linears(model, group=32) > 0 and quantize_head(model)
     engine = KVBoost(model, tokenizer, device="cpu")
-    path = aot_cache_dir / "aot" / f"{package_key(model, 'sdpa')}.pt2"
-    build_package(model, engine.workspace.shapes, "sdpa", path)
+    path = aot_cache_dir / "aot" / f"{package_key(model, 'sdpa', kv_dtype=engine.kv_dtype)}.pt2"
+    build_package(model, engine.workspace.shapes, "sdpa", path, kv_dtype=engine.kv_dtype)
     step, reference = AotDecodeStep(path, model.get_input_embeddings()), DecodeStep(model, "sdpa")
     assert isinstance(model.get_output_embeddings(), Int8Head)
     for end in (2, 37):

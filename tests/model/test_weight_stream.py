@@ -148,3 +148,71 @@ def test_draft_lengths_are_judged_by_the_streamed_pass(tokenizer, monkeypatch):
     costs = spec["step_costs"]["draft"]
     assert costs["plain_step_ms"] >= 30  # three streamed layers cross in every pass
     assert spec["accepted_tokens"] == spec["draft_tokens"] >= 6 * spec["proposals"]
+
+
+def _slot_addresses(model) -> dict[int, set[int]]:
+    """Per decoder layer, the addresses its q_proj weight had in the forwards so far (recorded after the streamer's
+    pre-hook has pointed a streamed layer at its slot)."""
+    from kvboost.model.weight_stream import decoder_layers
+
+    seen: dict[int, set[int]] = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(
+            lambda module, args, i=i: seen.setdefault(i, set()).add(module.self_attn.q_proj.weight.data_ptr()))
+    return seen
+
+
+@pytest.mark.parametrize("layers,resident", [(5, 0), (3, 0), (6, 1)])
+def test_fixed_slots_keep_each_layer_in_one_slot_and_give_the_resident_tokens(tokenizer, layers, resident):
+    """Decode steps under CUDA graphs replay the copies and addresses they captured: with fixed slots each streamed
+    layer always computes from the same slot (i % slots), every forward copies what it needs, and the engine gives the
+    all-resident engine's tokens. The rotating ring of the eager path moves layers between slots."""
+    from kvboost.model.weight_stream import stream_weights
+
+    want = _outputs(KVBoost(make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=layers), tokenizer,
+                            fast_path="off"))
+    addresses = {}
+    for fixed in (True, False):
+        model = make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=layers)
+        streamer = stream_weights(model, _budget(model, resident), torch.device("cpu"), 2, fixed_slots=fixed)
+        assert streamer.fixed_slots is fixed and len(streamer.plan.streamed) == layers - resident
+        seen = _slot_addresses(model)
+        assert _outputs(KVBoost(model, tokenizer, fast_path="off")) == want
+        slots = {s.data_ptr() for s in streamer.slots}
+        streamed = [seen[i] for i in streamer.plan.streamed]
+        assert all(ptrs <= slots for ptrs in streamed)
+        addresses[fixed] = streamed
+    assert all(len(ptrs) == 1 for ptrs in addresses[True])
+    slot = [min(ptrs) for ptrs in addresses[True]]
+    assert slot == [slot[i % 2] for i in range(len(slot))] and slot[0] != slot[1]  # streamed layer i: slot i % 2
+    if len(slot) % 2:  # an odd count of streamed layers: the rotating ring moves them between slots
+        assert any(len(ptrs) > 1 for ptrs in addresses[False])
+
+
+def test_graphs_are_refused_with_streamed_weights_off_cuda(tokenizer):
+    model = make_tiny_model("llama", tokenizer, device="cpu")
+    with pytest.raises(ValueError, match="fast_path='graphs' needs a CUDA device"):
+        KVBoost(model, tokenizer, device="cpu", fast_path="graphs", weight_budget_bytes=_budget(model, 0))
+
+
+def test_decode_steps_under_cuda_graphs_over_streamed_weights_give_the_resident_tokens(tokenizer, device):
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs over streamed weights need a CUDA device (run with --device cuda)")
+
+    def model():
+        return make_tiny_model("llama", tokenizer, device="cpu", num_hidden_layers=5)
+
+    want = _outputs(KVBoost(model(), tokenizer, device=str(device), fast_path="graphs"))
+    streamed_model = model()
+    engine = KVBoost(streamed_model, tokenizer, device=str(device), fast_path="graphs",
+                     weight_budget_bytes=_budget(streamed_model, 1))
+    weights = engine.cache_stats()["weights"]
+    assert weights["fixed_slots"] and len(weights["streamed_layers"]) == 4
+    assert engine.runner is not None and engine.runner.mode == "graphs"
+    assert _outputs(engine) == want
+    stats = engine.cache_stats()
+    assert stats["fast_path"]["replays"] > 0 and stats["fast_path"].get("capture_failures", 0) == 0
+    copies = stats["weights"]["copies"]
+    engine.generate(PROMPTS[0], max_new_tokens=6)  # replays copy inside the graph: the Python count stays put
+    assert engine.cache_stats()["fast_path"]["replays"] > stats["fast_path"]["replays"]
+    assert engine.cache_stats()["weights"]["copies"] - copies < 4 * 6

@@ -14,6 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..compat import has_sliding_layers
 from ..errors import KVBoostError
+from ..model.attention.cast import in_kv_dtype
 from ..model.attention.switch import switch_unsupported_reason, switched_attention
 
 CASCADE_ATTENTION = "kvboost_cascade"
@@ -102,7 +103,7 @@ def _cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention_forward)
+AttentionInterface.register(CASCADE_ATTENTION, in_kv_dtype(_cascade_attention_forward))
 # Masks are built exactly as for sdpa, so the sdpa fallback gets the format it expects.
 AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
 

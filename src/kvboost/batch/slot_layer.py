@@ -24,6 +24,7 @@ class SlotLayer(BufferLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         k_buf, v_buf = self.ws.buffers(self.layer_idx)
+        key_states, value_states = key_states.to(k_buf.dtype), value_states.to(v_buf.dtype)  # kv_dtype
         k_rows, v_rows = k_buf[self.slots], v_buf[self.slots]
         base = self.ws.base  # buffer column = position - base
         if isinstance(self.write_cols, int):

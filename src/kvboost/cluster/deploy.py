@@ -28,7 +28,7 @@ from .asgi import HttpRequest, ResponseStart, call
 from .held_keys import HeldKeys
 from .keying import Recipe, RequestKeying
 from .metrics import merge_expositions
-from .router import KVBoostRouter, RoutedRequest
+from .router import KVBoostRouter, RoundRobinRouter, RoutedRequest
 
 logger = logging.getLogger("kvboost.cluster")
 
@@ -270,13 +270,14 @@ class Ingress:
                 self.pins.popitem(last=False)
 
 
-ROUTERS = ("kvboost", "power-of-two")  # KVBoostRouter, or Ray Serve's default (for comparisons)
+# KVBoostRouter, Ray Serve's default (power of two choices) or RoundRobinRouter: the last two for comparisons.
+ROUTERS = ("kvboost", "power-of-two", "round-robin")
 
 
 def build_app(spec: ReplicaSpec, replicas: int, imbalance: int = 4, gpus_per_replica: float = 0.0,
               cpus_per_replica: float = 1.0, stats_period_s: float = 1.0, router: str = "kvboost"):
     """The Ray Serve application: `replicas` engines behind the ingress, routed by KVBoostRouter (or Ray's own
-    power-of-two-choices router, `router="power-of-two"`)."""
+    power-of-two-choices router, `router="power-of-two"`, or RoundRobinRouter, `router="round-robin"`)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if router not in ROUTERS:
@@ -284,8 +285,10 @@ def build_app(spec: ReplicaSpec, replicas: int, imbalance: int = 4, gpus_per_rep
     batch = spec.settings.max_batch_size
     # By import path: a class object would travel pickled by value, with a copy of RoutedRequest that the ingress's
     # requests are not instances of.
-    chosen = {"request_router_class": f"{KVBoostRouter.__module__}:{KVBoostRouter.__name__}",
-              "request_router_kwargs": {"imbalance": imbalance}} if router == "kvboost" else {}
+    chosen = {"kvboost": {"request_router_class": f"{KVBoostRouter.__module__}:{KVBoostRouter.__name__}",
+                          "request_router_kwargs": {"imbalance": imbalance}},
+              "round-robin": {"request_router_class": f"{RoundRobinRouter.__module__}:{RoundRobinRouter.__name__}"},
+              }.get(router, {})
     router = RequestRouterConfig(**chosen, request_routing_stats_period_s=stats_period_s,
                                  request_routing_stats_timeout_s=max(5.0, stats_period_s))
     # A replica takes a batch and as many waiting: the rest wait in Ray's router, which can still send them elsewhere.
@@ -298,7 +301,7 @@ def build_app(spec: ReplicaSpec, replicas: int, imbalance: int = 4, gpus_per_rep
 def build(args: dict[str, Any]):
     """Application builder for a Ray Serve config file (`import_path: kvboost.cluster.deploy:build`), args:
     replicas, imbalance, server ({ServerSettings fields}), engine ({KVBoost.from_pretrained keywords}), warm
-    (lists of chat messages), gpus_per_replica, cpus_per_replica, router ("kvboost" or "power-of-two")."""
+    (lists of chat messages), gpus_per_replica, cpus_per_replica, router (one of ROUTERS)."""
     from ..server.settings import ServerSettings
 
     known = {"replicas", "imbalance", "server", "engine", "warm", "gpus_per_replica", "cpus_per_replica", "router"}

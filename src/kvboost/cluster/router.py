@@ -70,3 +70,20 @@ def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
         if all(hasattr(arg, name) for name in ("http", "keys", "pin")):
             return arg
     return None
+
+
+class RoundRobinRouter(RequestRouter):
+    """Each request to the next replica in turn (by replica id), whatever it holds: the cache-blind baseline that
+    `kvboost bench cluster` compares routers with. Ray may ask again for a request whose first choice is full."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self.turn = 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        if not ordered:
+            return []
+        first = ordered[self.turn % len(ordered)]
+        self.turn += 1
+        return [[first], [r for r in ordered if r is not first]]

@@ -23,7 +23,8 @@ class StaticLayer(LengthLayer):
         self.length = length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states [B, kv_heads, q, d] -> buffer columns `positions` of every row
+        # key_states [B, kv_heads, q, d] -> buffer columns `positions` of every row, in the buffers' dtype (kv_dtype)
+        key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if self.positions.dim() == 1:
             self.keys.index_copy_(2, self.positions, key_states)
             self.values.index_copy_(2, self.positions, value_states)

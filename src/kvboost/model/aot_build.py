@@ -75,12 +75,12 @@ class DecodePackage:
     """`step` is the loaded package once ready (None before, and for good where `failure` says why)."""
 
     def __init__(self, model: torch.nn.Module, shapes: list, backend: str | None, directory: Path | None = None,
-                 build: bool = True):
-        """build: start a build when no package is cached (or wait for the one running)."""
+                 build: bool = True, kv_dtype: torch.dtype = torch.float32):
+        """build: start a build when no package is cached (or wait for the one running); kv_dtype: the workspace's."""
         directory = default_package_dir() if directory is None else directory
         self.threads = torch.get_num_threads()  # the engine's: the build runs on one, for this many
         self.embedding = model.get_input_embeddings()  # looked up outside the package
-        self.path = directory / f"{package_key(model, backend, self.threads)}.pt2"
+        self.path = directory / f"{package_key(model, backend, self.threads, kv_dtype)}.pt2"
         self.lock = self.path.with_suffix(".lock")
         self.step: AotDecodeStep | None = None
         self.failure: str | None = None
@@ -90,7 +90,7 @@ class DecodePackage:
         if self.path.exists():
             self._load()
         elif build:
-            self._start(model, shapes, backend)
+            self._start(model, shapes, backend, kv_dtype)
         else:
             self.failure = f"no decode-step package cached in {directory} ({AOT_ENV}=cached)"
 
@@ -112,7 +112,7 @@ class DecodePackage:
         self.step, self.failure = None, why
         log.warning("kvboost: %s; decode steps run eagerly", why)
 
-    def _start(self, model: torch.nn.Module, shapes: list, backend: str | None) -> None:
+    def _start(self, model: torch.nn.Module, shapes: list, backend: str | None, kv_dtype: torch.dtype) -> None:
         global _building
         # The child needs the module itself, so the job is a pickle; it lives in a private (0700) directory of this
         # user's, only until the child has loaded it, and is never read from the shared cache directory.
@@ -123,7 +123,8 @@ class DecodePackage:
             if mine:
                 job = Path(tempfile.mkdtemp(prefix="kvboost-aot-")) / "job.pt"
                 _unspawned.update((job, self.lock))
-                torch.save({"model": model, "shapes": shapes, "backend": backend, "threads": self.threads}, job)
+                torch.save({"model": model, "shapes": shapes, "backend": backend, "threads": self.threads,
+                            "kv_dtype": kv_dtype}, job)
         except Exception as exc:  # a model that does not pickle, a cache directory that cannot be written
             _forget(job, self.lock)
             self.failure = f"the decode-step package cannot be built: {type(exc).__name__}: {exc}"
@@ -257,7 +258,7 @@ def _main(job: str, path: str) -> None:
         spec = torch.load(job, weights_only=False, mmap=True)  # our own job: see DecodePackage._start
         _remove(Path(job))
         with torch.no_grad():
-            build_package(spec["model"], spec["shapes"], spec["backend"], Path(path), spec["threads"])
+            build_package(spec["model"], spec["shapes"], spec["backend"], Path(path), spec["threads"], spec["kv_dtype"])
         log_path.unlink(missing_ok=True)  # a failed build keeps its log
     finally:
         _remove(Path(job))

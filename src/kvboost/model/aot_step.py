@@ -51,8 +51,8 @@ class _PackagedLayer(StaticLayer):
         self.end = end
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        write_token(self.keys, self.positions, key_states)
-        write_token(self.values, self.positions, value_states)
+        write_token(self.keys, self.positions, key_states.to(self.dtype))  # the buffers' dtype: kv_dtype
+        write_token(self.values, self.positions, value_states.to(self.dtype))
         return self.keys[:, :, :self.end], self.values[:, :, :self.end]
 
 
@@ -75,16 +75,17 @@ class DecodeStep(torch.nn.Module):
         return out.logits.float()
 
 
-def package_key(model: torch.nn.Module, backend: str | None, threads: int | None = None) -> str:
+def package_key(model: torch.nn.Module, backend: str | None, threads: int | None = None,
+                kv_dtype: torch.dtype = torch.float32) -> str:
     """What a package depends on: its format, torch, this CPU's kernels, the threads its kernels are blocked for
-    (default: torch's count now), the attention backend, the model's config and every weight's bytes (a model changed
-    in memory gets a package of its own)."""
+    (default: torch's count now), the attention backend, the K/V buffers' dtype, the model's config and every weight's
+    bytes (a model changed in memory gets a package of its own)."""
     import xxhash
 
     threads = torch.get_num_threads() if threads is None else threads
     digest = xxhash.xxh3_128()
     digest.update(f"{PACKAGE_FORMAT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{threads}|"
-                  f"{backend}".encode())
+                  f"{backend}|{kv_dtype}".encode())
     digest.update(model.config.to_json_string(use_diff=False).encode())
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
@@ -100,18 +101,18 @@ def default_package_dir() -> Path:
 
 
 def build_package(model: torch.nn.Module, shapes: list, backend: str | None, path: Path,
-                  threads: int | None = None) -> Path:
+                  threads: int | None = None, kv_dtype: torch.dtype = torch.float32) -> Path:
     """Export and compile the decode step of `model` (on the CPU; float32 weights or model/int4 layers) into the package
-    `path`; shapes: the workspace's LayerShape per layer. threads: the count its kernels are blocked and parallelized
-    for (default: torch's now), whatever this process runs on. Written to a temporary name and renamed, so a reader
-    never sees half a package."""
+    `path`; shapes: the workspace's LayerShape per layer, its buffers in kv_dtype. threads: the count its kernels are
+    blocked and parallelized for (default: torch's now), whatever this process runs on. Written to a temporary name and
+    renamed, so a reader never sees half a package."""
     from torch._inductor import config as inductor_config
 
     from .compiled_step import PACKED_GEMM_OPTIONS
 
     capacity, end = 64, 16  # example sizes only: both axes are dynamic
-    keys = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_k) for s in shapes]
-    values = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_v) for s in shapes]
+    keys = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_k, dtype=kv_dtype) for s in shapes]
+    values = [torch.zeros(1, s.kv_heads, capacity, s.head_dim_v, dtype=kv_dtype) for s in shapes]
     embeds = torch.zeros(1, 1, model.get_input_embeddings().embedding_dim, dtype=next(model.parameters()).dtype)
     example = (embeds, torch.tensor([end - 1]), torch.empty(end, dtype=torch.uint8), keys, values)
     columns = torch.export.Dim("capacity", min=3, max=_MAX_POSITIONS)

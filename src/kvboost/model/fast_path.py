@@ -65,7 +65,8 @@ def _package_runner(model: torch.nn.Module, workspace: KVWorkspace, backend: str
     refusal = static_unsupported or package_refusal(model, directory)
     if choice == "0" or refusal is not None:
         return None, f"off: {refusal or AOT_ENV + '=0'}"
-    package = DecodePackage(model, workspace.shapes, backend, directory, build=choice != "cached")
+    package = DecodePackage(model, workspace.shapes, backend, directory, build=choice != "cached",
+                            kv_dtype=workspace.dtype)
     if package.step is None and not package.attempted:  # none cached, none to build: a build that ran says why
         return None, f"off: {package.failure}"
     return ModelRunner(model, workspace, mode="package", backend=backend, package=package), \

@@ -7,8 +7,11 @@ streamed layer's tensors (INT4 codes as they are) sit in one exactly sized page-
 device buffer of the largest streamed layer's bytes, and a layer's tensors are views into it at fixed offsets, so a
 layer crosses in one copy. Copies run on a side stream up to `depth - 1` layers ahead, in the order the forward meets
 the streamed layers (cyclically, into the next step), each into the slot loaded longest ago; a layer's compute waits
-only on its own copy's event, and a slot is refilled only after the compute that read it. On a CPU
-the same code copies synchronously (its logic is what CI tests). Outside a forward, a streamed layer's tensors are
+only on its own copy's event, and a copy starts only after the compute issued before it (so after the compute that
+last read its slot). With `fixed_slots` (decode steps under CUDA graphs) the i-th streamed layer always lives in slot
+i % slots and prefetching stops at the forward's end: every step issues the same copies into the same addresses, and
+every copy a step forks onto the side stream is joined by the compute that waits for it, as a capture requires. On a
+CPU the same code copies synchronously (its logic is what CI tests). Outside a forward, a streamed layer's tensors are
 its host copies, so state_dict and fingerprints read the weights, never a slot's stale contents.
 """
 from __future__ import annotations
@@ -86,8 +89,8 @@ class _Streamed:
 class WeightStreamer:
     """Streams the plan's layers through `plan.slots` device slots; installed by forward hooks on those layers."""
 
-    def __init__(self, model: nn.Module, plan: StreamPlan, device: torch.device):
-        self.plan, self.device = plan, device
+    def __init__(self, model: nn.Module, plan: StreamPlan, device: torch.device, fixed_slots: bool = False):
+        self.plan, self.device, self.fixed_slots = plan, device, fixed_slots
         self.copies = self.bytes_copied = 0
         self.unpinned_reason: str | None = None  # why the host copies are not page-locked
         layers = decoder_layers(model)
@@ -109,7 +112,8 @@ class WeightStreamer:
             layers[i].register_forward_pre_hook(self._before(len(self.layers) - 1))
             layers[i].register_forward_hook(self._after(len(self.layers) - 1))
         self.slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device) for _ in range(plan.slots)]
-        self.slot_free = [None] * plan.slots  # the event after the compute that last read each slot (CUDA)
+        if fixed_slots and plan.streamed and plan.streamed[0] > 0:  # the first streamed layers cross during the
+            layers[0].register_forward_pre_hook(lambda module, args: self._prefetch(0))  # resident ones before them
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.in_slot: list[int | None] = [None] * plan.slots  # which streamed layer each slot holds
         self.where: dict[int, int] = {}  # streamed layer -> the slot holding it
@@ -133,15 +137,16 @@ class WeightStreamer:
         """Make sure streamed layer k is in a slot, loading it into the slot loaded longest ago if not."""
         if k in self.where:
             return
-        slot = self.next_slot
+        slot = k % len(self.slots) if self.fixed_slots else self.next_slot
         self.where.pop(self.in_slot[slot], None)
         entry = self.layers[k]
         if self.copy_stream is None:
             self.slots[slot][:entry.host.numel()].copy_(entry.host)
         else:
+            # After the compute issued so far, which includes the last reader of this slot (the layer before the
+            # one whose hook prefetches); under a capture, this is also the side stream's fork from the captured one.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                if self.slot_free[slot] is not None:
-                    self.copy_stream.wait_event(self.slot_free[slot])
                 self.slots[slot][:entry.host.numel()].copy_(entry.host, non_blocking=True)
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self.copy_stream)
@@ -150,38 +155,43 @@ class WeightStreamer:
         self.copies += 1
         self.bytes_copied += entry.host.numel()
 
+    def _prefetch(self, k: int) -> None:
+        """Streamed layer k and the ones after it, up to the ring's size (fixed slots: not past the forward's last)."""
+        n = len(self.layers)
+        for m in range(k, k + len(self.slots)):
+            if self.fixed_slots and m >= n:
+                break
+            self._copy(m % n)
+
     def _before(self, k: int):
         def hook(module, args):
-            n = len(self.layers)
-            for ahead in range(len(self.slots)):  # this layer and the ones after it, up to the ring's size
-                self._copy((k + ahead) % n)
+            self._prefetch(k)
             entry, slot = self.layers[k], self.slots[self.where[k]]
-            if entry.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(entry.ready)
+            if entry.ready is not None:  # waited for once: later compute is ordered after it (and a capture
+                torch.cuda.current_stream(self.device).wait_event(entry.ready)  # never waits on an earlier event)
+                entry.ready = None
             self._point(entry, [self._view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
         return hook
 
     def _after(self, k: int):
         def hook(module, args, output):
             entry = self.layers[k]
-            if self.copy_stream is not None:
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-                self.slot_free[self.where[k]] = done
             self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
             return output
         return hook
 
     def as_dict(self) -> dict:
         return {"resident_layers": self.plan.resident, "streamed_layers": self.plan.streamed,
-                "slots": self.plan.slots, "slot_bytes": self.plan.slot_bytes, "copies": self.copies,
-                "bytes_copied": self.bytes_copied, "pinned": self.unpinned_reason is None,
+                "slots": self.plan.slots, "slot_bytes": self.plan.slot_bytes, "fixed_slots": self.fixed_slots,
+                "copies": self.copies, "bytes_copied": self.bytes_copied, "pinned": self.unpinned_reason is None,
                 "unpinned_reason": self.unpinned_reason}
 
 
-def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: int = 2) -> WeightStreamer | None:
+def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: int = 2,
+                   fixed_slots: bool = False) -> WeightStreamer | None:
     """Place `model` on `device` within `budget` bytes of weights: what the plan keeps resident moves there, the
-    streamed layers go to host memory (never to the device whole). None: everything fits, and is on the device."""
+    streamed layers go to host memory (never to the device whole). None: everything fits, and is on the device.
+    fixed_slots: each streamed layer in one slot for good (decode steps under CUDA graphs)."""
     layers = decoder_layers(model)
     layer_bytes = [sum(t.numel() * t.element_size() for _, _, t in _tensors(layer)) for layer in layers]
     total = sum(t.numel() * t.element_size() for _, _, t in _tensors(model))
@@ -195,4 +205,4 @@ def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: i
     model.to(device)
     for i, layer in held.items():
         layers[i] = layer
-    return WeightStreamer(model, plan, device)
+    return WeightStreamer(model, plan, device, fixed_slots)

@@ -24,6 +24,8 @@ def serve_command(
     recompute_strategy: RecomputeStrategy = typer.Option(RecomputeStrategy.SELECTIVE, case_sensitive=False,
                                                          help="Repair of K/V reused at other positions."),
     kv_cache_bits: int = typer.Option(16, help="Stored K/V precision: 16, 8 or 4 bits."),
+    kv_dtype: str = typer.Option("auto", help="dtype of the K/V in memory and every tier: auto, model, bfloat16, "
+                                              "float16, float32 (auto: bfloat16 for INT4 weights on a CPU with it)."),
     batch_window_ms: float = typer.Option(20.0, min=0.0, help="How long an idle worker waits to batch requests."),
     max_batch_size: int = typer.Option(16, min=1, help="Rows per batch (1: one request at a time)."),
     disk_cache_dir: str | None = typer.Option(None, help="Spill K/V chunks to this directory."),
@@ -110,7 +112,7 @@ def serve_command(
                                   batch_window_ms=batch_window_ms, mode=reuse, access_log=access_log,
                                   kv_events=kv_events)
         options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
-                       kv_cache_bits=kv_cache_bits,
+                       kv_cache_bits=kv_cache_bits, kv_dtype=kv_dtype,
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
                        num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
@@ -226,7 +228,7 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
     """What an operator needs to know before the first request: hardware, model limits, cache, batching."""
     config = engine.config
     context = f"{engine.max_context:,} tokens" if engine.max_context else "not declared"
-    dtype = str(engine.kv_dtype).removeprefix("torch.")
+    dtype, kv_dtype = engine.plan.dtype, str(engine.kv_dtype).removeprefix("torch.")
     tiers = ", ".join(_tier_line(name, tier, config) for name, tier in engine.cache_stats()["tiers"].items())
     reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse
                                    else "")
@@ -235,8 +237,8 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
     return [
         f"KVBoost {__version__}: model '{settings.model_id}' on {engine.device}, {dtype}, context {context}; "
         f"loaded in {load_s:.1f} s, warmed up in {warm_s:.1f} s",
-        f"  K/V cache: {tiers}; chunks of {config.chunk_size} tokens stored at {config.kv_cache_bits} bits; "
-        f"reuse {reuse}",
+        f"  K/V cache: {tiers}; {kv_dtype} K/V in chunks of {config.chunk_size} tokens stored at "
+        f"{config.kv_cache_bits} bits; reuse {reuse}",
         f"  batching: {batching}; queue {settings.max_queue}; fast path: "
         f"{engine.fast_path_reason}; Linear products: {engine.cpu_linear}",
     ]

@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 
 from .backend import dispatch
+from .cast import in_kv_dtype
 from .reference import bottom_right_mask, sdpa_with_mask
 from .switch import switch_unsupported_reason as unsupported_reason  # noqa: F401 - the package's public name
 from .switch import switched_attention
@@ -151,7 +152,7 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     return out.transpose(1, 2), None
 
 
-AttentionInterface.register(KVBOOST_ATTENTION, kvboost_attention_forward)
+AttentionInterface.register(KVBOOST_ATTENTION, in_kv_dtype(kvboost_attention_forward))
 AttentionMaskInterface.register(KVBOOST_ATTENTION, kvboost_mask)
 
 

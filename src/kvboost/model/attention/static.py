@@ -9,6 +9,7 @@ import torch
 from transformers import AttentionInterface
 
 from .backend import dispatch
+from .cast import in_kv_dtype
 from .reference import sdpa_attention
 from .switch import switched_attention
 
@@ -38,7 +39,7 @@ def static_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.transpose(1, 2), None
 
 
-AttentionInterface.register(KVBOOST_STATIC, static_attention_forward)
+AttentionInterface.register(KVBOOST_STATIC, in_kv_dtype(static_attention_forward))
 
 
 @contextmanager
