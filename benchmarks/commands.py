@@ -67,7 +67,8 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
     from .cluster import bench_cluster_command
 
     bench_app.command("cluster", help="KVBoost replicas on a local Ray cluster: KVBoost's router against Ray's "
-                                      "default and one replica, same chat replay (needs the cluster extra).")(
+                                      "default, round-robin and one replica, same chat and RAG replay (needs the "
+                                      "cluster extra).")(
         _plot_needs_bench_extra("kvboost bench cluster", _needs_extras("kvboost bench cluster", bench_cluster_command,
                                                                        "cluster", modules=("httpx",))))
     bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
