@@ -3,16 +3,20 @@
 Rows, on one random-weight --shape, batch-1 greedy decode over a ~1,000-token prompt (decode rate from two lengths, as
 `kvboost bench gpu`'s section c), each with the device memory it peaked at:
   bf16                  the float model, resident (the engine's default fast path: CUDA graphs)
-  int4 triton           its Linear layers rounded to INT4 (group 128) on KVBoost's Triton W4A16 kernel, resident
+  int4 triton           random INT4 decoder layers (group 128, drawn on the device: shapes.build_int4_shape_model, no
+                        float weight ever exists) on KVBoost's Triton W4A16 kernel, resident
   int4 tinygemm         the same codes on torch's `_weight_int4pack_mm`, resident
   int4 streamed 1/2     weight_budget_bytes keeps half the decoder layers resident, the rest stream through 2 slots
                         (the default CUDA kernel, torch's)
   int4 streamed all     every decoder layer streams (the embedding, head and norms stay)
+  ..., graphs           the same with fast_path="graphs": decode steps captured over fixed slots
+  int4 streamed, f%     weight_budget_bytes = f% of the packed model's bytes (25, 50)
   ..., depth d          the same through d device slots (--prefetch-depths), copies up to d - 1 layers ahead
   int4 streamed, B GB   weight_budget_bytes = B GiB (--weight-budget-gb), the plan choosing what stays resident
   hf device_map auto    transformers + accelerate offloading the bf16 model under the streamed-1/2 row's device budget
 For the streamed rows, the bound at one token per pass: measured pinned host-to-device bandwidth / bytes streamed per
-decode step. Rows that fail are reported with the reason; the run goes on.
+decode step. Every KVBoost row also gives TTFT at ~1k tokens (the one-token run) and at ~8k. Rows that fail are
+reported with the reason; the run goes on.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch
 from .console import bench_console
 from .model_options import ModelChoice
 
-PROMPT_TOKENS, REPEATS = 1000, 2
+PROMPT_TOKENS, LONG_PROMPT_TOKENS, REPEATS = 1000, 8000, 2
 
 
 def _nbytes(tensors) -> int:
@@ -48,23 +52,6 @@ def _h2d_gb_s(device: torch.device, mib: int = 512) -> float:
         torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return host.numel() / best / 1e9
-
-
-def _int4(model: torch.nn.Module, kernel: str | None, device: torch.device) -> torch.nn.Module:
-    """Every decoder Linear rounded to INT4 on the device, laid out for `kernel` (None: the default; the head stays
-    bf16)."""
-    from kvboost.model.int4.install import install_int4
-    from kvboost.model.int4.weights import Int4Weights
-
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) and n != "lm_head" and m.in_features % 128 == 0]
-    for name in names:  # the bias on the device too: the INT4 layer keeps it
-        module = model.get_submodule(name)
-        if module.bias is not None:
-            module.bias = torch.nn.Parameter(module.bias.to(device), requires_grad=False)
-    install_int4(model, ((n, Int4Weights.quantize_rtn(model.get_submodule(n).weight.to(device), 128)) for n in names),
-                 device, kernel)
-    return model
 
 
 def _budget(model: torch.nn.Module, resident_layers: int, slots: int = 2) -> int:
@@ -98,7 +85,7 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
 
     from .gpu.decode import decode_rows
     from .plots import save_tok_s, write_json
-    from .shapes import build_shape_model, embedded_tokenizer
+    from .shapes import build_int4_shape_model, build_shape_model, embedded_tokenizer
 
     console = bench_console()
     device = torch.device(choice.device or "cuda")
@@ -108,17 +95,26 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
     console.print(f"pinned host-to-device copies: {report['h2d_gb_s']:.1f} GB/s")
     tokenizer = embedded_tokenizer()
     prompt = decode_rows(tokenizer, PROMPT_TOKENS, 1)[0]
+    long_prompt = decode_rows(tokenizer, LONG_PROMPT_TOKENS, 1)[0]
     report["prompt_tokens"] = len(prompt)
     budgets: dict[str, int] = {}
 
     def model_on_device() -> torch.nn.Module:  # random init on the device is seconds; on the host, minutes
         return build_shape_model(choice.shape, device, torch.bfloat16, tokenizer=tokenizer)[0]
 
+    def int4_on_device(kernel: str | None = None) -> torch.nn.Module:
+        return build_int4_shape_model(choice.shape, device, torch.bfloat16, tokenizer, kernel)[0]
+
     def in_host_memory(model: torch.nn.Module) -> torch.nn.Module:
         model.cpu()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # the row's peak starts here, not at the build's
         return model
+
+    def ttft_ms(engine, ids: list[int]) -> float:  # the second run: the first pays one-off captures
+        engine.generate(input_ids=ids, max_new_tokens=1)
+        engine.forget_workspace()
+        return engine.generate(input_ids=ids, max_new_tokens=1, mode="baseline").ttft_ms
 
     def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]], depth: int | None = None,
                    fast_path: str = "auto") -> Callable[[], tuple]:
@@ -131,7 +127,8 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
             streamed = sum(_module_bytes(model.model.layers[i]) for i in weights["streamed_layers"])
             extra = {"weight_mb": _module_bytes(model) / 2**20, "budget_mb": budget / 2**20 if budget else None,
                      "streamed_layers": len(weights["streamed_layers"]), "streamed_mb_per_step": streamed / 2**20,
-                     "fast_path": engine.cache_stats()["fast_path"].get("mode")}
+                     "fast_path": engine.cache_stats()["fast_path"].get("mode"),
+                     "ttft_1k_ms": ttft_ms(engine, prompt), "ttft_8k_ms": ttft_ms(engine, long_prompt)}
             if streamed:
                 extra["bound_tok_s"] = report["h2d_gb_s"] * 1e9 / streamed
             return lambda k: engine.generate(input_ids=prompt, max_new_tokens=k).generated_tokens, extra
@@ -139,24 +136,32 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
 
     def streamed(share: float, slots: int = 2):
         def make():
-            model = in_host_memory(_int4(model_on_device(), None, device))
+            model = in_host_memory(int4_on_device())
             resident = int(len(model.model.layers) * share)
             budgets[f"{share}"] = _budget(model, resident, slots)
             return model, budgets[f"{share}"]
         return make
 
     plan = [("bf16", engine_row(lambda: (model_on_device(), None))),
-            ("int4 triton", engine_row(lambda: (_int4(model_on_device(), "triton", device), None))),
-            ("int4 tinygemm", engine_row(lambda: (_int4(model_on_device(), "tinygemm", device), None))),
+            ("int4 triton", engine_row(lambda: (int4_on_device("triton"), None))),
+            ("int4 tinygemm", engine_row(lambda: (int4_on_device("tinygemm"), None))),
             ("int4 streamed 1/2", engine_row(streamed(0.5))),
             ("int4 streamed 1/2, graphs", engine_row(streamed(0.5), fast_path="graphs")),
             ("int4 streamed all", engine_row(streamed(0.0))),
             ("int4 streamed all, graphs", engine_row(streamed(0.0), fast_path="graphs"))]
+
+    def fraction(share: float):  # a budget of `share` of the packed model's bytes
+        def make():
+            model = in_host_memory(int4_on_device())
+            return model, int(share * _module_bytes(model))
+        return make
+
+    plan += [(f"int4 streamed, {p}% budget", engine_row(fraction(p / 100))) for p in (25, 50)]
     # The prefetch depth (device slots for streamed layers) by measurement: every layer streams, `d` slots.
     plan += [(f"int4 streamed all, depth {d}", engine_row(streamed(0.0, d), d)) for d in depths]
     if budget_gb is not None:  # a device budget as a user gives it (e.g. 12 GB for a 32B model)
         plan.append((f"int4 streamed, {budget_gb:g} GB budget", engine_row(
-            lambda: (in_host_memory(_int4(model_on_device(), None, device)), int(budget_gb * 2**30)))))
+            lambda: (in_host_memory(int4_on_device()), int(budget_gb * 2**30)))))
     def add(row: dict) -> None:
         rows.append(row)
         if json_path:  # after every row: a run cut short keeps what it measured

@@ -157,3 +157,58 @@ def parameter_count(name: str, vocab_size: int | None = None) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape_config(name, vocab_size), dtype=torch.bfloat16)
     return sum(p.numel() for p in model.parameters())
+
+
+def build_int4_shape_model(name: str, device: str | torch.device, dtype: str | torch.dtype | None = None,
+                           tokenizer=None, kernel: str | None = None, group: int = 128, seed: int = 0):
+    """The shape with random INT4 decoder Linear layers drawn where they run: codes, scales and biases are made on
+    `device` and no float weight of a decoder Linear ever exists, so a 32B shape takes ~18 GB, never 65. The embedding,
+    head and norms are random `dtype` tensors, as build_shape_model draws them. kernel: the INT4 layers' (None: the
+    device's default). Dequantized weights have about the float init's spread (INIT_STD)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvboost.loading import choose_device
+    from kvboost.model.int4.install import install_int4
+    from kvboost.model.int4.weights import Int4Weights
+
+    dev = choose_device(str(device))
+    torch_dtype = resolve_dtype(dtype, dev)
+    tok = tokenizer if tokenizer is not None else embedded_tokenizer()
+    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
+    config = shape_config(name, vocab_size=len(tok), special_ids=special)
+    with torch.device("meta"):  # shapes only: every tensor is drawn below, on the device
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    gen = torch.Generator(dev).manual_seed(seed)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.")
+               and m.in_features % group == 0]
+    # (code - 8) * scale: codes uniform in 0..15 have a spread of ~4.6 around 8
+    scale = INIT_STD / 4.6
+
+    def draw(module: torch.nn.Linear) -> Int4Weights:
+        if module.bias is not None:
+            module.bias = torch.nn.Parameter(torch.empty(module.out_features, dtype=torch_dtype, device=dev)
+                                             .normal_(0, INIT_STD, generator=gen), requires_grad=False)
+        out, cols = module.out_features, module.in_features
+        codes = torch.randint(0, 16, (out, cols), dtype=torch.uint8, device=dev, generator=gen)
+        scales = torch.full((out, cols // group), scale, device=dev)
+        return Int4Weights(codes, scales, torch.zeros_like(scales), group)
+
+    install_int4(model, ((n, draw(m)) for n, m in linears), dev, kernel)
+    for module in model.modules():  # the rest (embedding, head, norms, other Linears) in place on the device
+        own = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_meta]
+        if not own:
+            continue
+        module.to_empty(device=dev, recurse=False)
+        for pname, p in module.named_parameters(recurse=False):
+            if "norm" in type(module).__name__.lower() or pname == "bias":
+                p.data.fill_(1.0 if pname == "weight" else 0.0)
+            else:
+                p.data.normal_(0, INIT_STD, generator=gen)
+    rotary = model.model.rotary_emb  # its frequencies are computed at construction, not drawn
+    with torch.device(dev):
+        model.model.rotary_emb = type(rotary)(config=model.config)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # the head's parameter again the embedding's
+    return model.eval(), tok

@@ -98,3 +98,31 @@ def test_tiny_builds_deterministically_and_generates(tokenizer, device):
 def test_bf16_is_built_in_bf16(tokenizer):
     model, _ = build_shape_model("tiny", "cpu", "bf16", tokenizer=tokenizer)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_random_int4_shape_never_holds_a_float_decoder_weight(tokenizer, device, monkeypatch):
+    """The 32B shape's INT4 rows draw their codes on the device: no float weight of a decoder Linear is ever made
+    (recorded here: every nn.Linear built is on the meta device), every tensor is real, and the model generates."""
+    import torch
+
+    from benchmarks.shapes import build_int4_shape_model
+    from kvboost import KVBoost
+    from kvboost.model.int4.linear import Int4Linear
+
+    made = []
+    original = torch.nn.Linear.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.weight.device.type)
+
+    monkeypatch.setattr(torch.nn.Linear, "__init__", record)
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    model, tok = build_int4_shape_model("tiny", device, dtype, tokenizer, group=32)
+    assert made and set(made) == {"meta"}
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 4 * 2  # fused q/k/v, o, fused gate/up, down in each of 2 layers
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the shape's config says
+    out = KVBoost(model, tok, fast_path="off").generate("hello there", max_new_tokens=4)
+    assert len(out.output_token_ids) == 4
