@@ -208,6 +208,9 @@ def bench_offload_command(
     weight_budget_gb: Annotated[float | None, typer.Option("--weight-budget-gb", min=0.1, help="With --device cuda: "
                                                            "also a row with this device budget for the weights, "
                                                            "in GiB.")] = None,
+    draft_shape: Annotated[str | None, typer.Option("--draft-shape", help="With --device cuda: a resident draft of "
+                                                    "this random-weight shape over the all-streamed target (default "
+                                                    "qwen2.5-0.5b; 'none': no such row).")] = None,
 ) -> None:
     """INT4 weights against float ones (decode tok/s, peak RSS, teacher-forced agreement) and llama.cpp, on a CPU;
     with --device cuda, INT4 resident and streamed against bf16 and transformers' offloading on a --shape."""
@@ -216,15 +219,23 @@ def bench_offload_command(
 
         if model is not None:
             raise typer.BadParameter("the GPU rows run on random weights: use --shape", param_hint="--model")
+        if draft_shape not in (None, "none"):
+            from .shapes import UnknownShapeError, get_shape
+
+            try:
+                get_shape(draft_shape)
+            except UnknownShapeError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--draft-shape") from None
         choice = model_choice(shape=shape or "qwen2.5-3b", device=device)
         try:
             depths = tuple(int(d) for d in prefetch_depths.split(",") if d.strip())
         except ValueError:
             raise typer.BadParameter("a comma-separated list of ints", param_hint="--prefetch-depths") from None
-        report = run_offload_gpu(choice, new_tokens, json_path, plot_path, depths, weight_budget_gb)
+        report = run_offload_gpu(choice, new_tokens, json_path, plot_path, depths, weight_budget_gb,
+                                 None if draft_shape == "none" else draft_shape or "qwen2.5-0.5b")
         raise typer.Exit(0 if all(r.get("status") == "ok" for r in report["rows"]) else 1)
-    if prefetch_depths or weight_budget_gb is not None:
-        raise typer.BadParameter("--prefetch-depths and --weight-budget-gb are GPU rows (--device cuda)",
+    if prefetch_depths or weight_budget_gb is not None or draft_shape is not None:
+        raise typer.BadParameter("--prefetch-depths, --weight-budget-gb and --draft-shape are GPU rows (--device cuda)",
                                  param_hint="--prefetch-depths")
     if shape is not None or (device is not None and device != "cpu"):
         raise typer.BadParameter("the CPU rows run the --model checkpoint on the CPU (its GGUF for llama.cpp); "

@@ -11,6 +11,9 @@ Rows, on one random-weight --shape, batch-1 greedy decode over a ~1,000-token pr
   int4 streamed all     every decoder layer streams (the embedding, head and norms stay)
   ..., graphs           the same with fast_path="graphs": decode steps captured over fixed slots
   int4 streamed, f%     weight_budget_bytes = f% of the packed model's bytes (25, 50)
+  ... + draft           every layer streamed, a resident random draft shape proposing (speculative="draft"):
+                        tokens per target pass (tau) and the bound times tau. Random weights agree by chance only,
+                        so tau here tests the path and the adaptive policy, not what a real draft gains
   ..., depth d          the same through d device slots (--prefetch-depths), copies up to d - 1 layers ahead
   int4 streamed, B GB   weight_budget_bytes = B GiB (--weight-budget-gb), the plan choosing what stays resident
   hf device_map auto    transformers + accelerate offloading the bf16 model under the streamed-1/2 row's device budget
@@ -80,7 +83,8 @@ def _row(name: str, build: Callable[[], tuple[Callable[[int], int], dict]], devi
 
 
 def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None, plot_path: str | None,
-                    depths: tuple[int, ...] = (), budget_gb: float | None = None) -> dict:
+                    depths: tuple[int, ...] = (), budget_gb: float | None = None,
+                    draft_shape: str | None = "qwen2.5-0.5b") -> dict:
     from kvboost import KVBoost
 
     from .gpu.decode import decode_rows
@@ -117,12 +121,13 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
         return engine.generate(input_ids=ids, max_new_tokens=1, mode="baseline").ttft_ms
 
     def engine_row(make: Callable[[], tuple[torch.nn.Module, int | None]], depth: int | None = None,
-                   fast_path: str = "auto") -> Callable[[], tuple]:
+                   fast_path: str = "auto", draft: Callable[[], torch.nn.Module] | None = None) -> Callable[[], tuple]:
         def build():
             model, budget = make()
             torch.cuda.reset_peak_memory_stats(device)
+            spec = {"speculative": "draft", "draft_model": draft()} if draft is not None else {}
             engine = KVBoost(model, tokenizer, device=str(device), weight_budget_bytes=budget,
-                             weight_prefetch_depth=depth, fast_path=fast_path)
+                             weight_prefetch_depth=depth, fast_path=fast_path, **spec)
             weights = engine.cache_stats()["weights"]
             streamed = sum(_module_bytes(model.model.layers[i]) for i in weights["streamed_layers"])
             extra = {"weight_mb": _module_bytes(model) / 2**20, "budget_mb": budget / 2**20 if budget else None,
@@ -131,7 +136,17 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
                      "ttft_1k_ms": ttft_ms(engine, prompt), "ttft_8k_ms": ttft_ms(engine, long_prompt)}
             if streamed:
                 extra["bound_tok_s"] = report["h2d_gb_s"] * 1e9 / streamed
-            return lambda k: engine.generate(input_ids=prompt, max_new_tokens=k).generated_tokens, extra
+
+            def call(k: int) -> int:
+                n = engine.generate(input_ids=prompt, max_new_tokens=k).generated_tokens
+                if draft is not None:  # tau: tokens per target pass (each verify keeps its accepted drafts + 1)
+                    sp = engine.cache_stats()["speculative"]
+                    tau = 1 + sp["accepted_tokens"] / sp["proposals"] if sp.get("proposals") else 1.0
+                    extra.update(tokens_per_pass=tau, proposals=sp.get("proposals", 0))
+                    if streamed:
+                        extra["bound_with_tau_tok_s"] = extra["bound_tok_s"] * tau
+                return n
+            return call, extra
         return build
 
     def streamed(share: float, slots: int = 2):
@@ -157,6 +172,10 @@ def run_offload_gpu(choice: ModelChoice, new_tokens: int, json_path: str | None,
         return make
 
     plan += [(f"int4 streamed, {p}% budget", engine_row(fraction(p / 100))) for p in (25, 50)]
+    if draft_shape:  # a resident draft proposing for the streamed target (random weights: tau says little)
+        plan.append((f"int4 streamed all + {draft_shape} draft", engine_row(
+            streamed(0.0), draft=lambda: build_shape_model(draft_shape, device, torch.bfloat16,
+                                                           tokenizer=tokenizer)[0])))
     # The prefetch depth (device slots for streamed layers) by measurement: every layer streams, `d` slots.
     plan += [(f"int4 streamed all, depth {d}", engine_row(streamed(0.0, d), d)) for d in depths]
     if budget_gb is not None:  # a device budget as a user gives it (e.g. 12 GB for a 32B model)

@@ -37,3 +37,15 @@ def test_the_summary_compares_int4_with_the_float_rows_and_llama_cpp():
     assert report["int4_over_float_compiled"] == 2.0 and report["int4_rss_over_float"] == 0.5
     assert report["int4_over_llama_cpp"] == 1.25 and report["int4_over_fp32_kv"] == 1.25
     assert report["float_rows_same_tokens"] and not report["int4_rows_same_tokens"]
+
+
+def test_gpu_only_flags_are_refused_on_the_cpu_rows():
+    from typer.testing import CliRunner
+
+    from kvboost.cli import app
+
+    for flags in (["--draft-shape", "qwen2.5-0.5b"], ["--weight-budget-gb", "1"], ["--prefetch-depths", "1,3"]):
+        result = CliRunner().invoke(app, ["bench", "offload", *flags])
+        assert result.exit_code == 2 and "are GPU rows (--device cuda)" in result.output, result.output
+    result = CliRunner().invoke(app, ["bench", "offload", "--device", "cuda", "--shape", "tiny", "--draft-shape", "x"])
+    assert result.exit_code == 2 and "unknown shape 'x'" in result.output, result.output
