@@ -128,6 +128,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return torch.bfloat16 if chosen == "auto" else chosen
 
 
+def _config_and_tokenizer(name: str, tokenizer=None):
+    """(config, tokenizer): the shape's config over the tokenizer's vocabulary and special ids (default: embedded)."""
+    tok = tokenizer if tokenizer is not None else embedded_tokenizer()
+    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
+    return shape_config(name, vocab_size=len(tok), special_ids=special), tok
+
+
 def build_shape_model(name: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                       seed: int = 0, tokenizer=None):
     """(model, tokenizer): the shape with seeded random weights, in eval mode, built on `device` in `dtype`."""
@@ -138,10 +146,7 @@ def build_shape_model(name: str, device: str | torch.device | None = None, dtype
 
     dev = choose_device(str(device) if device is not None else None)
     torch_dtype = resolve_dtype(dtype, dev)
-    tok = tokenizer if tokenizer is not None else embedded_tokenizer()
-    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
-    config = shape_config(name, vocab_size=len(tok), special_ids=special)
+    config, tok = _config_and_tokenizer(name, tokenizer)
     # Seeding every device's generator: the same seed gives the same weights on each run of one device type.
     torch.manual_seed(seed)
     with torch.device(dev):  # allocate and initialise in place: no host copy, no fp32 detour
@@ -174,10 +179,7 @@ def build_int4_shape_model(name: str, device: str | torch.device, dtype: str | t
 
     dev = choose_device(str(device))
     torch_dtype = resolve_dtype(dtype, dev)
-    tok = tokenizer if tokenizer is not None else embedded_tokenizer()
-    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-               "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
-    config = shape_config(name, vocab_size=len(tok), special_ids=special)
+    config, tok = _config_and_tokenizer(name, tokenizer)
     with torch.device("meta"):  # shapes only: every tensor is drawn below, on the device
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     gen = torch.Generator(dev).manual_seed(seed)

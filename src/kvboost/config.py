@@ -230,14 +230,16 @@ def _weight_streaming(config: EngineConfig, env: Environment | None) -> str | No
 
 
 def _kv_dtype(config: EngineConfig, env: Environment | None) -> str | None:
-    choice = config.kv_dtype
+    choice, backend = config.kv_dtype, config.attention_backend
     if choice in ("auto", "model", env.dtype):
         return None
-    own = config.attention_backend == "model" or (config.attention_backend == "auto" and env.device not in
-                                                  ("cuda", "cpu"))
-    why = "attention_backend='model'" if config.attention_backend == "model" else \
-        env.attention_unsupported or (f"auto on {env.device}" if own else None)
-    if why is None:
+    if backend == "model":
+        why = "attention_backend='model'"
+    elif env.attention_unsupported:
+        why = env.attention_unsupported
+    elif backend == "auto" and env.device not in ("cuda", "cpu"):
+        why = f"auto on {env.device}"
+    else:
         return None
     return (f"kv_dtype={choice!r} needs KVBoost's attention, which reads K/V narrower than the model ({env.dtype}); "
             f"here the model's own attention runs: {why}")

@@ -112,8 +112,9 @@ class WeightStreamer:
             layers[i].register_forward_pre_hook(self._before(len(self.layers) - 1))
             layers[i].register_forward_hook(self._after(len(self.layers) - 1))
         self.slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device) for _ in range(plan.slots)]
-        if fixed_slots and plan.streamed and plan.streamed[0] > 0:  # the first streamed layers cross during the
-            layers[0].register_forward_pre_hook(lambda module, args: self._prefetch(0))  # resident ones before them
+        if fixed_slots and plan.streamed and plan.streamed[0] > 0:
+            # Fixed slots prefetch nothing across steps: the first streamed layers cross during the resident ones.
+            layers[0].register_forward_pre_hook(lambda module, args: self._prefetch(0))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.in_slot: list[int | None] = [None] * plan.slots  # which streamed layer each slot holds
         self.where: dict[int, int] = {}  # streamed layer -> the slot holding it
@@ -167,8 +168,9 @@ class WeightStreamer:
         def hook(module, args):
             self._prefetch(k)
             entry, slot = self.layers[k], self.slots[self.where[k]]
-            if entry.ready is not None:  # waited for once: later compute is ordered after it (and a capture
-                torch.cuda.current_stream(self.device).wait_event(entry.ready)  # never waits on an earlier event)
+            # Waited for once: later compute is ordered after it, and a capture never waits on an earlier event.
+            if entry.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(entry.ready)
                 entry.ready = None
             self._point(entry, [self._view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
         return hook
