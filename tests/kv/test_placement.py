@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvboost import GenerationMode, KVBoost
+from kvboost.kv import manager
 from kvboost.kv.manager import Plan
 from kvboost.kv.workspace import KVWorkspace, LayerShape
 from kvboost.store import quant
@@ -108,7 +109,9 @@ def _reference_place(plan: Plan, ws: KVWorkspace, row: int | None) -> None:
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("row", [None, 1])
-def test_place_equals_per_chunk_placement(tokenizer, bits, row):
+@pytest.mark.parametrize("threaded", [False, True])  # long CPU runs place their layers on torch's threads
+def test_place_equals_per_chunk_placement(tokenizer, bits, row, threaded, monkeypatch):
+    monkeypatch.setattr(manager, "_POOL_BYTES", 0 if threaded else 1 << 62)
     engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=CHUNK, kv_cache_bits=bits)
     ids = engine.encode(words(200, seed=7))
     assert len(ids) >= 170

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -290,7 +291,8 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
             parts.append(QuantRun([p.record.payload]))
     head = run[0].offset
     tail = run[-1].record.n_tokens - run[-1].offset - run[-1].n
-    for i in range(len(workspace.shapes)):
+
+    def place_layer(i: int) -> None:
         keys: list[torch.Tensor] = []  # layer i's K and V pieces [kv_heads, tokens, head_dim], every record's in order
         values: list[torch.Tensor] = []
         for part in parts:
@@ -298,6 +300,35 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
             keys += k
             values += v
         workspace.write_layer(i, _trim(keys, head, tail), _trim(values, head, tail), run[0].start, row=row)
+
+    layers = range(len(workspace.shapes))
+    if workspace.device.type == "cpu" and sum(p.record.nbytes * p.n // p.record.n_tokens for p in run) >= _POOL_BYTES:
+        # A CPU concatenation of many chunks runs on one core; layers are independent buffers, so the copy of a long
+        # run is spread over torch's threads (it is bandwidth-bound: two cores copy it in about half the time).
+        inference = torch.is_inference_mode_enabled()  # grad modes are per thread: the workers take the caller's
+
+        def place_layer_here(i: int) -> None:
+            with torch.inference_mode(inference), torch.no_grad():
+                place_layer(i)
+
+        list(_copy_pool().map(place_layer_here, layers))
+    else:
+        for i in layers:
+            place_layer(i)
+
+
+# Runs below this many bytes are placed on the calling thread: a hand-off costs more than their copy.
+_POOL_BYTES = 8 << 20
+_pools: dict[int, ThreadPoolExecutor] = {}  # by worker count: torch's thread count can change at run time
+_pools_lock = threading.Lock()
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    workers = torch.get_num_threads()
+    with _pools_lock:
+        if workers not in _pools:
+            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="kvboost-place")
+        return _pools[workers]
 
 
 def _trim(pieces: list[torch.Tensor], head: int, tail: int) -> list[torch.Tensor]:
