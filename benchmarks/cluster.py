@@ -184,7 +184,7 @@ def replay(base_url: str, conversations: list[dict], turns: int, clients: int, m
 
 def run_cluster_bench(conversations: int, turns: int, rag: int, clients: int, max_tokens: int,
                       cpus_per_replica: int, imbalance: int, think_s: float, json_path: str | None,
-                      plot_path: str | None) -> list[ConfigResult]:
+                      plot_path: str | None, memory_budget_mb: int | None = None) -> list[ConfigResult]:
     import os
 
     import ray
@@ -207,7 +207,10 @@ def run_cluster_bench(conversations: int, turns: int, rag: int, clients: int, ma
     results: list[ConfigResult] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        spec = ReplicaSpec(ServerSettings(served_model_name="kvboost"), {"device": "cpu"})
+        engine_options = {"device": "cpu"}
+        if memory_budget_mb is not None:  # every replica's memory tier, the single one's too
+            engine_options["memory_budget_bytes"] = memory_budget_mb << 20
+        spec = ReplicaSpec(ServerSettings(served_model_name="kvboost"), engine_options)
         for name, replicas in CONFIGS:
             router = "kvboost" if name == "single" else name
             with console.status(f"{name}: deploying {replicas} replica(s)"):
@@ -234,7 +237,8 @@ def run_cluster_bench(conversations: int, turns: int, rag: int, clients: int, ma
         write_json(json_path, {"conversations": len(chats), "turns": turns, "rag_requests": len(requests) - len(chats),
                                "clients": clients, "think_s": think_s,
                                "max_tokens": max_tokens, "cpus_per_replica": cpus_per_replica,
-                               "imbalance": imbalance, "configs": [r.summary() for r in results],
+                               "imbalance": imbalance, "memory_budget_mb": memory_budget_mb,
+                               "configs": [r.summary() for r in results],
                                "turns_detail": {r.name: [asdict(t) for t in r.turns] for r in results}})
     if plot_path:
         _plot(results, plot_path)
@@ -284,10 +288,12 @@ def bench_cluster_command(
     imbalance: int = typer.Option(4, min=1, help="KVBoost router's --route-imbalance."),
     think_s: float = typer.Option(1.0, min=0.0, help="A conversation's next turn is ready up to this many seconds "
                                                      "after its last reply (uniform, seeded)."),
+    memory_budget_mb: int | None = typer.Option(None, min=1, help="Each replica's memory tier in MiB (default: the "
+                                                                  "engine's); below the replay's K/V, replicas evict."),
     json_path: str | None = typer.Option(None, "--json", help="Write the results here."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG here."),
 ) -> None:
     """KVBoost replicas on a local Ray cluster: KVBoost's router vs Ray's default vs round-robin vs one replica
     (cached share, TTFT p50 / p99, requests/s) over chat and RAG requests."""
     run_cluster_bench(conversations, turns, rag, clients, max_tokens, cpus_per_replica, imbalance, think_s, json_path,
-                      plot_path)
+                      plot_path, memory_budget_mb)

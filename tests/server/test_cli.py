@@ -148,7 +148,7 @@ def test_bad_flags_exit_with_a_message(tiny_model_dir, tmp_path, flags, named):
 @pytest.mark.parametrize("flag", ["--model", "--host", "--port", "--recompute-strategy", "--kv-cache-bits",
                                   "--batch-window-ms", "--disk-cache-dir", "--redis-url", "--api-key",
                                   "--served-model-name", "--max-queue", "--chunk-size", "--chunk-boundary-window",
-                                  "--content-reuse", "--fast-path", "--device-kv-budget-bytes",
+                                  "--content-reuse", "--fast-path", "--memory-budget-bytes", "--device-kv-budget-bytes",
                                   "--device-kv-max-tokens"])
 def test_help_lists_the_documented_flags(flag):
     import typer

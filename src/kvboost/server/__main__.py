@@ -62,6 +62,9 @@ def serve_command(
                                                "the decode steps, one request's and the batch's, under "
                                                "torch.compile), eager or off."),
     paged_kv: bool = typer.Option(False, hidden=True, help="Deprecated and ignored (one KV design: the workspace)."),
+    memory_budget_bytes: int | None = typer.Option(None, min=0, help="Bytes of stored K/V kept in memory (on a GPU: "
+                                                   "host memory); the least used go first (default: a quarter of "
+                                                   "RAM, at most 4 GiB)."),
     device_kv_budget_bytes: int | None = typer.Option(None, min=0, help="Stored K/V kept on the GPU; colder chunks "
                                                       "move to host memory (default on CUDA: 30%% of free device "
                                                       "memory)."),
@@ -116,7 +119,8 @@ def serve_command(
                        disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
                        num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
-                       device_kv_budget_bytes=device_kv_budget_bytes, device_kv_max_tokens=device_kv_max_tokens,
+                       memory_budget_bytes=memory_budget_bytes, device_kv_budget_bytes=device_kv_budget_bytes,
+                       device_kv_max_tokens=device_kv_max_tokens,
                        weight_budget_bytes=weight_budget_bytes, weight_prefetch_depth=weight_prefetch_depth,
                        **({"paged_kv": True} if paged_kv else {}))
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
