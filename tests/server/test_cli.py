@@ -68,6 +68,7 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir, d
     cmd = [sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
            "--port", "0", "--served-model-name", "tiny-cli", "--max-batch-size", "1", "--kv-cache-bits", "8",
            "--recompute-strategy", "cacheblend", "--batch-window-ms", "5", "--max-queue", "4",
+           "--memory-budget-bytes", str(48 << 20),
            "--log-level", "warning", "--device", str(device)]  # the suite's device (the default: best available)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -78,7 +79,8 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir, d
         # Before it listens, the server says what it runs on and how it will batch, and has warmed up.
         start = "".join(lines)
         for expected in (*_device_lines(device), "float32", "context 1,024 tokens", "loaded in ",
-                         "warmed up in ", "K/V cache: memory budget ", "chunks of 128 tokens stored at 8 bits",
+                         "warmed up in ", "K/V cache: memory budget ", "budget 48 MiB",  # CUDA: the host tier's
+                         "chunks of 128 tokens stored at 8 bits",
                          "batching: one request at a time; queue 4"):
             assert expected in start, start
         deadline = time.monotonic() + 60
