@@ -112,6 +112,18 @@ def _reference_place(plan: Plan, ws: KVWorkspace, row: int | None) -> None:
 @pytest.mark.parametrize("threaded", [False, True])  # long CPU runs place their layers on torch's threads
 def test_place_equals_per_chunk_placement(tokenizer, bits, row, threaded, monkeypatch):
     monkeypatch.setattr(manager, "_POOL_BYTES", 0 if threaded else 1 << 62)
+    pools = []
+    monkeypatch.setattr(manager, "_copy_pool", lambda real=manager._copy_pool: pools.append(1) or real())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))  # the pool serves only more than one thread
+    try:
+        _check_place(tokenizer, bits, row)
+    finally:
+        torch.set_num_threads(threads)
+    assert bool(pools) == threaded
+
+
+def _check_place(tokenizer, bits, row):
     engine = KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=CHUNK, kv_cache_bits=bits)
     ids = engine.encode(words(200, seed=7))
     assert len(ids) >= 170
