@@ -290,10 +290,70 @@ def bench_cluster_command(
                                                      "after its last reply (uniform, seeded)."),
     memory_budget_mb: int | None = typer.Option(None, min=1, help="Each replica's memory tier in MiB (default: the "
                                                                   "engine's); below the replay's K/V, replicas evict."),
+    simulate: str | None = typer.Option(None, "--simulate", metavar="R[,R...]",
+                                        help="Instead of Ray: the routers over R simulated replicas each (e.g. "
+                                             "64,256,1024), on a trace of --sim-conversations chats (at least 40 "
+                                             "per replica), service times from benchmarks/results."),
+    sim_conversations: int = typer.Option(10_240, min=1, help="With --simulate: conversations in the trace."),
+    sim_capacity: int = typer.Option(512, min=1, help="With --simulate: chunks each replica's cache holds."),
+    sim_utilization: float = typer.Option(0.7, min=0.01, max=0.99, help="With --simulate: offered load per "
+                                                                         "replica slot (4 slots a replica)."),
     json_path: str | None = typer.Option(None, "--json", help="Write the results here."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG here."),
 ) -> None:
     """KVBoost replicas on a local Ray cluster: KVBoost's router vs Ray's default vs round-robin vs one replica
     (cached share, TTFT p50 / p99, requests/s) over chat and RAG requests."""
+    if simulate is not None:
+        counts = _replica_counts(simulate)
+        run_simulation_bench(counts, sim_conversations, sim_capacity, sim_utilization, imbalance, json_path, plot_path)
+        return
+    from kvboost.extras import require
+
+    require("kvboost bench cluster", "cluster", modules=("httpx",))
     run_cluster_bench(conversations, turns, rag, clients, max_tokens, cpus_per_replica, imbalance, think_s, json_path,
                       plot_path, memory_budget_mb)
+
+
+def _replica_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise typer.BadParameter(f"{text!r}: replica counts >= 2, comma-separated (e.g. 64,256,1024)",
+                                 param_hint="--simulate")
+    return counts
+
+
+def run_simulation_bench(counts: list[int], conversations: int, capacity: int, utilization: float, imbalance: int,
+                         json_path: str | None, plot_path: str | None) -> None:
+    from .cluster_sim import ServiceCosts, Trace, plot_simulations, run_simulations, sim_record
+
+    console = bench_console()
+    costs = ServiceCosts.measured()
+    console.print(f"service times from {costs.source}: prefill {costs.prefill_ms:.3f} ms per uncached token, "
+                  f"{costs.cached_ms:.3f} per cached one, decode {costs.decode_ms:.1f} ms per token")
+    trace = Trace(conversations)
+
+    def show(r) -> None:
+        console.print(f"{r.replicas:>5} replicas, {r.router:<12} cached share {r.cached_share:.3f}, busiest "
+                      f"{r.busiest_over_mean:.2f}x the mean, TTFT p50 {r.ttft_p50_ms:,.0f} ms, p99 "
+                      f"{r.ttft_p99_ms:,.0f} ms, load {r.utilization:.2f} ({r.conversations:,} chats, "
+                      f"{r.requests:,} requests)")
+
+    with console.status("simulating"):
+        results = run_simulations(counts, trace, costs, capacity=capacity, slots=4, utilization=utilization,
+                                  imbalance=imbalance, progress=show)
+    by = {(r.replicas, r.router): r for r in results}
+    for n in counts:
+        kv, oracle, p2c = by[(n, "kvboost")], by[(n, "oracle")], by[(n, "power-of-two")]
+        console.print(f"{n} replicas: KVBoost's router finds {kv.cached_share / max(oracle.cached_share, 1e-9):.3f}x "
+                      f"the oracle's cached share and {kv.cached_share / max(p2c.cached_share, 1e-9):.2f}x Ray's "
+                      f"default router's; busiest replica {kv.busiest_over_mean:.2f}x the mean")
+    if json_path:
+        from .plots import write_json
+
+        write_json(json_path, sim_record(results, trace, costs, capacity_chunks=capacity, slots=4,
+                                         utilization=utilization, imbalance=imbalance))
+    if plot_path:
+        plot_simulations(results, plot_path)

@@ -68,9 +68,8 @@ def register(bench_app: typer.Typer, eval_app: typer.Typer) -> None:
 
     bench_app.command("cluster", help="KVBoost replicas on a local Ray cluster: KVBoost's router against Ray's "
                                       "default, round-robin and one replica, same chat and RAG replay (needs the "
-                                      "cluster extra).")(
-        _plot_needs_bench_extra("kvboost bench cluster", _needs_extras("kvboost bench cluster", bench_cluster_command,
-                                                                       "cluster", modules=("httpx",))))
+                                      "cluster extra); --simulate R: the same routers over R simulated replicas.")(
+        _plot_needs_bench_extra("kvboost bench cluster", bench_cluster_command))  # checks its extra unless --simulate
     bench_app.command("batch", help="Batched decode of rows sharing a prefix: shared-prefix attention on vs off.")(
         _plot_needs_bench_extra("kvboost bench batch", bench_batch_command))
     rag_help = "Multi-document QA: full prefill vs none / selective / cacheblend reuse (TTFT and fidelity)."

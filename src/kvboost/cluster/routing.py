@@ -118,7 +118,7 @@ def choose(request: RequestKeys, replicas: Sequence[ReplicaView], policy: Routin
         raise ValueError("no replica to route to")
     least = min(r.queued for r in replicas)
     scored = [(score(request, r), r) for r in replicas]
-    (exact, content), best = max(scored, key=lambda s: (s[0], -s[1].queued, _rendezvous(request, s[1].name)))
+    (exact, content), best = max(scored, key=lambda s: (s[0], -s[1].queued, rendezvous(request, s[1].name)))
     if exact == 0 and content == 0:
         return Route(_least_loaded(request, replicas, least), "no match")
     if best.queued - least >= policy.imbalance:
@@ -127,10 +127,10 @@ def choose(request: RequestKeys, replicas: Sequence[ReplicaView], policy: Routin
 
 
 def _least_loaded(request: RequestKeys, replicas: Iterable[ReplicaView], least: int) -> str:
-    return max((r for r in replicas if r.queued == least), key=lambda r: _rendezvous(request, r.name)).name
+    return max((r for r in replicas if r.queued == least), key=lambda r: rendezvous(request, r.name)).name
 
 
-def _rendezvous(request: RequestKeys, name: str) -> int:
+def rendezvous(request: RequestKeys, name: str) -> int:
     """A stable preference of this request for this replica (highest random weight), from its first chunk."""
     first = request.chains[0] if request.chains else ""
     return xxhash.xxh3_64_intdigest(f"{first}|{name}".encode())
