@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from kvboost.cluster.routing import RequestKeys, RoutingPolicy, rendezvous
+from kvboost.cluster.routing import ReplicaView, RequestKeys, RoutingPolicy, choose, rendezvous
 
 ROUTERS = ("kvboost", "oracle", "power-of-two", "round-robin")
 RESULTS = Path(__file__).parent / "results"
@@ -333,8 +333,6 @@ class Simulation:
 
     def _check(self, keys: RequestKeys, picked: int) -> None:
         """The index's choice is `routing.choose`'s over one view per replica."""
-        from kvboost.cluster.routing import ReplicaView, choose
-
         views = []
         for r, name in enumerate(self.chooser.names):
             held = frozenset(k for k in keys.chains if self.reported.holds(k, r) or self.recent.holds(k, r))
