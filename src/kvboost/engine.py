@@ -149,8 +149,6 @@ class InferenceEngine:
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so no request pays for either."""
         ahead = self.runner is not None and self.runner.mode in ("graphs", "compiled")  # capture / compile
-        if self.attention != "triton" and not ahead:
-            return
         with self.lock, torch.inference_mode():
             if self.attention == "triton":
                 n = (self.runner.max_tokens if self.runner else 256) + 1  # past every bucket: the eager path
