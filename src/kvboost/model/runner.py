@@ -80,11 +80,6 @@ def bucket_for(n_tokens: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n_tokens), None)
 
 
-def batch_bucket_for(n_rows: int, max_rows: int) -> int | None:
-    """The smallest batch bucket holding n_rows that the workspace has rows for, or None."""
-    return next((b for b in BATCH_BUCKETS if n_rows <= b <= max_rows), None)
-
-
 @dataclass
 class _Step:
     """One bucket's fixed inputs and output (and its CUDA graph in graph mode).
@@ -211,15 +206,15 @@ class ModelRunner(GraphSteps):
         return self.package is None and self._batch_rows(n_rows, exact=False) is not None
 
     def _batch_rows(self, n_rows: int, exact: bool) -> int | None:
-        """The rows a batched step of n_rows rows runs, or None: a batch bucket, or with `exact` (a compiled step, whose
-        one graph takes any row count) n_rows itself (at least least_rows)."""
+        """The rows a batched step of n_rows rows runs, or None: the smallest batch bucket the workspace has rows for,
+        or with `exact` (a compiled step, whose one graph takes any row count) n_rows itself (at least least_rows)."""
         ws = self.workspace
         if ws.base != 0:
             return None
         if exact:
             rows = max(n_rows, self.least_rows)
             return rows if rows <= ws.batch_size else None
-        return batch_bucket_for(n_rows, ws.batch_size)
+        return next((b for b in BATCH_BUCKETS if n_rows <= b <= ws.batch_size), None)
 
     def decode_batch(self, tokens: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """One decode step for rows 0..n-1: row i feeds tokens[i] at position lengths[i]. Returns float32 logits [n,
