@@ -22,10 +22,10 @@ from .config import EngineConfig
 from .decoding.factory import make_draft_engine, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
-from .kv.build import build_kv_manager
 from .kv.device_budget import device_kv_budget
 from .kv.dtype import resolve_kv_dtype
 from .kv.long_context import LongContexts, device_max_tokens
+from .kv.manager import KVCacheManager
 from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
 from .model.cpu_linear import install_cpu_linear
@@ -40,6 +40,7 @@ from .results import GenerationMode, GenerationResult, RecomputeStrategy, WarmRe
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .slot import HostSlot
+from .store.tiered import build_store
 
 
 class TextStream:
@@ -111,10 +112,13 @@ class InferenceEngine:
         # The token classes are computed once per tokenizer (cached), so split() only indexes a table.
         self.chunker = Chunker(self.config.chunk_size, self.namespace, window,
                                boundary_classes(tokenizer) if window else None)
-        self.kv = build_kv_manager(self.config, self.namespace, self.chunker, model, self.device)
+        # On a GPU the memory tier is the device's and a host tier holds what it evicts (store/host.py).
+        device_budget = device_kv_budget(self.config.device_kv_budget_bytes, self.device)
+        store = build_store(self.config, self.namespace, device_budget_bytes=device_budget,
+                            pin_host=self.device.type == "cuda")
+        self.kv = KVCacheManager(self.config, self.namespace, self.chunker, store, model)
         # Contexts longer than the device holds keep their K/V in host memory (kv/long_context.py).
-        max_tokens = device_max_tokens(self.config.device_kv_max_tokens, self.device,
-                                       device_kv_budget(self.config.device_kv_budget_bytes, self.device),
+        max_tokens = device_max_tokens(self.config.device_kv_max_tokens, self.device, device_budget,
                                        self.workspace_shapes, self.kv_dtype, self.max_context)
         self.long_contexts = LongContexts(max_tokens, self.workspace_shapes, self.kv_dtype, self.device,
                                           self.max_context)
@@ -145,8 +149,6 @@ class InferenceEngine:
     def _warm_up(self) -> None:
         """Compile the Triton kernels and capture the runner's graphs at load, so no request pays for either."""
         ahead = self.runner is not None and self.runner.mode in ("graphs", "compiled")  # capture / compile
-        if self.attention != "triton" and not ahead:
-            return
         with self.lock, torch.inference_mode():
             if self.attention == "triton":
                 n = (self.runner.max_tokens if self.runner else 256) + 1  # past every bucket: the eager path

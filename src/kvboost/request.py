@@ -89,7 +89,7 @@ class Request:
             tokens_per_sec=len(generated) / (total_ms / 1e3) if total_ms > 0 else 0.0,
             kv_reuse_ratio=plan.cached_tokens / n, prompt_tokens=n, cached_tokens=plan.cached_tokens,
             output_token_ids=generated, finish_reason="length" if forced else tracker.finish_reason,
-            exact_tokens=plan.exact_tokens, approximate_tokens=plan.approximate_tokens,
+            exact_tokens=plan.reuse_len, approximate_tokens=plan.approximate_tokens,
             recomputed_tokens=plan.recomputed_tokens, lookup_ms=plan.lookup_ms, first_token_logits=first_token_logits,
             logprobs=logprobs, speculative=self.speculative.method if self.speculative else None,
             draft_tokens=spec.draft_tokens if spec else 0, accepted_tokens=spec.accepted_tokens if spec else 0)

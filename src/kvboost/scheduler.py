@@ -229,7 +229,7 @@ class Scheduler:
             return
         rows.append(row)
         row.spec = self.speculation.speculator(row)
-        self._after_sample(row)
+        self.emit(row, [row.next_token])
 
     def _ensure_rows(self, n: int) -> None:
         """Workspace rows for n active rows (a batch bucket's worth where the runner steps rows)."""
@@ -346,7 +346,7 @@ class Scheduler:
                 row.spec.proposer.extend([token])
         self.speculation.timed_plain(rows, t0)
         for row in list(rows):
-            self._after_sample(row)
+            self.emit(row, [row.next_token])
 
     def _step_streamed(self, row: Row) -> None:
         """A row whose K/V lives in host memory runs its own forward (speculating alone, if it speculates)."""
@@ -356,7 +356,7 @@ class Scheduler:
         logits = row.host.forward([row.next_token], row.length)
         row.length += 1
         row.next_token = row.sampler(logits)
-        self._after_sample(row)
+        self.emit(row, [row.next_token])
 
     def forward_alone(self, tokens: list[int], start: int) -> torch.Tensor:
         """float32 logits [n, vocab] of tokens at positions [start, start + n) of the only row (slot 0): a verify, or
@@ -366,8 +366,9 @@ class Scheduler:
             return self.slot(0).forward(tokens, start, all_logits=True).float()
         return self.forwards.alone(tokens, start)
 
-    def _after_sample(self, row: Row) -> None:
-        row.emit([row.next_token])
+    def emit(self, row: Row, tokens: list[int]) -> None:
+        """Hand the row's new tokens to its caller; the row finishes once its output is complete."""
+        row.emit(tokens)
         if row.tracker.finished:
             self.finish(row)
 

@@ -45,9 +45,7 @@ class RowSpeculation:
         self.drafting.observed(row.spec.counts.draft_tokens - drafted, row.spec.counts.accepted_tokens - kept)
         row.length += len(out)  # the fed token and the kept drafts; rejected drafts' K/V lies past it
         row.next_token = out[-1]
-        row.emit(out)
-        if row.tracker.finished:
-            self.scheduler.finish(row)
+        self.scheduler.emit(row, out)
 
     # ---- beside other rows: ragged verify steps ---------------------------------------------------------------
     def verify_together(self, rows: list[Row]) -> bool:
@@ -103,6 +101,4 @@ class RowSpeculation:
             row.length += len(out)
             row.next_token = out[-1]
         for row, out in list(zip(rows, outs)):
-            row.emit(out)
-            if row.tracker.finished:
-                scheduler.finish(row)
+            scheduler.emit(row, out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import xxhash
 
@@ -95,9 +95,8 @@ class RecentRoutes:
         now = self.clock()
         for key in [k for k, expiry in sent.items() if expiry <= now]:
             del sent[key]
-        return ReplicaView(replica.name, replica.queued, frozenset(replica.chains | sent.keys()),
-                           frozenset(replica.contents | sent.keys()),
-                           replica.reachable)
+        return replace(replica, chains=frozenset(replica.chains | sent.keys()),
+                       contents=frozenset(replica.contents | sent.keys()))
 
 
 def score(request: RequestKeys, replica: ReplicaView) -> tuple[int, int]:

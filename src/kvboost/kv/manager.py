@@ -50,10 +50,6 @@ class Plan:
     recomputed_tokens: int = 0  # set by the repair forward
 
     @property
-    def exact_tokens(self) -> int:
-        return self.reuse_len
-
-    @property
     def approximate_tokens(self) -> int:
         return self.assembly.n_tokens if self.assembly is not None else 0
 

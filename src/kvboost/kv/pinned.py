@@ -1,5 +1,6 @@
 """Page-locked host tensors of exactly the size asked for (torch's pinned allocator locks the next power of two):
-allocated pageable and registered with CUDA, unregistered once the device is done; pageable where that fails."""
+allocated pageable and registered with CUDA, unregistered once the device is done; pageable where that fails. Tensors
+packed into one such byte buffer are views of it at ALIGN-ed offsets (byte_view)."""
 from __future__ import annotations
 
 import weakref
@@ -8,6 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from .cuda_runtime import cuda_runtime
+
+ALIGN = 64  # bytes: every view of a byte buffer starts aligned for any dtype (and for vectorized copies)
 
 
 def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, str | None]:
@@ -33,3 +36,9 @@ def _unregister(unregister, ptr: int) -> None:
         for device in range(torch.cuda.device_count()):
             torch.cuda.synchronize(device)
     unregister(ptr)
+
+
+def byte_view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of uint8 `buffer` from `offset` on, viewed with `like`'s dtype and shape."""
+    n = like.numel() * like.element_size()
+    return buffer[offset:offset + n].view(like.dtype).view(like.shape)

@@ -80,11 +80,6 @@ def bucket_for(n_tokens: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n_tokens), None)
 
 
-def batch_bucket_for(n_rows: int, max_rows: int) -> int | None:
-    """The smallest batch bucket holding n_rows that the workspace has rows for, or None."""
-    return next((b for b in BATCH_BUCKETS if n_rows <= b <= max_rows), None)
-
-
 @dataclass
 class _Step:
     """One bucket's fixed inputs and output (and its CUDA graph in graph mode).
@@ -208,38 +203,31 @@ class ModelRunner(GraphSteps):
         return step
 
     def fits_batch(self, n_rows: int) -> bool:
-        ws = self.workspace
-        return ws.base == 0 and self.package is None and batch_bucket_for(n_rows, ws.batch_size) is not None
+        return self.package is None and self._batch_rows(n_rows, exact=False) is not None
 
-    def _decode_rows(self, n_rows: int) -> int | None:
-        """The batched decode step that runs n_rows rows, or None. Compiled: exactly n_rows (at least least_rows), since
-        its one graph takes any row count."""
+    def _batch_rows(self, n_rows: int, exact: bool) -> int | None:
+        """The rows a batched step of n_rows rows runs, or None: the smallest batch bucket the workspace has rows for,
+        or with `exact` (a compiled step, whose one graph takes any row count) n_rows itself (at least least_rows)."""
         ws = self.workspace
         if ws.base != 0:
             return None
-        if self.mode == "compiled":
+        if exact:
             rows = max(n_rows, self.least_rows)
             return rows if rows <= ws.batch_size else None
-        return batch_bucket_for(n_rows, ws.batch_size)
+        return next((b for b in BATCH_BUCKETS if n_rows <= b <= ws.batch_size), None)
 
     def decode_batch(self, tokens: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """One decode step for rows 0..n-1: row i feeds tokens[i] at position lengths[i]. Returns float32 logits [n,
         vocab], overwritten by the next call; rows past n up to the bucket compute throwaway tokens at position 0."""
-        rows = self._decode_rows(len(tokens))
+        rows = self._batch_rows(len(tokens), exact=self.mode == "compiled")
         if rows is None:
             raise ValueError(f"{len(tokens)} rows do not fit a batch bucket of this workspace; use the eager path")
         return self._rows_step(("rows", rows), [[token] for token in tokens], lengths)
 
-    def _verify_rows(self, n_rows: int) -> int | None:
-        """The rows a batched verify of n_rows rows runs (compiled: exactly, like _decode_rows), or None."""
-        if self.compile_verify:
-            return self._decode_rows(n_rows)
-        return batch_bucket_for(n_rows, self.workspace.batch_size) if self.workspace.base == 0 else None
-
     def verify_width(self, n_rows: int, width: int) -> int | None:
         """The width to verify `width` tokens per row of n_rows rows at: the smallest step width holding them, else the
         widest there is; None where the rows fit no batch bucket."""
-        rows = self._verify_rows(n_rows)
+        rows = self._batch_rows(n_rows, exact=self.compile_verify)
         if rows is None:
             return None
         widths = [w for w in (range(2, VERIFY_WIDTHS[-1] + 1) if self.compile_verify else VERIFY_WIDTHS)
@@ -251,7 +239,7 @@ class ModelRunner(GraphSteps):
         [lengths[i], lengths[i] + W). Returns float32 logits [n, W, vocab], overwritten by the next call; rows past n up
         to the bucket compute throwaway tokens."""
         n, width = len(tokens), len(tokens[0])
-        rows = self._verify_rows(n)
+        rows = self._batch_rows(n, exact=self.compile_verify)
         if rows is None or self.verify_width(n, width) != width or any(len(t) != width for t in tokens):
             raise ValueError(f"{n} rows x {width} tokens do not fit a batched verify step of this workspace")
         return self._rows_step(("rows_verify", rows, width), tokens, lengths)
@@ -379,7 +367,7 @@ class ModelRunner(GraphSteps):
         if not self._runs_compiled(("rows_verify", 2, 2)) or self.model in _BATCHED_VERIFY_READY:
             return
         self.workspace.ensure_rows(2)
-        if self._decode_rows(2) is None:
+        if self._batch_rows(2, exact=True) is None:
             return
         self.verify_batch([[0, 0], [0, 0]], [0, 0])
         for resident in self.workspace.residents[:2]:  # their first positions now hold the scratch step's K/V

@@ -22,9 +22,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from ..kv.pinned import pinned_empty
-
-ALIGN = 64  # bytes: every tensor's offset in a slot, so any dtype's view is aligned
+from ..kv.pinned import ALIGN, byte_view, pinned_empty
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -104,7 +102,7 @@ class WeightStreamer:
             self.unpinned_reason = why or self.unpinned_reason
             entry = _Streamed([], offsets, host)
             for (owner, name, t), offset in zip(tensors, offsets):
-                view = self._view(host, offset, t)
+                view = byte_view(host, offset, t)
                 view.copy_(t.detach())
                 entry.tensors.append((owner, name, view))
             self.layers.append(entry)
@@ -119,11 +117,6 @@ class WeightStreamer:
         self.in_slot: list[int | None] = [None] * plan.slots  # which streamed layer each slot holds
         self.where: dict[int, int] = {}  # streamed layer -> the slot holding it
         self.next_slot = 0  # the slot loaded longest ago: the next copy's
-
-    @staticmethod
-    def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        return buffer[offset:offset + nbytes].view(like.dtype).view(like.shape)
 
     @staticmethod
     def _point(entry: _Streamed, tensors: list[torch.Tensor]) -> None:
@@ -172,7 +165,7 @@ class WeightStreamer:
             if entry.ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(entry.ready)
                 entry.ready = None
-            self._point(entry, [self._view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
+            self._point(entry, [byte_view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
         return hook
 
     def _after(self, k: int):

@@ -53,12 +53,6 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return model
 
 
-def _rope_param_dicts(config) -> list[dict]:
-    params = getattr(config, "rope_parameters", None) or {}
-    nested = [v for v in params.values() if isinstance(v, dict)]
-    return nested or [params]
-
-
 def _model_level_reason(rotary: nn.Module | None, config) -> str | None:
     """Reasons that rule out every layer at once, or None."""
     if rotary is None:
@@ -67,7 +61,8 @@ def _model_level_reason(rotary: nn.Module | None, config) -> str | None:
     if getattr(config, "qk_rope_head_dim", None):
         # DeepSeek-style MLA caches cat(k_nope, k_rope): the rotary dims are not the leading ones.
         return "MLA attention (qk_rope_head_dim): rotary dims are not the leading key dims"
-    for params in _rope_param_dicts(config):
+    rope = getattr(config, "rope_parameters", None) or {}
+    for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:  # per layer type, or one for all
         if any(str(k).startswith("mrope") for k in params):
             return "multimodal M-RoPE (3-D positions) is not re-rotated"
     # Some families pair dims interleaved: probe the modeling file's own rotate_half rather than a list of names.

@@ -252,12 +252,11 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
 
 
 def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     with _bad_request():
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
-            seed=req.seed, stop=stop,
+            seed=req.seed, stop=req.stop,
             logprobs=logprobs, frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

@@ -9,11 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.pinned import pinned_empty
+from ..kv.pinned import ALIGN, byte_view, pinned_empty
 from .base import ChunkMeta, ChunkRecord
 from .quant import Encoded, LazyQuantRecord, QuantRecord, QuantTensor
-
-_ALIGN = 64  # bytes: every view of a byte buffer starts aligned for any dtype (and for vectorized copies)
 
 
 class HostMoveError(RuntimeError):
@@ -119,23 +117,18 @@ def _byte_buffer(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, 
     """One uint8 buffer and a view of it shaped like each tensor (each start aligned)."""
     offsets, total = [], 0
     for t in tensors:
-        total = -(-total // _ALIGN) * _ALIGN
+        total = -(-total // ALIGN) * ALIGN
         offsets.append(total)
         total += t.numel() * t.element_size()
     buffer, reason = allocate_host((total,), torch.uint8, pin)
-    return buffer, [_view(buffer, off, t) for off, t in zip(offsets, tensors)], reason
-
-
-def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    n = like.numel() * like.element_size()
-    return buffer[offset:offset + n].view(like.dtype).view(like.shape)
+    return buffer, [byte_view(buffer, off, t) for off, t in zip(offsets, tensors)], reason
 
 
 def _rebase(old: torch.Tensor, new: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """Maps a view of `old` to the view of `new` (a copy of it) at the same bytes."""
     flat = new.reshape(-1).view(torch.uint8)
     base = old.data_ptr()
-    return lambda t: _view(flat, t.data_ptr() - base, t)
+    return lambda t: byte_view(flat, t.data_ptr() - base, t)
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> None:

@@ -245,7 +245,7 @@ class RedisStore(CountedTier):
 
     def clear(self) -> None:
         """Delete every key of this namespace (SCAN, so a large keyspace does not block Redis)."""
-        pattern = _glob_escape(self._prefix) + "*"
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self._prefix) + "*"  # the prefix glob-escaped
         try:
             if not self.breaker.allow() or not self.write_breaker.allow():
                 self._count("short_circuited")
@@ -360,7 +360,3 @@ def _reply(exc: Exception) -> str:
     """The server's words (redis-py prefixes pipeline errors with the command, which may be a blob)."""
     message = str(exc.args[0]) if exc.args else type(exc).__name__
     return f"{type(exc).__name__}: {message.split('caused error: ')[-1][:200]}"
-
-
-def _glob_escape(s: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)

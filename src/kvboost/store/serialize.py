@@ -123,7 +123,8 @@ def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict
         raise CorruptRecordError("checksum mismatch")
     try:
         tensors = st_load(body)
-        raw_header = _safetensors_metadata(body).get("kvboost")
+        (n,) = struct.unpack_from("<Q", body)  # safetensors: the JSON header's length, then the header
+        raw_header = (json.loads(body[8:8 + n]).get("__metadata__") or {}).get("kvboost")
         header = json.loads(raw_header) if raw_header else None
     except Exception as exc:
         raise CorruptRecordError(f"unparsable body: {exc}") from exc
@@ -143,11 +144,6 @@ def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict
     if namespace is not None and header["namespace"] != namespace:
         raise NamespaceMismatchError(f"record namespace {header['namespace']!r} != {namespace!r}")
     return header, tensors
-
-
-def _safetensors_metadata(body: bytes) -> dict:
-    (n,) = struct.unpack_from("<Q", body)
-    return json.loads(body[8:8 + n]).get("__metadata__") or {}
 
 
 def _meta(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkMeta:

@@ -115,12 +115,6 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     lengths = ctx.lengths if ctx is not None else None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     reason = _fallback_reason(module, dropout, is_causal, kwargs)
-    if reason is not None and lengths is not None:
-        # Keys past each row's end are stale workspace columns: only the kernels' own path honours `lengths`.
-        raise NotImplementedError(f"attention over a static cache needs the plain causal path, not {reason}")
-    if reason in _EAGER_ONLY:
-        counts[f"eager:{reason}"] += 1
-        return _eager(module, query, key, value, attention_mask, dropout, scale, **kwargs)
     key_valid = None
     if reason is None and attention_mask is not None:
         record: _MaskRecord | None = getattr(_local, "record", None)
@@ -129,7 +123,11 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         else:
             reason = "mask"  # a mask this module did not build: its pattern is unknown, SDPA applies it as is
     if reason is not None and lengths is not None:
-        raise NotImplementedError(f"attention over a static cache cannot apply a {reason}")
+        # Keys past each row's end are stale workspace columns: only the kernels' own path honours `lengths`.
+        raise NotImplementedError(f"attention over a static cache needs the plain causal path, not {reason}")
+    if reason in _EAGER_ONLY:
+        counts[f"eager:{reason}"] += 1
+        return _eager(module, query, key, value, attention_mask, dropout, scale, **kwargs)
     if reason is not None:
         counts[f"sdpa:{reason}"] += 1
         causal = reason != "non_causal"  # non-causal: a None mask means every key
