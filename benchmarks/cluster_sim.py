@@ -53,6 +53,8 @@ class ServiceCosts:
 
 @dataclass(frozen=True)
 class Trace:
+    """How many chats, over how many shared system prompts, cut into chunks of how many tokens; one seed for all."""
+
     conversations: int = 10_240
     system_prompts: int = 64
     chunk_size: int = 128
