@@ -63,12 +63,13 @@ def _device_lines(device: torch.device) -> tuple[str, ...]:
     return (f"model 'tiny-cli' on {device}", f"Linear products: off: the model is on {device.type} (CPU BLAS only)")
 
 
-def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir, device):
+def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir, device, tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", KVBOOST_API_KEY="")
     cmd = [sys.executable, "-m", "kvboost.server", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
            "--port", "0", "--served-model-name", "tiny-cli", "--max-batch-size", "1", "--kv-cache-bits", "8",
            "--recompute-strategy", "cacheblend", "--batch-window-ms", "5", "--max-queue", "4",
-           "--memory-budget-bytes", str(48 << 20),
+           "--memory-budget-bytes", str(48 << 20), "--disk-cache-dir", str(tmp_path / "kv"),
+           "--disk-budget-bytes", str(40 << 20),
            "--log-level", "warning", "--device", str(device)]  # the suite's device (the default: best available)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -80,6 +81,7 @@ def test_server_command_starts_prints_address_serves_and_stops(tiny_model_dir, d
         start = "".join(lines)
         for expected in (*_device_lines(device), "float32", "context 1,024 tokens", "loaded in ",
                          "warmed up in ", "K/V cache: memory budget ", "budget 48 MiB",  # CUDA: the host tier's
+                         f"disk {tmp_path / 'kv'} budget 40 MiB",
                          "chunks of 128 tokens stored at 8 bits",
                          "batching: one request at a time; queue 4"):
             assert expected in start, start
@@ -150,8 +152,8 @@ def test_bad_flags_exit_with_a_message(tiny_model_dir, tmp_path, flags, named):
 @pytest.mark.parametrize("flag", ["--model", "--host", "--port", "--recompute-strategy", "--kv-cache-bits",
                                   "--batch-window-ms", "--disk-cache-dir", "--redis-url", "--api-key",
                                   "--served-model-name", "--max-queue", "--chunk-size", "--chunk-boundary-window",
-                                  "--content-reuse", "--fast-path", "--memory-budget-bytes", "--device-kv-budget-bytes",
-                                  "--device-kv-max-tokens"])
+                                  "--content-reuse", "--fast-path", "--memory-budget-bytes", "--disk-budget-bytes",
+                                  "--redis-ttl-s", "--device-kv-budget-bytes", "--device-kv-max-tokens"])
 def test_help_lists_the_documented_flags(flag):
     import typer
     from typer.testing import CliRunner

@@ -29,7 +29,10 @@ def serve_command(
     batch_window_ms: float = typer.Option(20.0, min=0.0, help="How long an idle worker waits to batch requests."),
     max_batch_size: int = typer.Option(16, min=1, help="Rows per batch (1: one request at a time)."),
     disk_cache_dir: str | None = typer.Option(None, help="Spill K/V chunks to this directory."),
+    disk_budget_bytes: int | None = typer.Option(None, min=1, help="Bytes the disk tier may hold; the least used go "
+                                                 "first (default: half of the free and held space, at most 16 GiB)."),
     redis_url: str | None = typer.Option(None, help="Share K/V chunks through Redis (redis://host:port/db)."),
+    redis_ttl_s: int | None = typer.Option(24 * 3600, min=1, help="Seconds a chunk lives in Redis."),
     api_key: str | None = typer.Option(None, envvar="KVBOOST_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1 routes."),
     served_model_name: str | None = typer.Option(None, help="Model name clients use (default: model's name)."),
@@ -116,7 +119,8 @@ def serve_command(
                                   kv_events=kv_events)
         options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
                        kv_cache_bits=kv_cache_bits, kv_dtype=kv_dtype,
-                       disk_cache_dir=disk_cache_dir, redis_url=redis_url, chunk_size=chunk_size,
+                       disk_cache_dir=disk_cache_dir, disk_budget_bytes=disk_budget_bytes, redis_url=redis_url,
+                       redis_ttl_s=redis_ttl_s, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
                        num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
                        memory_budget_bytes=memory_budget_bytes, device_kv_budget_bytes=device_kv_budget_bytes,
