@@ -303,6 +303,15 @@ def bench_cluster_command(
 ) -> None:
     """KVBoost replicas on a local Ray cluster: KVBoost's router vs Ray's default vs round-robin vs one replica
     (cached share, TTFT p50 / p99, requests/s) over chat and RAG requests."""
+    replay_only = {"--conversations": conversations != 32, "--turns": turns != 4, "--rag": rag != 32,
+                   "--clients": clients != 4, "--max-tokens": max_tokens != 16, "--think-s": think_s != 1.0,
+                   "--cpus-per-replica": cpus_per_replica != 1, "--memory-budget-mb": memory_budget_mb is not None}
+    sim_only = {"--sim-conversations": sim_conversations != 10_240, "--sim-capacity": sim_capacity != 512,
+                "--sim-utilization": sim_utilization != 0.7}
+    ignored = [flag for flag, given in (replay_only if simulate is not None else sim_only).items() if given]
+    if ignored:  # refused, not silently dropped
+        raise typer.BadParameter(f"{', '.join(ignored)} {'do not apply with' if simulate else 'apply only with'} "
+                                 "--simulate", param_hint="--simulate")
     if simulate is not None:
         counts = _replica_counts(simulate)
         run_simulation_bench(counts, sim_conversations, sim_capacity, sim_utilization, imbalance, json_path, plot_path)

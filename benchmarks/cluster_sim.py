@@ -206,6 +206,7 @@ class Simulation:
         self.pending: list[list[tuple[bool, str]]] = [[] for _ in range(replicas)]  # changes since the last report
         self.recent = HeldIndex()
         self.recent_expiry: deque[tuple[float, str, int]] = deque()
+        self.recent_until: dict[tuple[str, int], float] = {}  # the latest expiry: a key sent again lives on
         self.think_rng = random.Random(trace.seed + 1)  # apart from routing's: every router sees the same trace
         self.route_rng = random.Random(trace.seed + 2)
         self.busy_s = self.end_s = 0.0
@@ -323,13 +324,16 @@ class Simulation:
         if self.router == "oracle":
             return self.chooser.choose(request.keys, [self.live])[0]
         while self.recent_expiry and self.recent_expiry[0][0] <= now:
-            _, key, r = self.recent_expiry.popleft()
-            self.recent.remove(key, r)
+            expiry, key, r = self.recent_expiry.popleft()
+            if self.recent_until.get((key, r)) == expiry:
+                del self.recent_until[(key, r)]
+                self.recent.remove(key, r)
         r, _ = self.chooser.choose(request.keys, [self.reported, self.recent])
         if self.check:
             self._check(request.keys, r)
         for key in request.keys.chains:
             self.recent.add(key, r)
+            self.recent_until[(key, r)] = now + self.RECENT_S
             self.recent_expiry.append((now + self.RECENT_S, key, r))
         return r
 

@@ -94,3 +94,8 @@ def test_the_command_simulates_without_ray_and_writes_json(tmp_path, monkeypatch
     assert "the oracle's cached share" in r.output
     bad = CliRunner().invoke(app, ["--simulate", "1"])
     assert bad.exit_code == 2 and "replica counts" in bad.output
+    # options of the other mode are refused, not ignored
+    mixed = CliRunner().invoke(app, ["--simulate", "4", "--memory-budget-mb", "64"], env={"COLUMNS": "200"})
+    assert mixed.exit_code == 2 and "--memory-budget-mb do not apply with --simulate" in mixed.output
+    alone = CliRunner().invoke(app, ["--sim-capacity", "64"], env={"COLUMNS": "200"})
+    assert alone.exit_code == 2 and "--sim-capacity apply only with --simulate" in alone.output

@@ -298,8 +298,9 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
         workspace.write_layer(i, _trim(keys, head, tail), _trim(values, head, tail), run[0].start, row=row)
 
     layers = range(len(workspace.shapes))
+    token_bytes = sum(s.kv_heads * (s.head_dim_k + s.head_dim_v) for s in workspace.shapes) * workspace.dtype.itemsize
     if workspace.device.type == "cpu" and torch.get_num_threads() > 1 \
-            and sum(p.record.nbytes * p.n // p.record.n_tokens for p in run) >= _POOL_BYTES:
+            and sum(p.n for p in run) * token_bytes >= _POOL_BYTES:
         # A CPU concatenation of many chunks runs on one core; layers are independent buffers, so the copy of a long
         # run is spread over torch's threads (it is bandwidth-bound: two cores copy it in about half the time).
         inference = torch.is_inference_mode_enabled()  # grad modes are per thread: the workers take the caller's
