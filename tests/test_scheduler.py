@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvboost import KVBoost
+from kvboost import GenerationMode, KVBoost
 from kvboost.batch import cascade
 from kvboost.model.cache_arg import cache_kwargs, returned_cache
 from kvboost.sampling import SamplingParams
@@ -389,3 +389,73 @@ def test_a_failed_early_growth_keeps_the_workspace_and_is_not_retried(tokenizer,
     again = engine.generate(input_ids=prompt + _ids(8, seed=6), max_new_tokens=4)  # grows as it needs
     assert again.cached_tokens >= len(prompt) - CHUNK
     assert list(again.output_token_ids) == hf_greedy(engine.model, tokenizer, prompt + _ids(8, seed=6), 4)
+
+
+# ---- a lone row reading a stored prefix in place ----------------------------------------------------------------
+def _in_place_engine(tokenizer, monkeypatch, **options):
+    from kvboost import scheduler
+
+    monkeypatch.setattr(scheduler, "IN_PLACE_MIN_TOKENS", 2 * CHUNK)
+    return KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=CHUNK, **options)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stored_prefix_is_read_in_place_then_placed_after_the_first_token(tokenizer, monkeypatch, prefix_reads,
+                                                                            stream):
+    engine = _in_place_engine(tokenizer, monkeypatch)
+    system = _ids(100, seed=40)
+    engine.warm_ids(system)
+    span = engine.kv.lookup(system + [5], None, GenerationMode.CHUNK_KV_REUSE).segments[0].record.span
+    engine.forget_workspace()
+    placed = []
+    real = Scheduler._place_unplaced
+
+    def spy(self, row):
+        placed.append((row.unplaced, len(row.tracker.tokens)))
+        real(self, row)
+
+    monkeypatch.setattr(Scheduler, "_place_unplaced", spy)
+    prompt = system + _ids(9, seed=41)
+    want = hf_greedy(engine.model, tokenizer, prompt, 6)
+    if stream:
+        deltas = engine.generate_stream(input_ids=prompt, max_new_tokens=6)
+        text = "".join(deltas)
+        result = deltas.result
+        assert text == result.output_text
+    else:
+        result = engine.generate(input_ids=prompt, max_new_tokens=6)
+    assert result.output_token_ids == want
+    # Positions [0, 96) were read where the store holds them (the span itself), then copied once the first token was
+    # out; every later step ran over the row's own slot.
+    assert placed == [(6 * CHUNK, 1)]
+    assert [p for p, _, _ in prefix_reads] == [k.data_ptr() for k in span.keys]  # the prefill only, every layer
+    assert result.cached_tokens == len(system)  # the remainder [96, 100) copied before the prefill, as before
+    # The slot holds the prompt (and what was fed) from position 0: the next turn reuses it resident.
+    plan = engine.kv.lookup(prompt + [1], None, GenerationMode.CHUNK_KV_REUSE, resident=engine.workspace.resident_ids)
+    assert plan.resident >= len(prompt)
+
+
+def test_reading_in_place_gives_the_first_token_logits_of_the_copy(tokenizer, monkeypatch):
+    from kvboost import scheduler
+
+    engine = _in_place_engine(tokenizer, monkeypatch)
+    system = _ids(120, seed=42)
+    engine.warm_ids(system)
+    prompt = system + _ids(7, seed=43)
+    logits = []
+    for min_tokens in (2 * CHUNK, 10 ** 9):  # in place, then copied first
+        monkeypatch.setattr(scheduler, "IN_PLACE_MIN_TOKENS", min_tokens)
+        engine.forget_workspace()
+        logits.append(engine.generate(input_ids=prompt, max_new_tokens=1, return_logits=True).first_token_logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_reading_in_place_follows_the_shared_prefix_option(tokenizer, monkeypatch, prefix_reads):
+    engine = _in_place_engine(tokenizer, monkeypatch, shared_prefix_attention=False)
+    system = _ids(100, seed=44)
+    engine.warm_ids(system)
+    engine.forget_workspace()
+    prompt = system + _ids(5, seed=45)
+    assert engine.generate(input_ids=prompt, max_new_tokens=4).output_token_ids == hf_greedy(engine.model, tokenizer,
+                                                                                             prompt, 4)
+    assert prefix_reads == []  # copied into the slot first, as before

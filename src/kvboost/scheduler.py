@@ -21,6 +21,7 @@ from .batch.rows import Row, SequenceHandle
 from .batch.speculation import RowSpeculation
 from .compat import has_sliding_layers
 from .kv.host_workspace import bytes_per_position
+from .kv.manager import span_prefix
 from .kv.workspace import KVWorkspace
 from .model.runner import BATCH_BUCKETS, ModelRunner
 from .request import Request
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 # With a runner, rows share a prefix through cascade attention only from this length on: a shorter one is copied per row
 # so decode steps replay as graphs.
 CASCADE_MIN_TOKENS = 2048
+# On a CPU a row's reuse from this length on is attended as its prefix, read in place where one stored span holds it.
+IN_PLACE_MIN_TOKENS = 512
 # Between requests, a workspace whose resident rows fill more than this share of it grows ahead of the next request.
 GROW_AHEAD = 0.75
 
@@ -229,7 +232,11 @@ class Scheduler:
             return
         rows.append(row)
         row.spec = self.speculation.speculator(row)
-        self.emit(row, [row.next_token])
+        row.emit([row.next_token])
+        if row.unplaced:  # after the first token is out: the row's steps and its write-back read its slot
+            self._place_unplaced(row)
+        if row.tracker.finished:
+            self.finish(row)
 
     def _ensure_rows(self, n: int) -> None:
         """Workspace rows for n active rows (a batch bucket's worth where the runner steps rows)."""
@@ -284,7 +291,14 @@ class Scheduler:
         # The row's own chunks, cut as in its full ids, whole chunks only.
         plan = self.kv.lookup(row.ids, row.salt, GenerationMode.PREFIX_CACHE)
         n = min(target, plan.reuse_len)
-        return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments, self.engine.device) if n else None
+        if not n:
+            return None
+        found = span_prefix(plan)
+        if found is not None and found[1] >= n:  # one stored span holds it: its views, no copy
+            span = found[0]
+            return SharedPrefix(tuple(row.ids[:n]), row.salt, [k[None, :, :n] for k in span.keys],
+                                [v[None, :, :n] for v in span.values])
+        return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments, self.engine.device)
 
     def _shrink_prefix(self, n: int) -> None:
         """Keep the first n prefix tokens shared; every active row gets its own copy of the rest."""
@@ -300,8 +314,10 @@ class Scheduler:
     # ---- prefill ---------------------------------------------------------------------------------
     def _prefill(self, row: Row) -> None:
         request = row.request
-        if row.host is not None or self.prefix is None:  # host memory, or the row's own slot from position 0
-            plan, logits = self._own(row).prefill(request)
+        if row.host is not None:  # host memory
+            plan, logits = row.host.prefill(request)
+        elif self.prefix is None:  # the row's own slot from position 0
+            plan, logits = self._prefill_own(row)
         else:
             plan, logits = self._prefill_over_prefix(row)
         row.plan = plan
@@ -310,6 +326,45 @@ class Scheduler:
             row.first_logits = logits.float().clone()
         row.next_token = row.sampler(logits.float())
         row.ttft_ms = (time.perf_counter() - request.t_start) * 1e3
+
+    def _prefill_own(self, row: Row) -> Prefill:
+        """The row's prefill in its slot. On a CPU a long reuse is attended as the row's prefix (cascade attention: its
+        part unmasked, every query head of a KV head in one pass); where it lies in one stored span from position 0
+        (one write-back's chunks), the span is read where it lies and copied into the slot only once the first token
+        is out (_place_unplaced)."""
+        request, slot = row.request, self.slot(row.slot)
+        plan = slot.lookup(request)
+        if self.shared_prefix_off_reason is not None or plan.has_content or self.ws.device.type != "cpu" \
+                or plan.reuse_len < IN_PLACE_MIN_TOKENS:
+            return slot.prefill(request, plan)
+        found = span_prefix(plan)
+        n = found[1] if found is not None and found[1] >= IN_PLACE_MIN_TOKENS else 0
+        slot.forget()  # until its prefix is placed the slot holds nothing trustworthy
+        self.kv.place(plan, self.ws, request.ids, row=row.slot, skip_below=n)
+        if n:
+            keys, values = found[0].keys, found[0].values
+        else:  # the slot's own columns below the suffix
+            n = plan.reuse_len
+            bufs = [self.ws.buffers(i) for i in range(len(self.ws.shapes))]
+            keys, values = [k[row.slot] for k, _ in bufs], [v[row.slot] for _, v in bufs]
+        self.prefix = SharedPrefix(tuple(request.ids[:n]), request.salt, [k[None, :, :n] for k in keys],
+                                   [v[None, :, :n] for v in values])
+        try:
+            logits = self.forwards.prefill(row.slot, request.ids[plan.reuse_len:], plan.reuse_len)
+        finally:
+            self.prefix = None
+        if found is not None and n == found[1]:
+            row.unplaced = n
+        else:
+            slot.claim(request, plan, request.ids)
+        return Prefill(plan, logits)
+
+    def _place_unplaced(self, row: Row) -> None:
+        """Copy the stored prefix the row's prefill read in place into its slot; the slot then holds the prompt."""
+        assert row.plan is not None
+        self.kv.place_exact(row.plan, self.ws, row.slot, stop=row.unplaced)
+        row.unplaced = 0
+        self.slot(row.slot).claim(row.request, row.plan, row.request.ids)
 
     def _prefill_over_prefix(self, row: Row) -> Prefill:
         """A row reading positions below the shared prefix from it: only its own chunks are placed."""

@@ -45,10 +45,12 @@ class Slot:
                 and self.ws.parent is runner.workspace and self.ws.base == 0)
 
     # ---- prefill ------------------------------------------------------------------------------
-    def prefill(self, request: Request) -> Prefill:
-        """Put the prompt's K/V into the row: reuse what the plan finds, prefill (or repair) the rest."""
+    def prefill(self, request: Request, plan: Plan | None = None) -> Prefill:
+        """Put the prompt's K/V into the row: reuse what the plan finds (looked up now, or the caller's), prefill (or
+        repair) the rest."""
         engine, kv, ws, ids = self.engine, self.engine.kv, self.ws, request.ids
-        plan = kv.lookup(ids, request.salt, request.mode, request.approximate, self.resident(request.salt))
+        if plan is None:
+            plan = self.lookup(request)
         # Until the forward succeeds the row holds no trustworthy prefix.
         ws.resident_tag = None
         ws.ensure_capacity(len(ids) + request.params.max_new_tokens, keep=plan.resident)
@@ -66,6 +68,11 @@ class Slot:
             logits = self.forward(ids[plan.reuse_len:], plan.reuse_len).clone()
         self.claim(request, plan, ids)
         return Prefill(plan, logits)
+
+    def lookup(self, request: Request) -> Plan:
+        """Where the prompt's K/V comes from, given what the row holds resident."""
+        return self.engine.kv.lookup(request.ids, request.salt, request.mode, request.approximate,
+                                     self.resident(request.salt))
 
     def warm(self, ids: list[int], salt: str | None, cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
         """Compute and store the K/V of every id; returns (chunks stored, chunks already there)."""

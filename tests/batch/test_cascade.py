@@ -88,20 +88,37 @@ def test_scaling_is_applied(device):
 
 
 def test_prefix_is_never_expanded_per_row(monkeypatch, device):
-    """The prefix matmul sees the [kv_heads, P, d] tensor itself: one read for every row."""
+    """The prefix part sees the [kv_heads, P, d] tensor itself, once, with every row's queries folded in: one read for
+    every row."""
+    from kvboost.batch import cascade
+
     seen = []
-    real = torch.matmul
+    real = cascade._attend_prefix
 
-    def spy(a, b):
-        seen.append(b)
-        return real(a, b)
+    def spy(query, key, value, scaling):
+        seen.append((query.shape, key))
+        return real(query, key, value, scaling)
 
-    monkeypatch.setattr(torch, "matmul", spy)
+    monkeypatch.setattr(cascade, "_attend_prefix", spy)
     pk = _randn(1, 2, 7, 8, device=device)
     shared_prefix_attention(_randn(5, 4, 1, 8, device=device), _randn(5, 2, 3, 8, device=device),
                             _randn(5, 2, 3, 8, device=device), pk, _randn(1, 2, 7, 8, device=device),
                             torch.ones(5, 1, 1, 3, dtype=torch.bool, device=device), 0.35)
-    assert seen[0].shape == (2, 8, 7) and seen[0].data_ptr() == pk.data_ptr()
+    assert len(seen) == 1
+    folded, key = seen[0]
+    assert folded == (2, 5 * 2, 8)  # [kv heads, rows x group x queries, d]
+    assert key.shape == (2, 7, 8) and key.data_ptr() == pk.data_ptr()
+
+
+def test_prefix_part_matches_without_the_flash_kernel(monkeypatch, device):
+    """The CPU flash kernel and the plain-math prefix part give the same attention."""
+    from kvboost.batch import cascade
+
+    args = (_randn(3, 4, 2, 8, device=device), _randn(3, 2, 4, 8, device=device), _randn(3, 2, 4, 8, device=device),
+            _randn(1, 2, 9, 8, device=device), _randn(1, 2, 9, 8, device=device), None, 0.35)
+    fast = shared_prefix_attention(*args)
+    monkeypatch.setattr(cascade, "_FLASH_DTYPES", ())
+    torch.testing.assert_close(shared_prefix_attention(*args), fast, atol=1e-5, rtol=1e-5)
 
 
 def test_shape_errors_are_typed(device):

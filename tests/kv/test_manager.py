@@ -75,3 +75,54 @@ def test_stats_count_single_and_batched_requests(engine):
     stats = engine.cache_stats()
     assert stats["requests"] == 3 and stats["requests_by_mode"] == {"chunk_kv_reuse": 3}
     assert stats["cached_tokens"] > 0 and stats["chunks_written"] > 0 and stats["workspace_bytes"] > 0
+
+
+def test_one_write_backs_complete_chunks_view_one_span(engine):
+    ids = engine.encode(words(70, seed=5))
+    engine.warm_ids(ids)
+    plan = engine.kv.lookup(ids + [7], None, GenerationMode.CHUNK_KV_REUSE)
+    records = [s.record for s in plan.segments]
+    complete, rest = records[:len(ids) // CHUNK], records[len(ids) // CHUNK:]
+    span = complete[0].span
+    assert len(complete) >= 3 and span is not None and span.start == 0
+    assert all(r.span is span for r in complete)  # views of one read: no copy per chunk
+    assert all(r.span is None for r in rest)  # the remainder alone: a complete chunk replaces it later
+    for r in complete:
+        a = r.start - span.start
+        for i, (k, v) in enumerate(zip(r.keys, r.values)):
+            assert k.untyped_storage().data_ptr() == span.keys[i].untyped_storage().data_ptr()
+            assert torch.equal(k, span.keys[i][:, a:a + r.n_tokens])
+            assert torch.equal(v, span.values[i][:, a:a + r.n_tokens])
+
+
+def test_span_prefix_is_the_reuse_that_one_span_holds_from_position_zero(engine):
+    from kvboost.kv.manager import span_prefix
+
+    ids = engine.encode(words(70, seed=6))
+    engine.warm_ids(ids[:40])  # one span: chunks [0, 32), remainder [32, 40)
+    engine.warm_ids(ids)  # another write: [32, 48) onwards
+    plan = engine.kv.lookup(ids, None, GenerationMode.CHUNK_KV_REUSE)
+    span, n = span_prefix(plan)
+    assert n == 2 * CHUNK and span is plan.segments[0].record.span
+    resident = engine.kv.lookup(ids, None, GenerationMode.CHUNK_KV_REUSE, resident=ids[:20])
+    assert resident.resident == 20 and span_prefix(resident) is None  # the workspace holds part of it
+
+
+def test_placing_span_records_equals_placing_standalone_ones(engine):
+    from kvboost.kv.workspace import KVWorkspace
+
+    ids = engine.encode(words(90, seed=7))
+    engine.warm_ids(ids)
+    plan = engine.kv.lookup(ids, None, GenerationMode.CHUNK_KV_REUSE)
+    assert any(s.record.span is not None for s in plan.segments)
+    copies = Plan(plan.n_prompt, plan.reuse_len, segments=[
+        type(s)(s.record.standalone(), s.start, s.n_tokens) for s in plan.segments])
+    assert all(s.record.span is None for s in copies.segments)
+    out = []
+    for p in (plan, copies):
+        ws = KVWorkspace(engine.workspace.shapes, engine.kv_dtype, engine.device)
+        ws.ensure_capacity(len(ids), keep=0)
+        engine.kv.place(p, ws, ids, skip_below=5)
+        out.append(ws.read(0, plan.reuse_len))
+    for a, b in zip(out[0][0] + out[0][1], out[1][0] + out[1][1]):
+        assert torch.equal(a, b) and not a[:, :5].any() and a[:, 5:].any()  # below skip_below: not placed

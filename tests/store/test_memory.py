@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvboost.store.base import ChunkRecord
@@ -79,3 +80,40 @@ def test_hits_and_misses_counted():
 def test_oversized_record_refused():
     store = MemoryStore(budget_bytes=10)
     assert store.put(record("a")) is False and store.stats().entries == 0
+
+
+def _span_records(n_chunks: int, n: int = 8):
+    """Records of one write-back: views of one Span per layer."""
+    from kvboost.store.base import Span
+
+    keys = [torch.randn(2, n * n_chunks, 4) for _ in range(2)]
+    span = Span(0, keys, [k + 1 for k in keys])
+    return span, [ChunkRecord(f"s{i}", f"s{i - 1}" if i else None, f"cs{i}", tuple(range(i * n, i * n + n)), i * n,
+                              [k[:, i * n:i * n + n] for k in span.keys], [v[:, i * n:i * n + n] for v in span.values],
+                              span=span) for i in range(n_chunks)]
+
+
+def test_evicting_one_record_of_a_span_gives_the_others_memory_of_their_own():
+    span, records = _span_records(4)
+    store = MemoryStore(budget_bytes=4 * records[0].nbytes)
+    for r in records:
+        store.put(r)
+    before = {r.key: (r.keys[0].clone(), r.values[1].clone()) for r in records}
+    store.delete("s3")
+    for r in records[:3]:
+        kept = store.get(r.key)
+        assert kept.span is None
+        assert kept.keys[0].untyped_storage().data_ptr() != span.keys[0].untyped_storage().data_ptr()
+        assert torch.equal(kept.keys[0], before[r.key][0]) and torch.equal(kept.values[1], before[r.key][1])
+    assert store.stats().bytes == 3 * records[0].nbytes  # what the budget counts is what is held
+
+
+def test_a_span_survives_while_all_its_records_do_and_clear_copies_nothing(monkeypatch):
+    span, records = _span_records(3)
+    store = MemoryStore(budget_bytes=1 << 20)
+    for r in records:
+        store.put(r)
+    assert all(store.get(r.key) is r for r in records)  # stored as the views they are
+    monkeypatch.setattr(ChunkRecord, "standalone", lambda self: pytest.fail("clear() copied a record"))
+    store.clear()
+    assert store.stats().entries == 0

@@ -36,11 +36,12 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         raise SharedPrefixAttentionError(
             f"shape mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, prefix {tuple(prefix_key.shape)}")
     g = hq // hkv
-    m = b * g * q
     grouped = query.reshape(b, hkv, g, q, d)
-    # Prefix part: one matmul per kv head over every (row, group, query position): the prefix is read once.
-    q_folded = grouped.permute(1, 0, 2, 3, 4).reshape(hkv, m, d)
-    s_pre = torch.matmul(q_folded, prefix_key[0].transpose(-1, -2)).float().mul_(scaling)  # [Hkv, M, P]
+    # Prefix part: every (row, group, query position) of a kv head folded into one M axis, so the prefix is read once.
+    q_folded = grouped.permute(1, 0, 2, 3, 4).reshape(hkv, b * g * q, d)
+    out_pre, lse_pre = _attend_prefix(q_folded, prefix_key[0], prefix_value[0], scaling)  # [Hkv, M, dv], [Hkv, M]
+    out_pre = out_pre.reshape(hkv, b, g, q, dv).permute(1, 0, 2, 3, 4)
+    lse_pre = lse_pre.reshape(hkv, b, g, q).permute(1, 0, 2, 3)  # [B, Hkv, g, q]
     # Suffix part: each row over its own keys.
     s_suf = torch.matmul(grouped.reshape(b, hkv, g * q, d), key.transpose(-1, -2)).float().mul_(scaling)
     s_suf = s_suf.view(b, hkv, g, q, s)
@@ -52,21 +53,31 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         s_suf.masked_fill_(~mask[:, :, None], float("-inf"))
     else:
         s_suf.add_(mask[:, :, None].float())
-    # Joint softmax: a shared running max and denominator over both parts (log-sum-exp merge).
-    pre_max = s_pre.amax(-1).view(hkv, b, g, q).permute(1, 0, 2, 3)  # -> [B, Hkv, g, q]
-    top = torch.maximum(pre_max, s_suf.amax(-1))
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a fully masked row must not give NaN
-    top_pre = top.permute(1, 0, 2, 3).reshape(hkv, m, 1)
-    e_pre = (s_pre - top_pre).exp_()
+    # Joint softmax (log-sum-exp merge): the prefix part is finite (P >= 1), so no row is fully masked.
+    top = torch.maximum(lse_pre, s_suf.amax(-1))
     e_suf = (s_suf - top[..., None]).exp_()
-    denom = e_pre.sum(-1).view(hkv, b, g, q).permute(1, 0, 2, 3) + e_suf.sum(-1)  # [B, Hkv, g, q]
-    inv = denom.reciprocal()
-    p_pre = e_pre.mul_(inv.permute(1, 0, 2, 3).reshape(hkv, m, 1)).to(prefix_value.dtype)
-    p_suf = e_suf.mul_(inv[..., None]).to(value.dtype)
-    out_pre = torch.matmul(p_pre, prefix_value[0])  # [Hkv, M, dv]
-    out_pre = out_pre.view(hkv, b, g, q, dv).permute(1, 0, 2, 3, 4)
-    out_suf = torch.matmul(p_suf.view(b, hkv, g * q, s), value).view(b, hkv, g, q, dv)
-    return (out_pre + out_suf).reshape(b, hq, q, dv)
+    w_pre = (lse_pre - top).exp_()  # the prefix keys' share of the denominator, over exp(top)
+    inv = (w_pre + e_suf.sum(-1)).reciprocal_()
+    out_suf = torch.matmul(e_suf.mul_(inv[..., None]).to(value.dtype).view(b, hkv, g * q, s), value)
+    out = out_pre.float().mul_((w_pre * inv)[..., None]).add_(out_suf.view(b, hkv, g, q, dv).float())
+    return out.to(value.dtype).reshape(b, hq, q, dv)
+
+
+def _attend_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of query [H, M, d] over key/value [H, P, d]: (normalized output [H, M, dv], float32
+    log-sum-exp of the scaled scores [H, M])."""
+    if query.device.type == "cpu" and query.dtype in _FLASH_DTYPES:
+        # torch's CPU flash kernel streams the keys in tiles, never materializing [H, M, P] scores.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[None], key[None], value[None], 0.0, False, scale=scaling)
+        return out[0], lse[0]
+    scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scaling)
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(scores.sub_(lse[..., None]).exp_().to(value.dtype), value), lse
+
+
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---- transformers wiring --------------------------------------------------------------------------------

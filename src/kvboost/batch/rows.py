@@ -58,6 +58,7 @@ class Row:
     max_rows: int | None = None  # runs only in steps of at most this many rows (generate_batch's max_batch_size)
     first_logits: torch.Tensor | None = None  # return_logits: the prompt's last position's logits [vocab]
     host: HostSlot | None = None  # its K/V in host memory (a context longer than the device holds), not in a slot
+    unplaced: int = 0  # positions [0, unplaced) its prefill read where the store holds them, not yet in its slot
 
     @property
     def ids(self) -> list[int]:

@@ -15,14 +15,14 @@ from typing import Protocol
 
 import torch
 
-from ..chunking import Chunker
+from ..chunking import Chunk, Chunker
 from ..config import EngineConfig
 from ..results import GenerationMode
 from ..reuse.assemble import Assembly, ContentState, place_segments
 from ..reuse.content import ContentSegment
 from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
-from ..store.base import ChunkMeta, ChunkRecord, ChunkStore
+from ..store.base import ChunkMeta, ChunkRecord, ChunkStore, Span
 from ..store.quant import LazyQuantRecord, QuantRun
 from .workspace import KVWorkspace
 
@@ -85,6 +85,9 @@ class KVCacheManager:
         self.chunker = chunker
         self.store = store
         self.content = ContentState(model)
+        # On a CPU the chunks of one write-back view one Span, which a later prompt's prefill reads in place
+        # (span_prefix); elsewhere each chunk is copied out on its own (placement copies are cheap there).
+        self.spans = next(model.parameters()).device.type == "cpu"
         self._counters = _Counters()
         self._count_lock = threading.Lock()
 
@@ -125,13 +128,13 @@ class KVCacheManager:
         return plan
 
     # ---- place ------------------------------------------------------------------------------------
-    def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None) -> None:
-        """Copy the plan's stored K/V into `workspace` (every row, or one `row`), skipping resident positions. Content
-        matches are re-positioned and re-verified; a piece whose record is gone is left for prefill."""
+    def place(self, plan: Plan, workspace: KVWorkspace, ids: Sequence[int], row: int | None = None,
+              skip_below: int = 0) -> None:
+        """Copy the plan's stored K/V into `workspace` (every row, or one `row`), skipping resident positions and those
+        below skip_below (read in place: span_prefix). Content matches are re-positioned and re-verified; a piece whose
+        record is gone is left for prefill."""
         t0 = time.perf_counter()
-        for run in _runs(plan):
-            for group in _staged_groups(run, workspace.device):
-                _place_group(group, workspace, row)
+        self.place_exact(plan, workspace, row, skip_below)
         if plan.has_content:
             assert plan.rotary is not None
             plan.assembly, fallback = place_segments(workspace, self.store, self.content.index, list(ids),
@@ -139,26 +142,36 @@ class KVCacheManager:
             plan.content_fallback = plan.content_fallback or fallback
         plan.lookup_ms += (time.perf_counter() - t0) * 1e3
 
+    @staticmethod
+    def place_exact(plan: Plan, workspace: KVWorkspace, row: int | None, first: int = 0,
+                    stop: int | None = None) -> None:
+        """Copy the plan's stored exact K/V of positions [first, stop) into `workspace`, less what it holds resident."""
+        for run in _runs(plan, first, stop):
+            for group in _staged_groups(run, workspace.device):
+                _place_group(group, workspace, row)
+
     # ---- write-back --------------------------------------------------------------------------------
     def write_back(self, seq: Sequence[int], salt: str | None, source: KVSource, row: int = 0,
                    cut_ids: Sequence[int] | None = None) -> tuple[int, int]:
         """Store every chunk of seq not stored yet, read from `source` row `row`; returns (new, existing). cut_ids: a
         longer sequence starting with seq, whose cuts are used (only chunks ending within seq)."""
         seq = list(seq)
-        new = existing = 0
+        existing = 0
         index = self.content.index  # every stored chunk is findable by content at other positions too
+        todo: list[Chunk] = []
         for chunk in self.chunker.split(seq if cut_ids is None else cut_ids, salt, end=len(seq)):
-            meta = ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
             if self.store.contains(chunk.prefix_key):
                 existing += 1
-                index.add(meta, salt)  # e.g. stored by a disk tier in an earlier process
-                continue
-            keys, values = source.read(chunk.start, chunk.end, row=row)
+                index.add(_meta(chunk), salt)  # e.g. stored by a disk tier in an earlier process
+            else:
+                todo.append(chunk)
+        new = 0
+        for chunk, keys, values, span in _read_chunks(source, todo, row, self.spans):
             record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
-                                 chunk.start, keys, values)
+                                 chunk.start, keys, values, span=span)
             if self.store.put(record):
                 new += 1
-                index.add(meta, salt)
+                index.add(_meta(chunk), salt)
             if chunk.complete:
                 self._drop_superseded(chunk.parent_key, chunk.token_ids)
         with self._count_lock:
@@ -214,6 +227,44 @@ class KVCacheManager:
         self.content.index.clear()
 
 
+def span_prefix(plan: Plan) -> tuple[Span, int] | None:
+    """(span, n): the plan's exact reuse of positions [0, n) lies in one stored span, as its first n positions, readable
+    in place; None when the workspace holds some of it or its first chunk views no span."""
+    if plan.resident or not plan.segments or plan.segments[0].start:
+        return None
+    span, n = plan.segments[0].record.span, 0
+    if span is None or span.start:
+        return None
+    for seg in plan.segments:
+        if seg.record.span is not span or seg.start != n or seg.record.start != n:
+            break
+        n = seg.end
+    n = min(n, plan.reuse_len)
+    return (span, n) if n else None
+
+
+def _meta(chunk: Chunk) -> ChunkMeta:
+    return ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
+
+
+def _read_chunks(source: KVSource, chunks: list[Chunk], row: int, spans: bool):
+    """(chunk, keys, values, span) for each chunk, read from source: with `spans`, consecutive complete chunks as views
+    of one read (their Span); a remainder alone (a complete chunk that extends it later replaces it)."""
+    i = 0
+    while i < len(chunks):
+        j = i + 1
+        while spans and j < len(chunks) and chunks[j].complete and chunks[j - 1].complete \
+                and chunks[j].start == chunks[j - 1].end:
+            j += 1
+        first, last = chunks[i], chunks[j - 1]
+        keys, values = source.read(first.start, last.end, row=row)
+        span = Span(first.start, keys, values) if j - i > 1 else None
+        for chunk in chunks[i:j]:
+            a, b = chunk.start - first.start, chunk.end - first.start
+            yield chunk, [k[:, a:b] for k in keys], [v[:, a:b] for v in values], span
+        i = j
+
+
 # ---- placing exact segments ---------------------------------------------------------------------------
 # Consecutive chunks are placed as one run, per layer one concatenation (KVWorkspace.write_layer) and quantized chunks
 # dequantized together (QuantRun): copying chunk by chunk is chunks x layers x 2 kernel launches.
@@ -229,14 +280,15 @@ class _Piece:
     start: int
 
 
-def _runs(plan: Plan) -> list[list[_Piece]]:
-    """The plan's segments less the positions the workspace already holds (resident), as runs written together:
-    consecutive positions, with every inner boundary between whole records, so a run's K/V is its records' tokens
-    concatenated, trimmed at both ends."""
+def _runs(plan: Plan, first: int = 0, stop: int | None = None) -> list[list[_Piece]]:
+    """The plan's segments within positions [first, stop) less those the workspace already holds (resident), as runs
+    written together: consecutive positions, with every inner boundary between whole records, so a run's K/V is its
+    records' tokens concatenated, trimmed at both ends."""
     runs: list[list[_Piece]] = []
+    end = plan.reuse_len if stop is None else min(stop, plan.reuse_len)
     for seg in plan.segments:
-        start = max(seg.start, plan.resident)
-        n = min(seg.end, plan.reuse_len) - start
+        start = max(seg.start, plan.resident, first)
+        n = min(seg.end, end) - start
         if n <= 0:
             continue
         p = _Piece(seg.record, start - seg.start, n, start)
@@ -276,15 +328,35 @@ def _staged_groups(run: list[_Piece], device: torch.device):
         yield group
 
 
+@dataclass
+class _SpanSlice:
+    """Positions [start, end) of a span: consecutive records of one write-back, placed as one slice of it."""
+
+    span: Span
+    start: int
+    end: int
+
+    def layer(self, i: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        a, b = self.start - self.span.start, self.end - self.span.start
+        return [self.span.keys[i][:, a:b]], [self.span.values[i][:, a:b]]
+
+
 def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> None:
-    parts: list[ChunkRecord | QuantRun] = []  # consecutive quantized records are dequantized together
+    # Consecutive quantized records are dequantized together; consecutive records of one span are one slice of it.
+    parts: list[ChunkRecord | QuantRun | _SpanSlice] = []
     for p in run:
-        if not isinstance(p.record, LazyQuantRecord):
-            parts.append(p.record)
-        elif parts and isinstance(parts[-1], QuantRun):
-            parts[-1].payloads.append(p.record.payload)
+        r, last = p.record, parts[-1] if parts else None
+        if isinstance(r, LazyQuantRecord):
+            if isinstance(last, QuantRun):
+                last.payloads.append(r.payload)
+            else:
+                parts.append(QuantRun([r.payload]))
+        elif r.span is None:
+            parts.append(r)
+        elif isinstance(last, _SpanSlice) and last.span is r.span and last.end == r.start:
+            last.end = r.start + r.n_tokens
         else:
-            parts.append(QuantRun([p.record.payload]))
+            parts.append(_SpanSlice(r.span, r.start, r.start + r.n_tokens))
     head = run[0].offset
     tail = run[-1].record.n_tokens - run[-1].offset - run[-1].n
 
@@ -292,7 +364,7 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
         keys: list[torch.Tensor] = []  # layer i's K and V pieces [kv_heads, tokens, head_dim], every record's in order
         values: list[torch.Tensor] = []
         for part in parts:
-            k, v = part.layer(i) if isinstance(part, QuantRun) else ([part.keys[i]], [part.values[i]])
+            k, v = ([part.keys[i]], [part.values[i]]) if isinstance(part, ChunkRecord) else part.layer(i)
             keys += k
             values += v
         workspace.write_layer(i, _trim(keys, head, tail), _trim(values, head, tail), run[0].start, row=row)

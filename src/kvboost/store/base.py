@@ -12,10 +12,21 @@ import torch
 log = logging.getLogger("kvboost.store")
 
 
+@dataclass(eq=False)
+class Span:
+    """Consecutive positions' K/V written together: layer i's [kv_heads, n, head_dim] from position `start`. The records
+    of one write-back are views of it, so a run of them is one tensor per layer, read where it lies."""
+
+    start: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
 @dataclass
 class ChunkRecord:
     """One chunk's K/V, computed in full context at positions [start, start + len(token_ids)). keys[i] / values[i]:
-    layer i's [kv_heads, n_tokens, head_dim]; packed: one [layers, 2, kv_heads, n_tokens, head_dim] tensor they view."""
+    layer i's [kv_heads, n_tokens, head_dim]; packed: one [layers, 2, kv_heads, n_tokens, head_dim] tensor they view;
+    span: the Span they view instead (at its positions [start, start + n_tokens))."""
 
     key: str
     parent_key: str | None
@@ -25,6 +36,7 @@ class ChunkRecord:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     packed: torch.Tensor | None = None
+    span: Span | None = None
 
     @classmethod
     def from_packed(cls, key: str, parent_key: str | None, content_key: str, token_ids: tuple[int, ...],
@@ -58,6 +70,26 @@ class ChunkRecord:
 
     def meta(self) -> ChunkMeta:
         return ChunkMeta(self.key, self.parent_key, self.content_key, self.token_ids, self.start)
+
+    def stacked(self) -> torch.Tensor | None:
+        """This record as one [layers, 2, kv_heads, n, d] tensor (its packed one, else a new one); None when layers
+        differ."""
+        packed = self.packed_view()
+        if packed is not None:
+            return packed
+        tensors = self.keys + self.values
+        if not tensors or any(t.shape != tensors[0].shape or t.dtype != tensors[0].dtype or t.dim() != 3
+                              or t.device != tensors[0].device for t in tensors):
+            return None
+        return torch.stack([torch.stack(self.keys), torch.stack(self.values)], dim=1)
+
+    def standalone(self) -> ChunkRecord:
+        """This record in memory of its own, no longer a view of its span."""
+        packed = self.stacked()
+        if packed is None:
+            return dataclasses.replace(self, keys=[k.clone() for k in self.keys],
+                                       values=[v.clone() for v in self.values], packed=None, span=None)
+        return ChunkRecord.from_packed(self.key, self.parent_key, self.content_key, self.token_ids, self.start, packed)
 
 
 @dataclass(frozen=True)

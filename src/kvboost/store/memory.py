@@ -44,6 +44,7 @@ class MemoryStore:
         self._entries: dict[str, _Entry] = {}
         self._children: dict[str | None, set[str]] = defaultdict(set)
         self._by_content: dict[str, set[str]] = defaultdict(set)
+        self._span_members: dict[int, set[str]] = {}  # id(span) -> the keys of its records stored here
         self._bytes = 0
         self._policy: LfuAging[str] = LfuAging()
         self._lock = threading.RLock()
@@ -95,6 +96,8 @@ class MemoryStore:
             self._policy.add(record.key, depth=record.start)
             self._children[record.parent_key].add(record.key)
             self._by_content[record.content_key].add(record.key)
+            if isinstance(payload, ChunkRecord) and payload.span is not None:
+                self._span_members.setdefault(id(payload.span), set()).add(record.key)
             self._bytes += nbytes
             evicted = self._evict_over_budget(protect=record.key)
             if self.watch is not None and record.key in self._entries:
@@ -118,7 +121,7 @@ class MemoryStore:
             watch, self.watch = self.watch, None  # one "cleared", not a "removed" per chunk
             try:
                 for key in list(self._entries):
-                    self._remove(key)
+                    self._remove(key, compact=False)
                 self._policy.reset()
             finally:
                 self.watch = watch
@@ -151,10 +154,19 @@ class MemoryStore:
         self._policy.evict_while(self._over_budget, evict)
         return evicted
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, compact: bool = True) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        span = entry.payload.span if isinstance(entry.payload, ChunkRecord) else None
+        if span is not None:
+            # The span's memory lives while any record views it: the ones left get memory of their own, so what the
+            # budget counts is what is held.
+            members = self._span_members.pop(id(span), set())
+            members.discard(key)
+            for other in members if compact else ():
+                kept = self._entries[other]
+                kept.payload = kept.payload.standalone()
         self._policy.remove(key)
         self._bytes -= entry.nbytes
         discard_member(self._children, entry.meta.parent_key, key)

@@ -55,7 +55,7 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
     tensors: dict[str, torch.Tensor] = {"token_ids": torch.tensor(meta.token_ids, dtype=torch.int64)}
     layout: dict[str, Any] = {}
     dtype = None
-    packed = _packed(record) if isinstance(record, ChunkRecord) else None
+    packed = record.stacked() if isinstance(record, ChunkRecord) else None
     if packed is not None:
         tensors["kv"] = _cpu(packed)
         dtype = packed.dtype
@@ -201,18 +201,6 @@ def _encoded(header: dict, tensors: dict[str, torch.Tensor], name: str) -> Encod
     if q.data.numel() != expected or list(q.scale.shape) != other + [groups] or q.zero.shape != q.scale.shape:
         raise CorruptRecordError(f"quantized tensor {name}: parts do not match shape {q.shape}")
     return q
-
-
-def _packed(record: ChunkRecord) -> torch.Tensor | None:
-    """A full-precision record as one [layers, 2, kv_heads, n, d] tensor; None when layers differ."""
-    packed = record.packed_view()
-    if packed is not None:
-        return packed
-    tensors = record.keys + record.values
-    if not tensors or any(t.shape != tensors[0].shape or t.dtype != tensors[0].dtype or t.dim() != 3
-                          or t.device != tensors[0].device for t in tensors):
-        return None
-    return torch.stack([torch.stack(record.keys), torch.stack(record.values)], dim=1)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
