@@ -22,9 +22,8 @@ from .config import EngineConfig
 from .decoding.factory import make_draft_engine, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
-from .kv.device_budget import device_kv_budget
 from .kv.dtype import resolve_kv_dtype
-from .kv.long_context import LongContexts, device_max_tokens
+from .kv.long_context import LongContexts, device_kv_budget, device_max_tokens
 from .kv.manager import KVCacheManager
 from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
