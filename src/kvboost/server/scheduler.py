@@ -227,11 +227,10 @@ class Scheduler:
             self._active = len(rows)
             if not rows:
                 continue
+            # Several new rows: their prefills run one after another inside this step.
+            pumped = _first_tokens([(job, rows[job]) for job in new if job in rows]) if len(new) > 1 else None
             try:
-                if len(new) > 1:  # their prefills run one after another inside this step
-                    with _first_tokens([(job, rows[job]) for job in new if job in rows]):
-                        self.engine.step()
-                else:
+                with pumped or contextlib.nullcontext():
                     self.engine.step()
             except Exception:  # the loop failed its rows (each handle has the error); the worker goes on
                 log.exception("a step of the engine's loop failed; failing %d request(s)", len(rows))
@@ -251,11 +250,10 @@ class Scheduler:
                                                t_start=job.t_start, output_format=job.output_format,
                                                speculative=job.speculative)
             rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
+            new.append(job)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
-            return
-        new.append(job)
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):
