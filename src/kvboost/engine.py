@@ -228,8 +228,7 @@ class InferenceEngine:
         """Generate for one prompt; options as request() (RequestFactory.request lists them all)."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
-    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
-                        **options) -> TextStream:
+    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> TextStream:
         """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated; options as
         request()."""
         return self.stream(self.request(prompt, max_new_tokens, **options))

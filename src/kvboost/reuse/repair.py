@@ -208,8 +208,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     if windows is None:
         raise ValueError(reason)
     impl, dtype = model.config._attn_implementation, workspace.dtype
-    schedule = _schedule(RecomputeStrategy.parse(strategy), ratio, overlap, n, exact_len, placed, seams,
-                         len(layers))
+    schedule = _schedule(RecomputeStrategy.parse(strategy), ratio, overlap, n, exact_len, placed, seams, len(layers))
     cache = Cache(layers=[ScatterLayer(workspace, i, n) for i in range(len(layers))])
     first = schedule.first
     state: dict[str, Any] = {"rows_of": first, "stash": None}

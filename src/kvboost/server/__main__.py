@@ -179,8 +179,7 @@ def serve_command(
     typer.echo(f"KVBoost server listening on http://{shown_host}:{bound[1]}  (model '{settings.model_id}'"
                f"{', API key required' if settings.api_key else ''})")
     if not settings.api_key and not _is_loopback(host):
-        typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it",
-                   err=True)
+        typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it", err=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",  # the app writes its own
                             timeout_graceful_shutdown=10)
     run_on_main_thread(uvicorn.Server(config), sock, app.state.kvboost.scheduler)
@@ -235,8 +234,7 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
     context = f"{engine.max_context:,} tokens" if engine.max_context else "not declared"
     dtype, kv_dtype = engine.plan.dtype, str(engine.kv_dtype).removeprefix("torch.")
     tiers = ", ".join(_tier_line(name, tier, config) for name, tier in engine.cache_stats()["tiers"].items())
-    reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse
-                                   else "")
+    reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse else "")
     batching = (f"continuous batching (max {scheduler.max_batch_size} rows), {scheduler.batch_window_s * 1e3:g} ms "
                 "window" if scheduler.batched else "one request at a time")
     return [

@@ -124,8 +124,7 @@ class RedisStore(CountedTier):
                                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._lock = threading.Lock()
         self._stats = TierStats(self.name)
-        self._counters = {"short_circuited": 0, "corrupt_dropped": 0, "stale_index_cleaned": 0,
-                          "rejected_writes": 0}
+        self._counters = {"short_circuited": 0, "corrupt_dropped": 0, "stale_index_cleaned": 0, "rejected_writes": 0}
 
     # ---- key layout ------------------------------------------------------------------------------
     def chunk_key(self, key: str) -> str:

@@ -144,8 +144,7 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         out = sdpa_with_mask(query, key, value, mask, scale=scale, is_causal=causal,
                              dropout=dropout if module.training else 0.0)
     else:
-        out, used, _ = dispatch(query, key, value, lengths=lengths, key_valid=key_valid, scale=scale,
-                                backend=backend)
+        out, used, _ = dispatch(query, key, value, lengths=lengths, key_valid=key_valid, scale=scale, backend=backend)
         counts[used] += 1  # "triton", or "sdpa" (the fallback computing the same bottom-right semantics)
     return out.transpose(1, 2), None
 
