@@ -161,8 +161,7 @@ def _pick(table: bytes, lo: int, nominal: int, hi: int) -> int:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Architecture + config + a sample of the weights: two checkpoints of one architecture never share keys."""
-    config = model.config
-    config_dict = config.to_dict()
+    config_dict = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "name_or_path", "dtype", "torch_dtype"):
         config_dict.pop(volatile, None)
     h = xxhash.xxh3_128()
@@ -173,8 +172,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         h.update(("formats:" + ",".join(formats)).encode())
     params = [p for _, p in model.named_parameters()]
     for p in (params[0], params[len(params) // 2], params[-1]) if params else ():
-        sample = p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes()
-        h.update(sample)
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
