@@ -84,9 +84,7 @@ def _fallback_reason(module: torch.nn.Module, dropout: float, is_causal: bool | 
 def _materialized(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """None means bottom-right causal here; other implementations read None as top-left (or no mask)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mask is None and 1 < q_len != kv_len:
-        return bottom_right_mask(q_len, kv_len, device=query.device)
-    return mask
+    return bottom_right_mask(q_len, kv_len, device=query.device) if mask is None and 1 < q_len != kv_len else mask
 
 
 def _eager(module, query, key, value, mask, dropout, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
