@@ -134,10 +134,8 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if bias is not None:  # additive; a bool mask becomes -inf where it forbids
             if mask is None:
                 mask = bias
-            elif mask.dtype == torch.bool:
-                mask = bias.masked_fill(~mask, float("-inf"))
             else:
-                mask = bias + mask
+                mask = bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else bias + mask
         causal = causal and mask is None and query.shape[2] > 1  # left: q == kv, where top-left == bottom-right
         out = sdpa_with_mask(query, key, value, mask, scale=scale, is_causal=causal,
                              dropout=dropout if module.training else 0.0)
