@@ -86,9 +86,7 @@ class Chunker:
             raise ValueError(f"boundary_window must be in [0, chunk_size/2), got {boundary_window}")
         if boundary_window and boundary_classes is None:
             raise ValueError("a boundary window needs boundary_classes (see chunking.boundary_classes)")
-        self.chunk_size = chunk_size
-        self.namespace = namespace
-        self.boundary_window = boundary_window
+        self.chunk_size, self.namespace, self.boundary_window = chunk_size, namespace, boundary_window
         # One zero past the vocabulary: ids the table does not know (a padded embedding) are no boundary.
         self._classes = (np.append(np.asarray(boundary_classes, dtype=np.uint8), np.uint8(0))
                          if boundary_window else None)

@@ -75,10 +75,7 @@ class ScatterLayer(BufferLayer):
 
     def __init__(self, workspace: KVWorkspace, layer_idx: int, total: int):
         super().__init__()
-        self.workspace = workspace
-        self.layer_idx = layer_idx
-        self.total = total
-        self.end = total
+        self.workspace, self.layer_idx, self.total, self.end = workspace, layer_idx, total, total
         self.positions: torch.Tensor | None = None
         self.candidate_slot: torch.Tensor | None = None  # [total] long: slot in `deviation`, or -1
         self.deviation: torch.Tensor | None = None
