@@ -64,8 +64,7 @@ class CostInputError(ValueError):
 
     def __init__(self, param: str, problem: str):
         super().__init__(f"{param} {problem}")
-        self.param = param
-        self.problem = problem
+        self.param, self.problem = param, problem
 
 
 def _number(name: str, value: Any) -> float:

@@ -90,10 +90,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, engine, max_batch_size: int = 16, batch_window_ms: float = 20.0, max_queue: int = 256):
-        self.engine = engine
-        self.max_batch_size = max_batch_size
+        self.engine, self.max_batch_size, self.max_queue = engine, max_batch_size, max_queue
         self.batch_window_s = batch_window_ms / 1e3
-        self.max_queue = max_queue
         self.tokenizer_lock = threading.Lock()
         self.stats = SchedulerStats()
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)

@@ -108,8 +108,7 @@ class RedisStore(CountedTier):
             from ..install_source import pip_install_extra
 
             raise ImportError(f"RedisStore needs redis-py: {pip_install_extra('redis')}")
-        self.url = url
-        self.namespace = namespace
+        self.url, self.namespace = url, namespace
         self.ttl_s = int(ttl_s) if ttl_s else None
         self.codec = QuantCodec(bits) if bits < 16 else None
         self.breaker = breaker or CircuitBreaker()
