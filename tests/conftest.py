@@ -64,9 +64,9 @@ def pytest_configure(config):
         # The store's device tier defaults to 30% of the free device memory; the suite's engines are tiny and
         # pytest-xdist runs ~10 processes on one GPU, each holding several engines. 1% is still many times what a
         # test stores.
-        from kvboost.kv import device_budget
+        from kvboost.kv import long_context
 
-        device_budget.DEFAULT_DEVICE_KV_FRACTION = 0.01
+        long_context.DEFAULT_DEVICE_KV_FRACTION = 0.01
 
 
 def pytest_collection_modifyitems(config, items):

@@ -86,9 +86,7 @@ class Chunker:
             raise ValueError(f"boundary_window must be in [0, chunk_size/2), got {boundary_window}")
         if boundary_window and boundary_classes is None:
             raise ValueError("a boundary window needs boundary_classes (see chunking.boundary_classes)")
-        self.chunk_size = chunk_size
-        self.namespace = namespace
-        self.boundary_window = boundary_window
+        self.chunk_size, self.namespace, self.boundary_window = chunk_size, namespace, boundary_window
         # One zero past the vocabulary: ids the table does not know (a padded embedding) are no boundary.
         self._classes = (np.append(np.asarray(boundary_classes, dtype=np.uint8), np.uint8(0))
                          if boundary_window else None)
@@ -161,8 +159,7 @@ def _pick(table: bytes, lo: int, nominal: int, hi: int) -> int:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Architecture + config + a sample of the weights: two checkpoints of one architecture never share keys."""
-    config = model.config
-    config_dict = config.to_dict()
+    config_dict = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash", "name_or_path", "dtype", "torch_dtype"):
         config_dict.pop(volatile, None)
     h = xxhash.xxh3_128()
@@ -173,8 +170,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         h.update(("formats:" + ",".join(formats)).encode())
     params = [p for _, p in model.named_parameters()]
     for p in (params[0], params[len(params) // 2], params[-1]) if params else ():
-        sample = p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes()
-        h.update(sample)
+        h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -108,8 +108,7 @@ def _register_commands() -> None:
     serve = _serve_command()
     app.command("serve", help="OpenAI-compatible server (also installed as kvboost-server; needs the server "
                               "extra).", context_settings=ANY_ARGUMENTS if serve.__name__ == "serve" else None)(serve)
-    app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(
-        cost_command)
+    app.command("cost", help="Prefill GPU time and money saved by reuse (the product site's calculator).")(cost_command)
     benchmarks = find_benchmark_commands()
     if benchmarks is None:
         # Even `kvboost bench --help` says where the benchmarks are: there is nothing else to show.

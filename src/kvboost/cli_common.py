@@ -16,8 +16,7 @@ LOAD_ERRORS = (OSError, ValueError, ImportError)
 
 def exit_cannot_load(what: str, exc: BaseException) -> NoReturn:
     """Exit 2 with ``error: cannot load <what>: <first line of exc>`` on stderr."""
-    typer.echo(f"error: cannot load {what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-               err=True)
+    typer.echo(f"error: cannot load {what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
     raise typer.Exit(2)
 
 

@@ -64,8 +64,7 @@ class CostInputError(ValueError):
 
     def __init__(self, param: str, problem: str):
         super().__init__(f"{param} {problem}")
-        self.param = param
-        self.problem = problem
+        self.param, self.problem = param, problem
 
 
 def _number(name: str, value: Any) -> float:
@@ -134,8 +133,7 @@ def read_bench_rates(path: str | Path) -> BenchRates:
     return BenchRates(**rates, source=str(p))
 
 
-def render_cost_table(est: CostEstimate, reuse_source: str | None = None,
-                      prefill_source: str | None = None) -> Table:
+def render_cost_table(est: CostEstimate, reuse_source: str | None = None, prefill_source: str | None = None) -> Table:
     """Inputs then savings, formatted the way the product site shows them; sources name bench files."""
     table = Table(title="KVBoost prefill savings estimate", show_header=True)
     table.add_column("Quantity")

@@ -22,9 +22,8 @@ from .config import EngineConfig
 from .decoding.factory import make_draft_engine, speculation_stats
 from .decoding.speculative import SpecCounts, StepCosts
 from .errors import InvalidRequestError
-from .kv.device_budget import device_kv_budget
 from .kv.dtype import resolve_kv_dtype
-from .kv.long_context import LongContexts, device_max_tokens
+from .kv.long_context import LongContexts, device_kv_budget, device_max_tokens
 from .kv.manager import KVCacheManager
 from .kv.workspace import KVWorkspace, RowView
 from .loading import eos_token_ids
@@ -229,8 +228,7 @@ class InferenceEngine:
         """Generate for one prompt; options as request() (RequestFactory.request lists them all)."""
         return self.run(self.request(prompt, max_new_tokens, **options))
 
-    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64,
-                        **options) -> TextStream:
+    def generate_stream(self, prompt: str | Messages | None = None, max_new_tokens: int = 64, **options) -> TextStream:
         """Validate now (bad input raises here, not mid-iteration), generate lazily while iterated; options as
         request()."""
         return self.stream(self.request(prompt, max_new_tokens, **options))

@@ -19,9 +19,7 @@ UNKNOWN_SOURCE = "<path or URL of your KVBoost source>"
 def source_checkout() -> Path | None:
     """The repository root when this package is a checkout's ``src/kvboost``, else None."""
     root = PACKAGE_DIR.parents[1]
-    if PACKAGE_DIR.parent.name == "src" and (root / "pyproject.toml").is_file():
-        return root
-    return None
+    return root if PACKAGE_DIR.parent.name == "src" and (root / "pyproject.toml").is_file() else None
 
 
 def _direct_url() -> dict[str, Any] | None:
@@ -64,9 +62,7 @@ def extra_install_args(extras: Sequence[str]) -> list[str]:
     """The arguments of ``pip install`` that add `extras` to this KVBoost, e.g. ``["-e", "'/src/kvboost[server]'"]``."""
     joined = ",".join(extras)
     root = source_checkout()
-    if root is not None:
-        return ["-e", shlex.quote(f"{root}[{joined}]")]
-    return install_args_for(_direct_url(), joined)
+    return ["-e", shlex.quote(f"{root}[{joined}]")] if root is not None else install_args_for(_direct_url(), joined)
 
 
 def pip_install_extra(*extras: str) -> str:

@@ -70,8 +70,7 @@ class Penalties:
     """One sequence's adjustment state ([vocab] tensors on the logits' device), built on the first choice."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]):
-        self.params = params
-        self.prompt_ids = prompt_ids
+        self.params, self.prompt_ids = params, prompt_ids
         self.counts: torch.Tensor | None = None  # [vocab] float32: each token's count among generated ones
         self.seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output (repetition only)
         self.bias: torch.Tensor | None = None  # [vocab] float32

@@ -82,8 +82,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
                  constraint: TokenConstraint | None = None, prompt_ids: Sequence[int] = ()):
-        self.params = params
-        self.constraint = constraint
+        self.params, self.constraint = params, constraint
         self.penalties = Penalties(params, prompt_ids) if penalized(params) else None
         self.logprobs: list[TokenLogprob] = []
         self.generator: torch.Generator | None = None

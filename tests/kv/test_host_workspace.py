@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.kv.host_transfer import copy_heads, strided_copy_status
+from kvboost.kv import host_transfer
+from kvboost.kv.host_transfer import copy_heads
 from kvboost.kv.host_workspace import HostWorkspace
 from kvboost.kv.workspace import KVWorkspace, LayerShape
 from kvboost.model.forward import forward_tokens, probe_layer_shapes, resolve_attention
@@ -258,7 +259,8 @@ def test_cuda_buffers_are_pinned_and_head_ranges_cross_in_one_strided_copy():
     copy_heads(dst[0, :, 5:65], host.buffers(1)[0][0, :, 10:70])
     torch.cuda.synchronize()
     assert torch.equal(dst[0, :, 5:65], src)
-    assert strided_copy_status() == "one cudaMemcpy2DAsync per layer and K/V", strided_copy_status()
+    status = host_transfer._strided.status
+    assert status == "one cudaMemcpy2DAsync per layer and K/V", status
 
 
 @cuda_only

@@ -112,7 +112,7 @@ def test_device_budget_options(model, tokenizer, device):
     default = KVBoost(model, tokenizer, chunk_size=CHUNK, memory_budget_bytes=8 << 20).cache_stats()["tiers"]
     if device.type != "cuda":  # the device is host memory: one tier of memory_budget_bytes, as before
         assert set(default) == {"memory"} and default["memory"]["budget_bytes"] == 8 << 20
-    else:  # CUDA: a share of the free device memory (kv/device_budget.py), and the host tier behind it
+    else:  # CUDA: a share of the free device memory (kv/long_context.py), and the host tier behind it
         assert default["host"]["budget_bytes"] == 8 << 20 and default["host"]["pinned"] in (True, False)
         assert 0 < default["memory"]["budget_bytes"] < torch.cuda.get_device_properties(device).total_memory
     assert not tiers["host"]["pinned"] or device.type == "cuda"

@@ -51,9 +51,8 @@ class RowSpeculation:
     def verify_together(self, rows: list[Row]) -> bool:
         """Verify the rows' drafts in one ragged step if drafting pays now; False: the caller runs a plain step."""
         scheduler = self.scheduler
-        if scheduler.forwards.ragged_mask is None or not any(r.spec is not None for r in rows):
-            return False
-        if not self.drafting.proposing(len(rows)):
+        if scheduler.forwards.ragged_mask is None or not any(r.spec is not None for r in rows) \
+                or not self.drafting.proposing(len(rows)):
             return False
         proposals = [RowDrafts([]) if row.spec is None else
                      RowDrafts(row.spec.drafts(min(row.spec.params.num_tokens,
@@ -85,10 +84,8 @@ class RowSpeculation:
             runner = None
         drafts = [p.drafts[:width - 1] for p in proposals]
         tokens = [[r.next_token, *d, *[r.next_token] * (width - 1 - len(d))] for r, d in zip(rows, drafts)]
-        if runner is not None:
-            logits = runner.verify_batch(tokens, lengths)  # [n, width, vocab]
-        else:
-            logits = scheduler.forwards.ragged(tokens, lengths)
+        logits = runner.verify_batch(tokens, lengths) if runner is not None else \
+            scheduler.forwards.ragged(tokens, lengths)  # [n, width, vocab]
         plain = [i for i, r in enumerate(rows) if r.spec is None]
         picks = dict(zip(plain, sample_rows([rows[i].sampler for i in plain], logits[plain, 0]))) if plain else {}
         outs = [[picks[i]] if row.spec is None else row.spec.accept(logits[i, :len(d) + 1], d, batched=True)

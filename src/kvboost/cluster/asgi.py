@@ -67,7 +67,6 @@ async def call(app, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes
         # An app may raise after sending its 500 (Starlette re-raises for the server to log): logged, not lost.
         await asyncio.wait({task}, timeout=5.0)
         if task.done() and not task.cancelled() and task.exception() is not None:
-            log.error("the app raised while answering %s %s", request.method, request.path,
-                      exc_info=task.exception())
+            log.error("the app raised while answering %s %s", request.method, request.path, exc_info=task.exception())
         elif not task.done():
             task.cancel()

@@ -107,13 +107,12 @@ class Replica:
         self.engine = KVBoost.from_pretrained(spec.settings.model, **spec.load)
         for messages in spec.warm:
             self.engine.warm(messages=messages)
-        publisher = None
+        self.publisher = None
         if spec.settings.kv_events:
             from ..server.kv_events import KVEventPublisher
 
-            publisher = KVEventPublisher(spec.settings.kv_events, self.engine.config.chunk_size)
-        self.publisher = publisher
-        self.held = HeldKeys(also=publisher)
+            self.publisher = KVEventPublisher(spec.settings.kv_events, self.engine.config.chunk_size)
+        self.held = HeldKeys(also=self.publisher)
         self.engine.store.watch(self.held, "GPU" if self.engine.device.type == "cuda" else "CPU")
         self.app = create_app(self.engine, replace(spec.settings, kv_events=None))  # events: self.held tells them
         self.scheduler = self.app.state.kvboost.scheduler
@@ -187,8 +186,9 @@ class Ingress:
             return await self._metrics(http)
         keys = None
         if http.method == "POST":  # tokenized off the event loop (a long prompt takes milliseconds), one at a time
-            keying = await self._keying()
-            keys = await asyncio.get_running_loop().run_in_executor(self.tokenizing, keying.keys, http.path, body)
+            if self.keying is None:
+                self.keying = RequestKeying(await self.replicas.recipe.remote())
+            keys = await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.keying.keys, http.path, body)
         routed = RoutedRequest(http, keys, self._pin(http))
         for attempt in range(2):
             stream = self.replicas.options(stream=True).handle.remote(routed)
@@ -241,11 +241,6 @@ class Ingress:
                 continue
             texts[replica] = b"".join(pieces[1:]).decode()
         return Response(merge_expositions(texts), 200, media_type=CONTENT_TYPE_LATEST)
-
-    async def _keying(self) -> RequestKeying:
-        if self.keying is None:
-            self.keying = RequestKeying(await self.replicas.recipe.remote())
-        return self.keying
 
     def _pin(self, http: HttpRequest) -> str | None:
         """The replica a request asks for by name (an `x-kvboost-replica` header: one replica's /v1/stats or /health),

@@ -24,8 +24,7 @@ def merge_expositions(texts: dict[str, str]) -> bytes:
     merged: dict[str, Metric] = {}
     for replica, text in texts.items():
         for family in text_string_to_metric_families(text):
-            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
-                                                         family.unit))
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
             into.samples += [s._replace(labels={**s.labels, REPLICA_LABEL: replica}) for s in family.samples]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(merged.values()))

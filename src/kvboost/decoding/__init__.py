@@ -8,15 +8,9 @@ class OutputTracker:
     """Text deltas of sampled tokens, never inside a UTF-8 sequence or a possible stop string; finish state."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], stop: list[str], max_new_tokens: int):
-        self.tokenizer = tokenizer
-        self.eos = eos_token_ids
-        self.stop = stop
-        self.max_new_tokens = max_new_tokens
+        self.tokenizer, self.eos, self.stop, self.max_new_tokens = tokenizer, eos_token_ids, stop, max_new_tokens
         self.tokens: list[int] = []
-        self.text = ""
-        self.emitted = 0
-        self.finished = False
-        self.finish_reason = "length"
+        self.text, self.emitted, self.finished, self.finish_reason = "", 0, False, "length"
 
     def feed(self, token: int) -> str:
         """Register one sampled token; returns the new visible text (possibly empty)."""

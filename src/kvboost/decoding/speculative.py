@@ -103,9 +103,7 @@ class StepCosts:
         """A verify of n_tokens >= 2 in seconds: as timed at that length, else per the fit (None: nothing timed)."""
         if n_tokens in self.by_length:
             return self.by_length[n_tokens]
-        if self.base is None:
-            return None
-        return self.base + (self.extra or 0.0) * (n_tokens - 2)
+        return None if self.base is None else self.base + (self.extra or 0.0) * (n_tokens - 2)
 
     def estimate_s(self, n_tokens: int) -> float:
         """Seconds per verify of n_tokens: as timed; else the longest timed length below (optimistic), else the fit."""

@@ -35,12 +35,7 @@ class _StridedCopy:
             self.fn, self.status = None, f"one copy per head: {reason}"
 
 
-_strided = _StridedCopy()
-
-
-def strided_copy_status() -> str:
-    """How host <-> CUDA copies of head ranges are made in this process (for stats)."""
-    return _strided.status
+_strided = _StridedCopy()  # .status: how host <-> CUDA copies of head ranges are made in this process
 
 
 def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:

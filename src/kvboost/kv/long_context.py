@@ -1,5 +1,6 @@
-"""Contexts longer than the device holds: which sequences keep their K/V in host memory (device_kv_max_tokens),
-the host workspace each such sequence gets, and what streaming them cost (cache_stats()["streamed"])."""
+"""The device memory K/V may take: the stored chunks' share (device_kv_budget_bytes) and contexts longer than the
+device holds: which sequences keep their K/V in host memory (device_kv_max_tokens), the host workspace each such
+sequence gets, and what streaming them cost (cache_stats()["streamed"])."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,8 +11,17 @@ import torch
 from .host_workspace import HostStreamStats, HostWorkspace, bytes_per_position
 from .workspace import LayerShape
 
+DEFAULT_DEVICE_KV_FRACTION = 0.3  # of the device memory free when the engine is built (device_kv_budget_bytes)
 RUNNING_SHARE = 0.6
 STREAMED_SHARE = 0.15
+
+
+def device_kv_budget(configured: int | None, device: torch.device) -> int | None:
+    """The device's budget for stored chunks (None: no host tier): as configured, else on CUDA a share of free memory"""
+    if configured is not None or device.type != "cuda":
+        return configured
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * DEFAULT_DEVICE_KV_FRACTION)
 
 
 def device_max_tokens(configured: int | None, device: torch.device, device_budget_bytes: int | None,

@@ -13,6 +13,7 @@ limit raises StepNotCompiled, which the runner turns into a counted, reported ea
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -32,13 +33,10 @@ PACKING_MEMORY_FACTOR = 2.0
 
 def available_host_bytes() -> int | None:
     """Memory the OS can give this process now (MemAvailable on Linux, free pages elsewhere); None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

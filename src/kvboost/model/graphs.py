@@ -6,6 +6,7 @@ mode) or raises. CaptureRefused (too little device memory) is only this step's.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -69,10 +70,8 @@ def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda
             # allocations to the graph's pool: undone here.
             torch.cuda.set_stream(main)
             index = device.index if device.index is not None else torch.cuda.current_device()
-            try:
+            with contextlib.suppress(RuntimeError, AttributeError):  # the allocator's capture ended (or never began)
                 torch._C._cuda_endAllocateToPool(index, pool)  # noqa: SLF001 - the only handle on this torch state
-            except (RuntimeError, AttributeError):
-                pass  # the capture had ended (or never began) in the allocator already
             raise CaptureFailed(exc) from exc
     return graph, out
 

@@ -18,8 +18,7 @@ def streamed_forward(model: torch.nn.Module, host: HostWorkspace, tokens: list[i
     cache = HostStreamCache(host, start, n)
     try:
         with torch.no_grad():  # K/V written into the host buffers must not carry autograd history
-            logits = forward_tokens(model, tokens, cache, logits_to_keep=n if all_logits else 1,
-                                    attention=attention)[0]
+            logits = forward_tokens(model, tokens, cache, logits_to_keep=n if all_logits else 1, attention=attention)[0]
     except BaseException:
         cache.finish(ok=False)
         raise

@@ -62,6 +62,4 @@ def _best_partial(store: ChunkStore, chunks: list[Chunk], i: int) -> Segment | N
         return None
     n, meta = best
     record = store.get(meta.key)
-    if record is None or record.token_ids[:n] != tail[:n]:
-        return None
-    return Segment(record, chunk.start, n)
+    return None if record is None or record.token_ids[:n] != tail[:n] else Segment(record, chunk.start, n)

@@ -75,10 +75,7 @@ class ScatterLayer(BufferLayer):
 
     def __init__(self, workspace: KVWorkspace, layer_idx: int, total: int):
         super().__init__()
-        self.workspace = workspace
-        self.layer_idx = layer_idx
-        self.total = total
-        self.end = total
+        self.workspace, self.layer_idx, self.total, self.end = workspace, layer_idx, total, total
         self.positions: torch.Tensor | None = None
         self.candidate_slot: torch.Tensor | None = None  # [total] long: slot in `deviation`, or -1
         self.deviation: torch.Tensor | None = None
@@ -208,8 +205,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     if windows is None:
         raise ValueError(reason)
     impl, dtype = model.config._attn_implementation, workspace.dtype
-    schedule = _schedule(RecomputeStrategy.parse(strategy), ratio, overlap, n, exact_len, placed, seams,
-                         len(layers))
+    schedule = _schedule(RecomputeStrategy.parse(strategy), ratio, overlap, n, exact_len, placed, seams, len(layers))
     cache = Cache(layers=[ScatterLayer(workspace, i, n) for i in range(len(layers))])
     first = schedule.first
     state: dict[str, Any] = {"rows_of": first, "stash": None}

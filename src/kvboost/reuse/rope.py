@@ -83,8 +83,7 @@ def _attr(rotary: nn.Module, name: str, layer_key: str | None):
     return getattr(rotary, f"{layer_key}_{name}" if layer_key else name, None)
 
 
-def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
-                dst_len: int | None) -> RotaryInfo:
+def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None, dst_len: int | None) -> RotaryInfo:
     rope_types = getattr(rotary, "rope_type", None)
     # Gemma3-style modules keep one inv_freq per layer type ("sliding_attention_inv_freq", ...).
     layer_key = layer_type if isinstance(rope_types, dict) else None
@@ -138,8 +137,7 @@ def _layer_info(rotary: nn.Module, layer_type: str | None, src_len: int | None,
     return _not_exact(f"rope_type {rope_type!r} is not known to be exactly re-rotatable", layer_type, rope_type)
 
 
-def rotary_info_for(model: nn.Module, *, src_len: int | None = None,
-                    dst_len: int | None = None) -> list[RotaryInfo]:
+def rotary_info_for(model: nn.Module, *, src_len: int | None = None, dst_len: int | None = None) -> list[RotaryInfo]:
     """One RotaryInfo per decoder layer from the model's rotary module; exact=False rather than raising."""
     decoder = decoder_of(model)
     config = getattr(decoder, "config", None) or model.config.get_text_config()

@@ -61,9 +61,8 @@ def serve_command(
     fast_path: str = typer.Option("auto", help="Short forwards over a static cache: auto (CUDA graphs on a GPU "
                                                "with the Triton kernels; on a CPU the decode step from its "
                                                "AOTInductor package, built in the background on first use), "
-                                               "graphs, compiled (CPU: "
-                                               "the decode steps, one request's and the batch's, under "
-                                               "torch.compile), eager or off."),
+                                               "graphs, compiled (CPU: the decode steps, one request's and the "
+                                               "batch's, under torch.compile), eager or off."),
     paged_kv: bool = typer.Option(False, hidden=True, help="Deprecated and ignored (one KV design: the workspace)."),
     memory_budget_bytes: int | None = typer.Option(None, min=0, help="Bytes of stored K/V kept in memory (on a GPU: "
                                                    "host memory); the least used go first (default: a quarter of "
@@ -117,16 +116,14 @@ def serve_command(
                                   api_key=api_key, max_queue=max_queue, max_batch_size=max_batch_size,
                                   batch_window_ms=batch_window_ms, mode=reuse, access_log=access_log,
                                   kv_events=kv_events)
-        options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy,
-                       kv_cache_bits=kv_cache_bits, kv_dtype=kv_dtype,
-                       disk_cache_dir=disk_cache_dir, disk_budget_bytes=disk_budget_bytes, redis_url=redis_url,
-                       redis_ttl_s=redis_ttl_s, chunk_size=chunk_size,
+        options = dict(content_reuse=content_reuse, recompute_strategy=recompute_strategy, kv_cache_bits=kv_cache_bits,
+                       kv_dtype=kv_dtype, disk_cache_dir=disk_cache_dir, disk_budget_bytes=disk_budget_bytes,
+                       redis_url=redis_url, redis_ttl_s=redis_ttl_s, chunk_size=chunk_size,
                        chunk_boundary_window=chunk_boundary_window, speculative=speculative,
                        num_speculative_tokens=num_speculative_tokens, fast_path=fast_path,
                        memory_budget_bytes=memory_budget_bytes, device_kv_budget_bytes=device_kv_budget_bytes,
-                       device_kv_max_tokens=device_kv_max_tokens,
-                       weight_budget_bytes=weight_budget_bytes, weight_prefetch_depth=weight_prefetch_depth,
-                       **({"paged_kv": True} if paged_kv else {}))
+                       device_kv_max_tokens=device_kv_max_tokens, weight_budget_bytes=weight_budget_bytes,
+                       weight_prefetch_depth=weight_prefetch_depth, **({"paged_kv": True} if paged_kv else {}))
         config = EngineConfig.from_kwargs(**options)  # bad values fail now, not after the model has loaded
         check_speculative_flags(config.speculative, draft_model)
         warm_messages = [read_warm_file(path) for path in warm or []]
@@ -182,8 +179,7 @@ def serve_command(
     typer.echo(f"KVBoost server listening on http://{shown_host}:{bound[1]}  (model '{settings.model_id}'"
                f"{', API key required' if settings.api_key else ''})")
     if not settings.api_key and not _is_loopback(host):
-        typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it",
-                   err=True)
+        typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it", err=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",  # the app writes its own
                             timeout_graceful_shutdown=10)
     run_on_main_thread(uvicorn.Server(config), sock, app.state.kvboost.scheduler)
@@ -238,8 +234,7 @@ def startup_lines(engine, settings, scheduler, load_s: float, warm_s: float) -> 
     context = f"{engine.max_context:,} tokens" if engine.max_context else "not declared"
     dtype, kv_dtype = engine.plan.dtype, str(engine.kv_dtype).removeprefix("torch.")
     tiers = ", ".join(_tier_line(name, tier, config) for name, tier in engine.cache_stats()["tiers"].items())
-    reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse
-                                   else "")
+    reuse = settings.mode.value + (", content reuse " + config.recompute_strategy.value if config.content_reuse else "")
     batching = (f"continuous batching (max {scheduler.max_batch_size} rows), {scheduler.batch_window_s * 1e3:g} ms "
                 "window" if scheduler.batched else "one request at a time")
     return [
@@ -260,10 +255,8 @@ def _tier_line(name: str, tier: dict, config) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 

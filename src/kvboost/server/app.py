@@ -128,9 +128,7 @@ class GatewayMiddleware:
     log line (when asked)."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: ServerMetrics):
-        self.app = app
-        self.settings = settings
-        self.metrics = metrics
+        self.app, self.settings, self.metrics = app, settings, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -27,13 +27,9 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
         self.type = "rate_limit_exceeded" if status == 429 else "invalid_request_error" if status < 500 \
             else "server_error"
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -62,10 +62,7 @@ def guided_format(extra: dict[str, Any]) -> OutputFormat | None:
     if not given:
         return None
     name = given[0]
-    value = extra[name]
-    if name == "structured_outputs":
-        return _structured_outputs(value)
-    return _one(_GUIDED[name], value, name)
+    return _structured_outputs(extra[name]) if name == "structured_outputs" else _one(_GUIDED[name], extra[name], name)
 
 
 def _structured_outputs(spec: Any) -> OutputFormat | None:

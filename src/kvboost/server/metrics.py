@@ -49,16 +49,14 @@ class ServerMetrics:
                                  ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvboost_prompt_tokens", "Prompt tokens processed", registry=r)
         self.completion_tokens = Counter("kvboost_completion_tokens", "Tokens generated", registry=r)
-        self.cached_tokens = Counter("kvboost_cached_prompt_tokens", "Prompt tokens whose K/V was reused",
-                                     registry=r)
+        self.cached_tokens = Counter("kvboost_cached_prompt_tokens", "Prompt tokens whose K/V was reused", registry=r)
         gauge("kvboost_queue_depth", "Requests waiting for the worker", queue_depth)
         gauge("kvboost_active_requests", "Requests being generated now", active)
         gauge("kvboost_cache_reuse_ratio", "Cached / prompt tokens since start (engine.cache_stats)",
               lambda: cache_stats().get("reuse_ratio", 0.0))
         self.draft_tokens = Counter("kvboost_speculative_draft_tokens", "Draft tokens proposed and verified",
                                     registry=r)
-        self.accepted_tokens = Counter("kvboost_speculative_accepted_tokens", "Draft tokens the model kept",
-                                       registry=r)
+        self.accepted_tokens = Counter("kvboost_speculative_accepted_tokens", "Draft tokens the model kept", registry=r)
         gauge("kvboost_speculative_acceptance_rate", "Accepted / drafted tokens since start (engine.cache_stats)",
               speculative("acceptance_rate"))
         gauge("kvboost_speculative_batched_proposals", "Draft proposals verified beside other rows of a batch, since "

@@ -65,10 +65,8 @@ def prepare_chat(engine, req: ChatCompletionRequest, lock: threading.Lock) -> Pr
         template = getattr(engine.tokenizer, "chat_template", None)
         native = bool(tools.functions) and isinstance(template, str) and "tools" in template  # it renders tools
         messages = render_messages(req.messages, texts, tools, native)
-        if native:
-            ids = _encode_with_tools(engine, messages, tools.functions, template_kwargs)
-        else:
-            ids = _encode(engine, None, messages, "messages", template_kwargs=template_kwargs)
+        ids = _encode_with_tools(engine, messages, tools.functions, template_kwargs) if native else \
+            _encode(engine, None, messages, "messages", template_kwargs=template_kwargs)
         speculative = _speculation(engine, req, prediction)
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
@@ -77,8 +75,7 @@ def prepare_chat(engine, req: ChatCompletionRequest, lock: threading.Lock) -> Pr
                     fmt, tools.parse, speculative, bool(prediction), *_reuse(req))
 
 
-def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
-                       lock: threading.Lock) -> Prepared:
+def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
     n = _choices(req)
     extra = req.model_extra or {}
     if extra.get("echo"):
@@ -107,13 +104,13 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
             prompt = prompt[0]
     with lock:
         ids = _encode(engine, prompt, None, "prompt", token_ids)
-        text = prompt  # None for token ids: decoded in the result, after the first token
         speculative = _speculation(engine, req, None)
     # response_format is a KVBoost extension here (OpenAI's legacy endpoint has none): constrained text completion
     fmt = _output_format(extra.get("response_format"), extra)
     _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
-    return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), text, bool(req.stream),
+    # The prompt text is None for token ids: decoded in the result, after the first token.
+    return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), prompt, bool(req.stream),
                     _usage_wanted(req), n, fmt, "none", speculative, False, *_reuse(req))
 
 
@@ -127,8 +124,7 @@ def _prediction_text(prediction: dict | None) -> str | None:
         raise APIError(400, "prediction must be {\"type\": \"content\", \"content\": text or text parts}",
                        param="prediction", code="invalid_value")
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise APIError(400, "prediction.content parts must be {\"type\": \"text\", \"text\": ...}",
                            param="prediction.content", code="invalid_value")
         content = "".join(p["text"] for p in content)
@@ -256,8 +252,7 @@ def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | Non
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
-            seed=req.seed, stop=req.stop,
-            logprobs=logprobs, frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed, stop=req.stop, logprobs=logprobs, frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=req.logit_bias)

@@ -90,10 +90,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, engine, max_batch_size: int = 16, batch_window_ms: float = 20.0, max_queue: int = 256):
-        self.engine = engine
-        self.max_batch_size = max_batch_size
+        self.engine, self.max_batch_size, self.max_queue = engine, max_batch_size, max_queue
         self.batch_window_s = batch_window_ms / 1e3
-        self.max_queue = max_queue
         self.tokenizer_lock = threading.Lock()
         self.stats = SchedulerStats()
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -227,11 +225,10 @@ class Scheduler:
             self._active = len(rows)
             if not rows:
                 continue
+            # Several new rows: their prefills run one after another inside this step.
+            pumped = _first_tokens([(job, rows[job]) for job in new if job in rows]) if len(new) > 1 else None
             try:
-                if len(new) > 1:  # their prefills run one after another inside this step
-                    with _first_tokens([(job, rows[job]) for job in new if job in rows]):
-                        self.engine.step()
-                else:
+                with pumped or contextlib.nullcontext():
                     self.engine.step()
             except Exception:  # the loop failed its rows (each handle has the error); the worker goes on
                 log.exception("a step of the engine's loop failed; failing %d request(s)", len(rows))
@@ -251,11 +248,10 @@ class Scheduler:
                                                t_start=job.t_start, output_format=job.output_format,
                                                speculative=job.speculative)
             rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
+            new.append(job)
         except Exception as exc:
             self.stats.failed += 1
             job.emit("error", exc)
-            return
-        new.append(job)
 
     def _deliver(self, rows: dict[Job, Any]) -> None:
         for job, handle in list(rows.items()):

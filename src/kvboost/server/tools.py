@@ -97,8 +97,7 @@ def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSe
                 lines = [text] if text else []
                 lines += [TOOL_OPEN + json.dumps(p, ensure_ascii=False) + TOOL_CLOSE for p in parsed]
                 out.append({"role": "assistant", "content": "\n".join(lines)})
-            continue
-        if role == "tool":
+        elif role == "tool":
             if not m.tool_call_id:
                 raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",
                                param=f"messages.{i}.tool_call_id", code="invalid_value")
@@ -106,13 +105,10 @@ def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSe
                 raise APIError(400, f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call made by an "
                                "earlier assistant message", param=f"messages.{i}.tool_call_id", code="invalid_value")
             name = calls[m.tool_call_id]
-            if native:
-                out.append({"role": "tool", "content": text, "name": name, "tool_call_id": m.tool_call_id})
-            else:
-                out.append({"role": "user",
-                            "content": f'<tool_response name="{name}">\n{text}\n</tool_response>'})
-            continue
-        out.append({"role": role, "content": text})
+            out.append({"role": "tool", "content": text, "name": name, "tool_call_id": m.tool_call_id} if native
+                       else {"role": "user", "content": f'<tool_response name="{name}">\n{text}\n</tool_response>'})
+        else:
+            out.append({"role": role, "content": text})
     if setup.functions and not native:
         out = _with_tool_prompt(out, setup)
     return out

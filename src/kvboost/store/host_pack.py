@@ -147,8 +147,7 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> None:
 
 def _map_quant(q: QuantRecord, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantRecord:
     """`q` with every tensor t replaced by fn(t), in a fixed order (keys, then values; data, scale, zero)."""
-    return QuantRecord(q.meta, [_map_encoded(k, fn) for k in q.keys], [_map_encoded(v, fn) for v in q.values],
-                       q.bits)
+    return QuantRecord(q.meta, [_map_encoded(k, fn) for k in q.keys], [_map_encoded(v, fn) for v in q.values], q.bits)
 
 
 def _encoded_tensors(e: Encoded) -> list[torch.Tensor]:

@@ -108,8 +108,7 @@ class RedisStore(CountedTier):
             from ..install_source import pip_install_extra
 
             raise ImportError(f"RedisStore needs redis-py: {pip_install_extra('redis')}")
-        self.url = url
-        self.namespace = namespace
+        self.url, self.namespace = url, namespace
         self.ttl_s = int(ttl_s) if ttl_s else None
         self.codec = QuantCodec(bits) if bits < 16 else None
         self.breaker = breaker or CircuitBreaker()
@@ -124,8 +123,7 @@ class RedisStore(CountedTier):
                                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._lock = threading.Lock()
         self._stats = TierStats(self.name)
-        self._counters = {"short_circuited": 0, "corrupt_dropped": 0, "stale_index_cleaned": 0,
-                          "rejected_writes": 0}
+        self._counters = {"short_circuited": 0, "corrupt_dropped": 0, "stale_index_cleaned": 0, "rejected_writes": 0}
 
     # ---- key layout ------------------------------------------------------------------------------
     def chunk_key(self, key: str) -> str:

@@ -132,8 +132,7 @@ def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict
         raise CorruptRecordError("missing header or format version")
     if header["format"] not in READABLE_FORMATS:  # intact (the checksum held), just not ours to read
         raise UnsupportedFormatError(f"record format {header['format']}; this kvboost reads {READABLE_FORMATS}")
-    if header.get("layout", "layers") not in ("layers", "packed") or (
-            header["format"] == 1 and "layout" in header):
+    if header.get("layout", "layers") not in ("layers", "packed") or (header["format"] == 1 and "layout" in header):
         raise CorruptRecordError(f"unknown K/V layout {header.get('layout')!r}")
     for field, kind in (("key", str), ("content_key", str), ("namespace", str), ("start", int), ("n_layers", int),
                         ("bits", int), ("quantized", dict)):

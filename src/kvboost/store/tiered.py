@@ -165,12 +165,8 @@ class TieredStore:
     def put(self, record: ChunkRecord) -> bool:
         """Memory (or host) now; disk/Redis behind. True when a fast tier holds it or it is queued."""
         stored = self._store_fast(record)
-        slow = []
-        if self.disk is not None and (self.write_through_disk or not stored):
-            # (when not writing through: larger than the whole memory and host budgets, so keep it one tier down)
-            slow.append(self.disk)
-        if self.redis is not None:
-            slow.append(self.redis)
+        # The disk when not writing through only takes what is larger than the memory and host budgets: one tier down.
+        slow = [t for t in self.slow_tiers if t is not self.disk or self.write_through_disk or not stored]
         if slow:
             stored = self.writer.submit(record, slow) or stored
         return stored

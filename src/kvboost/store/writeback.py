@@ -80,7 +80,9 @@ class WriteBehind:
                     if old is not None:
                         self._remove(old)  # a delete replaces a pending put of the key, and vice versa
                     self._add(op)
-                    self._start_writer()
+                    if self._thread is None:
+                        self._thread = threading.Thread(target=self._drain, name="kvboost-store-writer", daemon=True)
+                        self._thread.start()
                     return True
         for tier in op.tiers:
             self._drop(tier.name, reason)
@@ -154,11 +156,6 @@ class WriteBehind:
                     if tier_name in self._dropped else {}}
 
     # ---- the writer thread ------------------------------------------------------------------------
-    def _start_writer(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._drain, name="kvboost-store-writer", daemon=True)
-            self._thread.start()
-
     def _drain(self) -> None:
         while True:
             with self._cond:
@@ -188,11 +185,8 @@ class WriteBehind:
             except Exception as exc:  # tiers count their own failures; this is a last line of defence
                 log.debug("write-behind to %s failed: %r", tier.name, exc)
                 ok = False
-            with self._cond:
-                if ok:
-                    self._written[tier.name] += 1
-                else:
-                    self._failed[tier.name] += 1  # the tier says why, in its own dropped_writes/events
+            with self._cond:  # (a failure: the tier says why, in its own dropped_writes/events)
+                (self._written if ok else self._failed)[tier.name] += 1
 
     # ---- internals (under self._cond) ---------------------------------------------------------------
     def _add(self, op: _Op) -> None:

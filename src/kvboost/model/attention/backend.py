@@ -113,5 +113,4 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, pa
     """Bottom-right causal attention of query [B, Hq, q, d] over key/value [B, Hkv, kv, d] -> [B, Hq, q, d].
     past: default kv - q; lengths [B]: per-row valid lengths; key_valid [B, >= kv]: True = attend; backend: None
     (auto), "triton" (raises KernelUnsupportedError where it cannot run) or "sdpa". A query that sees no key gets 0."""
-    return dispatch(query, key, value, past=past, lengths=lengths, key_valid=key_valid, scale=scale,
-                    backend=backend)[0]
+    return dispatch(query, key, value, past=past, lengths=lengths, key_valid=key_valid, scale=scale, backend=backend)[0]

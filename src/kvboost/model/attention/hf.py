@@ -84,9 +84,7 @@ def _fallback_reason(module: torch.nn.Module, dropout: float, is_causal: bool | 
 def _materialized(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """None means bottom-right causal here; other implementations read None as top-left (or no mask)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    if mask is None and 1 < q_len != kv_len:
-        return bottom_right_mask(q_len, kv_len, device=query.device)
-    return mask
+    return bottom_right_mask(q_len, kv_len, device=query.device) if mask is None and 1 < q_len != kv_len else mask
 
 
 def _eager(module, query, key, value, mask, dropout, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,16 +134,13 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if bias is not None:  # additive; a bool mask becomes -inf where it forbids
             if mask is None:
                 mask = bias
-            elif mask.dtype == torch.bool:
-                mask = bias.masked_fill(~mask, float("-inf"))
             else:
-                mask = bias + mask
+                mask = bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else bias + mask
         causal = causal and mask is None and query.shape[2] > 1  # left: q == kv, where top-left == bottom-right
         out = sdpa_with_mask(query, key, value, mask, scale=scale, is_causal=causal,
                              dropout=dropout if module.training else 0.0)
     else:
-        out, used, _ = dispatch(query, key, value, lengths=lengths, key_valid=key_valid, scale=scale,
-                                backend=backend)
+        out, used, _ = dispatch(query, key, value, lengths=lengths, key_valid=key_valid, scale=scale, backend=backend)
         counts[used] += 1  # "triton", or "sdpa" (the fallback computing the same bottom-right semantics)
     return out.transpose(1, 2), None
 

@@ -27,9 +27,7 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 def quantization_config(folder: str | Path) -> dict | None:
     """The folder's config.json quantization_config, or None (no folder, no config, not quantized)."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get("quantization_config")
+    return json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
 
 
 def _unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:
