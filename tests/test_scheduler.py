@@ -459,3 +459,18 @@ def test_reading_in_place_follows_the_shared_prefix_option(tokenizer, monkeypatc
     assert engine.generate(input_ids=prompt, max_new_tokens=4).output_token_ids == hf_greedy(engine.model, tokenizer,
                                                                                              prompt, 4)
     assert prefix_reads == []  # copied into the slot first, as before
+
+
+def test_a_long_resident_reuse_is_attended_as_the_rows_prefix(tokenizer, monkeypatch, prefix_reads):
+    engine = _in_place_engine(tokenizer, monkeypatch)
+    system = _ids(90, seed=46)
+    first = system + _ids(6, seed=47)
+    engine.generate(input_ids=first, max_new_tokens=3)  # nothing stored before: computed, left resident
+    assert prefix_reads == []
+    second = system + _ids(8, seed=48)
+    result = engine.generate(input_ids=second, max_new_tokens=5)
+    assert result.output_token_ids == hf_greedy(engine.model, tokenizer, second, 5)
+    assert result.cached_tokens == len(system)
+    # The prefix part read the slot's own columns: the workspace buffers, not a copy.
+    assert [p for p, _, _ in prefix_reads] == [engine.workspace.buffers(i)[0].data_ptr()
+                                               for i in range(len(engine.workspace.shapes))]

@@ -338,13 +338,13 @@ class Scheduler:
                 or plan.reuse_len < IN_PLACE_MIN_TOKENS:
             return slot.prefill(request, plan)
         found = span_prefix(plan)
-        n = found[1] if found is not None and found[1] >= IN_PLACE_MIN_TOKENS else 0
+        in_place = found is not None and found[1] >= IN_PLACE_MIN_TOKENS
+        n = found[1] if in_place else plan.reuse_len
         slot.forget()  # until its prefix is placed the slot holds nothing trustworthy
-        self.kv.place(plan, self.ws, request.ids, row=row.slot, skip_below=n)
-        if n:
+        self.kv.place(plan, self.ws, request.ids, row=row.slot, skip_below=n if in_place else 0)
+        if in_place:
             keys, values = found[0].keys, found[0].values
         else:  # the slot's own columns below the suffix
-            n = plan.reuse_len
             bufs = [self.ws.buffers(i) for i in range(len(self.ws.shapes))]
             keys, values = [k[row.slot] for k, _ in bufs], [v[row.slot] for _, v in bufs]
         self.prefix = SharedPrefix(tuple(request.ids[:n]), request.salt, [k[None, :, :n] for k in keys],
@@ -353,7 +353,7 @@ class Scheduler:
             logits = self.forwards.prefill(row.slot, request.ids[plan.reuse_len:], plan.reuse_len)
         finally:
             self.prefix = None
-        if found is not None and n == found[1]:
+        if in_place:
             row.unplaced = n
         else:
             slot.claim(request, plan, request.ids)
