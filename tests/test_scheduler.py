@@ -396,6 +396,7 @@ def _in_place_engine(tokenizer, monkeypatch, **options):
     from kvboost import scheduler
 
     monkeypatch.setattr(scheduler, "IN_PLACE_MIN_TOKENS", 2 * CHUNK)
+    monkeypatch.setattr(scheduler, "CASCADE_MIN_TOKENS", 4 * CHUNK)
     return KVBoost(make_tiny_model("llama", tokenizer), tokenizer, chunk_size=CHUNK, **options)
 
 
@@ -463,6 +464,10 @@ def test_reading_in_place_follows_the_shared_prefix_option(tokenizer, monkeypatc
 
 def test_a_long_resident_reuse_is_attended_as_the_rows_prefix(tokenizer, monkeypatch, prefix_reads):
     engine = _in_place_engine(tokenizer, monkeypatch)
+    short = _ids(50, seed=49)  # a reuse shorter than CASCADE_MIN_TOKENS: the plain prefill
+    engine.generate(input_ids=short + [7, 8], max_new_tokens=2)
+    engine.generate(input_ids=short + [9, 10], max_new_tokens=2)
+    assert prefix_reads == []
     system = _ids(90, seed=46)
     first = system + _ids(6, seed=47)
     engine.generate(input_ids=first, max_new_tokens=3)  # nothing stored before: computed, left resident
