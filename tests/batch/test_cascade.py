@@ -110,12 +110,17 @@ def test_prefix_is_never_expanded_per_row(monkeypatch, device):
     assert key.shape == (2, 7, 8) and key.data_ptr() == pk.data_ptr()
 
 
-def test_prefix_part_matches_without_the_flash_kernel(monkeypatch, device):
-    """The CPU flash kernel and the plain-math prefix part give the same attention."""
+@pytest.mark.parametrize("rows, mask", [(3, None), (1, None), (1, "bool")])
+def test_prefix_part_matches_without_the_flash_kernel(monkeypatch, device, rows, mask):
+    """The CPU flash kernel (the prefix part; one row's own part too) and plain math give the same attention."""
     from kvboost.batch import cascade
 
-    args = (_randn(3, 4, 2, 8, device=device), _randn(3, 2, 4, 8, device=device), _randn(3, 2, 4, 8, device=device),
-            _randn(1, 2, 9, 8, device=device), _randn(1, 2, 9, 8, device=device), None, 0.35)
+    if mask == "bool":
+        mask = torch.ones(1, 1, 2, 4, dtype=torch.bool, device=device).tril(2)
+        mask[0, 0, 0, 0] = False  # not plain causal: the mask given is what applies
+    args = (_randn(rows, 4, 2, 8, device=device), _randn(rows, 2, 4, 8, device=device),
+            _randn(rows, 2, 4, 8, device=device), _randn(1, 2, 9, 8, device=device), _randn(1, 2, 9, 8, device=device),
+            mask, 0.35)
     fast = shared_prefix_attention(*args)
     monkeypatch.setattr(cascade, "_FLASH_DTYPES", ())
     torch.testing.assert_close(shared_prefix_attention(*args), fast, atol=1e-5, rtol=1e-5)

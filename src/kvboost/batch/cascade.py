@@ -42,6 +42,14 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     out_pre, lse_pre = _attend_prefix(q_folded, prefix_key[0], prefix_value[0], scaling)  # [Hkv, M, dv], [Hkv, M]
     out_pre = out_pre.reshape(hkv, b, g, q, dv).permute(1, 0, 2, 3, 4)
     lse_pre = lse_pre.reshape(hkv, b, g, q).permute(1, 0, 2, 3)  # [B, Hkv, g, q]
+    own = _attend_own_flash(grouped, key, value, mask, scaling) if b == 1 else None
+    if own is not None:  # one row: its own part through the flash kernel too, merged by log-sum-exp
+        out_suf, lse_suf = own
+        top = torch.maximum(lse_pre, lse_suf)
+        w_pre, w_suf = (lse_pre - top).exp_(), (lse_suf - top).exp_()
+        inv = (w_pre + w_suf).reciprocal_()
+        out = out_pre.float().mul_((w_pre * inv)[..., None]).add_(out_suf.float().mul_((w_suf * inv)[..., None]))
+        return out.to(value.dtype).reshape(b, hq, q, dv)
     # Suffix part: each row over its own keys.
     s_suf = torch.matmul(grouped.reshape(b, hkv, g * q, d), key.transpose(-1, -2)).float().mul_(scaling)
     s_suf = s_suf.view(b, hkv, g, q, s)
@@ -75,6 +83,30 @@ def _attend_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scores = torch.matmul(query, key.transpose(-1, -2)).float().mul_(scaling)
     lse = torch.logsumexp(scores, -1)
     return torch.matmul(scores.sub_(lse[..., None]).exp_().to(value.dtype), value), lse
+
+
+def _attend_own_flash(grouped: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One row's queries grouped [1, Hkv, g, q, d] over its own key/value [1, Hkv, S, d] under `mask` (bool or None =
+    bottom-right causal) through torch's CPU flash kernel, the group folded into the query axis: (normalized output
+    [1, Hkv, g, q, dv], float32 log-sum-exp [1, Hkv, g, q]). None where the kernel cannot run it exactly (another
+    device or dtype, a float mask, a query that sees no key of its own)."""
+    _, hkv, g, q, d = grouped.shape
+    s = key.shape[2]
+    if grouped.device.type != "cpu" or grouped.dtype not in _FLASH_DTYPES or s < q:
+        return None
+    if mask is None:
+        allowed = torch.ones(q, s, dtype=torch.bool).tril(s - q)
+    elif mask.dtype == torch.bool and mask.shape[0] == 1:
+        allowed = mask[0, 0]
+        if not bool(allowed.any(-1).all()):
+            return None
+    else:
+        return None
+    bias = torch.zeros(g * q, s, dtype=grouped.dtype).masked_fill_(~allowed.repeat(g, 1), float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        grouped.reshape(1, hkv, g * q, d), key, value, 0.0, False, attn_mask=bias, scale=scaling)
+    return out.reshape(1, hkv, g, q, -1), lse.reshape(1, hkv, g, q)
 
 
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
