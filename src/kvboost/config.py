@@ -101,7 +101,8 @@ class ExecutionOptions:
     # Linear layers over a few rows as W @ x^T, which CPU BLAS threads: "auto", "on", "off" (model/cpu_linear.py).
     cpu_linear: str = "auto"
     max_batch_size: int = 16  # the most requests the loop runs together; more wait their turn
-    # Rows of a batch that share a long stored prefix attend to one copy of its K/V (cascade attention).
+    # Rows of a batch that share a long stored prefix attend to one copy of its K/V (cascade attention); on a CPU a
+    # lone row attends to a long reuse the same way, a stored one read where it lies.
     shared_prefix_attention: bool = True
     # The longest sequence whose K/V the device holds: a longer one keeps its K/V in host memory and each forward
     # brings it to the device one layer at a time (the first device_kv_max_tokens positions stay on the device).
