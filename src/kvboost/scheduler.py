@@ -295,9 +295,7 @@ class Scheduler:
             return None
         found = span_prefix(plan)
         if found is not None and found[1] >= n:  # one stored span holds it: its views, no copy
-            span = found[0]
-            return SharedPrefix(tuple(row.ids[:n]), row.salt, [k[None, :, :n] for k in span.keys],
-                                [v[None, :, :n] for v in span.values])
+            return SharedPrefix.viewing(row.ids[:n], row.salt, found[0].keys, found[0].values)
         return SharedPrefix.from_segments(row.ids[:n], row.salt, plan.segments, self.engine.device)
 
     def _shrink_prefix(self, n: int) -> None:
@@ -347,8 +345,7 @@ class Scheduler:
         else:  # the slot's own columns below the suffix
             bufs = [self.ws.buffers(i) for i in range(len(self.ws.shapes))]
             keys, values = [k[row.slot] for k, _ in bufs], [v[row.slot] for _, v in bufs]
-        self.prefix = SharedPrefix(tuple(request.ids[:n]), request.salt, [k[None, :, :n] for k in keys],
-                                   [v[None, :, :n] for v in values])
+        self.prefix = SharedPrefix.viewing(request.ids[:n], request.salt, keys, values)
         try:
             logits = self.forwards.prefill(row.slot, request.ids[plan.reuse_len:], plan.reuse_len)
         finally:

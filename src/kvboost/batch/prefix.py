@@ -105,6 +105,13 @@ class SharedPrefix:
                   for i in range(n_layers)]
         return cls(tuple(ids), salt, keys, values)
 
+    @classmethod
+    def viewing(cls, ids: Sequence[int], salt: str | None, keys: Sequence[torch.Tensor],
+                values: Sequence[torch.Tensor]) -> SharedPrefix:
+        """The first len(ids) positions of per-layer K/V [kv_heads, >= len(ids), d], as views of it (no copy)."""
+        n = len(ids)
+        return cls(tuple(ids), salt, [k[None, :, :n] for k in keys], [v[None, :, :n] for v in values])
+
     def truncated(self, n: int) -> SharedPrefix | None:
         """The first n tokens as views of the same storage (None for n == 0)."""
         if not 0 <= n <= self.length:
