@@ -15,6 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..compat import has_sliding_layers
 from ..errors import KVBoostError
 from ..model.attention.cast import in_kv_dtype
+from ..model.attention.reference import bottom_right_mask
 from ..model.attention.switch import switch_unsupported_reason, switched_attention
 
 CASCADE_ATTENTION = "kvboost_cascade"
@@ -55,7 +56,7 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     s_suf = s_suf.view(b, hkv, g, q, s)
     if mask is None:
         if q > 1:
-            causal = torch.ones(q, s, dtype=torch.bool, device=query.device).tril(s - q)
+            causal = bottom_right_mask(q, s, device=query.device)[0, 0]
             s_suf.masked_fill_(~causal, float("-inf"))
     elif mask.dtype == torch.bool:
         s_suf.masked_fill_(~mask[:, :, None], float("-inf"))
@@ -96,7 +97,7 @@ def _attend_own_flash(grouped: torch.Tensor, key: torch.Tensor, value: torch.Ten
     if grouped.device.type != "cpu" or grouped.dtype not in _FLASH_DTYPES or s < q:
         return None
     if mask is None:
-        allowed = torch.ones(q, s, dtype=torch.bool).tril(s - q)
+        allowed = bottom_right_mask(q, s)[0, 0]
     elif mask.dtype == torch.bool and mask.shape[0] == 1:
         allowed = mask[0, 0]
         if not bool(allowed.any(-1).all()):
