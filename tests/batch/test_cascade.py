@@ -14,6 +14,7 @@ from kvboost.batch.cascade import (
     shared_prefix_attention,
     unsupported_reason,
 )
+from kvboost.model.attention.reference import bottom_right_mask
 from kvboost.model.cache_arg import cache_kwargs
 
 from ..devices import assert_on
@@ -124,6 +125,24 @@ def test_prefix_part_matches_without_the_flash_kernel(monkeypatch, device, rows,
     fast = shared_prefix_attention(*args)
     monkeypatch.setattr(cascade, "_FLASH_DTYPES", ())
     torch.testing.assert_close(shared_prefix_attention(*args), fast, atol=1e-5, rtol=1e-5)
+
+
+def test_one_rows_mask_bias_is_rebuilt_for_each_new_mask(monkeypatch, device):
+    """Inside a cascade block the own part's bias is kept for the mask it was built from: a different mask of the same
+    shape (the next forward's) gets its own, and None again means causal."""
+    from kvboost.batch import cascade
+
+    monkeypatch.setattr(cascade._local, "ctx", cascade._Context(None), raising=False)
+    q, k, v, pk, pv = (_randn(1, 4, 3, 8, device=device), _randn(1, 2, 5, 8, device=device),
+                       _randn(1, 2, 5, 8, device=device), _randn(1, 2, 6, 8, device=device),
+                       _randn(1, 2, 6, 8, device=device))
+    first = torch.ones(1, 1, 3, 5, dtype=torch.bool, device=device).tril(2)
+    second = first.clone()
+    second[0, 0, 2, 0] = False
+    causal = bottom_right_mask(3, 5, device=device)
+    for mask, expected in ((first, first), (second, second), (first.clone(), first), (None, causal)):
+        torch.testing.assert_close(shared_prefix_attention(q, k, v, pk, pv, mask, 8 ** -0.5),
+                                   _reference(q, k, v, pk, pv, expected), atol=1e-5, rtol=1e-5)
 
 
 def test_shape_errors_are_typed(device):

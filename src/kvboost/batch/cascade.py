@@ -46,10 +46,9 @@ def shared_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     own = _attend_own_flash(grouped, key, value, mask, scaling) if b == 1 else None
     if own is not None:  # one row: its own part through the flash kernel too, merged by log-sum-exp
         out_suf, lse_suf = own
-        top = torch.maximum(lse_pre, lse_suf)
-        w_pre, w_suf = (lse_pre - top).exp_(), (lse_suf - top).exp_()
-        inv = (w_pre + w_suf).reciprocal_()
-        out = out_pre.float().mul_((w_pre * inv)[..., None]).add_(out_suf.float().mul_((w_suf * inv)[..., None]))
+        # The prefix's share of the joint softmax, exp(lse_pre) / (exp(lse_pre) + exp(lse_suf)), in one stable op.
+        w_pre = torch.sigmoid(lse_pre - lse_suf)[..., None]
+        out = torch.lerp(out_suf.float(), out_pre.float(), w_pre)
         return out.to(value.dtype).reshape(b, hq, q, dv)
     # Suffix part: each row over its own keys.
     s_suf = torch.matmul(grouped.reshape(b, hkv, g * q, d), key.transpose(-1, -2)).float().mul_(scaling)
@@ -96,18 +95,31 @@ def _attend_own_flash(grouped: torch.Tensor, key: torch.Tensor, value: torch.Ten
     s = key.shape[2]
     if grouped.device.type != "cpu" or grouped.dtype not in _FLASH_DTYPES or s < q:
         return None
-    if mask is None:
-        allowed = bottom_right_mask(q, s)[0, 0]
-    elif mask.dtype == torch.bool and mask.shape[0] == 1:
-        allowed = mask[0, 0]
-        if not bool(allowed.any(-1).all()):
-            return None
-    else:
+    bias = _own_bias(mask, q, s, g, grouped.dtype)
+    if bias is None:
         return None
-    bias = torch.zeros(g * q, s, dtype=grouped.dtype).masked_fill_(~allowed.repeat(g, 1), float("-inf"))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         grouped.reshape(1, hkv, g * q, d), key, value, 0.0, False, attn_mask=bias, scale=scaling)
     return out.reshape(1, hkv, g, q, -1), lse.reshape(1, hkv, g, q)
+
+
+def _own_bias(mask: torch.Tensor | None, q: int, s: int, g: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The own part's float bias [g * q, s] for `mask` (bool or None = bottom-right causal), or None where some query
+    would see no key. Kept for the rest of a cascade block: every layer of a forward passes the same mask."""
+    ctx: _Context | None = getattr(_local, "ctx", None)
+    key = (q, s, g, dtype)
+    if ctx is not None and ctx.bias is not None and ctx.bias[0] is mask and ctx.bias[1] == key:
+        return ctx.bias[2]
+    if mask is None:
+        allowed = bottom_right_mask(q, s)[0, 0]
+    elif mask.dtype == torch.bool and mask.shape[0] == 1 and bool(mask.any(-1).all()):
+        allowed = mask[0, 0]
+    else:
+        return None
+    bias = torch.zeros(g * q, s, dtype=dtype).masked_fill_(~allowed.repeat(g, 1), float("-inf"))
+    if ctx is not None:  # holding the mask keeps its identity from being reused by another tensor
+        ctx.bias = (mask, key, bias)
+    return bias
 
 
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,6 +130,7 @@ class _Context:
     def __init__(self, cache) -> None:
         self.cache = cache
         self.calls = 0
+        self.bias: tuple | None = None  # (mask, (q, s, g, dtype), bias): _own_bias's last
 
 
 _local = threading.local()
