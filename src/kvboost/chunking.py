@@ -82,8 +82,6 @@ class Chunker:
 
     def __init__(self, chunk_size: int, namespace: str, boundary_window: int = 0,
                  boundary_classes: np.ndarray | None = None):
-        if not 0 <= boundary_window < max(1, chunk_size // 2):
-            raise ValueError(f"boundary_window must be in [0, chunk_size/2), got {boundary_window}")
         if boundary_window and boundary_classes is None:
             raise ValueError("a boundary window needs boundary_classes (see chunking.boundary_classes)")
         self.chunk_size, self.namespace, self.boundary_window = chunk_size, namespace, boundary_window
