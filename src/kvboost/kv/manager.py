@@ -316,9 +316,7 @@ def _staged_groups(run: list[_Piece], device: torch.device):
     for p in run:
         packed = None if isinstance(p.record, LazyQuantRecord) else p.record.packed_view()
         if packed is not None and packed.device.type == "cpu":
-            r = p.record
-            p = replace(p, record=ChunkRecord.from_packed(r.key, r.parent_key, r.content_key, r.token_ids, r.start,
-                                                          packed.to(device)))
+            p = replace(p, record=ChunkRecord.from_packed(p.record.meta(), packed.to(device)))
             staged += packed.nbytes
         group.append(p)
         if staged >= _STAGE_BYTES:

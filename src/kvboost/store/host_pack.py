@@ -59,10 +59,9 @@ class HostPayload:
         if self.quant is not None:
             return LazyQuantRecord(_map_quant(self.quant, _rebase(self.buffer, moved)))
         if self.record.packed is self.buffer:
-            return ChunkRecord.from_packed(m.key, m.parent_key, m.content_key, m.token_ids, m.start, moved)
+            return ChunkRecord.from_packed(m, moved)
         rebase = _rebase(self.buffer, moved)
-        return ChunkRecord(m.key, m.parent_key, m.content_key, m.token_ids, m.start,
-                           [rebase(k) for k in self.record.keys], [rebase(v) for v in self.record.values])
+        return ChunkRecord.of(m, [rebase(k) for k in self.record.keys], [rebase(v) for v in self.record.values])
 
 
 def host_nbytes(record: ChunkRecord) -> int:
@@ -86,13 +85,12 @@ def move_to_host(record: ChunkRecord, pin: bool) -> tuple[HostPayload, str | Non
     if _uniform(keys + values):
         heads, tokens, dim = keys[0].shape
         buffer, reason = allocate_host((len(keys), 2, heads, tokens, dim), keys[0].dtype, pin)
-        host = ChunkRecord.from_packed(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, buffer)
+        host = ChunkRecord.from_packed(meta, buffer)
         packed = record.packed_view()
         pairs = [(buffer, packed)] if packed is not None else list(zip(host.keys + host.values, keys + values))
     else:
         buffer, views, reason = _byte_buffer(keys + values, pin)
-        host = ChunkRecord(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start,
-                           views[:len(keys)], views[len(keys):])
+        host = ChunkRecord.of(meta, views[:len(keys)], views[len(keys):])
         pairs = list(zip(views, keys + values))
     payload = HostPayload(meta, buffer, keys[0].device, pin and reason is None, record=host)
     _copy(pairs, payload.pinned)

@@ -162,7 +162,7 @@ def _decode(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkRecord:
                 or kv.shape[3] != n_tokens or _dtype_name(kv.dtype) != header["dtype"]:
             raise CorruptRecordError(f"packed K/V {None if kv is None else tuple(kv.shape)} does not fit "
                                      f"{header['n_layers']} layers x {n_tokens} tokens")
-        return ChunkRecord.from_packed(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, kv)
+        return ChunkRecord.from_packed(meta, kv)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(header["n_layers"]):
@@ -172,7 +172,7 @@ def _decode(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkRecord:
             raise CorruptRecordError(f"layer {i}: K {tuple(k.shape)} / V {tuple(v.shape)} do not fit {n_tokens} tokens")
         keys.append(k)
         values.append(v)
-    return ChunkRecord(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, keys, values)
+    return ChunkRecord.of(meta, keys, values)
 
 
 def _encoded(header: dict, tensors: dict[str, torch.Tensor], name: str) -> Encoded:
