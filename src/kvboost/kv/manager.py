@@ -6,6 +6,7 @@ index; it never runs the model.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -379,7 +380,7 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
             with torch.inference_mode(inference), torch.no_grad():
                 place_layer(i)
 
-        list(_copy_pool().map(place_layer_here, layers))
+        list(_copy_pool(torch.get_num_threads()).map(place_layer_here, layers))
     else:
         for i in layers:
             place_layer(i)
@@ -387,16 +388,11 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
 
 # Runs below this many bytes are placed on the calling thread: a hand-off costs more than their copy.
 _POOL_BYTES = 8 << 20
-_pools: dict[int, ThreadPoolExecutor] = {}  # by worker count: torch's thread count can change at run time
-_pools_lock = threading.Lock()
 
 
-def _copy_pool() -> ThreadPoolExecutor:
-    workers = torch.get_num_threads()
-    with _pools_lock:
-        if workers not in _pools:
-            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="kvboost-place")
-        return _pools[workers]
+@functools.cache  # by worker count: torch's thread count can change at run time
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="kvboost-place")
 
 
 def _trim(pieces: list[torch.Tensor], head: int, tail: int) -> list[torch.Tensor]:

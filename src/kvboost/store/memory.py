@@ -46,7 +46,7 @@ class MemoryStore:
         self._by_content: dict[str, set[str]] = defaultdict(set)
         self._span_members: dict[int, set[str]] = {}  # id(span) -> the keys of its records stored here
         self._bytes = 0
-        self._policy: LfuAging[str] = LfuAging()
+        self._policy = LfuAging()
         self._lock = threading.RLock()
         self._stats = TierStats(self.name, budget_bytes=self.budget_bytes)
 

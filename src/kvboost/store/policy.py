@@ -3,11 +3,8 @@ floor rising to each victim's; ties evict the deepest, then stalest entry. A laz
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
-
-K = TypeVar("K", bound=Hashable)
 
 
 @dataclass
@@ -18,20 +15,20 @@ class _Rank:
     last_tick: int
 
 
-class LfuAging(Generic[K]):
+class LfuAging:
     """Eviction order over keys; not thread-safe (its owner holds its own lock)."""
 
     def __init__(self) -> None:
-        self._ranks: dict[K, _Rank] = {}
+        self._ranks: dict[str, _Rank] = {}
         # (priority, -depth, last_tick, key), first victim on top; an entry with an outdated tick is stale, skipped.
-        self._heap: list[tuple[float, int, int, K]] = []
+        self._heap: list[tuple[float, int, int, str]] = []
         self._age_floor = 0.0
         self._tick = 0
 
     def __len__(self) -> int:
         return len(self._ranks)
 
-    def add(self, key: K, depth: int) -> None:
+    def add(self, key: str, depth: int) -> None:
         """A new entry starts at the age floor with no hits (re-adding a known key touches it)."""
         if key in self._ranks:
             self.touch(key)
@@ -41,7 +38,7 @@ class LfuAging(Generic[K]):
         self._ranks[key] = rank
         self._push(key, rank)
 
-    def touch(self, key: K) -> None:
+    def touch(self, key: str) -> None:
         rank = self._ranks.get(key)
         if rank is None:
             return
@@ -51,7 +48,7 @@ class LfuAging(Generic[K]):
         rank.last_tick = self._tick
         self._push(key, rank)
 
-    def remove(self, key: K) -> None:
+    def remove(self, key: str) -> None:
         """Forget `key` without counting it as an eviction (a delete): the age floor stays."""
         self._ranks.pop(key, None)
 
@@ -60,10 +57,10 @@ class LfuAging(Generic[K]):
         self._heap.clear()
         self._age_floor = 0.0
 
-    def evict_while(self, over_budget: Callable[[], bool], evict: Callable[[K], bool]) -> list[K]:
+    def evict_while(self, over_budget: Callable[[], bool], evict: Callable[[str], bool]) -> list[str]:
         """Offer keys to `evict` (True: dropped) in order while `over_budget()`; returns the keys evicted."""
-        done: list[K] = []
-        kept: list[tuple[float, int, int, K]] = []
+        done: list[str] = []
+        kept: list[tuple[float, int, int, str]] = []
         while self._heap and over_budget():
             entry = heapq.heappop(self._heap)
             key = entry[3]
@@ -80,7 +77,7 @@ class LfuAging(Generic[K]):
             heapq.heappush(self._heap, entry)
         return done
 
-    def _push(self, key: K, rank: _Rank) -> None:
+    def _push(self, key: str, rank: _Rank) -> None:
         heapq.heappush(self._heap, (rank.priority, -rank.depth, rank.last_tick, key))
         if len(self._heap) > 2 * len(self._ranks) + 64:  # mostly stale entries (many touches): rebuild
             self._heap = [(r.priority, -r.depth, r.last_tick, k) for k, r in self._ranks.items()]
