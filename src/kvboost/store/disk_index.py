@@ -12,7 +12,7 @@ from pathlib import Path
 import xxhash
 
 from .base import ChunkMeta
-from .serialize import RecordError, UnsupportedFormatError, frame_checksum, loads_namespaced_meta
+from .serialize import FRAME, RecordError, UnsupportedFormatError, loads_namespaced_meta
 
 INDEX = "index.sqlite3"
 MANIFEST = "manifest.json"
@@ -59,9 +59,9 @@ def chunk_relpath(namespace: str, key: str) -> str:
 
 
 def index_row(namespace: str, meta: ChunkMeta, blob: bytes, relpath: str) -> tuple:
-    """The UPSERT parameters for one chunk file."""
+    """The UPSERT parameters for one chunk file (a valid frame: its checksum is recorded)."""
     return (namespace, meta.key, meta.parent_key, meta.content_key, meta.start, len(meta.token_ids),
-            json.dumps(list(meta.token_ids)), len(blob), format(frame_checksum(blob) or 0, "016x"), relpath,
+            json.dumps(list(meta.token_ids)), len(blob), format(FRAME.unpack_from(blob)[2], "016x"), relpath,
             time.time())
 
 

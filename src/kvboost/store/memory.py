@@ -135,10 +135,6 @@ class MemoryStore:
             return TierStats(**vars(self._stats))
 
     # ---- internals ---------------------------------------------------------------------------
-    def _over_budget(self) -> bool:
-        return self._bytes > self.budget_bytes or (
-            self.max_entries is not None and len(self._entries) > self.max_entries)
-
     def _evict_over_budget(self, protect: str) -> list[ChunkRecord]:
         evicted: list[ChunkRecord] = []
 
@@ -151,7 +147,8 @@ class MemoryStore:
             self._stats.evictions += 1
             return True
 
-        self._policy.evict_while(self._over_budget, evict)
+        self._policy.evict_while(lambda: self._bytes > self.budget_bytes or (
+            self.max_entries is not None and len(self._entries) > self.max_entries), evict)
         return evicted
 
     def _remove(self, key: str, compact: bool = True) -> None:

@@ -18,8 +18,8 @@ from .base import ChunkMeta, ChunkRecord
 from .quant import Encoded, QuantCodec, QuantRecord, QuantTensor, decode_key, decode_value
 
 MAGIC = b"KVBOOST\x01"
-_FRAME = struct.Struct("<8sQQ")  # magic, body length, xxh3_64(body)
-FRAME_SIZE = _FRAME.size
+FRAME = struct.Struct("<8sQQ")  # magic, body length, xxh3_64(body)
+FRAME_SIZE = FRAME.size
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -78,15 +78,7 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
         "quantized": layout,
     }
     body = st_save(tensors, metadata={"kvboost": json.dumps(header, separators=(",", ":"))})
-    return _FRAME.pack(MAGIC, len(body), checksum(body)) + body
-
-
-def frame_checksum(blob: bytes) -> int | None:
-    """The checksum recorded in a blob's frame (None when there is no valid frame)."""
-    if len(blob) < FRAME_SIZE:
-        return None
-    magic, _, digest = _FRAME.unpack_from(blob)
-    return digest if magic == MAGIC else None
+    return FRAME.pack(MAGIC, len(body), checksum(body)) + body
 
 
 def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> ChunkRecord:
@@ -113,7 +105,7 @@ def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict
     """The header and tensors of an intact blob; NamespaceMismatchError when written under another namespace."""
     if len(blob) < FRAME_SIZE:
         raise CorruptRecordError(f"truncated: {len(blob)} bytes is shorter than the frame")
-    magic, length, digest = _FRAME.unpack_from(blob)
+    magic, length, digest = FRAME.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptRecordError("bad magic: not a kvboost record")
     if len(blob) - FRAME_SIZE != length:

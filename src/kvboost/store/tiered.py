@@ -269,8 +269,7 @@ def build_store(config, namespace: str, write_through_disk: bool = True, device_
     """The tiers an EngineConfig asks for; `namespace` must identify the model (and salt). device_budget_bytes: the
     memory tier is the device's, with a host tier of memory_budget_bytes behind it. A disk is written through."""
     # Another store in this process may still be writing to the same target: let it land first.
-    flush_timeout_s = config.flush_timeout_s
-    flush_targets(_targets(config.disk_cache_dir, config.redis_url), flush_timeout_s)
+    flush_targets(_targets(config.disk_cache_dir, config.redis_url), config.flush_timeout_s)
     bits = config.kv_cache_bits
     # V groups span a token's [heads*head_dim] vector (up to 256): one scale/zero pair per token.
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
@@ -290,4 +289,4 @@ def build_store(config, namespace: str, write_through_disk: bool = True, device_
     redis = RedisStore(config.redis_url, namespace=namespace, ttl_s=config.redis_ttl_s, bits=bits) \
         if config.redis_url else None
     return TieredStore(memory, disk=disk, redis=redis, write_through_disk=write_through_disk,
-                       write_queue_bytes=config.write_queue_bytes, flush_timeout_s=flush_timeout_s, host=host)
+                       write_queue_bytes=config.write_queue_bytes, flush_timeout_s=config.flush_timeout_s, host=host)
