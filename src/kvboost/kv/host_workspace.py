@@ -9,7 +9,7 @@ import torch
 
 from .host_transfer import CudaCopies, InlineCopies
 from .pinned import pinned_empty
-from .workspace import LayerShape, concat_into, grown_capacity
+from .workspace import KVWorkspace, LayerShape, concat_into, grown_capacity
 
 
 @dataclass
@@ -192,13 +192,7 @@ class HostWorkspace:
         if self.resident is not None:
             self.resident.invalidate_from(start)
 
-    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
-              n_tokens: int | None = None, row: int | None = None) -> None:
-        """One chunk's per-layer K/V ([kv_heads, n, d] or [1, kv_heads, n, d]) to positions start..."""
-        for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
-            k, v = (k[0], v[0]) if k.dim() == 4 else (k, v)
-            n = k.shape[-2] if n_tokens is None else n_tokens
-            self.write_layer(i, [k[:, :n]], [v[:, :n]], start, row=row)
+    write = KVWorkspace.write
 
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned host copies [kv_heads, end - start, d] of positions [start, end), every layer."""

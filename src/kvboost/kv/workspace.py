@@ -202,13 +202,12 @@ class KVWorkspace:
     # ---- contents -----------------------------------------------------------------------------
     def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
               n_tokens: int | None = None, row: int | None = None) -> None:
-        """Copy one chunk's K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to start... of each row or `row`."""
-        c = self._column(start)
-        rows = slice(None) if row is None else row
+        """Copy one chunk's K/V ([kv_heads, n, d] or [1, kv_heads, n, d]) to positions start... of every row, or one
+        `row`, a layer at a time through write_layer (RowView and HostWorkspace share it)."""
         for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
+            k, v = (k[0], v[0]) if k.dim() == 4 else (k, v)
             n = k.shape[-2] if n_tokens is None else n_tokens
-            self._k[i][rows, :, c:c + n].copy_(k[..., :n, :])
-            self._v[i][rows, :, c:c + n].copy_(v[..., :n, :])
+            self.write_layer(i, [k[:, :n]], [v[:, :n]], start, row=row)
 
     def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                     row: int | None = None) -> None:
@@ -285,10 +284,6 @@ class RowView:
     def ensure_layer_capacity(self, layer_idx: int, needed: int) -> None:
         self.parent.ensure_layer_capacity(layer_idx, needed)
 
-    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
-              n_tokens: int | None = None, row: int | None = None) -> None:
-        self.parent.write(layer_keys, layer_values, start, n_tokens, row=self.index)
-
     def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                     row: int | None = None) -> None:
         self.parent.write_layer(layer_idx, keys, values, start, row=self.index)
@@ -297,3 +292,4 @@ class RowView:
         return self.parent.read(start, end, row=self.index)
 
     make_cache = KVWorkspace.make_cache  # its layers write through this row
+    write = KVWorkspace.write
