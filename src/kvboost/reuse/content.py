@@ -114,12 +114,11 @@ class ContentIndex:
             if meta is None:
                 return
             self._salts.pop(key, None)
-            if meta.parent_key is not None:
-                siblings = self._children.get(meta.parent_key)
-                if siblings and key in siblings:
-                    siblings.remove(key)
-                if not siblings:
-                    self._children.pop(meta.parent_key, None)
+            siblings = self._children.get(meta.parent_key, [])  # (a root chunk's parent, None, has no entry)
+            if key in siblings:
+                siblings.remove(key)
+            if not siblings:
+                self._children.pop(meta.parent_key, None)
             self._stale_windows += max(0, len(meta.token_ids) - self.window + 1)
             if self._stale_windows > max(4096, self._n_windows // 2):
                 self._rebuild_windows()

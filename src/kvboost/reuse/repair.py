@@ -134,11 +134,6 @@ class _Schedule:
         self.first = self.current = first
         self.live, self.pool, self.keep, self.check = live, pool, keep or [], check
 
-    @property
-    def recomputed(self) -> int:
-        """Placed tokens recomputed (in every layer after selection)."""
-        return self.pool.numel()
-
     def probes(self, layer: int) -> bool:
         return self.check <= layer < self.check + len(self.keep)
 
@@ -283,4 +278,4 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     finally:
         for h in handles:
             h.remove()
-    return RepairResult(out.logits[0, -1].float(), int(schedule.recomputed))
+    return RepairResult(out.logits[0, -1].float(), schedule.pool.numel())

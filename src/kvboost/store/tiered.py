@@ -43,12 +43,9 @@ class TieredStore:
 
     def tier_names(self) -> list[str]:
         """Where stored chunks live, fastest first, with their budgets: for the engine's plan."""
-        def gib(n: int | None) -> str:
-            return "unbounded" if n is None else f"{n / 2**30:.2f} GiB"
-
-        names = [f"memory ({'device, ' if self.host is not None else ''}{gib(self.memory.budget_bytes)})"]
+        names = [f"memory ({'device, ' if self.host is not None else ''}{self.memory.budget_bytes / 2**30:.2f} GiB)"]
         if self.host is not None:
-            names.append(f"host ({gib(self.host.budget_bytes)})")
+            names.append(f"host ({self.host.budget_bytes / 2**30:.2f} GiB)")
         if self.disk is not None:
             names.append(f"disk ({getattr(self.disk, 'directory', '?')})")
         if self.redis is not None:
