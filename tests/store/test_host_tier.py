@@ -225,7 +225,7 @@ def test_eviction_order_is_lfu_with_aging():
 
 
 class Reference:
-    """The tiered store's device/host policy over plain MemoryStores (LFU with aging, store/policy.py): what the
+    """The tiered store's device/host policy over plain MemoryStores (LFU with aging, store/memory.py): what the
     host tier must reproduce, key for key, whatever its copies and packing."""
 
     def __init__(self, device_bytes: int, host_bytes: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
-from kvboost.store.policy import LfuAging
+from kvboost.store.memory import LfuAging
 
 
 class SortedReference:
