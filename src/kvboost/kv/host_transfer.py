@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from .cuda_runtime import HOST_TO_DEVICE, cuda_runtime
+from .pinned import HOST_TO_DEVICE, cuda_runtime
 
 DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
