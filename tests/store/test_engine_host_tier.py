@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.store import host_pack
+from kvboost.store import host as host_pack
 
 from ..prompts import text_with_tokens, words
 from ..tiny_models import make_tiny_model

@@ -17,7 +17,7 @@ from _synth import make_record, same
 from kvboost.config import EngineConfig
 from kvboost.kv import pinned
 from kvboost.kv.long_context import device_kv_budget
-from kvboost.store import host_pack
+from kvboost.store import host as host_pack
 from kvboost.store.disk import DiskStore
 from kvboost.store.host import HostStore
 from kvboost.store.memory import MemoryStore
