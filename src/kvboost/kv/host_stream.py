@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .host_transfer import copy_heads
-from .host_workspace import HostWorkspace
+from .host_workspace import HostWorkspace, copy_heads
 from .length_layer import LengthLayer
 
 
