@@ -66,8 +66,7 @@ class InPlaceLayer(LengthLayer):
         self.dtype, self.device = k_buf.dtype, k_buf.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = key_states.shape[-2]
-        end = self.length + n
+        end = self.length + key_states.shape[-2]
         self.workspace.ensure_layer_capacity(self.layer_idx, end)
         k_buf, v_buf = self.workspace.buffers(self.layer_idx)
         k_buf[:, :, self.length:end].copy_(key_states)
@@ -84,12 +83,10 @@ class InPlaceLayer(LengthLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0:
-            self.length = max(0, self.length + tokens_to_remove)
-            self._refresh_views()
+            self.set_length(max(0, self.length + tokens_to_remove))
 
     def reset(self) -> None:
-        self.length = 0
-        self._refresh_views()
+        self.set_length(0)
 
 
 def _resident_attr(name: str) -> property:

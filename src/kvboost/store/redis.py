@@ -303,15 +303,14 @@ class RedisStore(CountedTier):
             self.health.event("unreachable", type(exc).__name__)
             reason = "unreachable"
         elif isinstance(exc, _ERROR_REPLY):
-            if write:
-                self.breaker.success()  # the server answered: it is up, just unwilling to store
-                self.write_breaker.failure()
-            else:
-                self.breaker.failure()  # a read it will not answer: skip it like one that cannot
             self.health.event("write_refused" if write else "error_reply", _reply(exc))
             reason = "refused"
             if write:
+                self.breaker.success()  # the server answered: it is up, just unwilling to store
+                self.write_breaker.failure()
                 self._count("rejected_writes")
+            else:
+                self.breaker.failure()  # a read it will not answer: skip it like one that cannot
         else:  # not Redis's doing (a bug, a value it cannot encode): counted, breakers untouched
             self.health.event("error", type(exc).__name__)
             reason = "error"
