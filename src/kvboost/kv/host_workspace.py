@@ -4,7 +4,6 @@ the host buffers and the device: [kv_heads, n, d] ranges with heads `capacity * 
 (torch's copy_ would gather them into pageable memory first), else per head."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -216,26 +215,23 @@ DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
 
 class _StridedCopy:
-    """cudaMemcpy2DAsync through torch's runtime, looked up once; given up (per-head copies) on any error."""
+    """cudaMemcpy2DAsync through torch's runtime, looked up once; given up (per-head copies) on any error. No lock:
+    threads racing the first lookup get the same cached runtime."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.fn = None
-        self.status = "not tried"
+    fn = None
+    status = "not tried"
 
     def get(self):
-        with self.lock:
-            if self.status == "not tried":
-                try:
-                    self.fn = cuda_runtime().memcpy2d_async
-                    self.status = "one cudaMemcpy2DAsync per layer and K/V"
-                except OSError as exc:
-                    self.status = f"one copy per head: {exc}"
-            return self.fn
+        if self.status == "not tried":
+            try:
+                self.fn = cuda_runtime().memcpy2d_async
+                self.status = "one cudaMemcpy2DAsync per layer and K/V"
+            except OSError as exc:
+                self.status = f"one copy per head: {exc}"
+        return self.fn
 
     def give_up(self, reason: str) -> None:
-        with self.lock:
-            self.fn, self.status = None, f"one copy per head: {reason}"
+        self.fn, self.status = None, f"one copy per head: {reason}"
 
 
 _strided = _StridedCopy()  # .status: how host <-> CUDA copies of head ranges are made in this process
