@@ -32,8 +32,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._fast = threading.RLock()  # memory + host together: moves between them look atomic
         self._stats = TierStats(self.name)
-        self._promotions: dict[str, int] = {}
-        self._queue_hits = 0
+        self._promotions: dict[str, int] = {}  # by the tier (or "queue": write-behind) a hit came from
         self.writer = WriteBehind(write_queue_bytes, flush_timeout_s, targets=_targets(
             getattr(disk, "directory", None), getattr(redis, "url", None))) if self.slow_tiers else None
         if host is not None:
@@ -80,8 +79,7 @@ class TieredStore:
             if pending:  # queued: served from the queue, or deleted (then the slow tiers' copy is stale)
                 if record is not None:
                     self._store_fast(record)
-                    with self._lock:
-                        self._queue_hits += 1
+                    self._promoted("queue")
                 return self._counted(record)
         if record is None:
             for tier in self.slow_tiers:
@@ -204,7 +202,6 @@ class TieredStore:
         out: dict[str, TierStats] = {}
         with self._lock:
             promotions = dict(self._promotions)
-            queue_hits = self._queue_hits
         for t in self.fast_tiers + self.slow_tiers:
             s = t.stats()
             s.promotions = promotions.get(t.name, 0)
@@ -214,7 +211,7 @@ class TieredStore:
                 dropped = Counter(s.extra.get("dropped_writes", {})) + Counter(queue.pop("queue_dropped"))
                 s.extra.update(queue, dropped_writes=dict(dropped))
             out[t.name] = s
-        out["memory"].extra["queue_hits"] = queue_hits
+        out["memory"].extra["queue_hits"] = promotions.get("queue", 0)
         return out
 
     def stats(self) -> TierStats:
