@@ -42,14 +42,13 @@ class CircuitBreaker:
     max_backoff_s: float = 30.0
     failures: int = 0
     opened: int = 0
-    _open_until: float = 0.0
+    _open_until: float | None = None  # None: closed
     _backoff_s: float = 0.0
-    _is_open: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def allow(self) -> bool:
         with self._lock:
-            if not self._is_open:
+            if self._open_until is None:
                 return True
             now = time.monotonic()
             if now < self._open_until:
@@ -60,16 +59,15 @@ class CircuitBreaker:
     def success(self) -> None:
         with self._lock:
             self.failures = 0
-            self._is_open = False
+            self._open_until = None
             self._backoff_s = self.base_backoff_s
 
     def failure(self) -> None:
         with self._lock:
             self.failures += 1
-            if self._is_open:
+            if self._open_until is not None:
                 self._backoff_s = min(self.max_backoff_s, max(self._backoff_s, self.base_backoff_s) * 2)
             elif self.failures >= self.failure_threshold:
-                self._is_open = True
                 self.opened += 1
                 self._backoff_s = self.base_backoff_s
             else:
@@ -80,7 +78,7 @@ class CircuitBreaker:
     def state(self) -> str:
         """"open" while allow() would refuse (read without taking the probe slot), then "half-open"."""
         with self._lock:
-            if not self._is_open:
+            if self._open_until is None:
                 return "closed"
             return "open" if time.monotonic() < self._open_until else "half-open"
 
