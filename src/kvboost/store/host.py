@@ -68,11 +68,6 @@ class HostPayload:
         return ChunkRecord.of(m, [rebase(k) for k in self.record.keys], [rebase(v) for v in self.record.values])
 
 
-def host_nbytes(record: ChunkRecord) -> int:
-    """About what moving `record` to the host takes (before alignment): its payload if quantized, else its K/V."""
-    return record.payload.nbytes if isinstance(record, LazyQuantRecord) else record.nbytes
-
-
 def move_to_host(record: ChunkRecord, pin: bool) -> tuple[HostPayload, str | None]:
     """(record copied into one host buffer, why it is not page-locked when `pin` asked for it, else None)."""
     meta = record.meta()
@@ -212,7 +207,9 @@ class HostStore(MemoryStore):
 
     def put(self, record: ChunkRecord) -> bool:
         """Move (copy) `record` here. False when larger than the budget or the move failed (counted)."""
-        if not self.contains(record.key) and host_nbytes(record) > self.budget_bytes:
+        # About what the move takes (before alignment): the payload if quantized, else the K/V.
+        nbytes = record.payload.nbytes if isinstance(record, LazyQuantRecord) else record.nbytes
+        if not self.contains(record.key) and nbytes > self.budget_bytes:
             return False
         try:
             return super().put(record)

@@ -118,15 +118,12 @@ class MemoryStore:
 
     def clear(self) -> None:
         with self._lock:
-            watch, self.watch = self.watch, None  # one "cleared", not a "removed" per chunk
-            try:
-                for key in list(self._entries):
-                    self._remove(key, compact=False)
-                self._policy.reset()
-            finally:
-                self.watch = watch
-            if watch is not None:
-                watch("cleared", None)
+            for table in (self._entries, self._children, self._by_content, self._span_members):
+                table.clear()
+            self._bytes = 0
+            self._policy.reset()
+            if self.watch is not None:
+                self.watch("cleared", None)  # one "cleared", not a "removed" per chunk
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -151,7 +148,7 @@ class MemoryStore:
             self.max_entries is not None and len(self._entries) > self.max_entries), evict)
         return evicted
 
-    def _remove(self, key: str, compact: bool = True) -> None:
+    def _remove(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
@@ -161,7 +158,7 @@ class MemoryStore:
             # budget counts is what is held.
             members = self._span_members.pop(id(span), set())
             members.discard(key)
-            for other in members if compact else ():
+            for other in members:
                 kept = self._entries[other]
                 kept.payload = kept.payload.standalone()
         self._policy.remove(key)
