@@ -301,7 +301,9 @@ class RedisStore(CountedTier):
             self.health.event("unreachable", type(exc).__name__)
             reason = "unreachable"
         elif isinstance(exc, _ERROR_REPLY):
-            self.health.event("write_refused" if write else "error_reply", _reply(exc))
+            # The server's words (redis-py prefixes pipeline errors with the command, which may be a blob).
+            said = (str(exc.args[0]) if exc.args else type(exc).__name__).split("caused error: ")[-1][:200]
+            self.health.event("write_refused" if write else "error_reply", f"{type(exc).__name__}: {said}")
             reason = "refused"
             if write:
                 self.breaker.success()  # the server answered: it is up, just unwilling to store
@@ -340,9 +342,3 @@ def _parse_meta(key: str, raw: bytes | None) -> ChunkMeta | None:
         return ChunkMeta(key, d["parent_key"], d["content_key"], tuple(int(t) for t in d["token_ids"]), int(d["start"]))
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _reply(exc: Exception) -> str:
-    """The server's words (redis-py prefixes pipeline errors with the command, which may be a blob)."""
-    message = str(exc.args[0]) if exc.args else type(exc).__name__
-    return f"{type(exc).__name__}: {message.split('caused error: ')[-1][:200]}"

@@ -154,7 +154,11 @@ class TieredStore:
             lists.append(ask(self.writer))
             deleted = self.writer.deleted()
         lists += [[m for m in ask(t) if m.key not in deleted] for t in self.slow_tiers]
-        return _merge(lists)
+        seen: dict[str, ChunkMeta] = {}  # a union by key, the fastest tier's copy first (they describe one chunk)
+        for metas in lists:
+            for m in metas:
+                seen.setdefault(m.key, m)
+        return list(seen.values())
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
@@ -247,15 +251,6 @@ def _targets(directory: str | os.PathLike | None, redis_url: str | None) -> froz
     if redis_url:
         out.add(f"redis:{redis_url}")
     return frozenset(out)
-
-
-def _merge(lists) -> list[ChunkMeta]:
-    """Union by key, the fastest tier's copy first (they describe the same chunk)."""
-    seen: dict[str, ChunkMeta] = {}
-    for metas in lists:
-        for m in metas:
-            seen.setdefault(m.key, m)
-    return list(seen.values())
 
 
 def build_store(config, namespace: str, write_through_disk: bool = True, device_budget_bytes: int | None = None,
