@@ -65,11 +65,6 @@ def index_row(namespace: str, meta: ChunkMeta, blob: bytes, relpath: str) -> tup
             time.time())
 
 
-def row_meta(row: tuple) -> ChunkMeta:
-    key, parent_key, content_key, token_ids, start = row
-    return ChunkMeta(key, parent_key, content_key, tuple(json.loads(token_ids)), start)
-
-
 # ---- connections ------------------------------------------------------------------------------------
 def connect(directory: Path, busy_timeout_s: float, check: bool = False) -> sqlite3.Connection:
     """The shared, writable index (WAL). check=True runs PRAGMA quick_check (by the first opener)."""
@@ -104,18 +99,6 @@ def connect_read_only(directory: Path) -> sqlite3.Connection:
                 conn.close()
             last = exc
     raise last
-
-
-def memory_index() -> sqlite3.Connection:
-    """An index held in memory, for a read-only directory whose index file cannot be used."""
-    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-    conn.executescript(SCHEMA)
-    return conn
-
-
-def remove_index_files(directory: Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        (directory / f"{INDEX}{suffix}").unlink(missing_ok=True)
 
 
 # ---- rebuilding from the files ------------------------------------------------------------------------
