@@ -215,8 +215,8 @@ DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
 
 
 class _StridedCopy:
-    """cudaMemcpy2DAsync through torch's runtime, looked up once; given up (per-head copies) on any error. No lock:
-    threads racing the first lookup get the same cached runtime."""
+    """cudaMemcpy2DAsync through torch's runtime, looked up once; given up (fn None: per-head copies) on an error. No
+    lock: threads racing the first lookup get the same cached runtime."""
 
     fn = None
     status = "not tried"
@@ -229,9 +229,6 @@ class _StridedCopy:
             except OSError as exc:
                 self.status = f"one copy per head: {exc}"
         return self.fn
-
-    def give_up(self, reason: str) -> None:
-        self.fn, self.status = None, f"one copy per head: {reason}"
 
 
 _strided = _StridedCopy()  # .status: how host <-> CUDA copies of head ranges are made in this process
@@ -264,7 +261,7 @@ def _copy_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
         rc = fn(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(), src.stride(0) * size, dst[0].numel() * size,
                 dst.shape[0], HOST_TO_DEVICE if kinds[0] == "cuda" else DEVICE_TO_HOST, stream)
     if rc != 0:  # cleared from the runtime's error state by cuda_runtime: torch's next op does not see it
-        _strided.give_up(f"cudaMemcpy2DAsync returned error {rc}")
+        _strided.fn, _strided.status = None, f"one copy per head: cudaMemcpy2DAsync returned error {rc}"
         return False
     return True
 

@@ -94,10 +94,6 @@ def _resident_attr(name: str) -> property:
     return property(lambda self: getattr(self.resident, name), lambda self, value: setattr(self.resident, name, value))
 
 
-def _parent_attr(name: str) -> property:
-    return property(lambda self: getattr(self.parent, name))
-
-
 class KVWorkspace:
     """Per-layer K/V buffers [batch, kv_heads, columns, head_dim] reused across requests. Column c holds position
     `base + c`; `capacity`, `write`, `read` and `ensure_capacity` speak in positions, `buffers` in columns."""
@@ -261,8 +257,9 @@ class RowView:
         self.parent, self.index = parent, index
 
     # read-only, from the parent
-    shapes, dtype, device, base, capacity, max_positions, generation = map(
-        _parent_attr, ("shapes", "dtype", "device", "base", "capacity", "max_positions", "generation"))
+    shapes, dtype, device, base, capacity, max_positions, generation = (
+        property(lambda self, n=n: getattr(self.parent, n))
+        for n in ("shapes", "dtype", "device", "base", "capacity", "max_positions", "generation"))
 
     @property
     def resident(self) -> Resident:

@@ -148,13 +148,6 @@ class DiskStore(CountedTier):
             self._pid = os.getpid()
         return self._conn
 
-    def _wdb(self) -> sqlite3.Connection:
-        """The write connection (opened on first write), waiting up to _BUSY_TIMEOUT_S for other writers."""
-        self._db()  # (fork check)
-        if self._wconn is None:
-            self._wconn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
-        return self._wconn
-
     def close(self) -> None:
         with self._write_lock, self._lock:
             self._release()
@@ -329,7 +322,10 @@ class DiskStore(CountedTier):
         if self.disabled:
             raise RuntimeError(f"disk store disabled: {self.disabled}")
         with self._write_lock:
-            conn = self._wdb()
+            self._db()  # (fork check)
+            if self._wconn is None:  # opened on first write, waiting up to _BUSY_TIMEOUT_S for other writers
+                self._wconn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
+            conn = self._wconn
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn

@@ -42,11 +42,6 @@ class HostPayload:
         """Host memory held (the buffer, alignment included)."""
         return self.buffer.numel() * self.buffer.element_size()
 
-    @property
-    def record_nbytes(self) -> int:
-        """What the record weighs in a memory tier (no alignment): the size a device tier charges for it."""
-        return self.quant.nbytes if self.quant is not None else self.record.nbytes
-
     def host_record(self) -> ChunkRecord:
         """The record over host memory (a quantized one dequantizes lazily, like the quantized memory tier's)."""
         if self.quant is not None:
@@ -81,7 +76,7 @@ def move_to_host(record: ChunkRecord, pin: bool) -> tuple[HostPayload, str | Non
         _copy(list(zip(views, sources)), payload.pinned)
         return payload, reason
     keys, values = list(record.keys), list(record.values)
-    if _uniform(keys + values):
+    if keys[0].dim() == 3 and all(t.shape == keys[0].shape and t.dtype == keys[0].dtype for t in keys + values):
         heads, tokens, dim = keys[0].shape
         buffer, reason = allocate_host((len(keys), 2, heads, tokens, dim), keys[0].dtype, pin)
         host = ChunkRecord.from_packed(meta, buffer)
@@ -105,11 +100,6 @@ def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tupl
 
 
 # ---- internals ----------------------------------------------------------------------------------------------------
-def _uniform(tensors: list[torch.Tensor]) -> bool:
-    first = tensors[0]
-    return first.dim() == 3 and all(t.shape == first.shape and t.dtype == first.dtype for t in tensors)
-
-
 def _byte_buffer(tensors: list[torch.Tensor], pin: bool) -> tuple[torch.Tensor, list[torch.Tensor], str | None]:
     """One uint8 buffer and a view of it shaped like each tensor (each start aligned)."""
     offsets, total = [], 0
@@ -222,7 +212,7 @@ class HostStore(MemoryStore):
         if payload is None:
             return None
         device = None
-        if payload.record_nbytes <= copy_back_bytes:
+        if (payload.quant or payload.record).nbytes <= copy_back_bytes:  # what a device tier charges for it
             try:
                 device = payload.to_device()
             except HostMoveError as exc:  # no device memory for it: served from the host this time

@@ -141,10 +141,6 @@ class QuantCodec:
         self.group_size = group_size  # K: tokens per group
         self.v_group_size = v_group_size or group_size  # V: channels of a token's [heads*head_dim] per group
 
-    def encode_key(self, k: torch.Tensor) -> Encoded:
-        # [heads, tokens, head_dim]: group along tokens, separately for each (head, channel).
-        return quantize_tensor(k, self.bits, self.group_size, axis=1) if quantizable(k) else k.detach()
-
     def encode_value(self, v: torch.Tensor) -> Encoded:
         # [heads, tokens, head_dim] -> [tokens, heads*head_dim]: group along each token's channels.
         if not quantizable(v) or v.dim() != 3:
@@ -156,8 +152,10 @@ class QuantCodec:
         if isinstance(record, LazyQuantRecord) and record.payload.bits == self.bits:
             # Already quantized alike (back from the host tier or the write queue): re-quantizing would add error.
             return record.payload
-        return QuantRecord(record.meta(), [self.encode_key(k) for k in record.keys],
-                           [self.encode_value(v) for v in record.values], self.bits)
+        # K [heads, tokens, head_dim]: grouped along tokens, separately for each (head, channel).
+        keys = [quantize_tensor(k, self.bits, self.group_size, axis=1) if quantizable(k) else k.detach()
+                for k in record.keys]
+        return QuantRecord(record.meta(), keys, [self.encode_value(v) for v in record.values], self.bits)
 
     def decode(self, payload: QuantRecord) -> ChunkRecord:
         # Lazy: a lookup reads only ids and start, and place() dequantizes many chunks together (QuantRun).
