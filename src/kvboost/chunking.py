@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from .model.int4.linear import weight_formats
+from .store.base import ChunkMeta
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Chunk:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    def meta(self) -> ChunkMeta:
+        return ChunkMeta(self.prefix_key, self.parent_key, self.content_key, self.token_ids, self.start)
 
 
 BOUNDARY_END = 2  # the token's text ends a sentence or clause (. ! ? :) or holds a newline: cut right after it

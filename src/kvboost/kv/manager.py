@@ -23,7 +23,7 @@ from ..reuse.assemble import Assembly, ContentState, place_segments
 from ..reuse.content import ContentSegment
 from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
-from ..store.base import ChunkMeta, ChunkRecord, ChunkStore, Span
+from ..store.base import ChunkRecord, ChunkStore, Span
 from ..store.quant import LazyQuantRecord, QuantRun
 from .workspace import KVWorkspace
 
@@ -163,16 +163,15 @@ class KVCacheManager:
         for chunk in self.chunker.split(seq if cut_ids is None else cut_ids, salt, end=len(seq)):
             if self.store.contains(chunk.prefix_key):
                 existing += 1
-                index.add(_meta(chunk), salt)  # e.g. stored by a disk tier in an earlier process
+                index.add(chunk.meta(), salt)  # e.g. stored by a disk tier in an earlier process
             else:
                 todo.append(chunk)
         new = 0
         for chunk, keys, values, span in _read_chunks(source, todo, row, self.spans):
-            record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
-                                 chunk.start, keys, values, span=span)
+            record = ChunkRecord.of(chunk.meta(), keys, values, span=span)
             if self.store.put(record):
                 new += 1
-                index.add(_meta(chunk), salt)
+                index.add(chunk.meta(), salt)
             if chunk.complete:
                 self._drop_superseded(chunk.parent_key, chunk.token_ids)
         with self._count_lock:
@@ -242,10 +241,6 @@ def span_prefix(plan: Plan) -> tuple[Span, int] | None:
         n = seg.end
     n = min(n, plan.reuse_len)
     return (span, n) if n else None
-
-
-def _meta(chunk: Chunk) -> ChunkMeta:
-    return ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
 
 
 def _read_chunks(source: KVSource, chunks: list[Chunk], row: int, spans: bool):

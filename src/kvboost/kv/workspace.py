@@ -219,9 +219,7 @@ class KVWorkspace:
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned copies of positions [start, end) of one batch row: safe to store after the buffers move on."""
         lo, hi = self._column(start), end - self.base
-        keys = [k[row, :, lo:hi].clone() for k in self._k]
-        values = [v[row, :, lo:hi].clone() for v in self._v]
-        return keys, values
+        return [k[row, :, lo:hi].clone() for k in self._k], [v[row, :, lo:hi].clone() for v in self._v]
 
     def _column(self, position: int) -> int:
         if position < self.base:

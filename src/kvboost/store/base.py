@@ -39,9 +39,9 @@ class ChunkRecord:
     span: Span | None = None
 
     @classmethod
-    def of(cls, meta: ChunkMeta, keys: list[torch.Tensor], values: list[torch.Tensor],
-           packed: torch.Tensor | None = None) -> ChunkRecord:
-        return cls(meta.key, meta.parent_key, meta.content_key, tuple(meta.token_ids), meta.start, keys, values, packed)
+    def of(cls, m: ChunkMeta, keys: list[torch.Tensor], values: list[torch.Tensor],
+           packed: torch.Tensor | None = None, span: Span | None = None) -> ChunkRecord:
+        return cls(m.key, m.parent_key, m.content_key, m.token_ids, m.start, keys, values, packed, span)
 
     @classmethod
     def from_packed(cls, meta: ChunkMeta, packed: torch.Tensor) -> ChunkRecord:

@@ -86,9 +86,8 @@ def quantize_tensor(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_
 
 
 def dequantize_tensor(q: QuantTensor) -> torch.Tensor:
-    moved_shape = list(q.shape)
-    length = moved_shape.pop(q.axis)
-    moved_shape.append(length)
+    length = q.shape[q.axis]
+    moved_shape = [d for i, d in enumerate(q.shape) if i != q.axis] + [length]
     codes = unpack_int4(q.data, math.prod(moved_shape)) if q.bits == 4 else q.data
     codes = codes.reshape(moved_shape).float()
     n_groups = q.scale.shape[-1]
@@ -176,9 +175,8 @@ def decode_value(v: Encoded, heads: int) -> torch.Tensor:
 
 def decode_record(payload: QuantRecord) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every layer's K and V of one chunk, dequantized to the original dtype ([heads, tokens, head_dim])."""
-    keys = [decode_key(k) for k in payload.keys]
-    values = [decode_value(v, _heads(k)) for v, k in zip(payload.values, payload.keys)]
-    return keys, values
+    keys = payload.keys
+    return [decode_key(k) for k in keys], [decode_value(v, _heads(k)) for v, k in zip(payload.values, keys)]
 
 
 class LazyQuantRecord(ChunkRecord):

@@ -186,9 +186,8 @@ def _encoded(header: dict, tensors: dict[str, torch.Tensor], name: str) -> Encod
     numel = math.prod(q.shape)
     expected = (numel + 1) // 2 if q.bits == 4 else numel
     length = q.shape[q.axis]
-    groups = -(-length // q.group_size) if length else 0
-    other = list(q.shape)
-    other.pop(q.axis)
+    groups = -(-length // q.group_size)
+    other = [d for i, d in enumerate(q.shape) if i != q.axis]
     if q.data.numel() != expected or list(q.scale.shape) != other + [groups] or q.zero.shape != q.scale.shape:
         raise CorruptRecordError(f"quantized tensor {name}: parts do not match shape {q.shape}")
     return q
