@@ -39,10 +39,8 @@ class DeviceResident:
     def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.keys:
             for s in self.shapes:
-                self.keys.append(torch.empty(1, s.kv_heads, self.capacity, s.head_dim_k, dtype=self.dtype,
-                                             device=self.device))
-                self.values.append(torch.empty(1, s.kv_heads, self.capacity, s.head_dim_v, dtype=self.dtype,
-                                               device=self.device))
+                for bufs, d in ((self.keys, s.head_dim_k), (self.values, s.head_dim_v)):
+                    bufs.append(torch.empty(1, s.kv_heads, self.capacity, d, dtype=self.dtype, device=self.device))
         return self.keys[layer_idx], self.values[layer_idx]
 
     def invalidate_from(self, position: int) -> None:

@@ -144,10 +144,8 @@ class ContentIndex:
 
     def clear(self) -> None:
         with self._lock:
-            self._windows.clear()
-            self._metas.clear()
-            self._children.clear()
-            self._salts.clear()
+            for table in (self._windows, self._metas, self._children, self._salts):
+                table.clear()
             self._n_windows = self._stale_windows = self._pruned_size = 0
 
     # ---- matching ----------------------------------------------------------------------------------
