@@ -122,13 +122,11 @@ class HostWorkspace:
         self.pageable_reason = None
         new_k, new_v = [], []
         for i, s in enumerate(self.shapes):
-            k = self._host_empty((1, s.kv_heads, capacity, s.head_dim_k))
-            v = self._host_empty((1, s.kv_heads, capacity, s.head_dim_v))
-            if keep:
-                k[:, :, :keep].copy_(self._k[i][:, :, :keep])
-                v[:, :, :keep].copy_(self._v[i][:, :, :keep])
-            new_k.append(k)
-            new_v.append(v)
+            for new, old, d in ((new_k, self._k, s.head_dim_k), (new_v, self._v, s.head_dim_v)):
+                t = self._host_empty((1, s.kv_heads, capacity, d))
+                if keep:
+                    t[:, :, :keep].copy_(old[i][:, :, :keep])
+                new.append(t)
         self._k, self._v, self.capacity = new_k, new_v, capacity
         self.length = min(self.length, keep)
         if self.resident is not None:

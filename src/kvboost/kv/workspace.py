@@ -40,9 +40,8 @@ def concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
     else:  # a few pieces (or mixed devices): one copy each
         offset = 0
         for p in pieces:
-            n = p.shape[-2]
-            dst[:, offset:offset + n].copy_(p)
-            offset += n
+            dst[:, offset:offset + p.shape[-2]].copy_(p)
+            offset += p.shape[-2]
 
 
 class InPlaceLayer(LengthLayer):
@@ -134,9 +133,8 @@ class KVWorkspace:
             old_k, old_v, old_rows = self._k, self._v, self.batch_size
             self.batch_size = rows
             self._allocate(self.capacity, keep=0)
-            for i in range(len(self.shapes)):
-                self._k[i][:old_rows].copy_(old_k[i])
-                self._v[i][:old_rows].copy_(old_v[i])
+            for new, old in zip(self._k + self._v, old_k + old_v):
+                new[:old_rows].copy_(old)
             self.residents += [Resident() for _ in range(rows - old_rows)]
 
     def forget_residents(self) -> None:
@@ -152,14 +150,11 @@ class KVWorkspace:
         new_k, new_v = [], []
         # Zeroed: batched steps mask other rows' padding columns, and masked NaN garbage still poisons the softmax.
         for i, s in enumerate(self.shapes):
-            cols = capacity - base
-            k = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_k, dtype=self.dtype, device=self.device)
-            v = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_v, dtype=self.dtype, device=self.device)
-            if keep > lo and self._k:
-                k[:, :, lo - base:keep - base].copy_(self._k[i][:, :, lo - self.base:keep - self.base])
-                v[:, :, lo - base:keep - base].copy_(self._v[i][:, :, lo - self.base:keep - self.base])
-            new_k.append(k)
-            new_v.append(v)
+            for new, old, d in ((new_k, self._k, s.head_dim_k), (new_v, self._v, s.head_dim_v)):
+                t = torch.zeros(self.batch_size, s.kv_heads, capacity - base, d, dtype=self.dtype, device=self.device)
+                if keep > lo and old:
+                    t[:, :, lo - base:keep - base].copy_(old[i][:, :, lo - self.base:keep - self.base])
+                new.append(t)
         self._k, self._v, self.capacity, self.base = new_k, new_v, capacity, base
         # Buffers were replaced: anything holding their addresses (a captured CUDA graph) must be rebuilt.
         self.generation += 1
