@@ -5,7 +5,7 @@ import heapq
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .base import ChunkMeta, ChunkRecord, TierStats, discard_member
@@ -127,9 +127,7 @@ class MemoryStore:
 
     def stats(self) -> TierStats:
         with self._lock:
-            self._stats.entries = len(self._entries)
-            self._stats.bytes = self._bytes
-            return TierStats(**vars(self._stats))
+            return replace(self._stats, entries=len(self._entries), bytes=self._bytes)
 
     # ---- internals ---------------------------------------------------------------------------
     def _evict_over_budget(self, protect: str) -> list[ChunkRecord]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -225,8 +225,7 @@ class QuantRun:
         keys = [k for run in _runs(layer_keys, _key_batch_kind, lambda k: k.shape[1], cap) for k in self._keys(run)]
         layer_values = list(zip([p.values[i] for p in self.payloads], [_heads(k) for k in layer_keys]))
         value_runs = _runs(layer_values, _value_batch_kind, lambda item: item[0].shape[0], cap)
-        values = [v for run in value_runs for v in _values(run)]
-        return keys, values
+        return keys, [v for run in value_runs for v in _values(run)]
 
     def _keys(self, run: list[Encoded]) -> list[torch.Tensor]:
         if _key_batch_kind(run[0]) is None or len(run) == 1:
@@ -307,9 +306,8 @@ def _values(run: list[tuple[Encoded, int]]) -> list[torch.Tensor]:
     qs: list[QuantTensor] = [v for v, _ in run]  # type: ignore[misc]
     n_tokens = sum(q.shape[0] for q in qs)
     q0, heads = qs[0], run[0][1]
-    joined = QuantTensor(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]),
-                         torch.cat([q.zero for q in qs]), q0.bits, (n_tokens, q0.shape[1]), 1, q0.group_size,
-                         q0.dtype)
+    joined = replace(q0, data=torch.cat([q.data for q in qs]), scale=torch.cat([q.scale for q in qs]),
+                     zero=torch.cat([q.zero for q in qs]), shape=(n_tokens, q0.shape[1]))
     return [dequantize_tensor(joined).reshape(n_tokens, heads, -1).permute(1, 0, 2)]
 
 
