@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from .model.int4.linear import weight_formats
+from .store.base import ChunkMeta
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Chunk:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    def meta(self) -> ChunkMeta:
+        return ChunkMeta(self.prefix_key, self.parent_key, self.content_key, self.token_ids, self.start)
 
 
 BOUNDARY_END = 2  # the token's text ends a sentence or clause (. ! ? :) or holds a newline: cut right after it
@@ -82,8 +86,6 @@ class Chunker:
 
     def __init__(self, chunk_size: int, namespace: str, boundary_window: int = 0,
                  boundary_classes: np.ndarray | None = None):
-        if not 0 <= boundary_window < max(1, chunk_size // 2):
-            raise ValueError(f"boundary_window must be in [0, chunk_size/2), got {boundary_window}")
         if boundary_window and boundary_classes is None:
             raise ValueError("a boundary window needs boundary_classes (see chunking.boundary_classes)")
         self.chunk_size, self.namespace, self.boundary_window = chunk_size, namespace, boundary_window

@@ -156,22 +156,6 @@ def render_cost_table(est: CostEstimate, reuse_source: str | None = None, prefil
     return table
 
 
-def write_estimate(path: str | Path, record: dict[str, Any]) -> Path:
-    """Write ``record`` as indented JSON atomically (temp file + rename); returns the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; an estimate is meant to be shared
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
-
-
 def _plain(value: Any) -> Any:
     # Calling cost_command() from Python leaves unspecified parameters as typer OptionInfo objects.
     return value.default if isinstance(value, typer.models.OptionInfo) else value
@@ -215,6 +199,17 @@ def cost_command(
     except BenchSchemaError as e:  # typer renders both as a usage error (exit code 2)
         raise typer.BadParameter(str(e), param_hint="--from-bench") from None
     Console().print(render_cost_table(est, reuse_source=reuse_src, prefill_source=prefill_src))
-    if json_path is not None:
-        write_estimate(json_path, {**asdict(est), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src})
+    if json_path is not None:  # indented JSON, written atomically (temp file + rename)
+        record = {**asdict(est), "reuse_rate_source": reuse_src, "prefill_rate_source": prefill_src}
+        out = Path(json_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+                fh.write(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+            os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; an estimate is meant to be shared
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return est

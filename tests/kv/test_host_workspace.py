@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.kv import host_transfer
-from kvboost.kv.host_transfer import copy_heads
-from kvboost.kv.host_workspace import HostWorkspace
+from kvboost.kv import host_workspace
+from kvboost.kv.host_workspace import HostWorkspace, copy_heads
 from kvboost.kv.workspace import KVWorkspace, LayerShape
 from kvboost.model.forward import forward_tokens, probe_layer_shapes, resolve_attention
 from kvboost.model.streamed_forward import streamed_forward
@@ -259,7 +258,7 @@ def test_cuda_buffers_are_pinned_and_head_ranges_cross_in_one_strided_copy():
     copy_heads(dst[0, :, 5:65], host.buffers(1)[0][0, :, 10:70])
     torch.cuda.synchronize()
     assert torch.equal(dst[0, :, 5:65], src)
-    status = host_transfer._strided.status
+    status = host_workspace._strided.status
     assert status == "one cudaMemcpy2DAsync per layer and K/V", status
 
 

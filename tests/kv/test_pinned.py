@@ -1,4 +1,4 @@
-"""kv/pinned.py and kv/cuda_runtime.py: host memory page-locked at its exact size (torch's pinning rounds up to a
+"""kv/pinned.py: host memory page-locked at its exact size (torch's pinning rounds up to a
 power of two), unregistered once nothing uses it; every failure falls back to pageable memory, cleared from the
 CUDA runtime's error state."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvboost.kv import pinned
-from kvboost.kv.cuda_runtime import CudaRuntime
+from kvboost.kv.pinned import CudaRuntime
 
 
 class _FakeRuntime:

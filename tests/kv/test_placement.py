@@ -113,7 +113,7 @@ def _reference_place(plan: Plan, ws: KVWorkspace, row: int | None) -> None:
 def test_place_equals_per_chunk_placement(tokenizer, bits, row, threaded, monkeypatch):
     monkeypatch.setattr(manager, "_POOL_BYTES", 0 if threaded else 1 << 62)
     pools = []
-    monkeypatch.setattr(manager, "_copy_pool", lambda real=manager._copy_pool: pools.append(1) or real())
+    monkeypatch.setattr(manager, "_copy_pool", lambda n, real=manager._copy_pool: pools.append(1) or real(n))
     threads = torch.get_num_threads()
     torch.set_num_threads(max(threads, 2))  # the pool serves only more than one thread
     try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvboost import KVBoost
-from kvboost.store import host_pack
+from kvboost.store import host as host_tier
 
 from ..prompts import text_with_tokens, words
 from ..tiny_models import make_tiny_model
@@ -90,9 +90,9 @@ def test_a_quantized_device_tier_with_a_host_tier_matches_one_without(model, tok
 
 def test_failed_moves_never_fail_a_request(model, tokenizer, monkeypatch, caplog):
     def no_memory(shape, dtype, pin):
-        raise host_pack.HostMoveError("alloc", "out of host memory")
+        raise host_tier.HostMoveError("alloc", "out of host memory")
 
-    monkeypatch.setattr(host_pack, "allocate_host", no_memory)
+    monkeypatch.setattr(host_tier, "allocate_host", no_memory)
     prefix, prompt = prompt_pair(tokenizer, seed=5)
     engine = KVBoost(model, tokenizer, chunk_size=CHUNK, memory_budget_bytes=64 << 20,
                      device_kv_budget_bytes=2 * chunk_bytes(model))

@@ -17,7 +17,7 @@ from _synth import make_record, same
 from kvboost.config import EngineConfig
 from kvboost.kv import pinned
 from kvboost.kv.long_context import device_kv_budget
-from kvboost.store import host_pack
+from kvboost.store import host as host_tier
 from kvboost.store.disk import DiskStore
 from kvboost.store.host import HostStore
 from kvboost.store.memory import MemoryStore
@@ -130,9 +130,9 @@ def test_a_quantized_device_tier_moves_its_payloads_unchanged():
 
 def test_a_failed_move_is_counted_and_the_record_goes_on_without_the_host(tmp_path, monkeypatch, caplog):
     def no_memory(shape, dtype, pin):
-        raise host_pack.HostMoveError("alloc", "out of host memory")
+        raise host_tier.HostMoveError("alloc", "out of host memory")
 
-    monkeypatch.setattr(host_pack, "allocate_host", no_memory)
+    monkeypatch.setattr(host_tier, "allocate_host", no_memory)
     recs = [make_record(i) for i in range(4)]
     store = tiered(1, 4, disk=DiskStore(tmp_path, namespace="m"))
     assert all(store.put(r) for r in recs)  # nothing raised
@@ -146,7 +146,7 @@ def test_a_failed_move_is_counted_and_the_record_goes_on_without_the_host(tmp_pa
 
 def test_a_failed_copy_keeps_nothing_half_made(monkeypatch):
     # A host tensor that refuses in-place writes (a leaf that requires grad) makes every copy into it fail.
-    monkeypatch.setattr(host_pack, "allocate_host",
+    monkeypatch.setattr(host_tier, "allocate_host",
                         lambda shape, dtype, pin: (torch.empty(shape, dtype=dtype, requires_grad=True), None))
     store = tiered(1, 4)
     recs = [make_record(i) for i in range(3)]
@@ -163,9 +163,9 @@ def test_a_failed_copy_back_serves_the_host_record(monkeypatch):
     store.put(b)
 
     def device_full(self):
-        raise host_pack.HostMoveError("copy_to_device", "out of device memory")
+        raise host_tier.HostMoveError("copy_to_device", "out of device memory")
 
-    monkeypatch.setattr(host_pack.HostPayload, "to_device", device_full)
+    monkeypatch.setattr(host_tier.HostPayload, "to_device", device_full)
     got = store.get(a.key)
     assert same(got, a) and where(store, a.key) == {"host"}  # served from the host, kept there
     host = store.tier_stats()["host"]
@@ -225,7 +225,7 @@ def test_eviction_order_is_lfu_with_aging():
 
 
 class Reference:
-    """The tiered store's device/host policy over plain MemoryStores (LFU with aging, store/policy.py): what the
+    """The tiered store's device/host policy over plain MemoryStores (LFU with aging, store/memory.py): what the
     host tier must reproduce, key for key, whatever its copies and packing."""
 
     def __init__(self, device_bytes: int, host_bytes: int):

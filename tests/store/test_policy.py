@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
-from kvboost.store.policy import LfuAging
+from kvboost.store.memory import LfuAging
 
 
 class SortedReference:
@@ -62,7 +62,7 @@ def _order(policy) -> list[str]:
 def test_heap_evicts_in_the_sorted_order_on_random_traces():
     for seed in range(40):
         rng = random.Random(seed)
-        heap, ref = LfuAging[str](), SortedReference()
+        heap, ref = LfuAging(), SortedReference()
         for _ in range(400):
             op = rng.random()
             key = f"k{rng.randrange(60)}"
@@ -85,7 +85,7 @@ def test_heap_evicts_in_the_sorted_order_on_random_traces():
 
 
 def test_kept_keys_are_offered_again_and_each_once_per_call():
-    policy = LfuAging[str]()
+    policy = LfuAging()
     for i, key in enumerate("abcd"):
         policy.add(key, depth=i)
     offered: list[str] = []
@@ -100,7 +100,7 @@ def test_kept_keys_are_offered_again_and_each_once_per_call():
 
 
 def test_many_touches_keep_the_heap_bounded_and_the_order_right():
-    policy = LfuAging[str]()
+    policy = LfuAging()
     for i in range(10):
         policy.add(f"k{i}", depth=0)
     for _ in range(50):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from _synth import layered_blob, same
 
-from kvboost.store.base import ChunkRecord
+from kvboost.store.base import ChunkMeta, ChunkRecord
 from kvboost.store.quant import QuantCodec
 from kvboost.store.serialize import (
     FRAME_SIZE,
@@ -81,7 +81,7 @@ def test_full_precision_records_are_written_packed(record_factory):
     assert packed is not None and packed.shape == (3, 2, 2, 5, 4) and same(out, rec)
     assert torch.equal(packed[1, 0], rec.keys[1]) and torch.equal(packed[2, 1], rec.values[2])
     # A record built packed is written from its pack as it is.
-    again = ChunkRecord.from_packed(rec.key, None, rec.content_key, rec.token_ids, 0, packed.clone())
+    again = ChunkRecord.from_packed(ChunkMeta(rec.key, None, rec.content_key, rec.token_ids, 0), packed.clone())
     assert dumps(again, "ns") == blob
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .host_transfer import copy_heads
-from .host_workspace import HostWorkspace
+from .host_workspace import HostWorkspace, copy_heads
 from .length_layer import LengthLayer
 
 
@@ -94,7 +93,7 @@ class StagedFeed:
             host_k, host_v = self.host.buffers(i)
             copy_heads(host_k[0, :, s:e], keys[0, :, s:e])
             copy_heads(host_v[0, :, s:e], values[0, :, s:e])
-            self.host.stats.bytes_to_host += _nbytes(keys, values, e - s)
+            self.host.stats.bytes_to_host += keys[:, :, s:e].nbytes + values[:, :, s:e].nbytes
             if i + 1 < len(self.host.shapes):
                 self._prefetch(i + 1)
         return keys, values
@@ -110,15 +109,10 @@ class StagedFeed:
             copy_heads(keys[0, :, self.m:self.start], host_k[0, :, self.m:self.start])
             copy_heads(values[0, :, self.m:self.start], host_v[0, :, self.m:self.start])
             self.ready[i] = self.copies.mark()
-        self.host.stats.bytes_to_device += _nbytes(keys, values, self.start - self.m)
+        self.host.stats.bytes_to_device += keys[:, :, self.m:self.start].nbytes + values[:, :, self.m:self.start].nbytes
 
     def finish(self, ok: bool) -> None:
         self.ready.clear()  # copies prefetched but never taken (a forward that raised) finish before join's event
         self.host.pending = self.copies.join()
         if ok and self.resident is not None:
             self.resident.filled = max(self.m, self.keep_to)
-
-
-def _nbytes(keys: torch.Tensor, values: torch.Tensor, positions: int) -> int:
-    """Bytes of `positions` positions of one layer's K and V [1, kv_heads, n, d]."""
-    return positions * (keys.shape[1] * keys.shape[-1] + values.shape[1] * values.shape[-1]) * keys.element_size()

@@ -1,15 +1,17 @@
 """One sequence's K/V in host memory, for contexts longer than the device holds (device_kv_max_tokens), with the
-workspace surface the KV manager uses; kv/host_stream.py brings each layer to the device as it runs."""
+workspace surface the KV manager uses; kv/host_stream.py brings each layer to the device as it runs. Copies between
+the host buffers and the device: [kv_heads, n, d] ranges with heads `capacity * d` apart go as one cudaMemcpy2DAsync
+(torch's copy_ would gather them into pageable memory first), else per head."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from .host_transfer import CudaCopies, InlineCopies
-from .pinned import pinned_empty
-from .workspace import LayerShape, concat_into, grown_capacity
+from .pinned import HOST_TO_DEVICE, cuda_runtime, pinned_empty
+from .workspace import KVWorkspace, LayerShape, concat_into, grown_capacity
 
 
 @dataclass
@@ -37,10 +39,8 @@ class DeviceResident:
     def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.keys:
             for s in self.shapes:
-                self.keys.append(torch.empty(1, s.kv_heads, self.capacity, s.head_dim_k, dtype=self.dtype,
-                                             device=self.device))
-                self.values.append(torch.empty(1, s.kv_heads, self.capacity, s.head_dim_v, dtype=self.dtype,
-                                               device=self.device))
+                for bufs, d in ((self.keys, s.head_dim_k), (self.values, s.head_dim_v)):
+                    bufs.append(torch.empty(1, s.kv_heads, self.capacity, d, dtype=self.dtype, device=self.device))
         return self.keys[layer_idx], self.values[layer_idx]
 
     def invalidate_from(self, position: int) -> None:
@@ -122,13 +122,11 @@ class HostWorkspace:
         self.pageable_reason = None
         new_k, new_v = [], []
         for i, s in enumerate(self.shapes):
-            k = self._host_empty((1, s.kv_heads, capacity, s.head_dim_k))
-            v = self._host_empty((1, s.kv_heads, capacity, s.head_dim_v))
-            if keep:
-                k[:, :, :keep].copy_(self._k[i][:, :, :keep])
-                v[:, :, :keep].copy_(self._v[i][:, :, :keep])
-            new_k.append(k)
-            new_v.append(v)
+            for new, old, d in ((new_k, self._k, s.head_dim_k), (new_v, self._v, s.head_dim_v)):
+                t = self._host_empty((1, s.kv_heads, capacity, d))
+                if keep:
+                    t[:, :, :keep].copy_(old[i][:, :, :keep])
+                new.append(t)
         self._k, self._v, self.capacity = new_k, new_v, capacity
         self.length = min(self.length, keep)
         if self.resident is not None:
@@ -192,13 +190,7 @@ class HostWorkspace:
         if self.resident is not None:
             self.resident.invalidate_from(start)
 
-    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
-              n_tokens: int | None = None, row: int | None = None) -> None:
-        """One chunk's per-layer K/V ([kv_heads, n, d] or [1, kv_heads, n, d]) to positions start..."""
-        for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
-            k, v = (k[0], v[0]) if k.dim() == 4 else (k, v)
-            n = k.shape[-2] if n_tokens is None else n_tokens
-            self.write_layer(i, [k[:, :n]], [v[:, :n]], start, row=row)
+    write = KVWorkspace.write
 
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned host copies [kv_heads, end - start, d] of positions [start, end), every layer."""
@@ -213,3 +205,112 @@ def _check_row(row: int | None) -> None:
     if row not in (None, 0):
         raise ValueError(f"a host workspace holds one sequence (row 0); got row {row}")
 
+
+# ---- copies between host and device ------------------------------------------------------------------
+DEVICE_TO_HOST = 2  # cudaMemcpyDeviceToHost
+
+
+class _StridedCopy:
+    """cudaMemcpy2DAsync through torch's runtime, looked up once; given up (fn None: per-head copies) on an error. No
+    lock: threads racing the first lookup get the same cached runtime."""
+
+    fn = None
+    status = "not tried"
+
+    def get(self):
+        if self.status == "not tried":
+            try:
+                self.fn = cuda_runtime().memcpy2d_async
+                self.status = "one cudaMemcpy2DAsync per layer and K/V"
+            except OSError as exc:
+                self.status = f"one copy per head: {exc}"
+        return self.fn
+
+
+_strided = _StridedCopy()  # .status: how host <-> CUDA copies of head ranges are made in this process
+
+
+def copy_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src, both [kv_heads, n, d] with each head's [n, d] contiguous, on the current stream: one strided copy
+    between host and CUDA (asynchronous from pinned memory), else one copy per head."""
+    if dst.shape[1] == 0:
+        return
+    if not _copy_2d(dst, src):
+        non_blocking = "cuda" in (dst.device.type, src.device.type)
+        for h in range(dst.shape[0]):
+            dst[h].copy_(src[h], non_blocking=non_blocking)
+
+
+def _copy_2d(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    kinds = (dst.device.type, src.device.type)
+    if kinds not in (("cuda", "cpu"), ("cpu", "cuda")) or dst.dtype != src.dtype or dst.shape != src.shape:
+        return False
+    if not (dst[0].is_contiguous() and src[0].is_contiguous()):
+        return False
+    fn = _strided.get()
+    if fn is None:
+        return False
+    cuda = dst.device if kinds[0] == "cuda" else src.device
+    size = dst.element_size()
+    with torch.cuda.device(cuda):
+        stream = torch.cuda.current_stream(cuda).cuda_stream
+        rc = fn(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(), src.stride(0) * size, dst[0].numel() * size,
+                dst.shape[0], HOST_TO_DEVICE if kinds[0] == "cuda" else DEVICE_TO_HOST, stream)
+    if rc != 0:  # cleared from the runtime's error state by cuda_runtime: torch's next op does not see it
+        _strided.fn, _strided.status = None, f"one copy per head: cudaMemcpy2DAsync returned error {rc}"
+        return False
+    return True
+
+
+class CudaCopies:
+    """Copies on one side stream. The compute stream waits on an event per layer (never on the whole side stream
+    mid-forward), the side stream on the compute stream before it overwrites what compute may still read."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    def after_compute(self) -> None:
+        """Side-stream work issued from now on starts after everything queued on the compute stream so far."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+
+    def on_side(self) -> AbstractContextManager:
+        return torch.cuda.stream(self.side)
+
+    def mark(self) -> torch.cuda.Event:
+        """An event after the side-stream work issued so far."""
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
+
+    def wait(self, done: torch.cuda.Event | None) -> None:
+        """The compute stream's next work starts after `done`."""
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def join(self) -> torch.cuda.Event:
+        """The compute stream waits for all side work; returns an event the host can wait on for all of it."""
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.side)
+        done = torch.cuda.Event()
+        done.record(compute)
+        return done
+
+
+class InlineCopies:
+    """CudaCopies' protocol where copies complete as issued (no streams, no events)."""
+
+    def after_compute(self) -> None:
+        pass
+
+    def on_side(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def mark(self) -> None:
+        return None
+
+    def wait(self, done: None) -> None:
+        pass
+
+    def join(self) -> None:
+        return None

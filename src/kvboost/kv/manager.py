@@ -6,6 +6,7 @@ index; it never runs the model.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from ..reuse.assemble import Assembly, ContentState, place_segments
 from ..reuse.content import ContentSegment
 from ..reuse.match import Segment, common_prefix_length, match_exact
 from ..reuse.rope import RotaryInfo
-from ..store.base import ChunkMeta, ChunkRecord, ChunkStore, Span
+from ..store.base import ChunkRecord, ChunkStore, Span
 from ..store.quant import LazyQuantRecord, QuantRun
 from .workspace import KVWorkspace
 
@@ -162,16 +163,15 @@ class KVCacheManager:
         for chunk in self.chunker.split(seq if cut_ids is None else cut_ids, salt, end=len(seq)):
             if self.store.contains(chunk.prefix_key):
                 existing += 1
-                index.add(_meta(chunk), salt)  # e.g. stored by a disk tier in an earlier process
+                index.add(chunk.meta(), salt)  # e.g. stored by a disk tier in an earlier process
             else:
                 todo.append(chunk)
         new = 0
         for chunk, keys, values, span in _read_chunks(source, todo, row, self.spans):
-            record = ChunkRecord(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids,
-                                 chunk.start, keys, values, span=span)
+            record = ChunkRecord.of(chunk.meta(), keys, values, span=span)
             if self.store.put(record):
                 new += 1
-                index.add(_meta(chunk), salt)
+                index.add(chunk.meta(), salt)
             if chunk.complete:
                 self._drop_superseded(chunk.parent_key, chunk.token_ids)
         with self._count_lock:
@@ -243,10 +243,6 @@ def span_prefix(plan: Plan) -> tuple[Span, int] | None:
     return (span, n) if n else None
 
 
-def _meta(chunk: Chunk) -> ChunkMeta:
-    return ChunkMeta(chunk.prefix_key, chunk.parent_key, chunk.content_key, chunk.token_ids, chunk.start)
-
-
 def _read_chunks(source: KVSource, chunks: list[Chunk], row: int, spans: bool):
     """(chunk, keys, values, span) for each chunk, read from source: with `spans`, consecutive complete chunks as views
     of one read (their Span); a remainder alone (a complete chunk that extends it later replaces it)."""
@@ -316,9 +312,7 @@ def _staged_groups(run: list[_Piece], device: torch.device):
     for p in run:
         packed = None if isinstance(p.record, LazyQuantRecord) else p.record.packed_view()
         if packed is not None and packed.device.type == "cpu":
-            r = p.record
-            p = replace(p, record=ChunkRecord.from_packed(r.key, r.parent_key, r.content_key, r.token_ids, r.start,
-                                                          packed.to(device)))
+            p = replace(p, record=ChunkRecord.from_packed(p.record.meta(), packed.to(device)))
             staged += packed.nbytes
         group.append(p)
         if staged >= _STAGE_BYTES:
@@ -381,7 +375,7 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
             with torch.inference_mode(inference), torch.no_grad():
                 place_layer(i)
 
-        list(_copy_pool().map(place_layer_here, layers))
+        list(_copy_pool(torch.get_num_threads()).map(place_layer_here, layers))
     else:
         for i in layers:
             place_layer(i)
@@ -389,16 +383,11 @@ def _place_group(run: list[_Piece], workspace: KVWorkspace, row: int | None) -> 
 
 # Runs below this many bytes are placed on the calling thread: a hand-off costs more than their copy.
 _POOL_BYTES = 8 << 20
-_pools: dict[int, ThreadPoolExecutor] = {}  # by worker count: torch's thread count can change at run time
-_pools_lock = threading.Lock()
 
 
-def _copy_pool() -> ThreadPoolExecutor:
-    workers = torch.get_num_threads()
-    with _pools_lock:
-        if workers not in _pools:
-            _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="kvboost-place")
-        return _pools[workers]
+@functools.cache  # by worker count: torch's thread count can change at run time
+def _copy_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="kvboost-place")
 
 
 def _trim(pieces: list[torch.Tensor], head: int, tail: int) -> list[torch.Tensor]:

@@ -40,9 +40,8 @@ def concat_into(pieces: list[torch.Tensor], dst: torch.Tensor) -> None:
     else:  # a few pieces (or mixed devices): one copy each
         offset = 0
         for p in pieces:
-            n = p.shape[-2]
-            dst[:, offset:offset + n].copy_(p)
-            offset += n
+            dst[:, offset:offset + p.shape[-2]].copy_(p)
+            offset += p.shape[-2]
 
 
 class InPlaceLayer(LengthLayer):
@@ -66,8 +65,7 @@ class InPlaceLayer(LengthLayer):
         self.dtype, self.device = k_buf.dtype, k_buf.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = key_states.shape[-2]
-        end = self.length + n
+        end = self.length + key_states.shape[-2]
         self.workspace.ensure_layer_capacity(self.layer_idx, end)
         k_buf, v_buf = self.workspace.buffers(self.layer_idx)
         k_buf[:, :, self.length:end].copy_(key_states)
@@ -84,21 +82,15 @@ class InPlaceLayer(LengthLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0:
-            self.length = max(0, self.length + tokens_to_remove)
-            self._refresh_views()
+            self.set_length(max(0, self.length + tokens_to_remove))
 
     def reset(self) -> None:
-        self.length = 0
-        self._refresh_views()
+        self.set_length(0)
 
 
 def _resident_attr(name: str) -> property:
     """A read-write property over the field `name` of the object's `resident`."""
     return property(lambda self: getattr(self.resident, name), lambda self, value: setattr(self.resident, name, value))
-
-
-def _parent_attr(name: str) -> property:
-    return property(lambda self: getattr(self.parent, name))
 
 
 class KVWorkspace:
@@ -141,9 +133,8 @@ class KVWorkspace:
             old_k, old_v, old_rows = self._k, self._v, self.batch_size
             self.batch_size = rows
             self._allocate(self.capacity, keep=0)
-            for i in range(len(self.shapes)):
-                self._k[i][:old_rows].copy_(old_k[i])
-                self._v[i][:old_rows].copy_(old_v[i])
+            for new, old in zip(self._k + self._v, old_k + old_v):
+                new[:old_rows].copy_(old)
             self.residents += [Resident() for _ in range(rows - old_rows)]
 
     def forget_residents(self) -> None:
@@ -159,14 +150,11 @@ class KVWorkspace:
         new_k, new_v = [], []
         # Zeroed: batched steps mask other rows' padding columns, and masked NaN garbage still poisons the softmax.
         for i, s in enumerate(self.shapes):
-            cols = capacity - base
-            k = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_k, dtype=self.dtype, device=self.device)
-            v = torch.zeros(self.batch_size, s.kv_heads, cols, s.head_dim_v, dtype=self.dtype, device=self.device)
-            if keep > lo and self._k:
-                k[:, :, lo - base:keep - base].copy_(self._k[i][:, :, lo - self.base:keep - self.base])
-                v[:, :, lo - base:keep - base].copy_(self._v[i][:, :, lo - self.base:keep - self.base])
-            new_k.append(k)
-            new_v.append(v)
+            for new, old, d in ((new_k, self._k, s.head_dim_k), (new_v, self._v, s.head_dim_v)):
+                t = torch.zeros(self.batch_size, s.kv_heads, capacity - base, d, dtype=self.dtype, device=self.device)
+                if keep > lo and old:
+                    t[:, :, lo - base:keep - base].copy_(old[i][:, :, lo - self.base:keep - self.base])
+                new.append(t)
         self._k, self._v, self.capacity, self.base = new_k, new_v, capacity, base
         # Buffers were replaced: anything holding their addresses (a captured CUDA graph) must be rebuilt.
         self.generation += 1
@@ -202,13 +190,12 @@ class KVWorkspace:
     # ---- contents -----------------------------------------------------------------------------
     def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
               n_tokens: int | None = None, row: int | None = None) -> None:
-        """Copy one chunk's K/V ([kv_heads, n, d] or [batch, kv_heads, n, d]) to start... of each row or `row`."""
-        c = self._column(start)
-        rows = slice(None) if row is None else row
+        """Copy one chunk's K/V ([kv_heads, n, d] or [1, kv_heads, n, d]) to positions start... of every row, or one
+        `row`, a layer at a time through write_layer (RowView and HostWorkspace share it)."""
         for i, (k, v) in enumerate(zip(layer_keys, layer_values)):
+            k, v = (k[0], v[0]) if k.dim() == 4 else (k, v)
             n = k.shape[-2] if n_tokens is None else n_tokens
-            self._k[i][rows, :, c:c + n].copy_(k[..., :n, :])
-            self._v[i][rows, :, c:c + n].copy_(v[..., :n, :])
+            self.write_layer(i, [k[:, :n]], [v[:, :n]], start, row=row)
 
     def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                     row: int | None = None) -> None:
@@ -227,9 +214,7 @@ class KVWorkspace:
     def read(self, start: int, end: int, row: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Owned copies of positions [start, end) of one batch row: safe to store after the buffers move on."""
         lo, hi = self._column(start), end - self.base
-        keys = [k[row, :, lo:hi].clone() for k in self._k]
-        values = [v[row, :, lo:hi].clone() for v in self._v]
-        return keys, values
+        return [k[row, :, lo:hi].clone() for k in self._k], [v[row, :, lo:hi].clone() for v in self._v]
 
     def _column(self, position: int) -> int:
         if position < self.base:
@@ -265,8 +250,9 @@ class RowView:
         self.parent, self.index = parent, index
 
     # read-only, from the parent
-    shapes, dtype, device, base, capacity, max_positions, generation = map(
-        _parent_attr, ("shapes", "dtype", "device", "base", "capacity", "max_positions", "generation"))
+    shapes, dtype, device, base, capacity, max_positions, generation = (
+        property(lambda self, n=n: getattr(self.parent, n))
+        for n in ("shapes", "dtype", "device", "base", "capacity", "max_positions", "generation"))
 
     @property
     def resident(self) -> Resident:
@@ -285,10 +271,6 @@ class RowView:
     def ensure_layer_capacity(self, layer_idx: int, needed: int) -> None:
         self.parent.ensure_layer_capacity(layer_idx, needed)
 
-    def write(self, layer_keys: list[torch.Tensor], layer_values: list[torch.Tensor], start: int,
-              n_tokens: int | None = None, row: int | None = None) -> None:
-        self.parent.write(layer_keys, layer_values, start, n_tokens, row=self.index)
-
     def write_layer(self, layer_idx: int, keys: list[torch.Tensor], values: list[torch.Tensor], start: int,
                     row: int | None = None) -> None:
         self.parent.write_layer(layer_idx, keys, values, start, row=self.index)
@@ -297,3 +279,4 @@ class RowView:
         return self.parent.read(start, end, row=self.index)
 
     make_cache = KVWorkspace.make_cache  # its layers write through this row
+    write = KVWorkspace.write

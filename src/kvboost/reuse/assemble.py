@@ -33,23 +33,19 @@ class Assembly:
         return out
 
 
-def _groups(infos: list[RotaryInfo]) -> list[tuple[RotaryInfo, list[int]]]:
-    """Layers sharing one rotation (same inv_freq and rotary_dim), so cos/sin are built once per piece."""
-    groups: dict[tuple, tuple[RotaryInfo, list[int]]] = {}
-    for i, info in enumerate(infos):
-        # tolist(), not numpy(): inv_freq lives on the model's device (CUDA included).
-        key = (info.rotary_dim, tuple(info.inv_freq.detach().flatten().tolist()))
-        groups.setdefault(key, (info, []))[1].append(i)
-    return list(groups.values())
-
-
 def place_segments(workspace: KVWorkspace, store: ChunkStore, index: ContentIndex, ids: list[int],
                    segments: list[ContentSegment], infos: list[RotaryInfo], row: int | None = None
                    ) -> tuple[Assembly | None, str | None]:
     """Load each piece's record, verify its ids, re-rotate its keys and write K/V at its positions (all rows, or `row`);
     a piece whose record is gone or disagrees is left for prefill. (None, reason) when nothing could be placed."""
     records: dict[str, ChunkRecord | None] = {}
-    groups = _groups(infos)
+    # Layers sharing one rotation (same inv_freq and rotary_dim), so cos/sin are built once per piece.
+    by_rotation: dict[tuple, tuple[RotaryInfo, list[int]]] = {}
+    for i, info in enumerate(infos):
+        # tolist(), not numpy(): inv_freq lives on the model's device (CUDA included).
+        key = (info.rotary_dim, tuple(info.inv_freq.detach().flatten().tolist()))
+        by_rotation.setdefault(key, (info, []))[1].append(i)
+    groups = list(by_rotation.values())
     placed: list[ContentSegment] = []
     n_placed = 0
     for seg in segments:

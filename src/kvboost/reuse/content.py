@@ -114,12 +114,11 @@ class ContentIndex:
             if meta is None:
                 return
             self._salts.pop(key, None)
-            if meta.parent_key is not None:
-                siblings = self._children.get(meta.parent_key)
-                if siblings and key in siblings:
-                    siblings.remove(key)
-                if not siblings:
-                    self._children.pop(meta.parent_key, None)
+            siblings = self._children.get(meta.parent_key, [])  # (a root chunk's parent, None, has no entry)
+            if key in siblings:
+                siblings.remove(key)
+            if not siblings:
+                self._children.pop(meta.parent_key, None)
             self._stale_windows += max(0, len(meta.token_ids) - self.window + 1)
             if self._stale_windows > max(4096, self._n_windows // 2):
                 self._rebuild_windows()
@@ -145,10 +144,8 @@ class ContentIndex:
 
     def clear(self) -> None:
         with self._lock:
-            self._windows.clear()
-            self._metas.clear()
-            self._children.clear()
-            self._salts.clear()
+            for table in (self._windows, self._metas, self._children, self._salts):
+                table.clear()
             self._n_windows = self._stale_windows = self._pruned_size = 0
 
     # ---- matching ----------------------------------------------------------------------------------

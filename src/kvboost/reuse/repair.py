@@ -31,14 +31,10 @@ class RepairResult:
     recomputed: int  # placed tokens recomputed in every layer after selection
 
 
-def _decoder_layers(model: torch.nn.Module) -> Any:
-    return getattr(decoder_of(model), "layers", None)
-
-
 def layer_windows(model: torch.nn.Module) -> tuple[list[int | None] | None, str | None]:
     """Per layer: None (full causal attention) or the sliding window w (query q sees keys k with q - k < w)."""
     config = model.config.get_text_config()
-    layers = _decoder_layers(model)
+    layers = getattr(decoder_of(model), "layers", None)
     if layers is None:
         return None, "no decoder layers found (model.get_decoder().layers)"
     n = len(layers)
@@ -134,11 +130,6 @@ class _Schedule:
         self.first = self.current = first
         self.live, self.pool, self.keep, self.check = live, pool, keep or [], check
 
-    @property
-    def recomputed(self) -> int:
-        """Placed tokens recomputed (in every layer after selection)."""
-        return self.pool.numel()
-
     def probes(self, layer: int) -> bool:
         return self.check <= layer < self.check + len(self.keep)
 
@@ -200,7 +191,7 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     placed = placed.to(device)
     if placed[-1] or placed[:exact_len].any():
         raise ValueError("placed positions must lie in [exact_len, len(ids) - 1)")
-    layers = _decoder_layers(model)
+    layers = getattr(decoder_of(model), "layers", None)
     windows, reason = layer_windows(model)
     if windows is None:
         raise ValueError(reason)
@@ -283,4 +274,4 @@ def repair_forward(model: torch.nn.Module, workspace: KVWorkspace, ids: list[int
     finally:
         for h in handles:
             h.remove()
-    return RepairResult(out.logits[0, -1].float(), int(schedule.recomputed))
+    return RepairResult(out.logits[0, -1].float(), schedule.pool.numel())

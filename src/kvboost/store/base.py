@@ -39,13 +39,16 @@ class ChunkRecord:
     span: Span | None = None
 
     @classmethod
-    def from_packed(cls, key: str, parent_key: str | None, content_key: str, token_ids: tuple[int, ...],
-                    start: int, packed: torch.Tensor) -> ChunkRecord:
+    def of(cls, m: ChunkMeta, keys: list[torch.Tensor], values: list[torch.Tensor],
+           packed: torch.Tensor | None = None, span: Span | None = None) -> ChunkRecord:
+        return cls(m.key, m.parent_key, m.content_key, m.token_ids, m.start, keys, values, packed, span)
+
+    @classmethod
+    def from_packed(cls, meta: ChunkMeta, packed: torch.Tensor) -> ChunkRecord:
         """A record over packed [layers, 2, kv_heads, n_tokens, head_dim]; its keys / values are views of it."""
-        if packed.dim() != 5 or packed.shape[1] != 2 or packed.shape[3] != len(token_ids):
-            raise ValueError(f"packed K/V {tuple(packed.shape)} is not [layers, 2, heads, {len(token_ids)}, dim]")
-        return cls(key, parent_key, content_key, tuple(token_ids), start, list(packed[:, 0].unbind(0)),
-                   list(packed[:, 1].unbind(0)), packed)
+        if packed.dim() != 5 or packed.shape[1] != 2 or packed.shape[3] != len(meta.token_ids):
+            raise ValueError(f"packed K/V {tuple(packed.shape)} is not [layers, 2, heads, {len(meta.token_ids)}, dim]")
+        return cls.of(meta, list(packed[:, 0].unbind(0)), list(packed[:, 1].unbind(0)), packed)
 
     def packed_view(self) -> torch.Tensor | None:
         """`packed` while keys / values are still its views, else None."""
@@ -89,7 +92,7 @@ class ChunkRecord:
         if packed is None:
             return dataclasses.replace(self, keys=[k.clone() for k in self.keys],
                                        values=[v.clone() for v in self.values], packed=None, span=None)
-        return ChunkRecord.from_packed(self.key, self.parent_key, self.content_key, self.token_ids, self.start, packed)
+        return ChunkRecord.from_packed(self.meta(), packed)
 
 
 @dataclass(frozen=True)
@@ -163,9 +166,6 @@ class CountedTier:
             record = None
         self._count("hits" if record is not None else "misses")
         return record
-
-    def _get(self, key: str) -> ChunkRecord | None:
-        raise NotImplementedError
 
     def _snapshot(self) -> TierStats:
         """A copy of the stats, with the counters and the health's events and dropped writes in extra."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import socket
 import sqlite3
@@ -89,7 +90,8 @@ class DiskStore(CountedTier):
             if isinstance(exc, sqlite3.OperationalError) or not alone:
                 raise
             damaged = exc
-            idx.remove_index_files(self.directory)  # rebuilt from the chunk files by the sweep below
+            for suffix in ("", "-wal", "-shm"):  # rebuilt from the chunk files by the sweep below
+                (self.directory / f"{idx.INDEX}{suffix}").unlink(missing_ok=True)
             self._conn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
         self._conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")  # a hit count is not worth waiting for
         if alone:
@@ -116,7 +118,8 @@ class DiskStore(CountedTier):
         try:
             return idx.connect_read_only(self.directory), "index opened read-only"
         except (sqlite3.Error, OSError) as exc:  # missing, damaged, or a WAL index we may not open
-            conn = idx.memory_index()
+            conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            conn.executescript(idx.SCHEMA)
             kept, bad = idx.adopt(conn, self.directory, idx.scan_chunks(self.directory)[0])
             return conn, (f"index unusable ({type(exc).__name__}: {exc}); indexed {kept} chunk files in memory, "
                           f"{len(bad)} failed verification")
@@ -144,13 +147,6 @@ class DiskStore(CountedTier):
                 self._conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")
             self._pid = os.getpid()
         return self._conn
-
-    def _wdb(self) -> sqlite3.Connection:
-        """The write connection (opened on first write), waiting up to _BUSY_TIMEOUT_S for other writers."""
-        self._db()  # (fork check)
-        if self._wconn is None:
-            self._wconn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
-        return self._wconn
 
     def close(self) -> None:
         with self._write_lock, self._lock:
@@ -226,7 +222,7 @@ class DiskStore(CountedTier):
             if row[0] in self._unservable:
                 continue
             try:
-                metas.append(idx.row_meta(row))
+                metas.append(ChunkMeta(*row[:3], tuple(json.loads(row[3])), row[4]))
             except (ValueError, TypeError):  # a damaged index row: skip it, get() will judge the file
                 self._count("errors")
         return metas
@@ -326,7 +322,10 @@ class DiskStore(CountedTier):
         if self.disabled:
             raise RuntimeError(f"disk store disabled: {self.disabled}")
         with self._write_lock:
-            conn = self._wdb()
+            self._db()  # (fork check)
+            if self._wconn is None:  # opened on first write, waiting up to _BUSY_TIMEOUT_S for other writers
+                self._wconn = idx.connect(self.directory, _BUSY_TIMEOUT_S)
+            conn = self._wconn
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn

@@ -12,7 +12,7 @@ from pathlib import Path
 import xxhash
 
 from .base import ChunkMeta
-from .serialize import RecordError, UnsupportedFormatError, frame_checksum, loads_namespaced_meta
+from .serialize import FRAME, RecordError, UnsupportedFormatError, loads_namespaced_meta
 
 INDEX = "index.sqlite3"
 MANIFEST = "manifest.json"
@@ -59,15 +59,10 @@ def chunk_relpath(namespace: str, key: str) -> str:
 
 
 def index_row(namespace: str, meta: ChunkMeta, blob: bytes, relpath: str) -> tuple:
-    """The UPSERT parameters for one chunk file."""
+    """The UPSERT parameters for one chunk file (a valid frame: its checksum is recorded)."""
     return (namespace, meta.key, meta.parent_key, meta.content_key, meta.start, len(meta.token_ids),
-            json.dumps(list(meta.token_ids)), len(blob), format(frame_checksum(blob) or 0, "016x"), relpath,
+            json.dumps(list(meta.token_ids)), len(blob), format(FRAME.unpack_from(blob)[2], "016x"), relpath,
             time.time())
-
-
-def row_meta(row: tuple) -> ChunkMeta:
-    key, parent_key, content_key, token_ids, start = row
-    return ChunkMeta(key, parent_key, content_key, tuple(json.loads(token_ids)), start)
 
 
 # ---- connections ------------------------------------------------------------------------------------
@@ -104,18 +99,6 @@ def connect_read_only(directory: Path) -> sqlite3.Connection:
                 conn.close()
             last = exc
     raise last
-
-
-def memory_index() -> sqlite3.Connection:
-    """An index held in memory, for a read-only directory whose index file cannot be used."""
-    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-    conn.executescript(SCHEMA)
-    return conn
-
-
-def remove_index_files(directory: Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        (directory / f"{INDEX}{suffix}").unlink(missing_ok=True)
 
 
 # ---- rebuilding from the files ------------------------------------------------------------------------

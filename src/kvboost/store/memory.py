@@ -1,14 +1,14 @@
 """In-process tier: byte budget, frequency-and-recency-aware eviction, parent/content indexes."""
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .base import ChunkMeta, ChunkRecord, TierStats, discard_member
-from .policy import LfuAging
 
 
 class Codec(Protocol):
@@ -27,7 +27,7 @@ class _Entry:
 
 
 class MemoryStore:
-    """A byte budget under LFU with dynamic aging (store/policy.py). A parent is touched with its children, so eviction
+    """A byte budget under LFU with dynamic aging (LfuAging below). A parent is touched with its children, so eviction
     takes the tails of chains first."""
 
     name = "memory"
@@ -46,7 +46,7 @@ class MemoryStore:
         self._by_content: dict[str, set[str]] = defaultdict(set)
         self._span_members: dict[int, set[str]] = {}  # id(span) -> the keys of its records stored here
         self._bytes = 0
-        self._policy: LfuAging[str] = LfuAging()
+        self._policy = LfuAging()
         self._lock = threading.RLock()
         self._stats = TierStats(self.name, budget_bytes=self.budget_bytes)
 
@@ -118,27 +118,18 @@ class MemoryStore:
 
     def clear(self) -> None:
         with self._lock:
-            watch, self.watch = self.watch, None  # one "cleared", not a "removed" per chunk
-            try:
-                for key in list(self._entries):
-                    self._remove(key, compact=False)
-                self._policy.reset()
-            finally:
-                self.watch = watch
-            if watch is not None:
-                watch("cleared", None)
+            for table in (self._entries, self._children, self._by_content, self._span_members):
+                table.clear()
+            self._bytes = 0
+            self._policy.reset()
+            if self.watch is not None:
+                self.watch("cleared", None)  # one "cleared", not a "removed" per chunk
 
     def stats(self) -> TierStats:
         with self._lock:
-            self._stats.entries = len(self._entries)
-            self._stats.bytes = self._bytes
-            return TierStats(**vars(self._stats))
+            return replace(self._stats, entries=len(self._entries), bytes=self._bytes)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _over_budget(self) -> bool:
-        return self._bytes > self.budget_bytes or (
-            self.max_entries is not None and len(self._entries) > self.max_entries)
-
     def _evict_over_budget(self, protect: str) -> list[ChunkRecord]:
         evicted: list[ChunkRecord] = []
 
@@ -151,10 +142,11 @@ class MemoryStore:
             self._stats.evictions += 1
             return True
 
-        self._policy.evict_while(self._over_budget, evict)
+        self._policy.evict_while(lambda: self._bytes > self.budget_bytes or (
+            self.max_entries is not None and len(self._entries) > self.max_entries), evict)
         return evicted
 
-    def _remove(self, key: str, compact: bool = True) -> None:
+    def _remove(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
@@ -164,7 +156,7 @@ class MemoryStore:
             # budget counts is what is held.
             members = self._span_members.pop(id(span), set())
             members.discard(key)
-            for other in members if compact else ():
+            for other in members:
                 kept = self._entries[other]
                 kept.payload = kept.payload.standalone()
         self._policy.remove(key)
@@ -176,3 +168,82 @@ class MemoryStore:
 
     def _decode(self, payload: object) -> ChunkRecord:
         return self.codec.decode(payload) if self.codec else payload  # type: ignore[return-value]
+
+
+@dataclass
+class _Rank:
+    depth: int  # the entry's start position: deeper entries go first among equals
+    hits: int
+    priority: float
+    last_tick: int
+
+
+class LfuAging:
+    """LFU with dynamic aging (LFU-DA), the memory tier's eviction order: priority = age floor + hits, the floor rising
+    to each victim's; ties evict the deepest, then stalest entry. A lazy-deletion heap: O(log n) evictions. Not
+    thread-safe (its owner holds its own lock)."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[str, _Rank] = {}
+        # (priority, -depth, last_tick, key), first victim on top; an entry with an outdated tick is stale, skipped.
+        self._heap: list[tuple[float, int, int, str]] = []
+        self._age_floor = 0.0
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def add(self, key: str, depth: int) -> None:
+        """A new entry starts at the age floor with no hits (re-adding a known key touches it)."""
+        if key in self._ranks:
+            self.touch(key)
+            return
+        self._tick += 1
+        rank = _Rank(depth, 0, self._age_floor, self._tick)
+        self._ranks[key] = rank
+        self._push(key, rank)
+
+    def touch(self, key: str) -> None:
+        rank = self._ranks.get(key)
+        if rank is None:
+            return
+        self._tick += 1
+        rank.hits += 1
+        rank.priority = self._age_floor + rank.hits
+        rank.last_tick = self._tick
+        self._push(key, rank)
+
+    def remove(self, key: str) -> None:
+        """Forget `key` without counting it as an eviction (a delete): the age floor stays."""
+        self._ranks.pop(key, None)
+
+    def reset(self) -> None:
+        self._ranks.clear()
+        self._heap.clear()
+        self._age_floor = 0.0
+
+    def evict_while(self, over_budget: Callable[[], bool], evict: Callable[[str], bool]) -> list[str]:
+        """Offer keys to `evict` (True: dropped) in order while `over_budget()`; returns the keys evicted."""
+        done: list[str] = []
+        kept: list[tuple[float, int, int, str]] = []
+        while self._heap and over_budget():
+            entry = heapq.heappop(self._heap)
+            key = entry[3]
+            rank = self._ranks.get(key)
+            if rank is None or rank.last_tick != entry[2]:
+                continue  # stale: touched (a newer entry exists) or gone
+            if evict(key):  # evict may already have called remove(key): rank is kept here
+                self._ranks.pop(key, None)
+                self._age_floor = max(self._age_floor, rank.priority)
+                done.append(key)
+            else:
+                kept.append(entry)
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
+        return done
+
+    def _push(self, key: str, rank: _Rank) -> None:
+        heapq.heappush(self._heap, (rank.priority, -rank.depth, rank.last_tick, key))
+        if len(self._heap) > 2 * len(self._ranks) + 64:  # mostly stale entries (many touches): rebuild
+            self._heap = [(r.priority, -r.depth, r.last_tick, k) for k, r in self._ranks.items()]
+            heapq.heapify(self._heap)

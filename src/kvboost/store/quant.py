@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,9 +86,8 @@ def quantize_tensor(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_
 
 
 def dequantize_tensor(q: QuantTensor) -> torch.Tensor:
-    moved_shape = list(q.shape)
-    length = moved_shape.pop(q.axis)
-    moved_shape.append(length)
+    length = q.shape[q.axis]
+    moved_shape = [d for i, d in enumerate(q.shape) if i != q.axis] + [length]
     codes = unpack_int4(q.data, math.prod(moved_shape)) if q.bits == 4 else q.data
     codes = codes.reshape(moved_shape).float()
     n_groups = q.scale.shape[-1]
@@ -141,10 +140,6 @@ class QuantCodec:
         self.group_size = group_size  # K: tokens per group
         self.v_group_size = v_group_size or group_size  # V: channels of a token's [heads*head_dim] per group
 
-    def encode_key(self, k: torch.Tensor) -> Encoded:
-        # [heads, tokens, head_dim]: group along tokens, separately for each (head, channel).
-        return quantize_tensor(k, self.bits, self.group_size, axis=1) if quantizable(k) else k.detach()
-
     def encode_value(self, v: torch.Tensor) -> Encoded:
         # [heads, tokens, head_dim] -> [tokens, heads*head_dim]: group along each token's channels.
         if not quantizable(v) or v.dim() != 3:
@@ -156,8 +151,10 @@ class QuantCodec:
         if isinstance(record, LazyQuantRecord) and record.payload.bits == self.bits:
             # Already quantized alike (back from the host tier or the write queue): re-quantizing would add error.
             return record.payload
-        return QuantRecord(record.meta(), [self.encode_key(k) for k in record.keys],
-                           [self.encode_value(v) for v in record.values], self.bits)
+        # K [heads, tokens, head_dim]: grouped along tokens, separately for each (head, channel).
+        keys = [quantize_tensor(k, self.bits, self.group_size, axis=1) if quantizable(k) else k.detach()
+                for k in record.keys]
+        return QuantRecord(record.meta(), keys, [self.encode_value(v) for v in record.values], self.bits)
 
     def decode(self, payload: QuantRecord) -> ChunkRecord:
         # Lazy: a lookup reads only ids and start, and place() dequantizes many chunks together (QuantRun).
@@ -178,9 +175,8 @@ def decode_value(v: Encoded, heads: int) -> torch.Tensor:
 
 def decode_record(payload: QuantRecord) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every layer's K and V of one chunk, dequantized to the original dtype ([heads, tokens, head_dim])."""
-    keys = [decode_key(k) for k in payload.keys]
-    values = [decode_value(v, _heads(k)) for v, k in zip(payload.values, payload.keys)]
-    return keys, values
+    keys = payload.keys
+    return [decode_key(k) for k in keys], [decode_value(v, _heads(k)) for v, k in zip(payload.values, keys)]
 
 
 class LazyQuantRecord(ChunkRecord):
@@ -229,8 +225,7 @@ class QuantRun:
         keys = [k for run in _runs(layer_keys, _key_batch_kind, lambda k: k.shape[1], cap) for k in self._keys(run)]
         layer_values = list(zip([p.values[i] for p in self.payloads], [_heads(k) for k in layer_keys]))
         value_runs = _runs(layer_values, _value_batch_kind, lambda item: item[0].shape[0], cap)
-        values = [v for run in value_runs for v in _values(run)]
-        return keys, values
+        return keys, [v for run in value_runs for v in _values(run)]
 
     def _keys(self, run: list[Encoded]) -> list[torch.Tensor]:
         if _key_batch_kind(run[0]) is None or len(run) == 1:
@@ -311,9 +306,8 @@ def _values(run: list[tuple[Encoded, int]]) -> list[torch.Tensor]:
     qs: list[QuantTensor] = [v for v, _ in run]  # type: ignore[misc]
     n_tokens = sum(q.shape[0] for q in qs)
     q0, heads = qs[0], run[0][1]
-    joined = QuantTensor(torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]),
-                         torch.cat([q.zero for q in qs]), q0.bits, (n_tokens, q0.shape[1]), 1, q0.group_size,
-                         q0.dtype)
+    joined = replace(q0, data=torch.cat([q.data for q in qs]), scale=torch.cat([q.scale for q in qs]),
+                     zero=torch.cat([q.zero for q in qs]), shape=(n_tokens, q0.shape[1]))
     return [dequantize_tensor(joined).reshape(n_tokens, heads, -1).permute(1, 0, 2)]
 
 

@@ -42,14 +42,13 @@ class CircuitBreaker:
     max_backoff_s: float = 30.0
     failures: int = 0
     opened: int = 0
-    _open_until: float = 0.0
+    _open_until: float | None = None  # None: closed
     _backoff_s: float = 0.0
-    _is_open: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def allow(self) -> bool:
         with self._lock:
-            if not self._is_open:
+            if self._open_until is None:
                 return True
             now = time.monotonic()
             if now < self._open_until:
@@ -60,16 +59,15 @@ class CircuitBreaker:
     def success(self) -> None:
         with self._lock:
             self.failures = 0
-            self._is_open = False
+            self._open_until = None
             self._backoff_s = self.base_backoff_s
 
     def failure(self) -> None:
         with self._lock:
             self.failures += 1
-            if self._is_open:
+            if self._open_until is not None:
                 self._backoff_s = min(self.max_backoff_s, max(self._backoff_s, self.base_backoff_s) * 2)
             elif self.failures >= self.failure_threshold:
-                self._is_open = True
                 self.opened += 1
                 self._backoff_s = self.base_backoff_s
             else:
@@ -80,7 +78,7 @@ class CircuitBreaker:
     def state(self) -> str:
         """"open" while allow() would refuse (read without taking the probe slot), then "half-open"."""
         with self._lock:
-            if not self._is_open:
+            if self._open_until is None:
                 return "closed"
             return "open" if time.monotonic() < self._open_until else "half-open"
 
@@ -125,23 +123,14 @@ class RedisStore(CountedTier):
         self._stats = TierStats(self.name)
         self._counters = {"short_circuited": 0, "corrupt_dropped": 0, "stale_index_cleaned": 0, "rejected_writes": 0}
 
-    # ---- key layout ------------------------------------------------------------------------------
-    def chunk_key(self, key: str) -> str:
-        return f"{self._prefix}chunk:{key}"
-
-    def meta_key(self, key: str) -> str:
-        return f"{self._prefix}meta:{key}"
-
-    def children_key(self, parent_key: str | None) -> str:
-        return f"{self._prefix}children:{json.dumps(parent_key)}"
-
-    def content_key(self, content_key: str) -> str:
-        return f"{self._prefix}content:{content_key}"
+    def _key(self, kind: str, name: str | None) -> str:
+        """Redis key of a chunk's blob ("chunk"), its meta ("meta"), a parent's ("children") or content's index set."""
+        return f"{self._prefix}{kind}:{json.dumps(name) if kind == 'children' else name}"
 
     # ---- reads -----------------------------------------------------------------------------------
     def _get(self, key: str) -> ChunkRecord | None:
         def fetch(pipe):
-            for name in (self.chunk_key(key), self.meta_key(key)):
+            for name in (self._key("chunk", key), self._key("meta", key)):
                 if self._sliding_ttl:  # sliding expiry: a chunk in use stays
                     pipe.getex(name, ex=self.ttl_s)
                 else:
@@ -164,16 +153,16 @@ class RedisStore(CountedTier):
 
     @_never_raises(False)
     def contains(self, key: str) -> bool:
-        results = self._run(lambda p: p.exists(self.chunk_key(key)))
+        results = self._run(lambda p: p.exists(self._key("chunk", key)))
         return bool(results and results[0])
 
     @_never_raises(list)
     def children(self, parent_key: str | None) -> list[ChunkMeta]:
-        return self._index_members(self.children_key(parent_key))
+        return self._index_members(self._key("children", parent_key))
 
     @_never_raises(list)
     def by_content(self, content_key: str) -> list[ChunkMeta]:
-        return self._index_members(self.content_key(content_key))
+        return self._index_members(self._key("content", content_key))
 
     def _index_members(self, set_key: str) -> list[ChunkMeta]:
         def read(pipe):
@@ -187,8 +176,8 @@ class RedisStore(CountedTier):
 
         def check(pipe):
             for m in members:
-                pipe.get(self.meta_key(m))
-                pipe.exists(self.chunk_key(m))
+                pipe.get(self._key("meta", m))
+                pipe.exists(self._key("chunk", m))
         checked = self._run(check)
         if checked is None:
             return []
@@ -225,9 +214,9 @@ class RedisStore(CountedTier):
 
         def write(pipe):
             ex = self.ttl_s
-            pipe.set(self.chunk_key(record.key), blob, ex=ex)
-            pipe.set(self.meta_key(record.key), meta, ex=ex)
-            for set_key in (self.children_key(record.parent_key), self.content_key(record.content_key)):
+            pipe.set(self._key("chunk", record.key), blob, ex=ex)
+            pipe.set(self._key("meta", record.key), meta, ex=ex)
+            for set_key in (self._key("children", record.parent_key), self._key("content", record.content_key)):
                 pipe.sadd(set_key, record.key)
                 if ex:
                     pipe.expire(set_key, ex)
@@ -238,7 +227,7 @@ class RedisStore(CountedTier):
         if self.write_breaker.state == "open":
             self.health.dropped("breaker_open")
             return
-        results = self._run(lambda p: p.get(self.meta_key(key)))
+        results = self._run(lambda p: p.get(self._key("meta", key)))
         self._forget([(key, results[0] if results else None)], None)
 
     def clear(self) -> None:
@@ -312,15 +301,16 @@ class RedisStore(CountedTier):
             self.health.event("unreachable", type(exc).__name__)
             reason = "unreachable"
         elif isinstance(exc, _ERROR_REPLY):
+            # The server's words (redis-py prefixes pipeline errors with the command, which may be a blob).
+            said = (str(exc.args[0]) if exc.args else type(exc).__name__).split("caused error: ")[-1][:200]
+            self.health.event("write_refused" if write else "error_reply", f"{type(exc).__name__}: {said}")
+            reason = "refused"
             if write:
                 self.breaker.success()  # the server answered: it is up, just unwilling to store
                 self.write_breaker.failure()
+                self._count("rejected_writes")
             else:
                 self.breaker.failure()  # a read it will not answer: skip it like one that cannot
-            self.health.event("write_refused" if write else "error_reply", _reply(exc))
-            reason = "refused"
-            if write:
-                self._count("rejected_writes")
         else:  # not Redis's doing (a bug, a value it cannot encode): counted, breakers untouched
             self.health.event("error", type(exc).__name__)
             reason = "error"
@@ -335,8 +325,8 @@ class RedisStore(CountedTier):
                 meta = _parse_meta(key, raw_meta)
                 sets = {also_from} if also_from else set()
                 if meta is not None:
-                    sets |= {self.children_key(meta.parent_key), self.content_key(meta.content_key)}
-                pipe.delete(self.chunk_key(key), self.meta_key(key))
+                    sets |= {self._key("children", meta.parent_key), self._key("content", meta.content_key)}
+                pipe.delete(self._key("chunk", key), self._key("meta", key))
                 for set_key in sets:
                     pipe.srem(set_key, key)
         self._run(drop, write=True)
@@ -352,9 +342,3 @@ def _parse_meta(key: str, raw: bytes | None) -> ChunkMeta | None:
         return ChunkMeta(key, d["parent_key"], d["content_key"], tuple(int(t) for t in d["token_ids"]), int(d["start"]))
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _reply(exc: Exception) -> str:
-    """The server's words (redis-py prefixes pipeline errors with the command, which may be a blob)."""
-    message = str(exc.args[0]) if exc.args else type(exc).__name__
-    return f"{type(exc).__name__}: {message.split('caused error: ')[-1][:200]}"

@@ -18,8 +18,8 @@ from .base import ChunkMeta, ChunkRecord
 from .quant import Encoded, QuantCodec, QuantRecord, QuantTensor, decode_key, decode_value
 
 MAGIC = b"KVBOOST\x01"
-_FRAME = struct.Struct("<8sQQ")  # magic, body length, xxh3_64(body)
-FRAME_SIZE = _FRAME.size
+FRAME = struct.Struct("<8sQQ")  # magic, body length, xxh3_64(body)
+FRAME_SIZE = FRAME.size
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -78,15 +78,7 @@ def dumps(record: ChunkRecord | QuantRecord, namespace: str, codec: QuantCodec |
         "quantized": layout,
     }
     body = st_save(tensors, metadata={"kvboost": json.dumps(header, separators=(",", ":"))})
-    return _FRAME.pack(MAGIC, len(body), checksum(body)) + body
-
-
-def frame_checksum(blob: bytes) -> int | None:
-    """The checksum recorded in a blob's frame (None when there is no valid frame)."""
-    if len(blob) < FRAME_SIZE:
-        return None
-    magic, _, digest = _FRAME.unpack_from(blob)
-    return digest if magic == MAGIC else None
+    return FRAME.pack(MAGIC, len(body), checksum(body)) + body
 
 
 def loads(blob: bytes, namespace: str | None = None, key: str | None = None) -> ChunkRecord:
@@ -113,7 +105,7 @@ def _verify(blob: bytes | memoryview, namespace: str | None) -> tuple[dict, dict
     """The header and tensors of an intact blob; NamespaceMismatchError when written under another namespace."""
     if len(blob) < FRAME_SIZE:
         raise CorruptRecordError(f"truncated: {len(blob)} bytes is shorter than the frame")
-    magic, length, digest = _FRAME.unpack_from(blob)
+    magic, length, digest = FRAME.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptRecordError("bad magic: not a kvboost record")
     if len(blob) - FRAME_SIZE != length:
@@ -162,7 +154,7 @@ def _decode(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkRecord:
                 or kv.shape[3] != n_tokens or _dtype_name(kv.dtype) != header["dtype"]:
             raise CorruptRecordError(f"packed K/V {None if kv is None else tuple(kv.shape)} does not fit "
                                      f"{header['n_layers']} layers x {n_tokens} tokens")
-        return ChunkRecord.from_packed(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, kv)
+        return ChunkRecord.from_packed(meta, kv)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for i in range(header["n_layers"]):
@@ -172,7 +164,7 @@ def _decode(header: dict, tensors: dict[str, torch.Tensor]) -> ChunkRecord:
             raise CorruptRecordError(f"layer {i}: K {tuple(k.shape)} / V {tuple(v.shape)} do not fit {n_tokens} tokens")
         keys.append(k)
         values.append(v)
-    return ChunkRecord(meta.key, meta.parent_key, meta.content_key, meta.token_ids, meta.start, keys, values)
+    return ChunkRecord.of(meta, keys, values)
 
 
 def _encoded(header: dict, tensors: dict[str, torch.Tensor], name: str) -> Encoded:
@@ -194,9 +186,8 @@ def _encoded(header: dict, tensors: dict[str, torch.Tensor], name: str) -> Encod
     numel = math.prod(q.shape)
     expected = (numel + 1) // 2 if q.bits == 4 else numel
     length = q.shape[q.axis]
-    groups = -(-length // q.group_size) if length else 0
-    other = list(q.shape)
-    other.pop(q.axis)
+    groups = -(-length // q.group_size)
+    other = [d for i, d in enumerate(q.shape) if i != q.axis]
     if q.data.numel() != expected or list(q.scale.shape) != other + [groups] or q.zero.shape != q.scale.shape:
         raise CorruptRecordError(f"quantized tensor {name}: parts do not match shape {q.shape}")
     return q

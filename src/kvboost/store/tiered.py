@@ -32,8 +32,7 @@ class TieredStore:
         self._lock = threading.Lock()
         self._fast = threading.RLock()  # memory + host together: moves between them look atomic
         self._stats = TierStats(self.name)
-        self._promotions: dict[str, int] = {}
-        self._queue_hits = 0
+        self._promotions: dict[str, int] = {}  # by the tier (or "queue": write-behind) a hit came from
         self.writer = WriteBehind(write_queue_bytes, flush_timeout_s, targets=_targets(
             getattr(disk, "directory", None), getattr(redis, "url", None))) if self.slow_tiers else None
         if host is not None:
@@ -43,12 +42,9 @@ class TieredStore:
 
     def tier_names(self) -> list[str]:
         """Where stored chunks live, fastest first, with their budgets: for the engine's plan."""
-        def gib(n: int | None) -> str:
-            return "unbounded" if n is None else f"{n / 2**30:.2f} GiB"
-
-        names = [f"memory ({'device, ' if self.host is not None else ''}{gib(self.memory.budget_bytes)})"]
+        names = [f"memory ({'device, ' if self.host is not None else ''}{self.memory.budget_bytes / 2**30:.2f} GiB)"]
         if self.host is not None:
-            names.append(f"host ({gib(self.host.budget_bytes)})")
+            names.append(f"host ({self.host.budget_bytes / 2**30:.2f} GiB)")
         if self.disk is not None:
             names.append(f"disk ({getattr(self.disk, 'directory', '?')})")
         if self.redis is not None:
@@ -83,8 +79,7 @@ class TieredStore:
             if pending:  # queued: served from the queue, or deleted (then the slow tiers' copy is stale)
                 if record is not None:
                     self._store_fast(record)
-                    with self._lock:
-                        self._queue_hits += 1
+                    self._promoted("queue")
                 return self._counted(record)
         if record is None:
             for tier in self.slow_tiers:
@@ -159,7 +154,11 @@ class TieredStore:
             lists.append(ask(self.writer))
             deleted = self.writer.deleted()
         lists += [[m for m in ask(t) if m.key not in deleted] for t in self.slow_tiers]
-        return _merge(lists)
+        seen: dict[str, ChunkMeta] = {}  # a union by key, the fastest tier's copy first (they describe one chunk)
+        for metas in lists:
+            for m in metas:
+                seen.setdefault(m.key, m)
+        return list(seen.values())
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, record: ChunkRecord) -> bool:
@@ -207,7 +206,6 @@ class TieredStore:
         out: dict[str, TierStats] = {}
         with self._lock:
             promotions = dict(self._promotions)
-            queue_hits = self._queue_hits
         for t in self.fast_tiers + self.slow_tiers:
             s = t.stats()
             s.promotions = promotions.get(t.name, 0)
@@ -217,7 +215,7 @@ class TieredStore:
                 dropped = Counter(s.extra.get("dropped_writes", {})) + Counter(queue.pop("queue_dropped"))
                 s.extra.update(queue, dropped_writes=dict(dropped))
             out[t.name] = s
-        out["memory"].extra["queue_hits"] = queue_hits
+        out["memory"].extra["queue_hits"] = promotions.get("queue", 0)
         return out
 
     def stats(self) -> TierStats:
@@ -255,22 +253,12 @@ def _targets(directory: str | os.PathLike | None, redis_url: str | None) -> froz
     return frozenset(out)
 
 
-def _merge(lists) -> list[ChunkMeta]:
-    """Union by key, the fastest tier's copy first (they describe the same chunk)."""
-    seen: dict[str, ChunkMeta] = {}
-    for metas in lists:
-        for m in metas:
-            seen.setdefault(m.key, m)
-    return list(seen.values())
-
-
 def build_store(config, namespace: str, write_through_disk: bool = True, device_budget_bytes: int | None = None,
                 pin_host: bool = False) -> TieredStore:
     """The tiers an EngineConfig asks for; `namespace` must identify the model (and salt). device_budget_bytes: the
     memory tier is the device's, with a host tier of memory_budget_bytes behind it. A disk is written through."""
     # Another store in this process may still be writing to the same target: let it land first.
-    flush_timeout_s = config.flush_timeout_s
-    flush_targets(_targets(config.disk_cache_dir, config.redis_url), flush_timeout_s)
+    flush_targets(_targets(config.disk_cache_dir, config.redis_url), config.flush_timeout_s)
     bits = config.kv_cache_bits
     # V groups span a token's [heads*head_dim] vector (up to 256): one scale/zero pair per token.
     codec = QuantCodec(bits, v_group_size=256) if bits < 16 else None
@@ -290,4 +278,4 @@ def build_store(config, namespace: str, write_through_disk: bool = True, device_
     redis = RedisStore(config.redis_url, namespace=namespace, ttl_s=config.redis_ttl_s, bits=bits) \
         if config.redis_url else None
     return TieredStore(memory, disk=disk, redis=redis, write_through_disk=write_through_disk,
-                       write_queue_bytes=config.write_queue_bytes, flush_timeout_s=flush_timeout_s, host=host)
+                       write_queue_bytes=config.write_queue_bytes, flush_timeout_s=config.flush_timeout_s, host=host)

@@ -6,7 +6,6 @@ import atexit
 import logging
 import os
 import threading
-import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -125,14 +124,8 @@ class WriteBehind:
     # ---- waiting --------------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write has landed (or failed); False if timeout_s passed first."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._ops or self._inflight is not None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+            return self._cond.wait_for(lambda: not self._ops and self._inflight is None, timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Flush (bounded by timeout_s, default flush_timeout_s), then refuse new writes; what is left is dropped."""
