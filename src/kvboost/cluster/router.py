@@ -29,7 +29,6 @@ class KVBoostRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 4, recent_ttl_s: float = 10.0, **kwargs) -> None:
         self.policy = RoutingPolicy(imbalance=imbalance)
         self.recent = RecentRoutes(recent_ttl_s)  # keys sent lately, until the replicas' reports show them
-        self.last_route = None  # the latest Route, for logs and tests
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -46,7 +45,6 @@ class KVBoostRouter(RequestRouter):
         keys = request.keys or _NO_KEYS
         route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
         self.recent.add(route.replica, keys)
-        self.last_route = route
         first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
         return [first, [r for r in by_load if r not in first]]
 
@@ -64,12 +62,8 @@ class KVBoostRouter(RequestRouter):
 def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
     """The RoutedRequest among the call's arguments, recognised by its fields: the ingress's class reaches this
     process pickled by value with the ingress, so it is a copy of this module's RoutedRequest, not the class itself."""
-    if pending is None:
-        return None
-    for arg in pending.args:
-        if all(hasattr(arg, name) for name in ("http", "keys", "pin")):
-            return arg
-    return None
+    args = pending.args if pending is not None else ()
+    return next((arg for arg in args if all(hasattr(arg, name) for name in ("http", "keys", "pin"))), None)
 
 
 class RoundRobinRouter(RequestRouter):

@@ -103,11 +103,7 @@ def score(request: RequestKeys, replica: ReplicaView) -> tuple[int, int]:
     """(exact, content): the unbroken run of leading chunks held, then the rest of the chunks held by content."""
     if not replica.reachable:
         return 0, 0
-    exact = 0
-    for key in request.chains:
-        if key not in replica.chains:
-            break
-        exact += 1
+    exact = next((i for i, key in enumerate(request.chains) if key not in replica.chains), len(request.chains))
     content = sum(key in replica.contents for key in request.contents[exact:]) if request.content_reuse else 0
     return exact, content
 
