@@ -66,9 +66,7 @@ def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth:
     if room < 0:
         raise ValueError(f"weight_budget_bytes={budget:,}: one slot of {slot:,} bytes does not fit beside the "
                          f"{fixed_bytes:,} resident bytes")
-    keep = 0
-    while keep < n and sum(sorted(layer_bytes)[:keep + 1]) <= room:
-        keep += 1
+    keep = sum(total <= room for total in accumulate(sorted(layer_bytes)))  # the most layers that fit
     resident = sorted({round(i * (n - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else ({0} if keep else set()))
     while sum(layer_bytes[i] for i in resident) > room:  # evenly spread ones may be the larger layers
         resident.pop()
@@ -172,7 +170,6 @@ class WeightStreamer:
         def hook(module, args, output):
             entry = self.layers[k]
             self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
-            return output
         return hook
 
     def as_dict(self) -> dict:

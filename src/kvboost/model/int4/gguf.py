@@ -95,10 +95,9 @@ PARTS = ("codes", "scales", "zeros", "group")
 def _cached_names(tensors: dict[str, torch.Tensor]) -> list[str]:
     """The layers a cache file holds, each with all its parts (else KeyError: the file is unreadable)."""
     names = [k.removesuffix(".codes") for k in tensors if k.endswith(".codes")]
-    for name in names:
-        for part in PARTS:
-            if f"{name}.{part}" not in tensors:
-                raise KeyError(f"{name}.{part}")
+    missing = {f"{name}.{part}" for name in names for part in PARTS} - tensors.keys()
+    if missing:
+        raise KeyError(min(missing))
     return names
 
 
