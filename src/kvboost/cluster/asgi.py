@@ -42,14 +42,11 @@ async def call(app, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes
         await finished.wait()  # a streaming response polls for the client's disconnect here
         return {"type": "http.disconnect"}
 
-    async def send(message: dict) -> None:
-        await sent.put(message)
-
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
              "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
              "query_string": request.query, "headers": request.headers, "client": request.client,
              "server": ("127.0.0.1", 0), "state": {}}
-    task = asyncio.ensure_future(app(scope, receive, send))
+    task = asyncio.ensure_future(app(scope, receive, sent.put))
     task.add_done_callback(lambda _: sent.put_nowait(None))
     try:
         while (message := await sent.get()) is not None:

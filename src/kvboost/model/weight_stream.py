@@ -34,13 +34,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(owner, name, tensor) of every parameter and buffer of a layer, each once."""
-    out, seen = [], set()
-    for module in layer.modules():
+    found: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}
+    for module in layer.modules():  # torch leaves out None parameters and buffers
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                out.append((module, name, t))
-    return out
+            found.setdefault(id(t), (module, name, t))
+    return list(found.values())
 
 
 @dataclass
@@ -59,9 +57,7 @@ def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth:
     if fixed_bytes + sum(layer_bytes) <= budget:
         return StreamPlan(list(range(n)), [], 0, 0)
     slot = max(layer_bytes)
-    slots = min(max(depth, 1), n)
-    while slots > 1 and fixed_bytes + slots * slot > budget:  # a shallower prefetch before refusing
-        slots -= 1
+    slots = max(1, min(depth, n, (budget - fixed_bytes) // slot))  # a shallower prefetch before refusing
     room = budget - fixed_bytes - slots * slot
     if room < 0:
         raise ValueError(f"weight_budget_bytes={budget:,}: one slot of {slot:,} bytes does not fit beside the "
@@ -140,8 +136,7 @@ class WeightStreamer:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 self.slots[slot][:entry.host.numel()].copy_(entry.host, non_blocking=True)
-                entry.ready = torch.cuda.Event()
-                entry.ready.record(self.copy_stream)
+                entry.ready = self.copy_stream.record_event()
         self.where[k], self.in_slot[slot] = slot, k
         self.next_slot = (slot + 1) % len(self.slots)
         self.copies += 1
