@@ -87,9 +87,8 @@ def input_messages(items: str | list[Any]) -> list[Body]:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and not last.get("content"):
-                last.setdefault("tool_calls", []).append(call)
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -264,11 +263,10 @@ class ResponseRenderer:
             events += self._close()
             self.open = self._message("", "in_progress")
             index = len(self.items)
-            part = self.open["content"][0]
             events += [self._event("response.output_item.added", output_index=index,
                                    item={**self.open, "content": []}),
                        self._event("response.content_part.added", item_id=self.open["id"], output_index=index,
-                                   content_index=0, part=dict(part))]
+                                   content_index=0, part=dict(self.open["content"][0]))]
         self.open["content"][0]["text"] += text
         return events + [self._event("response.output_text.delta", item_id=self.open["id"],
                                      output_index=len(self.items), content_index=0, delta=text, logprobs=[])]
