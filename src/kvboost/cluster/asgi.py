@@ -32,13 +32,11 @@ async def call(app, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes
     receive() answers http.disconnect, as a server's would, and the app gets a few seconds to finish."""
     sent: asyncio.Queue[dict | None] = asyncio.Queue()
     finished = asyncio.Event()
-    body_given = False
+    incoming = [{"type": "http.request", "body": request.body, "more_body": False}]
 
     async def receive() -> dict:
-        nonlocal body_given
-        if not body_given:
-            body_given = True
-            return {"type": "http.request", "body": request.body, "more_body": False}
+        if incoming:
+            return incoming.pop()
         await finished.wait()  # a streaming response polls for the client's disconnect here
         return {"type": "http.disconnect"}
 

@@ -15,7 +15,7 @@ not be read are routed by load alone. No Ray here: the Ray Serve router calls `c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import xxhash
@@ -114,15 +114,10 @@ def choose(request: RequestKeys, replicas: Sequence[ReplicaView], policy: Routin
     least = min(r.queued for r in replicas)
     scored = [(score(request, r), r) for r in replicas]
     (exact, content), best = max(scored, key=lambda s: (s[0], -s[1].queued, rendezvous(request, s[1].name)))
-    if exact == 0 and content == 0:
-        return Route(_least_loaded(request, replicas, least), "no match")
-    if best.queued - least >= policy.imbalance:
-        return Route(_least_loaded(request, replicas, least), "imbalanced")
+    if not (exact or content) or best.queued - least >= policy.imbalance:
+        lightest = max((r for r in replicas if r.queued == least), key=lambda r: rendezvous(request, r.name))
+        return Route(lightest.name, "imbalanced" if exact or content else "no match")
     return Route(best.name, "prefix" if exact else "content", exact, content)
-
-
-def _least_loaded(request: RequestKeys, replicas: Iterable[ReplicaView], least: int) -> str:
-    return max((r for r in replicas if r.queued == least), key=lambda r: rendezvous(request, r.name)).name
 
 
 def rendezvous(request: RequestKeys, name: str) -> int:

@@ -17,6 +17,7 @@ its host copies, so state_dict and fingerprints read the weights, never a slot's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -50,7 +51,6 @@ class StreamPlan:
 
 
 def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth: int = 2) -> StreamPlan:
-    """Which layers stream under a budget of `budget` device bytes for weights (see the module's docstring)."""
     if fixed_bytes > budget:
         raise ValueError(f"weight_budget_bytes={budget:,}: the embedding, head and norms alone take {fixed_bytes:,}")
     n = len(layer_bytes)
@@ -101,8 +101,8 @@ class WeightStreamer:
                 entry.tensors.append((owner, name, view))
             self.layers.append(entry)
             self._point(entry, [t for _, _, t in entry.tensors])  # the device copies are freed
-            layers[i].register_forward_pre_hook(self._before(len(self.layers) - 1))
-            layers[i].register_forward_hook(self._after(len(self.layers) - 1))
+            layers[i].register_forward_pre_hook(partial(self._before, len(self.layers) - 1))
+            layers[i].register_forward_hook(partial(self._after, len(self.layers) - 1))
         self.slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device) for _ in range(plan.slots)]
         if fixed_slots and plan.streamed and plan.streamed[0] > 0:
             # Fixed slots prefetch nothing across steps: the first streamed layers cross during the resident ones.
@@ -150,22 +150,18 @@ class WeightStreamer:
                 break
             self._copy(m % n)
 
-    def _before(self, k: int):
-        def hook(module, args):
-            self._prefetch(k)
-            entry, slot = self.layers[k], self.slots[self.where[k]]
-            # Waited for once: later compute is ordered after it, and a capture never waits on an earlier event.
-            if entry.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(entry.ready)
-                entry.ready = None
-            self._point(entry, [byte_view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
-        return hook
+    def _before(self, k: int, module: nn.Module, args) -> None:
+        self._prefetch(k)
+        entry, slot = self.layers[k], self.slots[self.where[k]]
+        # Waited for once: later compute is ordered after it, and a capture never waits on an earlier event.
+        if entry.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.ready)
+            entry.ready = None
+        self._point(entry, [byte_view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
 
-    def _after(self, k: int):
-        def hook(module, args, output):
-            entry = self.layers[k]
-            self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
-        return hook
+    def _after(self, k: int, module: nn.Module, args, output) -> None:
+        entry = self.layers[k]
+        self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
 
     def as_dict(self) -> dict:
         return {"resident_layers": self.plan.resident, "streamed_layers": self.plan.streamed,

@@ -201,8 +201,7 @@ class ResponseRenderer:
         parsed = self.parser.finish() if self.parser is not None else []
         events = [body for event in parsed for body in self._parsed(event)] + self._close()
         body = self._finished(result, self.items)
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return events + [self._event(kind, response=body)]
+        return events + [self._event(f"response.{body['status']}", response=body)]  # completed, or incomplete
 
     def full(self, results: list[GenerationResult]) -> Body:
         result = results[0]

@@ -79,9 +79,8 @@ def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.
     del hf_config.quantization_config
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        tensors.update(load_file(file))
+    tensors = {k: v for file in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(file).items()}
+
     def quantized():
         for name in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
             parts = [tensors.pop(f"{name}.{k}") for k in ("qweight", "qzeros", "scales")]
