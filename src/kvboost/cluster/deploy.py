@@ -202,12 +202,9 @@ class Ingress:
         return StreamingResponse(self._relay(http, stream, replica), start.status, headers)
 
     async def _relay(self, http: HttpRequest, stream, replica: str | None) -> AsyncIterator[bytes]:
-        first = True
         try:
             async for piece in stream:
-                if first:
-                    self._remember(http, piece, replica)
-                    first = False
+                self._remember(http, piece, replica)  # the first piece names a stored response (later ones agree)
                 yield piece
         except Exception as exc:  # the replica died (RayError), or Serve gave up on it: the client must hear
             logger.warning("a replica failed while streaming: %s: %s", type(exc).__name__, exc)

@@ -28,9 +28,9 @@ class Recipe:
         return cls(engine.tokenizer, engine.requests.vocab_size, engine.chunker, bool(engine.config.content_reuse))
 
 
+@dataclass(frozen=True)
 class RequestKeying:
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    recipe: Recipe
 
     def keys(self, path: str, body: bytes) -> RequestKeys | None:
         """None: not a generation request, or a body this cannot render (the replica answers for it)."""

@@ -39,13 +39,12 @@ class KVBoostRouter(RequestRouter):
         by_load = sorted(candidate_replicas, key=lambda r: views[r.replica_id.unique_id].queued)
         if request is None:  # a call that is not an HTTP request (e.g. the ingress asking for the recipe)
             return [by_load]
-        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
-        if pinned:
-            return [pinned, [r for r in by_load if r is not pinned[0]]]
-        keys = request.keys or _NO_KEYS
-        route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
-        self.recent.add(route.replica, keys)
-        first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
+        first = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
+        if not first:  # no pin, or its replica is gone
+            keys = request.keys or _NO_KEYS
+            route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
+            self.recent.add(route.replica, keys)
+            first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
         return [first, [r for r in by_load if r not in first]]
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
@@ -53,10 +52,9 @@ class KVBoostRouter(RequestRouter):
         queued = self.replica_queue_len_cache.get(replica.replica_id)
         if queued is None:
             queued = int(stats.get("queued", 0))
-        if "chains" not in stats:  # no report yet, or the last one failed: routed by load alone
-            return ReplicaView(replica.replica_id.unique_id, queued, reachable=False)
-        return ReplicaView(replica.replica_id.unique_id, queued, frozenset(stats["chains"]),
-                           frozenset(stats.get("contents", ())))
+        # No "chains": no report yet, or the last one failed; the replica is routed to by load alone.
+        return ReplicaView(replica.replica_id.unique_id, queued, frozenset(stats.get("chains", ())),
+                           frozenset(stats.get("contents", ())), reachable="chains" in stats)
 
 
 def _routed(pending: PendingRequest | None) -> RoutedRequest | None:

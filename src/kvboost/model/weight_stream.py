@@ -108,7 +108,6 @@ class WeightStreamer:
             # Fixed slots prefetch nothing across steps: the first streamed layers cross during the resident ones.
             layers[0].register_forward_pre_hook(lambda module, args: self._prefetch(0))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.in_slot: list[int | None] = [None] * plan.slots  # which streamed layer each slot holds
         self.where: dict[int, int] = {}  # streamed layer -> the slot holding it
         self.next_slot = 0  # the slot loaded longest ago: the next copy's
 
@@ -126,7 +125,7 @@ class WeightStreamer:
         if k in self.where:
             return
         slot = k % len(self.slots) if self.fixed_slots else self.next_slot
-        self.where.pop(self.in_slot[slot], None)
+        self.where = {m: s for m, s in self.where.items() if s != slot}  # the layer this slot held is gone
         entry = self.layers[k]
         if self.copy_stream is None:
             self.slots[slot][:entry.host.numel()].copy_(entry.host)
@@ -137,7 +136,7 @@ class WeightStreamer:
             with torch.cuda.stream(self.copy_stream):
                 self.slots[slot][:entry.host.numel()].copy_(entry.host, non_blocking=True)
                 entry.ready = self.copy_stream.record_event()
-        self.where[k], self.in_slot[slot] = slot, k
+        self.where[k] = slot
         self.next_slot = (slot + 1) % len(self.slots)
         self.copies += 1
         self.bytes_copied += entry.host.numel()

@@ -145,13 +145,10 @@ def to_chat(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletion
     history = store.get(req.previous_response_id)[1] if req.previous_response_id else []
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    body: Body = {**(req.model_extra or {}), "model": req.model, "messages": system + conversation,
-                  **{k: getattr(req, k) for k in _CHAT_FIELDS if getattr(req, k) is not None}, **_tools(req)}
-    if req.max_output_tokens is not None:
-        body["max_completion_tokens"] = req.max_output_tokens
-    fmt = _response_format(req.text)
-    if fmt is not None:
-        body["response_format"] = fmt
+    body: Body = {**(req.model_extra or {}), "model": req.model, "messages": system + conversation, **_tools(req)}
+    optional = {**{k: getattr(req, k) for k in _CHAT_FIELDS}, "max_completion_tokens": req.max_output_tokens,
+                "response_format": _response_format(req.text)}
+    body.update({k: v for k, v in optional.items() if v is not None})
     return validated(ChatCompletionRequest, body), conversation
 
 
