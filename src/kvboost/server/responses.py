@@ -60,14 +60,12 @@ def _text_of(content: Any, param: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, "content must be text or a list of text parts", param=param, code="invalid_value")
-    texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise unsupported(f"content part of type {kind!r}: this server reads text parts only (input_text)",
                               f"{param}.{i}")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(part["text"] for part in content)
 
 
 def input_messages(items: str | list[Any]) -> list[Body]:
@@ -92,9 +90,8 @@ def input_messages(items: str | list[Any]) -> list[Body]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
+                             "content": _text_of(item.get("output"), f"{param}.output")})
         else:
             raise unsupported(f"input item of type {kind!r}: this server reads messages, function_call and "
                               "function_call_output items", param)
@@ -104,13 +101,12 @@ def input_messages(items: str | list[Any]) -> list[Body]:
 def _tools(req: ResponsesRequest) -> Body:
     out: Body = {}
     if req.tools is not None:
-        functions = []
         for i, tool in enumerate(req.tools):
             if tool.get("type") != "function":
                 raise unsupported(f"tool type {tool.get('type')!r}: this server calls functions only", f"tools.{i}")
-            functions.append({"type": "function", "function": {
-                k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}})
-        out["tools"] = functions
+        keys = ("name", "description", "parameters", "strict")
+        out["tools"] = [{"type": "function", "function": {k: t[k] for k in keys if t.get(k) is not None}}
+                        for t in req.tools]
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":

@@ -83,9 +83,8 @@ class Int4Linear(nn.Module):
             from .triton_w4a16 import W4A16Weights
 
             laid_out = W4A16Weights(weights, home)
-            self.register_buffer("packed", laid_out.packed)  # [out, in / 2]
-            self.register_buffer("scales", laid_out.scales)
-            self.register_buffer("zeros", laid_out.zeros)
+            for name in ("packed", "scales", "zeros"):  # [out, in / 2], then [out, in / group] twice
+                self.register_buffer(name, getattr(laid_out, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
