@@ -94,11 +94,8 @@ class WeightStreamer:
             host, why = pinned_empty((size,), torch.uint8) if device.type == "cuda" else \
                 (torch.empty(size, dtype=torch.uint8), None)
             self.unpinned_reason = why or self.unpinned_reason
-            entry = _Streamed([], offsets, host)
-            for (owner, name, t), offset in zip(tensors, offsets):
-                view = byte_view(host, offset, t)
-                view.copy_(t.detach())
-                entry.tensors.append((owner, name, view))
+            entry = _Streamed([(owner, name, byte_view(host, offset, t).copy_(t.detach()))  # copy_ returns the view
+                               for (owner, name, t), offset in zip(tensors, offsets)], offsets, host)
             self.layers.append(entry)
             self._point(entry, [t for _, _, t in entry.tensors])  # the device copies are freed
             layers[i].register_forward_pre_hook(partial(self._before, len(self.layers) - 1))
@@ -144,9 +141,7 @@ class WeightStreamer:
     def _prefetch(self, k: int) -> None:
         """Streamed layer k and the ones after it, up to the ring's size (fixed slots: not past the forward's last)."""
         n = len(self.layers)
-        for m in range(k, k + len(self.slots)):
-            if self.fixed_slots and m >= n:
-                break
+        for m in range(k, min(k + len(self.slots), n) if self.fixed_slots else k + len(self.slots)):
             self._copy(m % n)
 
     def _before(self, k: int, module: nn.Module, args) -> None:
