@@ -36,7 +36,8 @@ logger = logging.getLogger("kvboost.cluster")
 REPLICA_HEADER = "x-kvboost-replica"
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
-_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)")
+_RESPONSE_PATH = re.compile(rb"^/v1/responses/(resp_[A-Za-z0-9_-]+)")
+_PREVIOUS_RESPONSE = re.compile(rb'"previous_response_id"\s*:\s*"([^"]+)"')
 
 
 @dataclass(frozen=True)
@@ -233,12 +234,9 @@ class Ingress:
         asked = dict(http.headers).get(REPLICA_HEADER.encode())
         if asked:
             return asked.decode("latin-1")
-        match = _RESPONSE_PATH.match(http.path)
-        response_id = match[1] if match else None
-        if response_id is None and http.path == "/v1/responses" and b"previous_response_id" in http.body:
-            found = re.search(rb'"previous_response_id"\s*:\s*"([^"]+)"', http.body)
-            response_id = found[1].decode() if found else None
-        return self.pins.get(response_id) if response_id else None
+        found = _RESPONSE_PATH.match(http.path.encode()) or (
+            http.path == "/v1/responses" and _PREVIOUS_RESPONSE.search(http.body))
+        return self.pins.get(found[1].decode()) if found else None
 
     def _remember(self, http: HttpRequest, head: bytes, replica: str | None) -> None:
         if replica is None or http.method != "POST" or http.path != "/v1/responses":

@@ -84,8 +84,7 @@ class RecentRoutes:
 
     def add(self, replica: str, keys: RequestKeys) -> None:
         expiry = self.clock() + self.ttl_s
-        sent = self._sent.setdefault(replica, {})
-        sent.update(dict.fromkeys(keys.chains + keys.contents, expiry))
+        self._sent.setdefault(replica, {}).update(dict.fromkeys(keys.chains + keys.contents, expiry))
 
     def view(self, replica: ReplicaView) -> ReplicaView:
         """`replica` with what was sent to it lately added to what it reported (an unreachable one stays so)."""

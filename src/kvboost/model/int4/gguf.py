@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
             tensors = None
     if tensors is None:
         tensors, names = {}, []
-        for name, w in _decode(model, path).items():
+        for name, w in _decode(model, path):  # one layer decoded at a time
             names.append(name)
             tensors.update({f"{name}.codes": pack_nibbles(w.codes), f"{name}.scales": w.scales.contiguous(),
                             f"{name}.zeros": w.zeros.contiguous(), f"{name}.group": torch.tensor([w.group])})
@@ -68,7 +69,7 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
     return install_int4(model, unpacked(), device)
 
 
-def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
+def _decode(model: nn.Module, path: Path) -> Iterator[tuple[str, Int4Weights]]:
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -82,15 +83,13 @@ def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
     linears = {f"{names.get_name(n)}.weight": n for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and names.get_name(n) is not None}
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=model.config.to_dict())
-    layers = {}
     for tensor in reader.tensors:
         module_name = linears.get(tensor.name)
         if module_name is None or tensor.tensor_type.name not in FORMATS:
             continue
         blocks = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
-        layers[module_name] = Int4Weights.from_gguf(tensor.tensor_type.name, blocks, shape)
-    return layers
+        yield module_name, Int4Weights.from_gguf(tensor.tensor_type.name, blocks, shape)
 
 
 def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype: torch.dtype,
