@@ -25,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ..server.errors import APIError
+from ..server.kv_events import KVEventPublisher
 from .asgi import HttpRequest, ResponseStart, call
 from .held_keys import HeldKeys
 from .keying import Recipe, RequestKeying
@@ -101,11 +102,8 @@ class Replica:
         self.engine = KVBoost.from_pretrained(spec.settings.model, **spec.load)
         for messages in spec.warm:
             self.engine.warm(messages=messages)
-        self.publisher = None
-        if spec.settings.kv_events:
-            from ..server.kv_events import KVEventPublisher
-
-            self.publisher = KVEventPublisher(spec.settings.kv_events, self.engine.config.chunk_size)
+        events = spec.settings.kv_events
+        self.publisher = KVEventPublisher(events, self.engine.config.chunk_size) if events else None
         self.held = HeldKeys(also=self.publisher)
         self.engine.store.watch(self.held, "GPU" if self.engine.device.type == "cuda" else "CPU")
         self.app = create_app(self.engine, replace(spec.settings, kv_events=None))  # events: self.held tells them

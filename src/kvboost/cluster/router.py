@@ -9,8 +9,6 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .asgi import HttpRequest
 from .routing import RecentRoutes, ReplicaView, RequestKeys, RoutingPolicy, choose
 
-_NO_KEYS = RequestKeys((), ())
-
 
 @dataclass(frozen=True)
 class RoutedRequest:
@@ -41,7 +39,7 @@ class KVBoostRouter(RequestRouter):
             return [by_load]
         first = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
         if not first:  # no pin, or its replica is gone
-            keys = request.keys or _NO_KEYS
+            keys = request.keys or RequestKeys((), ())
             route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
             self.recent.add(route.replica, keys)
             first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]

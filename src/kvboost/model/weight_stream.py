@@ -173,13 +173,10 @@ def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: i
     layer_bytes = [sum(t.numel() * t.element_size() for _, _, t in _tensors(layer)) for layer in layers]
     total = sum(t.numel() * t.element_size() for _, _, t in _tensors(model))
     plan = plan_streaming(layer_bytes, total - sum(layer_bytes), budget, depth)
-    if not plan.streamed:
-        model.to(device)
-        return None
     held = {i: layers[i] for i in plan.streamed}
     for i in held:  # out of the model while it moves, so no streamed layer is ever whole on the device
         layers[i] = nn.Identity()
     model.to(device)
     for i, layer in held.items():
         layers[i] = layer
-    return WeightStreamer(model, plan, device, fixed_slots)
+    return WeightStreamer(model, plan, device, fixed_slots) if plan.streamed else None
