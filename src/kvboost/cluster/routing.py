@@ -92,8 +92,7 @@ class RecentRoutes:
         if not sent or not replica.reachable:
             return replica
         now = self.clock()
-        for key in [k for k, expiry in sent.items() if expiry <= now]:
-            del sent[key]
+        self._sent[replica.name] = sent = {k: expiry for k, expiry in sent.items() if expiry > now}  # expired: out
         return replace(replica, chains=frozenset(replica.chains | sent.keys()),
                        contents=frozenset(replica.contents | sent.keys()))
 

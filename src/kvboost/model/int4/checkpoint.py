@@ -55,8 +55,7 @@ def gptq_weights(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     codes = _unpack(qweight, dim=0)  # [in, out]
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(codes.shape[0]) // group):
         raise ValueError("GPTQ act-order (desc_act, a permuted g_idx) is not supported: quantize with desc_act=False")
-    zeros = _unpack(qzeros, dim=1).to(torch.int16) + (0 if v2 else 1)
-    return _to_ours(codes, zeros, scales, group)
+    return _to_ours(codes, _unpack(qzeros, dim=1).to(torch.int16) + (0 if v2 else 1), scales, group)  # gptq: z - 1
 
 
 def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.float32,
