@@ -29,8 +29,7 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, ray_address: str | None, im
 
     from ..server.background import bind_socket
 
-    settings = spec.settings
-    port = settings.port
+    settings, port = spec.settings, spec.settings.port
     if port == 0:  # Ray's proxy takes a port number: find a free one
         with bind_socket(settings.host, 0) as sock:
             port = sock.getsockname()[1]

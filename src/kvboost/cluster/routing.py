@@ -120,5 +120,4 @@ def choose(request: RequestKeys, replicas: Sequence[ReplicaView], policy: Routin
 
 def rendezvous(request: RequestKeys, name: str) -> int:
     """A stable preference of this request for this replica (highest random weight), from its first chunk."""
-    first = request.chains[0] if request.chains else ""
-    return xxhash.xxh3_64_intdigest(f"{first}|{name}".encode())
+    return xxhash.xxh3_64_intdigest(f"{request.chains[0] if request.chains else ''}|{name}".encode())
