@@ -9,6 +9,7 @@ from typing import Any
 
 from ..chunking import Chunker
 from ..prompting import encode_prompt
+from ..server.responses import input_messages
 from .routing import RequestKeys
 
 _CHAT, _COMPLETIONS, _RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -53,8 +54,6 @@ class RequestKeying:
             prompt = request.get("prompt")
             return encode_prompt(tok, n_vocab, prompt) if isinstance(prompt, str) else None
         if path == _RESPONSES:
-            from ..server.responses import input_messages
-
             if request.get("previous_response_id"):
                 return None  # its history lives on the replica that stored it: routed by pin (ingress)
             system = [{"role": "system", "content": request["instructions"]}] if request.get("instructions") else []
