@@ -32,24 +32,19 @@ async def call(app, request: HttpRequest) -> AsyncIterator[ResponseStart | bytes
     receive() answers http.disconnect, as a server's would, and the app gets a few seconds to finish."""
     sent: asyncio.Queue[dict | None] = asyncio.Queue()
     finished = asyncio.Event()
-    body_given = False
+    incoming = [{"type": "http.request", "body": request.body, "more_body": False}]
 
     async def receive() -> dict:
-        nonlocal body_given
-        if not body_given:
-            body_given = True
-            return {"type": "http.request", "body": request.body, "more_body": False}
+        if incoming:
+            return incoming.pop()
         await finished.wait()  # a streaming response polls for the client's disconnect here
         return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        await sent.put(message)
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
              "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
              "query_string": request.query, "headers": request.headers, "client": request.client,
              "server": ("127.0.0.1", 0), "state": {}}
-    task = asyncio.ensure_future(app(scope, receive, send))
+    task = asyncio.ensure_future(app(scope, receive, sent.put))
     task.add_done_callback(lambda _: sent.put_nowait(None))
     try:
         while (message := await sent.get()) is not None:

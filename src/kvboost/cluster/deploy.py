@@ -12,18 +12,20 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from ..server.errors import APIError
+from ..server.kv_events import KVEventPublisher
 from .asgi import HttpRequest, ResponseStart, call
 from .held_keys import HeldKeys
 from .keying import Recipe, RequestKeying
@@ -35,7 +37,8 @@ logger = logging.getLogger("kvboost.cluster")
 REPLICA_HEADER = "x-kvboost-replica"
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
-_RESPONSE_PATH = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]+)")
+_RESPONSE_PATH = re.compile(rb"^/v1/responses/(resp_[A-Za-z0-9_-]+)")
+_PREVIOUS_RESPONSE = re.compile(rb'"previous_response_id"\s*:\s*"([^"]+)"')
 
 
 @dataclass(frozen=True)
@@ -64,11 +67,6 @@ def _endpoint_for(endpoint: str, rank: int) -> str:
     return f"{match[1]}:{int(match[2]) + rank}" if match else f"{endpoint}.{rank}"
 
 
-def _rank() -> int:
-    rank = serve.get_replica_context().rank
-    return int(getattr(rank, "rank", rank))
-
-
 @serve.deployment(name="kvboost-replica")
 class Replica:
     """One engine and the server's app. The engine is loaded, and its loop runs, on one thread of its own: the thread
@@ -77,25 +75,22 @@ class Replica:
 
     async def __init__(self, spec: ReplicaSpec):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        self.name = serve.get_replica_context().replica_id.unique_id
-        spec = _per_replica(spec, _rank())
-        loaded = threading.Event()
-        failure: list[BaseException] = []
+        context = serve.get_replica_context()
+        self.name = context.replica_id.unique_id
+        spec = _per_replica(spec, context.rank.rank)
+        loaded: Future[None] = Future()
 
         def engine_thread() -> None:
             try:
                 self._load(spec)
             except BaseException as exc:  # reported by __init__, which Ray then retries
-                failure.append(exc)
+                loaded.set_exception(exc)
                 return
-            finally:
-                loaded.set()
+            loaded.set_result(None)
             self.scheduler.run_here()
 
         threading.Thread(target=engine_thread, name="kvboost-engine", daemon=True).start()
-        await asyncio.to_thread(loaded.wait)
-        if failure:
-            raise failure[0]
+        await asyncio.to_thread(loaded.result)  # raises what the load raised
         from ..server.app import warm_up
 
         await asyncio.to_thread(warm_up, self.app)
@@ -107,11 +102,8 @@ class Replica:
         self.engine = KVBoost.from_pretrained(spec.settings.model, **spec.load)
         for messages in spec.warm:
             self.engine.warm(messages=messages)
-        self.publisher = None
-        if spec.settings.kv_events:
-            from ..server.kv_events import KVEventPublisher
-
-            self.publisher = KVEventPublisher(spec.settings.kv_events, self.engine.config.chunk_size)
+        events = spec.settings.kv_events
+        self.publisher = KVEventPublisher(events, self.engine.config.chunk_size) if events else None
         self.held = HeldKeys(also=self.publisher)
         self.engine.store.watch(self.held, "GPU" if self.engine.device.type == "cuda" else "CPU")
         self.app = create_app(self.engine, replace(spec.settings, kv_events=None))  # events: self.held tells them
@@ -144,17 +136,11 @@ class Replica:
 
 
 # Module-level helpers the ingress uses are defined above it: serve.ingress captures the class as it is defined.
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": "replica_unavailable"}}, status)
-
-
 def _stream_error(path: str, message: str) -> bytes:
     if path == "/v1/responses":
         event = {"type": "error", "code": "replica_failed", "message": message, "param": None}
         return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
-    return f"data: {json.dumps(error)}\n\n".encode()
+    return f"data: {json.dumps(APIError(500, message, code='replica_failed').body())}\n\n".encode()
 
 
 ingress_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -197,7 +183,8 @@ class Ingress:
                 break
             except RayError as exc:
                 if attempt:
-                    return _error(503, f"no replica could serve the request: {type(exc).__name__}")
+                    return APIError(503, f"no replica could serve the request: {type(exc).__name__}",
+                                    code="replica_unavailable").response()
                 logger.warning("a replica failed before answering (%s); retrying on another", type(exc).__name__)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() not in _HOP_HEADERS}
         replica = headers.get(REPLICA_HEADER)
@@ -207,18 +194,16 @@ class Ingress:
             try:
                 content = b"".join([piece async for piece in stream])
             except RayError as exc:
-                return _error(503, f"the replica failed while answering: {type(exc).__name__}")
+                return APIError(503, f"the replica failed while answering: {type(exc).__name__}",
+                                code="replica_unavailable").response()
             self._remember(http, content, replica)
             return Response(content, start.status, headers)
         return StreamingResponse(self._relay(http, stream, replica), start.status, headers)
 
     async def _relay(self, http: HttpRequest, stream, replica: str | None) -> AsyncIterator[bytes]:
-        first = True
         try:
             async for piece in stream:
-                if first:
-                    self._remember(http, piece, replica)
-                    first = False
+                self._remember(http, piece, replica)  # the first piece names a stored response (later ones agree)
                 yield piece
         except Exception as exc:  # the replica died (RayError), or Serve gave up on it: the client must hear
             logger.warning("a replica failed while streaming: %s: %s", type(exc).__name__, exc)
@@ -234,8 +219,7 @@ class Ingress:
                     RoutedRequest(http, None, replica))]
             except RayError:
                 continue
-            start = pieces[0]
-            answered = dict(start.headers).get(REPLICA_HEADER.encode(), b"").decode()
+            answered = dict(pieces[0].headers).get(REPLICA_HEADER.encode(), b"").decode()
             if answered != replica:
                 self.seen.discard(replica)
                 continue
@@ -248,12 +232,9 @@ class Ingress:
         asked = dict(http.headers).get(REPLICA_HEADER.encode())
         if asked:
             return asked.decode("latin-1")
-        match = _RESPONSE_PATH.match(http.path)
-        response_id = match[1] if match else None
-        if response_id is None and http.path == "/v1/responses" and b"previous_response_id" in http.body:
-            found = re.search(rb'"previous_response_id"\s*:\s*"([^"]+)"', http.body)
-            response_id = found[1].decode() if found else None
-        return self.pins.get(response_id) if response_id else None
+        found = _RESPONSE_PATH.match(http.path.encode()) or (
+            http.path == "/v1/responses" and _PREVIOUS_RESPONSE.search(http.body))
+        return self.pins.get(found[1].decode()) if found else None
 
     def _remember(self, http: HttpRequest, head: bytes, replica: str | None) -> None:
         if replica is None or http.method != "POST" or http.path != "/v1/responses":
@@ -299,12 +280,11 @@ def build(args: dict[str, Any]):
     (lists of chat messages), gpus_per_replica, cpus_per_replica, router (one of ROUTERS)."""
     from ..server.settings import ServerSettings
 
-    known = {"replicas", "imbalance", "server", "engine", "warm", "gpus_per_replica", "cpus_per_replica", "router"}
+    casts = {"replicas": int, "imbalance": int, "gpus_per_replica": float, "cpus_per_replica": float, "router": str}
+    known = {"server", "engine", "warm", *casts}
     unknown = sorted(set(args) - known)
     if unknown:
         raise ValueError(f"unknown args {unknown}: expected some of {sorted(known)}")
     spec = ReplicaSpec(ServerSettings(**args.get("server", {})), dict(args.get("engine", {})),
                        list(args.get("warm", [])))
-    return build_app(spec, int(args.get("replicas", 1)), int(args.get("imbalance", 4)),
-                     float(args.get("gpus_per_replica", 0.0)), float(args.get("cpus_per_replica", 1.0)),
-                     router=str(args.get("router", "kvboost")))
+    return build_app(spec, **{"replicas": 1, **{k: cast(args[k]) for k, cast in casts.items() if k in args}})

@@ -35,6 +35,5 @@ class HeldKeys:
     def report(self) -> dict[str, list[str]]:
         """{"chains": [...], "contents": [...]}: small enough to send every second (16 hex digits a key)."""
         with self._lock:
-            chains = {k for held in self._by_medium.values() for k in held}
-            contents = {c for held in self._by_medium.values() for c in held.values()}
-        return {"chains": sorted(chains), "contents": sorted(contents)}
+            return {"chains": sorted({k for held in self._by_medium.values() for k in held}),
+                    "contents": sorted({c for held in self._by_medium.values() for c in held.values()})}

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..chunking import Chunker
 from ..prompting import encode_prompt
+from ..server.responses import input_messages
 from .routing import RequestKeys
 
 _CHAT, _COMPLETIONS, _RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
@@ -28,9 +29,9 @@ class Recipe:
         return cls(engine.tokenizer, engine.requests.vocab_size, engine.chunker, bool(engine.config.content_reuse))
 
 
+@dataclass(frozen=True)
 class RequestKeying:
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    recipe: Recipe
 
     def keys(self, path: str, body: bytes) -> RequestKeys | None:
         """None: not a generation request, or a body this cannot render (the replica answers for it)."""
@@ -53,8 +54,6 @@ class RequestKeying:
             prompt = request.get("prompt")
             return encode_prompt(tok, n_vocab, prompt) if isinstance(prompt, str) else None
         if path == _RESPONSES:
-            from ..server.responses import input_messages
-
             if request.get("previous_response_id"):
                 return None  # its history lives on the replica that stored it: routed by pin (ingress)
             system = [{"role": "system", "content": request["instructions"]}] if request.get("instructions") else []

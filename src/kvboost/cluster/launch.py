@@ -19,9 +19,7 @@ def resources_per_replica(spec: ReplicaSpec, replicas: int) -> tuple[float, floa
 
     device = spec.load.get("device")
     on_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
-    if on_cuda:
-        return 1.0, 1.0
-    return float(max(1, (os.cpu_count() or 1) // replicas)), 0.0
+    return (1.0, 1.0) if on_cuda else (float(max(1, (os.cpu_count() or 1) // replicas)), 0.0)
 
 
 def serve_replicas(spec: ReplicaSpec, replicas: int, ray_address: str | None, imbalance: int,
@@ -31,12 +29,10 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, ray_address: str | None, im
 
     from ..server.background import bind_socket
 
-    settings = spec.settings
-    port = settings.port
+    settings, port = spec.settings, spec.settings.port
     if port == 0:  # Ray's proxy takes a port number: find a free one
-        sock = bind_socket(settings.host, 0)
-        port = sock.getsockname()[1]
-        sock.close()
+        with bind_socket(settings.host, 0) as sock:
+            port = sock.getsockname()[1]
     cpus, gpus = resources_per_replica(spec, replicas)
     typer.echo(f"kvboost serve: starting {replicas} replica(s) on Ray Serve "
                f"({'joining ' + ray_address if ray_address else 'a local one-node cluster'}; "

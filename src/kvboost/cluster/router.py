@@ -9,8 +9,6 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .asgi import HttpRequest
 from .routing import RecentRoutes, ReplicaView, RequestKeys, RoutingPolicy, choose
 
-_NO_KEYS = RequestKeys((), ())
-
 
 @dataclass(frozen=True)
 class RoutedRequest:
@@ -29,7 +27,6 @@ class KVBoostRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 4, recent_ttl_s: float = 10.0, **kwargs) -> None:
         self.policy = RoutingPolicy(imbalance=imbalance)
         self.recent = RecentRoutes(recent_ttl_s)  # keys sent lately, until the replicas' reports show them
-        self.last_route = None  # the latest Route, for logs and tests
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -40,14 +37,12 @@ class KVBoostRouter(RequestRouter):
         by_load = sorted(candidate_replicas, key=lambda r: views[r.replica_id.unique_id].queued)
         if request is None:  # a call that is not an HTTP request (e.g. the ingress asking for the recipe)
             return [by_load]
-        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
-        if pinned:
-            return [pinned, [r for r in by_load if r is not pinned[0]]]
-        keys = request.keys or _NO_KEYS
-        route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
-        self.recent.add(route.replica, keys)
-        self.last_route = route
-        first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
+        first = [r for r in candidate_replicas if r.replica_id.unique_id == request.pin]
+        if not first:  # no pin, or its replica is gone
+            keys = request.keys or RequestKeys((), ())
+            route = choose(keys, [self.recent.view(v) for v in views.values()], self.policy)
+            self.recent.add(route.replica, keys)
+            first = [r for r in candidate_replicas if r.replica_id.unique_id == route.replica]
         return [first, [r for r in by_load if r not in first]]
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
@@ -55,21 +50,16 @@ class KVBoostRouter(RequestRouter):
         queued = self.replica_queue_len_cache.get(replica.replica_id)
         if queued is None:
             queued = int(stats.get("queued", 0))
-        if "chains" not in stats:  # no report yet, or the last one failed: routed by load alone
-            return ReplicaView(replica.replica_id.unique_id, queued, reachable=False)
-        return ReplicaView(replica.replica_id.unique_id, queued, frozenset(stats["chains"]),
-                           frozenset(stats.get("contents", ())))
+        # No "chains": no report yet, or the last one failed; the replica is routed to by load alone.
+        return ReplicaView(replica.replica_id.unique_id, queued, frozenset(stats.get("chains", ())),
+                           frozenset(stats.get("contents", ())), reachable="chains" in stats)
 
 
 def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
     """The RoutedRequest among the call's arguments, recognised by its fields: the ingress's class reaches this
     process pickled by value with the ingress, so it is a copy of this module's RoutedRequest, not the class itself."""
-    if pending is None:
-        return None
-    for arg in pending.args:
-        if all(hasattr(arg, name) for name in ("http", "keys", "pin")):
-            return arg
-    return None
+    args = pending.args if pending is not None else ()
+    return next((arg for arg in args if all(hasattr(arg, name) for name in ("http", "keys", "pin"))), None)
 
 
 class RoundRobinRouter(RequestRouter):

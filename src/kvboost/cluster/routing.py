@@ -15,7 +15,7 @@ not be read are routed by load alone. No Ray here: the Ray Serve router calls `c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import xxhash
@@ -84,8 +84,7 @@ class RecentRoutes:
 
     def add(self, replica: str, keys: RequestKeys) -> None:
         expiry = self.clock() + self.ttl_s
-        sent = self._sent.setdefault(replica, {})
-        sent.update(dict.fromkeys(keys.chains + keys.contents, expiry))
+        self._sent.setdefault(replica, {}).update(dict.fromkeys(keys.chains + keys.contents, expiry))
 
     def view(self, replica: ReplicaView) -> ReplicaView:
         """`replica` with what was sent to it lately added to what it reported (an unreachable one stays so)."""
@@ -93,8 +92,7 @@ class RecentRoutes:
         if not sent or not replica.reachable:
             return replica
         now = self.clock()
-        for key in [k for k, expiry in sent.items() if expiry <= now]:
-            del sent[key]
+        self._sent[replica.name] = sent = {k: expiry for k, expiry in sent.items() if expiry > now}  # expired: out
         return replace(replica, chains=frozenset(replica.chains | sent.keys()),
                        contents=frozenset(replica.contents | sent.keys()))
 
@@ -103,11 +101,7 @@ def score(request: RequestKeys, replica: ReplicaView) -> tuple[int, int]:
     """(exact, content): the unbroken run of leading chunks held, then the rest of the chunks held by content."""
     if not replica.reachable:
         return 0, 0
-    exact = 0
-    for key in request.chains:
-        if key not in replica.chains:
-            break
-        exact += 1
+    exact = next((i for i, key in enumerate(request.chains) if key not in replica.chains), len(request.chains))
     content = sum(key in replica.contents for key in request.contents[exact:]) if request.content_reuse else 0
     return exact, content
 
@@ -118,18 +112,12 @@ def choose(request: RequestKeys, replicas: Sequence[ReplicaView], policy: Routin
     least = min(r.queued for r in replicas)
     scored = [(score(request, r), r) for r in replicas]
     (exact, content), best = max(scored, key=lambda s: (s[0], -s[1].queued, rendezvous(request, s[1].name)))
-    if exact == 0 and content == 0:
-        return Route(_least_loaded(request, replicas, least), "no match")
-    if best.queued - least >= policy.imbalance:
-        return Route(_least_loaded(request, replicas, least), "imbalanced")
+    if not (exact or content) or best.queued - least >= policy.imbalance:
+        lightest = max((r for r in replicas if r.queued == least), key=lambda r: rendezvous(request, r.name))
+        return Route(lightest.name, "imbalanced" if exact or content else "no match")
     return Route(best.name, "prefix" if exact else "content", exact, content)
-
-
-def _least_loaded(request: RequestKeys, replicas: Iterable[ReplicaView], least: int) -> str:
-    return max((r for r in replicas if r.queued == least), key=lambda r: rendezvous(request, r.name)).name
 
 
 def rendezvous(request: RequestKeys, name: str) -> int:
     """A stable preference of this request for this replica (highest random weight), from its first chunk."""
-    first = request.chains[0] if request.chains else ""
-    return xxhash.xxh3_64_intdigest(f"{first}|{name}".encode())
+    return xxhash.xxh3_64_intdigest(f"{request.chains[0] if request.chains else ''}|{name}".encode())

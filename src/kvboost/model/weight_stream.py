@@ -17,6 +17,7 @@ its host copies, so state_dict and fingerprints read the weights, never a slot's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 
 import torch
@@ -34,13 +35,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _tensors(layer: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(owner, name, tensor) of every parameter and buffer of a layer, each once."""
-    out, seen = [], set()
-    for module in layer.modules():
+    found: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}
+    for module in layer.modules():  # torch leaves out None parameters and buffers
         for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                out.append((module, name, t))
-    return out
+            found.setdefault(id(t), (module, name, t))
+    return list(found.values())
 
 
 @dataclass
@@ -52,23 +51,18 @@ class StreamPlan:
 
 
 def plan_streaming(layer_bytes: list[int], fixed_bytes: int, budget: int, depth: int = 2) -> StreamPlan:
-    """Which layers stream under a budget of `budget` device bytes for weights (see the module's docstring)."""
     if fixed_bytes > budget:
         raise ValueError(f"weight_budget_bytes={budget:,}: the embedding, head and norms alone take {fixed_bytes:,}")
     n = len(layer_bytes)
     if fixed_bytes + sum(layer_bytes) <= budget:
         return StreamPlan(list(range(n)), [], 0, 0)
     slot = max(layer_bytes)
-    slots = min(max(depth, 1), n)
-    while slots > 1 and fixed_bytes + slots * slot > budget:  # a shallower prefetch before refusing
-        slots -= 1
+    slots = max(1, min(depth, n, (budget - fixed_bytes) // slot))  # a shallower prefetch before refusing
     room = budget - fixed_bytes - slots * slot
     if room < 0:
         raise ValueError(f"weight_budget_bytes={budget:,}: one slot of {slot:,} bytes does not fit beside the "
                          f"{fixed_bytes:,} resident bytes")
-    keep = 0
-    while keep < n and sum(sorted(layer_bytes)[:keep + 1]) <= room:
-        keep += 1
+    keep = sum(total <= room for total in accumulate(sorted(layer_bytes)))  # the most layers that fit
     resident = sorted({round(i * (n - 1) / (keep - 1)) for i in range(keep)} if keep > 1 else ({0} if keep else set()))
     while sum(layer_bytes[i] for i in resident) > room:  # evenly spread ones may be the larger layers
         resident.pop()
@@ -100,21 +94,17 @@ class WeightStreamer:
             host, why = pinned_empty((size,), torch.uint8) if device.type == "cuda" else \
                 (torch.empty(size, dtype=torch.uint8), None)
             self.unpinned_reason = why or self.unpinned_reason
-            entry = _Streamed([], offsets, host)
-            for (owner, name, t), offset in zip(tensors, offsets):
-                view = byte_view(host, offset, t)
-                view.copy_(t.detach())
-                entry.tensors.append((owner, name, view))
+            entry = _Streamed([(owner, name, byte_view(host, offset, t).copy_(t.detach()))  # copy_ returns the view
+                               for (owner, name, t), offset in zip(tensors, offsets)], offsets, host)
             self.layers.append(entry)
             self._point(entry, [t for _, _, t in entry.tensors])  # the device copies are freed
-            layers[i].register_forward_pre_hook(self._before(len(self.layers) - 1))
-            layers[i].register_forward_hook(self._after(len(self.layers) - 1))
+            layers[i].register_forward_pre_hook(partial(self._before, len(self.layers) - 1))
+            layers[i].register_forward_hook(partial(self._after, len(self.layers) - 1))
         self.slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device) for _ in range(plan.slots)]
         if fixed_slots and plan.streamed and plan.streamed[0] > 0:
             # Fixed slots prefetch nothing across steps: the first streamed layers cross during the resident ones.
             layers[0].register_forward_pre_hook(lambda module, args: self._prefetch(0))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.in_slot: list[int | None] = [None] * plan.slots  # which streamed layer each slot holds
         self.where: dict[int, int] = {}  # streamed layer -> the slot holding it
         self.next_slot = 0  # the slot loaded longest ago: the next copy's
 
@@ -132,7 +122,7 @@ class WeightStreamer:
         if k in self.where:
             return
         slot = k % len(self.slots) if self.fixed_slots else self.next_slot
-        self.where.pop(self.in_slot[slot], None)
+        self.where = {m: s for m, s in self.where.items() if s != slot}  # the layer this slot held is gone
         entry = self.layers[k]
         if self.copy_stream is None:
             self.slots[slot][:entry.host.numel()].copy_(entry.host)
@@ -142,9 +132,8 @@ class WeightStreamer:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 self.slots[slot][:entry.host.numel()].copy_(entry.host, non_blocking=True)
-                entry.ready = torch.cuda.Event()
-                entry.ready.record(self.copy_stream)
-        self.where[k], self.in_slot[slot] = slot, k
+                entry.ready = self.copy_stream.record_event()
+        self.where[k] = slot
         self.next_slot = (slot + 1) % len(self.slots)
         self.copies += 1
         self.bytes_copied += entry.host.numel()
@@ -152,28 +141,21 @@ class WeightStreamer:
     def _prefetch(self, k: int) -> None:
         """Streamed layer k and the ones after it, up to the ring's size (fixed slots: not past the forward's last)."""
         n = len(self.layers)
-        for m in range(k, k + len(self.slots)):
-            if self.fixed_slots and m >= n:
-                break
+        for m in range(k, min(k + len(self.slots), n) if self.fixed_slots else k + len(self.slots)):
             self._copy(m % n)
 
-    def _before(self, k: int):
-        def hook(module, args):
-            self._prefetch(k)
-            entry, slot = self.layers[k], self.slots[self.where[k]]
-            # Waited for once: later compute is ordered after it, and a capture never waits on an earlier event.
-            if entry.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(entry.ready)
-                entry.ready = None
-            self._point(entry, [byte_view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
-        return hook
+    def _before(self, k: int, module: nn.Module, args) -> None:
+        self._prefetch(k)
+        entry, slot = self.layers[k], self.slots[self.where[k]]
+        # Waited for once: later compute is ordered after it, and a capture never waits on an earlier event.
+        if entry.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.ready)
+            entry.ready = None
+        self._point(entry, [byte_view(slot, off, t) for off, (_, _, t) in zip(entry.offsets, entry.tensors)])
 
-    def _after(self, k: int):
-        def hook(module, args, output):
-            entry = self.layers[k]
-            self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
-            return output
-        return hook
+    def _after(self, k: int, module: nn.Module, args, output) -> None:
+        entry = self.layers[k]
+        self._point(entry, [t for _, _, t in entry.tensors])  # outside a forward: the host copies
 
     def as_dict(self) -> dict:
         return {"resident_layers": self.plan.resident, "streamed_layers": self.plan.streamed,
@@ -191,13 +173,10 @@ def stream_weights(model: nn.Module, budget: int, device: torch.device, depth: i
     layer_bytes = [sum(t.numel() * t.element_size() for _, _, t in _tensors(layer)) for layer in layers]
     total = sum(t.numel() * t.element_size() for _, _, t in _tensors(model))
     plan = plan_streaming(layer_bytes, total - sum(layer_bytes), budget, depth)
-    if not plan.streamed:
-        model.to(device)
-        return None
     held = {i: layers[i] for i in plan.streamed}
     for i in held:  # out of the model while it moves, so no streamed layer is ever whole on the device
         layers[i] = nn.Identity()
     model.to(device)
     for i, layer in held.items():
         layers[i] = layer
-    return WeightStreamer(model, plan, device, fixed_slots)
+    return WeightStreamer(model, plan, device, fixed_slots) if plan.streamed else None

@@ -60,14 +60,12 @@ def _text_of(content: Any, param: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, "content must be text or a list of text parts", param=param, code="invalid_value")
-    texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
             raise unsupported(f"content part of type {kind!r}: this server reads text parts only (input_text)",
                               f"{param}.{i}")
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(part["text"] for part in content)
 
 
 def input_messages(items: str | list[Any]) -> list[Body]:
@@ -87,15 +85,13 @@ def input_messages(items: str | list[Any]) -> list[Body]:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and not last.get("content"):
-                last.setdefault("tool_calls", []).append(call)
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text_of(output, f"{param}.output")})
+                             "content": _text_of(item.get("output"), f"{param}.output")})
         else:
             raise unsupported(f"input item of type {kind!r}: this server reads messages, function_call and "
                               "function_call_output items", param)
@@ -105,13 +101,12 @@ def input_messages(items: str | list[Any]) -> list[Body]:
 def _tools(req: ResponsesRequest) -> Body:
     out: Body = {}
     if req.tools is not None:
-        functions = []
         for i, tool in enumerate(req.tools):
             if tool.get("type") != "function":
                 raise unsupported(f"tool type {tool.get('type')!r}: this server calls functions only", f"tools.{i}")
-            functions.append({"type": "function", "function": {
-                k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}})
-        out["tools"] = functions
+        keys = ("name", "description", "parameters", "strict")
+        out["tools"] = [{"type": "function", "function": {k: t[k] for k in keys if t.get(k) is not None}}
+                        for t in req.tools]
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function":
@@ -146,13 +141,10 @@ def to_chat(req: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletion
     history = store.get(req.previous_response_id)[1] if req.previous_response_id else []
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    body: Body = {**(req.model_extra or {}), "model": req.model, "messages": system + conversation,
-                  **{k: getattr(req, k) for k in _CHAT_FIELDS if getattr(req, k) is not None}, **_tools(req)}
-    if req.max_output_tokens is not None:
-        body["max_completion_tokens"] = req.max_output_tokens
-    fmt = _response_format(req.text)
-    if fmt is not None:
-        body["response_format"] = fmt
+    body: Body = {**(req.model_extra or {}), "model": req.model, "messages": system + conversation, **_tools(req)}
+    optional = {**{k: getattr(req, k) for k in _CHAT_FIELDS}, "max_completion_tokens": req.max_output_tokens,
+                "response_format": _response_format(req.text)}
+    body.update({k: v for k, v in optional.items() if v is not None})
     return validated(ChatCompletionRequest, body), conversation
 
 
@@ -202,8 +194,7 @@ class ResponseRenderer:
         parsed = self.parser.finish() if self.parser is not None else []
         events = [body for event in parsed for body in self._parsed(event)] + self._close()
         body = self._finished(result, self.items)
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return events + [self._event(kind, response=body)]
+        return events + [self._event(f"response.{body['status']}", response=body)]  # completed, or incomplete
 
     def full(self, results: list[GenerationResult]) -> Body:
         result = results[0]
@@ -264,11 +255,10 @@ class ResponseRenderer:
             events += self._close()
             self.open = self._message("", "in_progress")
             index = len(self.items)
-            part = self.open["content"][0]
             events += [self._event("response.output_item.added", output_index=index,
                                    item={**self.open, "content": []}),
                        self._event("response.content_part.added", item_id=self.open["id"], output_index=index,
-                                   content_index=0, part=dict(part))]
+                                   content_index=0, part=dict(self.open["content"][0]))]
         self.open["content"][0]["text"] += text
         return events + [self._event("response.output_text.delta", item_id=self.open["id"],
                                      output_index=len(self.items), content_index=0, delta=text, logprobs=[])]

@@ -22,6 +22,7 @@ from .weights import Int4Weights
 METHODS = ("awq", "gptq")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column _AWQ_ORDER[i] of its eight
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+_AWQ_SHIFTS = 4 * torch.tensor([_AWQ_ORDER.index(c) for c in range(8)], dtype=torch.int32)  # column c's nibble
 
 
 def quantization_config(folder: str | Path) -> dict | None:
@@ -30,9 +31,9 @@ def quantization_config(folder: str | Path) -> dict | None:
     return json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
 
 
-def _unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 [..] -> its eight 4-bit codes per value, nibble 0 first, laid along `dim` (uint8)."""
-    codes = (packed.unsqueeze(-1) >> _SHIFTS) & 0xF  # [..., 8]
+def _unpack(packed: torch.Tensor, dim: int, shifts: torch.Tensor = _SHIFTS) -> torch.Tensor:
+    """int32 [..] -> its eight 4-bit codes per value in `shifts`' order (nibble 0 first), along `dim` (uint8)."""
+    codes = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., 8]
     if dim == 0:  # [rows, cols, 8] -> [rows * 8, cols]
         return codes.permute(0, 2, 1).reshape(-1, packed.shape[1]).to(torch.uint8)
     return codes.reshape(packed.shape[0], -1).to(torch.uint8)
@@ -46,13 +47,7 @@ def _to_ours(q_t: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) ->
 
 
 def awq_weights(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weights:
-    inverse = torch.tensor([_AWQ_ORDER.index(c) for c in range(8)])  # column c sits at nibble inverse[c]
-
-    def columns(packed: torch.Tensor) -> torch.Tensor:
-        codes = _unpack(packed, dim=1).reshape(packed.shape[0], -1, 8)
-        return codes[..., inverse].reshape(packed.shape[0], -1)
-
-    return _to_ours(columns(qweight), columns(qzeros), scales, group)
+    return _to_ours(_unpack(qweight, 1, _AWQ_SHIFTS), _unpack(qzeros, 1, _AWQ_SHIFTS), scales, group)
 
 
 def gptq_weights(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
@@ -60,8 +55,7 @@ def gptq_weights(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     codes = _unpack(qweight, dim=0)  # [in, out]
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(codes.shape[0]) // group):
         raise ValueError("GPTQ act-order (desc_act, a permuted g_idx) is not supported: quantize with desc_act=False")
-    zeros = _unpack(qzeros, dim=1).to(torch.int16) + (0 if v2 else 1)
-    return _to_ours(codes, zeros, scales, group)
+    return _to_ours(codes, _unpack(qzeros, dim=1).to(torch.int16) + (0 if v2 else 1), scales, group)  # gptq: z - 1
 
 
 def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.float32,
@@ -84,9 +78,8 @@ def load_quantized(folder: str | Path, config: dict, dtype: torch.dtype = torch.
     del hf_config.quantization_config
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (RoPE) real
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        tensors.update(load_file(file))
+    tensors = {k: v for file in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(file).items()}
+
     def quantized():
         for name in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
             parts = [tensors.pop(f"{name}.{k}") for k in ("qweight", "qzeros", "scales")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from .weights import Int4Weights, pack_nibbles, unpack_nibbles
 log = logging.getLogger(__name__)
 FORMATS = ("Q4_0", "Q4_1")
 CACHE_FORMAT = 1  # bump when what the cache file holds changes
+PARTS = ("codes", "scales", "zeros", "group")  # a cached layer's tensors, each named "{layer}.{part}"
 
 
 def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
@@ -41,16 +43,19 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
     if cache.exists():
         try:
             tensors = load_file(str(cache))
-            names = _cached_names(tensors)
-        except Exception as exc:  # unreadable: decoded again and rewritten
+            names = [k.removesuffix(".codes") for k in tensors if k.endswith(".codes")]
+            missing = {f"{name}.{part}" for name in names for part in PARTS} - tensors.keys()
+            if missing:
+                raise KeyError(min(missing))
+        except Exception as exc:  # unreadable, or a layer's part missing: decoded again and rewritten
             log.warning("kvboost: INT4 cache %s unreadable (%s); decoding %s again", cache, exc, path)
             tensors = None
     if tensors is None:
-        tensors = {}
-        for name, w in _decode(model, path).items():
+        tensors, names = {}, []
+        for name, w in _decode(model, path):  # one layer decoded at a time
+            names.append(name)
             tensors.update({f"{name}.codes": pack_nibbles(w.codes), f"{name}.scales": w.scales.contiguous(),
                             f"{name}.zeros": w.zeros.contiguous(), f"{name}.group": torch.tensor([w.group])})
-        names = _cached_names(tensors)
         cache.parent.mkdir(parents=True, exist_ok=True)
         partial = cache.with_name(f"{cache.stem}.{os.getpid()}.partial")
         save_file(tensors, str(partial))
@@ -64,7 +69,7 @@ def int4_linears_from_gguf(model: nn.Module, path: str | Path, cache_dir: Path,
     return install_int4(model, unpacked(), device)
 
 
-def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
+def _decode(model: nn.Module, path: Path) -> Iterator[tuple[str, Int4Weights]]:
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -78,28 +83,13 @@ def _decode(model: nn.Module, path: Path) -> dict[str, Int4Weights]:
     linears = {f"{names.get_name(n)}.weight": n for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and names.get_name(n) is not None}
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=model.config.to_dict())
-    layers = {}
     for tensor in reader.tensors:
         module_name = linears.get(tensor.name)
         if module_name is None or tensor.tensor_type.name not in FORMATS:
             continue
         blocks = processor.process(weights=np.asarray(tensor.data), name=tensor.name).weights
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
-        layers[module_name] = Int4Weights.from_gguf(tensor.tensor_type.name, blocks, shape)
-    return layers
-
-
-PARTS = ("codes", "scales", "zeros", "group")
-
-
-def _cached_names(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The layers a cache file holds, each with all its parts (else KeyError: the file is unreadable)."""
-    names = [k.removesuffix(".codes") for k in tensors if k.endswith(".codes")]
-    for name in names:
-        for part in PARTS:
-            if f"{name}.{part}" not in tensors:
-                raise KeyError(f"{name}.{part}")
-    return names
+        yield module_name, Int4Weights.from_gguf(tensor.tensor_type.name, blocks, shape)
 
 
 def model_from_gguf(folder: str | Path, gguf: str | Path, cache_dir: Path, dtype: torch.dtype,

@@ -28,8 +28,7 @@ class Int8Head(nn.Module):
         rounded = scales.to(torch.bfloat16)
         rounded = torch.where(rounded.float() < scales, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)),
                               rounded)
-        codes = torch.round(weight / rounded.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("codes", codes)
+        self.register_buffer("codes", torch.round(weight / rounded.float()[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,6 @@ class SiblingOutput(nn.Module):
 
     @property
     def layer(self) -> Int4Linear:
-        """The fused layer, shared by every sibling."""
         return self._shared.layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,24 +69,21 @@ class SiblingOutput(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, sibling {self.index}"
 
 
-def _fusable(parent: nn.Module, children: tuple[str, ...], weights: dict[str, Int4Weights]) -> bool:
+def _fuse(parent: nn.Module, children: tuple[str, ...], weights: dict[str, Int4Weights],
+          device: torch.device | str | None, kernel: str | None) -> bool:
+    """Install `parent`'s `children` as one fused layer; False, and nothing done, where they cannot fuse."""
     olds = [getattr(parent, c, None) for c in children]
-    return (all(isinstance(m, nn.Linear) and (m.out_features, m.in_features) == weights[c].shape
-                for m, c in zip(olds, children))
-            and len({w.group for w in weights.values()}) == 1 and len({m.bias is None for m in olds}) == 1)
-
-
-def _install_fused(model: nn.Module, parent_name: str, children: tuple[str, ...], weights: dict[str, Int4Weights],
-                   device: torch.device | str | None, kernel: str | None) -> None:
-    parent = model.get_submodule(parent_name) if parent_name else model
     parts = [weights[c] for c in children]
+    if not (all(isinstance(m, nn.Linear) and (m.out_features, m.in_features) == w.shape for m, w in zip(olds, parts))
+            and len({w.group for w in parts}) == 1 and len({m.bias is None for m in olds}) == 1):
+        return False
     fused = Int4Weights(torch.cat([w.codes for w in parts]), torch.cat([w.scales for w in parts]),
                         torch.cat([w.zeros for w in parts]), parts[0].group)
-    biases = [getattr(parent, c).bias for c in children]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    bias = None if olds[0].bias is None else torch.cat([m.bias.detach() for m in olds])
     shared = _FusedPass(Int4Linear(fused, bias, device, kernel), [w.shape[0] for w in parts])
     for index, child in enumerate(children):
         setattr(parent, child, SiblingOutput(shared, index))
+    return True
 
 
 def install_int4(model: nn.Module, layers: Iterable[tuple[str, Int4Weights]],
@@ -113,10 +109,7 @@ def install_int4(model: nn.Module, layers: Iterable[tuple[str, Int4Weights]],
         waiting[child] = weights
         if len(waiting) == len(children):
             del pending[(parent_name, children)]
-            parent = model.get_submodule(parent_name) if parent_name else model
-            if _fusable(parent, children, waiting):
-                _install_fused(model, parent_name, children, waiting, device, kernel)
-            else:
+            if not _fuse(model.get_submodule(parent_name), children, waiting, device, kernel):
                 each_alone(parent_name, waiting)
     for (parent_name, _), waiting in pending.items():  # groups with a member left float
         each_alone(parent_name, waiting)

@@ -68,25 +68,23 @@ class Int4Linear(nn.Module):
             raise ValueError(f"Int4Linear kernel {self.kernel!r} does not run on {self.device_type} "
                              f"(cpu: 'cpu'; cuda: 'triton' or 'tinygemm')")
         home = weights.codes.device  # the tensors stay where the weights are; model.to() moves them
-        pairs = torch.stack([weights.scales.t(), weights.zeros.t()], dim=-1)  # [in / g, out, 2]
-        if self.kernel == "cpu":
-            codes = weights.codes.cpu().to(torch.int32)
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1).to(home))
-            self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16).contiguous())
-        elif self.kernel == "tinygemm":
-            tiles = _tinygemm_tiles(self.out_features, self.in_features)
-            codes = weights.codes.to("cuda")
-            high_low = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()  # even k in the high nibble
-            packed = torch._convert_weight_to_int4pack(high_low, tiles)
+        if self.kernel != "triton":
+            if self.kernel == "cpu":
+                packed = torch._convert_weight_to_int4pack_for_cpu(weights.codes.cpu().to(torch.int32), 1)
+            else:
+                tiles = _tinygemm_tiles(*weights.shape)
+                codes = weights.codes.to("cuda")
+                high_low = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()  # even k in the high nibble
+                packed = torch._convert_weight_to_int4pack(high_low, tiles)
             self.register_buffer("packed", packed.to(home))
+            pairs = torch.stack([weights.scales.t(), weights.zeros.t()], dim=-1)  # [in / g, out, 2]
             self.register_buffer("scales_and_zeros", pairs.to(torch.bfloat16).contiguous())
         else:
             from .triton_w4a16 import W4A16Weights
 
             laid_out = W4A16Weights(weights, home)
-            self.register_buffer("packed", laid_out.packed)  # [out, in / 2]
-            self.register_buffer("scales", laid_out.scales)
-            self.register_buffer("zeros", laid_out.zeros)
+            for name in ("packed", "scales", "zeros"):  # [out, in / 2], then [out, in / group] twice
+                self.register_buffer(name, getattr(laid_out, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,7 @@ class Int4Weights:
         # w = d * q + m = d * (q - 8) + (m + 8d); Q4_0's w = d * (q - 8) has zero 0
         zeros = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0] + 8 * d if has_min else 0 * d
         qs = raw[..., size - 16:]
-        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, cols)
-        return cls(codes, d, zeros, GGUF_BLOCK)
+        return cls(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, cols), d, zeros, GGUF_BLOCK)
 
     @classmethod
     def quantize_rtn(cls, weight: torch.Tensor, group: int = 128) -> Int4Weights:
