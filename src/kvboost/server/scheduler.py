@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..results import GenerationMode, GenerationResult
+from ..results import GenerationResult
 from ..sampling import SamplingParams
 
 log = logging.getLogger("kvboost.server")
@@ -41,11 +41,9 @@ class Job:
     params: SamplingParams
     prompt_text: str | None  # None: decoded from ids in the result, after the first token
     loop: asyncio.AbstractEventLoop
-    cache_salt: str | None = None
-    mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
-    content_reuse: bool | None = None  # None: the engine's setting (kvboost serve --content-reuse)
-    output_format: Any = None  # decoding.grammar.OutputFormat: the grammar the output must follow
-    speculative: Any = "default"  # SpeculativeParams (a request with a prediction) or the engine's default
+    # engine.make_request's keywords: mode, cache_salt, content_reuse (unset: the engine's), output_format (the
+    # grammar the output must follow), speculative (SpeculativeParams, e.g. from a prediction; unset: the engine's)
+    options: dict[str, Any] = field(default_factory=dict)
     t_start: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: GenerationResult | None = None
@@ -243,10 +241,8 @@ class Scheduler:
 
     def _admit(self, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:  # validated with the ids the job came with: never tokenized again
-            request = self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
-                                               cache_salt=job.cache_salt, content_reuse=job.content_reuse,
-                                               t_start=job.t_start, output_format=job.output_format,
-                                               speculative=job.speculative)
+            request = self.engine.make_request(job.ids, job.params, job.prompt_text, t_start=job.t_start,
+                                               **job.options)
             rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
             new.append(job)
         except Exception as exc:
