@@ -25,7 +25,7 @@ from .. import __version__
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
 from . import access_log
-from .errors import APIError, ModelT, install_error_handlers, to_api_error, unsupported, validated
+from .errors import APIError, ModelT, install_error_handlers, invalid, to_api_error, unsupported, validated
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
 from .render import ChatRenderer, CompletionRenderer, Renderer, model_card
@@ -190,7 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """vLLM's tokenizer endpoint, which routers (vllm-router's kv_aware policy) call to key a request."""
         req = await parse_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send exactly one of prompt and messages", param="prompt", code="invalid_value")
+            raise invalid("send exactly one of prompt and messages", "prompt")
         with lock:
             ids = state.engine.encode(prompt=req.prompt, messages=req.messages,
                                       add_generation_prompt=req.add_generation_prompt)
