@@ -18,7 +18,7 @@ def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) ->
     return {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
             "decode_kernels": runner.decode_kernels if runner else None,
             "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
-            **(runner.stats.as_dict() if runner else {})}
+            **(runner.stats if runner else {})}
 
 
 def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,
