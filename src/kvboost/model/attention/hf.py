@@ -93,8 +93,7 @@ def _eager(module, query, key, value, mask, dropout, scaling, **kwargs) -> tuple
     if eager is None:
         raise NotImplementedError(f"{type(module).__name__}: attention needs softcap/sinks and its module defines "
                                   "no eager_attention_forward to run them")
-    mask = _materialized(mask, query, key)
-    if mask is None and query.shape[2] > 1:  # q == kv: eager needs the causal mask spelled out
+    if mask is None and query.shape[2] > 1:  # None is bottom-right causal here; eager needs it spelled out
         mask = bottom_right_mask(query.shape[2], key.shape[2], device=query.device)
     if mask is not None and mask.dtype == torch.bool:
         zero = torch.zeros((), dtype=query.dtype, device=query.device)
