@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from ..results import GenerationResult
@@ -82,8 +82,8 @@ class SchedulerStats:
     failed: int = 0
     cancelled: int = 0
     rejected: int = 0
-    batches: int = 0  # steps of the engine's loop that prefilled or decoded something
-    max_rows: int = 0  # the most rows seen in one step
+    batch_steps: int = 0  # steps of the engine's loop that prefilled or decoded something
+    max_rows_in_a_step: int = 0
 
 
 class Scheduler:
@@ -165,12 +165,10 @@ class Scheduler:
         return self._active
 
     def snapshot(self) -> dict[str, Any]:
-        s = self.stats
         return {"mode": "batched" if self.batched else "single", "worker_alive": self.alive,
                 "queued": self.queue_depth(), "active": self.active_count(), "max_queue": self.max_queue,
                 "max_batch_size": self.max_batch_size, "batch_window_ms": self.batch_window_s * 1e3,
-                "completed": s.completed, "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
-                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows}
+                **asdict(self.stats)}
 
     # ---- the worker thread ---------------------------------------------------------------------------
     def _main(self) -> None:
@@ -230,8 +228,8 @@ class Scheduler:
                     self.engine.step()
             except Exception:  # the loop failed its rows (each handle has the error); the worker goes on
                 log.exception("a step of the engine's loop failed; failing %d request(s)", len(rows))
-            self.stats.batches += 1
-            self.stats.max_rows = max(self.stats.max_rows, len(rows))
+            self.stats.batch_steps += 1
+            self.stats.max_rows_in_a_step = max(self.stats.max_rows_in_a_step, len(rows))
             self._deliver(rows)
             self._active = len(rows)
         for job, handle in rows.items():  # shutting down
