@@ -107,8 +107,10 @@ class Sampler:
             probs = self.probabilities(logits)
             # Sample on the CPU generator so a seed means the same tokens on every device.
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
-        if logp is not None:
-            self.logprobs.append(token_logprob(logp, token, self.params.logprobs or 0))
+        if logp is not None:  # the token's entry, and its `logprobs` best alternatives
+            best = torch.topk(logp, self.params.logprobs) if self.params.logprobs else None
+            top = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+            self.logprobs.append(TokenLogprob(token, float(logp[token]), top))
         if self.constraint is not None:
             self.constraint.advance(token)
         if self.penalties is not None:
@@ -132,15 +134,6 @@ class Sampler:
             probs = torch.softmax(scores, dim=-1)
             scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         return torch.softmax(scores, dim=-1)
-
-
-def token_logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """The entry for `token` from log-probabilities [vocab]."""
-    alternatives: list[tuple[int, float]] = []
-    if top:
-        values, ids = torch.topk(logp, top)
-        alternatives = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(logp[token]), alternatives)
 
 
 def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:

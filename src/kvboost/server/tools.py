@@ -104,16 +104,12 @@ def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSe
                        else {"role": "user", "content": f'<tool_response name="{name}">\n{text}\n</tool_response>'})
         else:
             out.append({"role": role, "content": text})
-    if setup.functions and not native:
-        out = _with_tool_prompt(out, setup)
-    return out
-
-
-def _with_tool_prompt(messages: list[dict[str, Any]], setup: ToolSetup) -> list[dict[str, Any]]:
+    if not setup.functions or native:
+        return out
     listing = json.dumps(setup.functions, ensure_ascii=False)
     prompt = ("You can call these functions (each with a JSON Schema of its parameters):\n" + listing +
               f'\nTo call one, answer with {TOOL_OPEN}{{"name": "<function name>", "arguments": {{<arguments as '
               f"JSON>}}}}{TOOL_CLOSE}. Otherwise answer normally.")
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]
-    return [{"role": "system", "content": prompt}] + messages
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": out[0]["content"] + "\n\n" + prompt}] + out[1:]
+    return [{"role": "system", "content": prompt}] + out
