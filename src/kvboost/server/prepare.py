@@ -70,8 +70,8 @@ def prepare_chat(engine, req: ChatCompletionRequest, lock: threading.Lock) -> Pr
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
-    return Prepared(ids, _sampling(engine, req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
-                    fmt, tools.parse, speculative, bool(prediction), *_reuse(req))
+    return _prepared(engine, req, ids, None, n, fmt, max_tokens, logprobs, speculative, tools.parse,
+                     bool(prediction))
 
 
 def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
@@ -108,8 +108,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
     # The prompt text is None for token ids: decoded in the result, after the first token.
-    return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), prompt, bool(req.stream),
-                    _usage_wanted(req), n, fmt, "none", speculative, False, *_reuse(req))
+    return _prepared(engine, req, ids, prompt, n, fmt, max_tokens, req.logprobs, speculative)
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
@@ -139,13 +138,6 @@ def _speculation(engine, req: SamplingRequest, prediction: str | None):
     with _bad_request():
         return engine.speculation(method, req.num_speculative_tokens, req.prompt_lookup_max_ngram,
                                   req.prompt_lookup_min_ngram, prediction=prediction or None)
-
-
-def _reuse(req: SamplingRequest) -> tuple[GenerationMode | None, bool | None]:
-    """The request's `mode` and `content_reuse` (None: the server's / engine's)."""
-    with _bad_request("mode"):
-        mode = None if req.mode is None else GenerationMode.parse(req.mode)
-    return mode, req.content_reuse
 
 
 def _output_format(response_format, extra: dict) -> OutputFormat | None:
@@ -240,7 +232,11 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
     return requested
 
 
-def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+def _prepared(engine, req: SamplingRequest, ids: list[int], text: str | None, n: int, fmt: OutputFormat | None,
+              max_tokens: int, logprobs: int | None, speculative: Any, tool_parse: str = "none",
+              predicted: bool = False) -> Prepared:
+    """What both endpoints end with: SamplingParams from the request's fields, then its mode and content_reuse (None:
+    the server's / engine's) and whether a stream ends with usage."""
     with _bad_request():
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
@@ -250,8 +246,8 @@ def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | Non
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=req.logit_bias)
         engine.requests.check_logit_bias(params)
-        return params
-
-
-def _usage_wanted(req: SamplingRequest) -> bool:
-    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    with _bad_request("mode"):
+        mode = None if req.mode is None else GenerationMode.parse(req.mode)
+    usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    return Prepared(ids, params, text, bool(req.stream), usage, n, fmt, tool_parse, speculative, predicted, mode,
+                    req.content_reuse)
