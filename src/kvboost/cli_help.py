@@ -10,21 +10,17 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 
-def _has_choices(param: Any) -> bool:
-    # typer with its own parser describes types with a descriptor; older typer hands click a Choice type.
-    descriptor = getattr(param, "type_descriptor", None)
-    if descriptor is not None:
-        return bool(getattr(descriptor, "is_choice", False))
-    return type(getattr(param, "type", None)).__name__ == "Choice"
-
-
 def readable_metavar(param: Any) -> str | None:
     """What `param`'s help shows for its value, or None to leave typer's own (choices, arguments, set metavars)."""
     if getattr(param, "param_type_name", None) != "option" or param.metavar is not None:
         return None
     if getattr(param, "is_flag", False):
         return ""
-    if _has_choices(param) or not param.name:
+    # typer with its own parser describes types with a descriptor; older typer hands click a Choice type.
+    descriptor = getattr(param, "type_descriptor", None)
+    choices = bool(getattr(descriptor, "is_choice", False)) if descriptor is not None \
+        else type(getattr(param, "type", None)).__name__ == "Choice"
+    if choices or not param.name:
         return None
     return param.name.upper()
 

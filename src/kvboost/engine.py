@@ -280,17 +280,16 @@ class InferenceEngine:
         longer sequence that starts with ids, whose chunks these are (see KVCacheManager.write_back)."""
         ids = list(ids)
         with self.lock, torch.inference_mode():
-            if self.long_contexts.streams(len(ids) + 1):  # longer than the device holds: run from host memory
-                slot = HostSlot(self, self.long_contexts.host_workspace())
-                try:
-                    return slot.warm(ids, salt, cut_ids)
-                finally:
-                    slot.forget()
-            slot = self.scheduler.lease()  # a free row: running rows are not disturbed
+            # Longer than the device holds: run from host memory; else a free row (running rows are not disturbed).
+            host = self.long_contexts.streams(len(ids) + 1)
+            slot = HostSlot(self, self.long_contexts.host_workspace()) if host else self.scheduler.lease()
             try:
                 return slot.warm(ids, salt, cut_ids)
             finally:
-                self.scheduler.release(slot)
+                if host:
+                    slot.forget()
+                else:
+                    self.scheduler.release(slot)
 
     # ---- batches ------------------------------------------------------------------------------
     def generate_batch(self, prompts: Sequence[str | Messages] | None = None, max_new_tokens: int = 64, *,

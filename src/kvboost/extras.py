@@ -37,18 +37,13 @@ def missing_extras(*extras: str) -> list[str]:
     return [extra for extra in extras if missing(*EXTRAS[extra])]
 
 
-def install_hint(command: str, extras: list[str], modules: list[str] = ()) -> str:
-    """E.g. "kvboost serve needs the server extra: pip install -e '/home/me/kvboost[server]'"."""
-    needs = [f"the {', '.join(extras)} extra{'s' if len(extras) > 1 else ''}"] if extras else []
-    needs += [f"the {m} package" for m in modules]
-    pip = (extra_install_args(extras) if extras else []) + [STANDALONE.get(m, m) for m in modules]
-    return f"{command} needs {' and '.join(needs)}: pip install {' '.join(pip)}"
-
-
 def require(command: str, *extras: str, modules: tuple[str, ...] = ()) -> None:
-    """Exit with code 1 and a one-line install hint on stderr unless every extra and module is importable."""
-    absent_extras = missing_extras(*extras)
-    absent_modules = missing(*modules)
-    if absent_extras or absent_modules:
-        print(install_hint(command, absent_extras, absent_modules), file=sys.stderr)
+    """Exit with code 1 and a one-line install hint on stderr unless every extra and module is importable, e.g.
+    "kvboost serve needs the server extra: pip install -e '/home/me/kvboost[server]'"."""
+    extras, modules = tuple(missing_extras(*extras)), tuple(missing(*modules))  # the absent ones
+    if extras or modules:
+        needs = [f"the {', '.join(extras)} extra{'s' if len(extras) > 1 else ''}"] if extras else []
+        needs += [f"the {m} package" for m in modules]
+        pip = (extra_install_args(extras) if extras else []) + [STANDALONE.get(m, m) for m in modules]
+        print(f"{command} needs {' and '.join(needs)}: pip install {' '.join(pip)}", file=sys.stderr)
         raise SystemExit(1)

@@ -138,10 +138,8 @@ class RequestFactory:
         unknown = set(options) - _ROW_OPTIONS
         if unknown:
             raise TypeError(f"unexpected option(s) for a batch: {', '.join(sorted(unknown))}")
-        if input_ids is not None:
-            requests = [self.request(None, max_new_tokens, input_ids=ids, **options) for ids in input_ids]
-        else:
-            requests = [self.request(p, max_new_tokens, **options) for p in prompts]
+        key = "prompt" if prompts is not None else "input_ids"  # each item as request()'s argument of that name
+        requests = [self.request(max_new_tokens=max_new_tokens, **{key: item}, **options) for item in items]
         for request in requests:
             request.t_start = t0
         return requests

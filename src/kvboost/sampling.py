@@ -35,21 +35,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        n = self.max_new_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}",
-                                      "max_new_tokens")
-        if not finite_number(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
-                                      "temperature")
-        if not finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an int >= 0, got {self.top_k!r}", "top_k")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequestError(f"seed must be an int, got {self.seed!r}", "seed")
+        n, t, k, seed = self.max_new_tokens, self.temperature, self.top_k, self.seed
+        for name, wanted, ok in (  # in this order: the first that fails is the one reported
+                ("max_new_tokens", "a positive int", isinstance(n, int) and not isinstance(n, bool) and n > 0),
+                ("temperature", "a finite number >= 0", finite_number(t) and t >= 0),
+                ("top_p", "in (0, 1]", finite_number(self.top_p) and 0.0 < self.top_p <= 1.0),
+                ("min_p", "in [0, 1]", finite_number(self.min_p) and 0.0 <= self.min_p <= 1.0),
+                ("top_k", "an int >= 0", isinstance(k, int) and k >= 0),
+                ("seed", "an int", seed is None or isinstance(seed, int) and not isinstance(seed, bool))):
+            if not ok:
+                raise InvalidRequestError(f"{name} must be {wanted}, got {getattr(self, name)!r}", name)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
         if len(self.stop) > 16:
@@ -112,8 +107,10 @@ class Sampler:
             probs = self.probabilities(logits)
             # Sample on the CPU generator so a seed means the same tokens on every device.
             token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator).item())
-        if logp is not None:
-            self.logprobs.append(token_logprob(logp, token, self.params.logprobs or 0))
+        if logp is not None:  # the token's entry, and its `logprobs` best alternatives
+            best = torch.topk(logp, self.params.logprobs) if self.params.logprobs else None
+            top = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+            self.logprobs.append(TokenLogprob(token, float(logp[token]), top))
         if self.constraint is not None:
             self.constraint.advance(token)
         if self.penalties is not None:
@@ -137,15 +134,6 @@ class Sampler:
             probs = torch.softmax(scores, dim=-1)
             scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         return torch.softmax(scores, dim=-1)
-
-
-def token_logprob(logp: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    """The entry for `token` from log-probabilities [vocab]."""
-    alternatives: list[tuple[int, float]] = []
-    if top:
-        values, ids = torch.topk(logp, top)
-        alternatives = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token, float(logp[token]), alternatives)
 
 
 def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:

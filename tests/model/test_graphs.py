@@ -2,6 +2,8 @@
 capture leaves the thread's stream and torch's allocator as they were."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -9,7 +11,6 @@ from kvboost.model.graphs import (
     CaptureFailed,
     CaptureRefused,
     GraphSteps,
-    RunnerStats,
     capture_refusal,
     capture_step,
 )
@@ -53,7 +54,7 @@ class _Runner(GraphSteps):
     """GraphSteps with a step that returns a constant, on a "CUDA" device whose memory reads as full."""
 
     def __init__(self, fallback: bool):
-        self.mode, self.fallback_on_failure, self.stats, self.failure = "graphs", fallback, RunnerStats(), None
+        self.mode, self.fallback_on_failure, self.stats, self.failure = "graphs", fallback, Counter(), None
         self.forgotten = 0
 
     def _run(self, step):
@@ -73,7 +74,7 @@ def test_a_refused_capture_runs_that_step_eagerly_in_auto_mode_and_raises_otherw
     step = _Step()
     assert torch.equal(auto._execute(step), torch.ones(3))  # noqa: SLF001 - the shared step logic under test
     assert auto.mode == "graphs" and auto.failure is None and auto.forgotten == 0 and step.graph is None
-    assert auto.stats.as_dict() == {"steps": 1, "capture_refusals": 1}
+    assert dict(auto.stats) == {"steps": 1, "capture_refusals": 1}
     with pytest.raises(RuntimeError, match="100 MiB"):
         _Runner(fallback=False)._execute(_Step())  # noqa: SLF001
 

@@ -80,7 +80,7 @@ def test_workspace_growth_drops_the_captured_steps(tokenizer, device):
     assert capacity < len(engine.encode(long_prompt)) <= engine.max_context - 4  # within the tiny model's context
     out = engine.generate(long_prompt, max_new_tokens=4)
     assert engine.workspace.generation > before
-    assert runner.stats.counts["invalidations"] >= 1
+    assert runner.stats["invalidations"] >= 1
     plain = KVBoost(make_tiny_model("qwen2", tokenizer, device=device), tokenizer, fast_path="off")
     assert out.output_token_ids == plain.generate(long_prompt, max_new_tokens=4).output_token_ids
 
@@ -116,14 +116,14 @@ def test_graph_warm_up_captures_every_bucket(tokenizer, device):
         pytest.skip("run with --device cuda")
     engine = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="graphs",
                      attention_backend="triton")
-    counts = engine.runner.stats.counts
+    counts = engine.runner.stats
     assert counts["captures"] == 1 + len(engine.runner.buckets)
     engine.generate("Hello there", max_new_tokens=5)
     assert counts["captures"] == 1 + len(engine.runner.buckets)  # the request met no capture
     # An engine that speculates captures its verify bucket at load too: a speculative request meets no capture.
     spec = KVBoost(make_tiny_model("llama", tokenizer, device=device), tokenizer, fast_path="graphs",
                    attention_backend="triton", speculative="prompt_lookup")
-    counts = spec.runner.stats.counts
+    counts = spec.runner.stats
     assert counts["captures"] == 2 + len(spec.runner.buckets)
     spec.generate("Copy: a b c d e f g. Copy: a b c d e f g. Copy: a b c", max_new_tokens=12)
     assert counts["captures"] == 2 + len(spec.runner.buckets)
@@ -155,7 +155,7 @@ def test_batched_decode_steps_match_one_at_a_time(mode, tokenizer, device):
         assert handle.error is None
         assert handle.result.output_token_ids == hf_greedy(model, tokenizer, engine.encode(prompt), n)
     assert runner.ws.batch_size == 4  # 3 rows at most: bucket 4 padded a row
-    counts = runner.runner.stats.counts
+    counts = runner.runner.stats
     assert counts["steps"] > 0
     if mode == "graphs":
         assert counts["replays"] == counts["steps"] and counts["captures"] >= 2
@@ -182,7 +182,7 @@ def test_short_shared_prefixes_are_copied_per_row_when_steps_run_through_the_run
         shared.append(runner.prefix)
     assert [h.result.output_token_ids for h in handles] == expected
     assert 64 < CASCADE_MIN_TOKENS and all(p is None for p in shared)  # copied per row, no cascade
-    assert runner.runner.stats.counts["steps"] >= 7
+    assert runner.runner.stats["steps"] >= 7
     assert all(h.result.cached_tokens >= 48 for h in handles)  # the system prompt's chunks still reused
 
 

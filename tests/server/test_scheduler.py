@@ -114,7 +114,7 @@ def test_requests_in_the_window_start_together_and_later_ones_join(scheduler):
     engine = scheduler.engine
     assert sorted(engine.steps[0]) == ["a0", "a1", "a2"]  # one batch for the three early requests
     assert all(h.max_rows == 4 for h in engine.rows)  # the server's batch size caps the loop's rows
-    assert scheduler.stats.completed == 4 and scheduler.stats.max_rows >= 3
+    assert scheduler.stats.completed == 4 and scheduler.stats.max_rows_in_a_step >= 3
 
 
 def test_a_bad_row_and_a_failed_step_fail_only_their_requests(scheduler):

@@ -228,16 +228,16 @@ def test_n_choices_run_as_rows_of_one_batch(server, client, tiny_engine):
     from ..prompts import words
 
     messages = [{"role": "system", "content": words(120, 5)}, {"role": "user", "content": "hi"}]
-    before = server.scheduler.stats.max_rows
-    server.scheduler.stats.max_rows = 0
+    before = server.scheduler.stats.max_rows_in_a_step
+    server.scheduler.stats.max_rows_in_a_step = 0
     try:
         r = client.chat.completions.create(model=TINY_NAME, messages=messages, max_tokens=6, temperature=1.0,
                                            seed=1, n=4)
-        assert len(r.choices) == 4 and server.scheduler.stats.max_rows == 4
+        assert len(r.choices) == 4 and server.scheduler.stats.max_rows_in_a_step == 4
         # A new prompt, yet the rows reused its K/V: the batch computed the shared prompt once for all of them.
         assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 16
     finally:
-        server.scheduler.stats.max_rows = max(before, server.scheduler.stats.max_rows)
+        server.scheduler.stats.max_rows_in_a_step = max(before, server.scheduler.stats.max_rows_in_a_step)
 
 
 def test_formats_on_the_single_request_worker_and_completions(tiny_engine, tiny_model_dir):

@@ -57,18 +57,13 @@ def parse_method(value: object) -> str | None:
 
 def check_speculative_numbers(k: object, max_ngram: object, min_ngram: object) -> None:
     """min_ngram None is "auto" (lookup_min_ngram), valid with any max_ngram."""
-    def is_int(x: object) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:  # type: ignore[operator]
-        raise InvalidRequestError(f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE_TOKENS}], "
-                                  f"got {k!r}", "num_speculative_tokens")
-    if not is_int(max_ngram) or not 1 <= max_ngram <= MAX_NGRAM:  # type: ignore[operator]
-        raise InvalidRequestError(f"prompt_lookup_max_ngram must be an int in [1, {MAX_NGRAM}], got {max_ngram!r}",
-                                  "prompt_lookup_max_ngram")
-    if min_ngram is not None and (not is_int(min_ngram) or not 1 <= min_ngram <= max_ngram):  # type: ignore
-        raise InvalidRequestError(f"prompt_lookup_min_ngram must be an int in [1, prompt_lookup_max_ngram="
-                                  f"{max_ngram}], got {min_ngram!r}", "prompt_lookup_min_ngram")
+    checks = [("num_speculative_tokens", k, MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS),
+              ("prompt_lookup_max_ngram", max_ngram, MAX_NGRAM, MAX_NGRAM)]
+    if min_ngram is not None:  # checked once max_ngram is known to be an int
+        checks.append(("prompt_lookup_min_ngram", min_ngram, max_ngram, f"prompt_lookup_max_ngram={max_ngram}"))
+    for name, value, high, shown in checks:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:  # type: ignore[operator]
+            raise InvalidRequestError(f"{name} must be an int in [1, {shown}], got {value!r}", name)
 
 
 # ---- acceptance ---------------------------------------------------------------------------------------

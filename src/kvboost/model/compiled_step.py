@@ -72,10 +72,8 @@ def own_code(fn: Callable[..., torch.Tensor], owner: object | None = None) -> Ca
     """`fn` over a copy of its code object, so dynamo's graphs and recompile limit are this caller's alone; callers
     passing the same `owner` (weakly held) share one copy."""
     func = fn.__func__ if inspect.ismethod(fn) else fn
-    if owner is None:
-        code = func.__code__.replace()
-    else:
-        code = _CODE_OF_OWNER.setdefault(owner, {}).setdefault(func.__code__, func.__code__.replace())
+    code = func.__code__.replace() if owner is None else \
+        _CODE_OF_OWNER.setdefault(owner, {}).setdefault(func.__code__, func.__code__.replace())
     copy = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
     return types.MethodType(copy, fn.__self__) if inspect.ismethod(fn) else copy

@@ -53,13 +53,10 @@ def cpu_linear_reason(model: nn.Module) -> str | None:
 
 def install_cpu_linear(mode: str, model: nn.Module) -> str:
     """Apply EngineConfig.cpu_linear to the model's nn.Linear modules; returns what was done and why."""
-    if mode == "off":
+    reason = None if mode == "off" else cpu_linear_reason(model)
+    if mode == "off" or reason is not None:
         uninstall_cpu_linear(model)
-        return "off"
-    reason = cpu_linear_reason(model)
-    if reason is not None:
-        uninstall_cpu_linear(model)
-        return f"off: {reason}"
+        return "off" if reason is None else f"off: {reason}"
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:  # subclasses (quantized layers) keep their own forward

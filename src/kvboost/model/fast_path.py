@@ -18,7 +18,7 @@ def fast_path_stats(runner: ModelRunner | None, reason: str, cpu_linear: str) ->
     return {"mode": runner.mode if runner else "off", "reason": reason, "failure": runner.failure if runner else None,
             "decode_kernels": runner.decode_kernels if runner else None,
             "compiled_steps": runner.compiled_steps if runner else [], "cpu_linear": cpu_linear,
-            **(runner.stats.as_dict() if runner else {})}
+            **(runner.stats if runner else {})}
 
 
 def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, attention: str,
@@ -42,11 +42,9 @@ def make_runner(choice: str, model: torch.nn.Module, workspace: KVWorkspace, att
             return None, f"off: the engine attends with {attention!r}, graphs need the Triton kernels"
         if reason is not None:
             return None, f"off: {reason}"
-        return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=True,
-                           verifies=verifies), "CUDA graphs per bucket (auto)"
-    if choice == "graphs":
-        return ModelRunner(model, workspace, mode="graphs", backend="triton", verifies=verifies), \
-            "CUDA graphs per bucket"
+    if choice in ("auto", "graphs"):  # auto: a capture that fails runs eagerly from then on
+        return ModelRunner(model, workspace, mode="graphs", backend="triton", fallback_on_failure=choice == "auto",
+                           verifies=verifies), "CUDA graphs per bucket" + (" (auto)" if choice == "auto" else "")
     if choice == "compiled":
         refusal = packing_refusal(model)
         kernels = "ATen GEMV" if refusal else "packed GEMV kernels"

@@ -71,11 +71,9 @@ def forward_tokens(model: torch.nn.Module, token_ids: list[int] | torch.Tensor, 
     """float32 logits [batch, logits_to_keep, vocab] of tokens run after what the cache holds (engine lock held)."""
     device = next(model.parameters()).device
     if isinstance(token_ids, torch.Tensor):
-        ids = token_ids.to(device)
+        ids = torch.atleast_2d(token_ids.to(device))
     else:  # built where the model lives: no CPU tensor and extra host-to-device copy per decode step
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(0)
     with attention_context(model, attention):
         out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits.float()

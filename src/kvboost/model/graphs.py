@@ -10,7 +10,6 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -76,14 +75,6 @@ def capture_step(run: Callable[[], T], device: torch.device) -> tuple[torch.cuda
     return graph, out
 
 
-@dataclass
-class RunnerStats:
-    counts: Counter = field(default_factory=Counter)  # steps, replays, captures, recaptures (per bucket)
-
-    def as_dict(self) -> dict:
-        return dict(self.counts)
-
-
 class GraphSteps:
     """What the runners share: a fixed-shape step runs eagerly or replays its graph (captured on first use). A failed
     capture gives graphs up (auto mode, counted, `failure` says why) or raises. Subclasses set mode,
@@ -91,34 +82,34 @@ class GraphSteps:
 
     mode: str
     fallback_on_failure: bool
-    stats: RunnerStats
+    stats: Counter  # steps, replays, captures, capture refusals and failures, ...
     failure: str | None
 
     def _execute(self, step: Any) -> torch.Tensor:
-        self.stats.counts["steps"] += 1
+        self.stats["steps"] += 1
         if self.mode == "graphs" and step.graph is None:
             self._capture(step)
         if self.mode != "graphs" or step.graph is None:
             step.logits = self._run(step)
         else:
             step.graph.replay()
-            self.stats.counts["replays"] += 1
+            self.stats["replays"] += 1
         return step.logits
 
     def _capture(self, step: Any) -> None:
         try:
             step.graph, step.logits = capture_step(lambda: self._run(step), self._device())
-            self.stats.counts["captures"] += 1
+            self.stats["captures"] += 1
         except CaptureRefused as refused:  # the device is short of memory now: this step runs eagerly, the next
             if not self.fallback_on_failure:  # tries to capture again
                 raise refused.cause from None
-            self.stats.counts["capture_refusals"] += 1
+            self.stats["capture_refusals"] += 1
             log.warning("kvboost: CUDA graph capture refused (%s); this step runs eagerly", refused.cause)
         except CaptureFailed as failed:
             if not self.fallback_on_failure:
                 raise failed.cause from None
             self.failure = f"{type(failed.cause).__name__}: {str(failed.cause).splitlines()[0][:200]}"
             log.warning("kvboost: CUDA graph capture failed (%s); these steps run eagerly", self.failure)
-            self.stats.counts["capture_failures"] += 1
+            self.stats["capture_failures"] += 1
             self.mode = "eager"
             self._forget_graphs()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from .attention.static import static_attention
 from .attention.switch import switch_unsupported_reason
 from .cache_arg import cache_kwargs
 from .compiled_step import CompiledStep, StepNotCompiled
-from .graphs import GraphSteps, RunnerStats
+from .graphs import GraphSteps
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class ModelRunner(GraphSteps):
         self.fallback_on_failure = fallback_on_failure  # a capture that fails: run eagerly (True) or raise
         self.steps: dict[tuple[str, int], _Step] = {}
         self.generation = workspace.generation
-        self.stats = RunnerStats()
+        self.stats: Counter = Counter()
         self.failure: str | None = None  # why graphs were given up (auto mode): the steps then run eagerly
         # verifies: the verify step is made ready at load; compiled mode compiles it at the exact token count.
         self.verifies = verifies
@@ -288,7 +289,7 @@ class ModelRunner(GraphSteps):
                                      [v[:1] for _, v in buffers])
         except Exception as exc:
             self.package.fail(f"the decode-step package failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            self.stats.counts["package_failures"] += 1
+            self.stats["package_failures"] += 1
             return None
 
     def _compiled_logits(self, step: _Step, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
@@ -303,7 +304,7 @@ class ModelRunner(GraphSteps):
             failure = f"{_KIND_NAMES[step.key[0]]} steps run eagerly: {exc}"
             for runner in (self, self.reports_to) if self.reports_to is not None else (self,):
                 runner.uncompiled[step.key[0]] = str(exc)
-                runner.stats.counts["compile_refusals"] += 1
+                runner.stats["compile_refusals"] += 1
                 runner.failure = failure
             log.warning("kvboost: %s", failure)
             # the eager step reads the whole buffer, masked by ends
@@ -334,7 +335,7 @@ class ModelRunner(GraphSteps):
     def _step(self, key: tuple[str, int]) -> _Step:
         if self.workspace.generation != self.generation:  # new buffers: every graph points at the old ones
             if self.steps:
-                self.stats.counts["invalidations"] += 1
+                self.stats["invalidations"] += 1
                 if self.mode == "graphs":
                     torch.cuda.synchronize(self.workspace.device)  # no replay may still run when they go
             self.steps.clear()

@@ -178,7 +178,11 @@ def serve_command(
     shown_host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     typer.echo(f"KVBoost server listening on http://{shown_host}:{bound[1]}  (model '{settings.model_id}'"
                f"{', API key required' if settings.api_key else ''})")
-    if not settings.api_key and not _is_loopback(host):
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if not settings.api_key and not loopback:
         typer.echo("warning: listening beyond loopback without --api-key; anyone who can reach it can use it", err=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",  # the app writes its own
                             timeout_graceful_shutdown=10)
@@ -252,13 +256,6 @@ def _tier_line(name: str, tier: dict, config) -> str:
     where = {"disk": config.disk_cache_dir, "redis": config.redis_url}.get(name)
     size = f"{n / 1024**3:.1f} GiB" if n and n >= 1024**3 else f"{(n or 0) / 1024**2:.0f} MiB"
     return name + (f" {where}" if where else "") + (f" budget {size}" if n else "")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from .. import __version__
 from ..results import GenerationMode, GenerationResult
 from ..sampling import SamplingParams
 from . import access_log
-from .errors import APIError, ModelT, install_error_handlers, to_api_error, unsupported, validated
+from .errors import APIError, ModelT, install_error_handlers, invalid, to_api_error, unsupported, validated
 from .metrics import ServerMetrics
 from .prepare import Prepared, prepare_chat, prepare_completion
 from .render import ChatRenderer, CompletionRenderer, Renderer, model_card
@@ -101,7 +101,7 @@ def warm_up(app: FastAPI, max_new_tokens: int = 4, timeout_s: float = 600.0) -> 
     state.scheduler.start()
 
     async def run_to_end() -> None:
-        jobs = [Job(ids, params, text, asyncio.get_running_loop(), mode=GenerationMode.BASELINE)
+        jobs = [Job(ids, params, text, asyncio.get_running_loop(), {"mode": GenerationMode.BASELINE})
                 for _ in range(2 if state.scheduler.batched else 1)]
         for job in jobs:
             state.scheduler.submit(job)
@@ -190,7 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """vLLM's tokenizer endpoint, which routers (vllm-router's kv_aware policy) call to key a request."""
         req = await parse_body(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send exactly one of prompt and messages", param="prompt", code="invalid_value")
+            raise invalid("send exactly one of prompt and messages", "prompt")
         with lock:
             ids = state.engine.encode(prompt=req.prompt, messages=req.messages,
                                       add_generation_prompt=req.add_generation_prompt)
@@ -304,13 +304,12 @@ def _check_model(settings: ServerSettings, name: str) -> None:
 async def _respond(state: ServerState, prepared: Prepared, renderer: Renderer | ResponseRenderer,
                    salt: str | None, request: Request, t0: float) -> Response:
     # n choices: n rows of one prompt submitted together, so its K/V is computed once. Choice i gets seed + i.
-    jobs = []
-    for i in range(prepared.n):
-        params = prepared.params if i == 0 or prepared.params.seed is None else \
-            dataclasses.replace(prepared.params, seed=prepared.params.seed + i)
-        jobs.append(Job(prepared.ids, params, prepared.prompt_text, asyncio.get_running_loop(), cache_salt=salt,
-                        mode=prepared.mode or state.settings.mode, content_reuse=prepared.content_reuse, t_start=t0,
-                        output_format=prepared.output_format, speculative=prepared.speculative))
+    options = dict(cache_salt=salt, mode=prepared.mode or state.settings.mode, content_reuse=prepared.content_reuse,
+                   output_format=prepared.output_format, speculative=prepared.speculative)
+    seed = prepared.params.seed
+    jobs = [Job(prepared.ids, prepared.params if i == 0 or seed is None else
+                dataclasses.replace(prepared.params, seed=seed + i), prepared.prompt_text, asyncio.get_running_loop(),
+                options, t0) for i in range(prepared.n)]
 
     def cancel_all() -> None:
         for job in jobs:

@@ -42,6 +42,10 @@ def unsupported(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
 
+def invalid(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Any exception as the APIError a client should see: engine validation → 400, the unknown → 500."""
     if isinstance(exc, APIError):

@@ -13,7 +13,7 @@ from ..errors import ContextLengthError, InvalidRequestError
 from ..prompting import check_template_kwargs
 from ..results import GenerationMode
 from ..sampling import SamplingParams
-from .errors import APIError, openai_param, unsupported
+from .errors import APIError, invalid, openai_param, unsupported
 from .extensions import guided_format, refuse_unsupported
 from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from .settings import ServerSettings
@@ -48,14 +48,13 @@ def prepare_chat(engine, req: ChatCompletionRequest, lock: threading.Lock) -> Pr
     with _bad_request(code="unsupported_parameter"):
         refuse_unsupported(extra)
     if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     fmt = _output_format(req.response_format, extra)
     tools = setup_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     if fmt is not None and tools.output_format is not None:
-        raise APIError(400, f"response_format cannot be combined with tool_choice {tools.choice!r}: the reply "
-                       "follows one format (send tool_choice 'none' to answer in the response_format)",
-                       param="response_format", code="invalid_value")
+        raise invalid(f"response_format cannot be combined with tool_choice {tools.choice!r}: the reply follows "
+                      "one format (send tool_choice 'none' to answer in the response_format)", "response_format")
     fmt = fmt or tools.output_format
     texts = [_message_text(i, m) for i, m in enumerate(req.messages)]
     prediction = _prediction_text(req.prediction)
@@ -71,8 +70,8 @@ def prepare_chat(engine, req: ChatCompletionRequest, lock: threading.Lock) -> Pr
     _compile(engine, fmt)
     requested = req.max_completion_tokens or req.max_tokens
     max_tokens = _token_budget(engine, len(ids), requested, None, "messages")
-    return Prepared(ids, _sampling(engine, req, max_tokens, logprobs), None, bool(req.stream), _usage_wanted(req), n,
-                    fmt, tools.parse, speculative, bool(prediction), *_reuse(req))
+    return _prepared(engine, req, ids, None, n, fmt, max_tokens, logprobs, speculative, tools.parse,
+                     bool(prediction))
 
 
 def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings, lock: threading.Lock) -> Prepared:
@@ -96,8 +95,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
         if prompt and isinstance(prompt[0], int):
             token_ids, prompt = prompt, None
         elif len(prompt) != 1:
-            raise APIError(400, "send exactly one prompt per request" if prompt else "prompt is empty",
-                           param="prompt", code="invalid_value")
+            raise invalid("send exactly one prompt per request" if prompt else "prompt is empty", "prompt")
         elif isinstance(prompt[0], list):
             token_ids, prompt = prompt[0], None
         else:
@@ -110,8 +108,7 @@ def prepare_completion(engine, req: CompletionRequest, settings: ServerSettings,
     _compile(engine, fmt)
     max_tokens = _token_budget(engine, len(ids), req.max_tokens, settings.default_completion_tokens, "prompt")
     # The prompt text is None for token ids: decoded in the result, after the first token.
-    return Prepared(ids, _sampling(engine, req, max_tokens, req.logprobs), prompt, bool(req.stream),
-                    _usage_wanted(req), n, fmt, "none", speculative, False, *_reuse(req))
+    return _prepared(engine, req, ids, prompt, n, fmt, max_tokens, req.logprobs, speculative)
 
 
 # ---- pieces ------------------------------------------------------------------------------------------
@@ -121,12 +118,10 @@ def _prediction_text(prediction: dict | None) -> str | None:
         return None
     content = prediction.get("content")
     if prediction.get("type") != "content" or not isinstance(content, (str, list)):
-        raise APIError(400, "prediction must be {\"type\": \"content\", \"content\": text or text parts}",
-                       param="prediction", code="invalid_value")
+        raise invalid("prediction must be {\"type\": \"content\", \"content\": text or text parts}", "prediction")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise APIError(400, "prediction.content parts must be {\"type\": \"text\", \"text\": ...}",
-                           param="prediction.content", code="invalid_value")
+            raise invalid("prediction.content parts must be {\"type\": \"text\", \"text\": ...}", "prediction.content")
         content = "".join(p["text"] for p in content)
     return content
 
@@ -145,27 +140,20 @@ def _speculation(engine, req: SamplingRequest, prediction: str | None):
                                   req.prompt_lookup_min_ngram, prediction=prediction or None)
 
 
-def _reuse(req: SamplingRequest) -> tuple[GenerationMode | None, bool | None]:
-    """The request's `mode` and `content_reuse` (None: the server's / engine's)."""
-    with _bad_request("mode"):
-        mode = None if req.mode is None else GenerationMode.parse(req.mode)
-    return mode, req.content_reuse
-
-
 def _output_format(response_format, extra: dict) -> OutputFormat | None:
     """response_format, or one of the guided-decoding fields other servers define (server/extensions.py)."""
     with _bad_request():
         fmt, guided = parse_output_format(response_format), guided_format(extra)
     if fmt is not None and guided is not None:
-        raise APIError(400, f"response_format cannot be combined with {guided.param.split('.')[0]}: the reply "
-                       "follows one format", param=guided.param.split(".")[0], code="invalid_value")
+        raise invalid(f"response_format cannot be combined with {guided.param.split('.')[0]}: the reply follows one "
+                      "format", guided.param.split(".")[0])
     return fmt or guided
 
 
 def _choices(req: SamplingRequest) -> int:
     n = req.n or 1
     if n > MAX_N:
-        raise APIError(400, f"n must be at most {MAX_N}", param="n", code="invalid_value")
+        raise invalid(f"n must be at most {MAX_N}", "n")
     return n
 
 
@@ -197,8 +185,7 @@ def _encode_with_tools(engine, messages: list[dict], functions: list[dict], temp
         ids = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                    **template_kwargs)
     except Exception as exc:
-        raise APIError(400, f"could not render the messages with tools: {type(exc).__name__}: {exc}",
-                       param="messages", code="invalid_value") from None
+        raise invalid(f"could not render the messages with tools: {type(exc).__name__}: {exc}", "messages") from None
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
     return _encode(engine, None, None, "messages", [int(t) for t in ids])
 
@@ -218,12 +205,10 @@ def _encode(engine, prompt: str | None, messages: list[dict] | None, param: str,
     try:
         return engine.encode(prompt, messages, input_ids=token_ids, chat_template_kwargs=template_kwargs or None)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc).replace("input_ids", param),
-                       param=param if exc.param in ("prompt", "messages", "input_ids", None) else exc.param,
-                       code="invalid_value") from None
+        raise invalid(str(exc).replace("input_ids", param),
+                      param if exc.param in ("prompt", "messages", "input_ids", None) else exc.param) from None
     except Exception as exc:  # e.g. a chat template that rejects this sequence of roles
-        raise APIError(400, f"could not render the {param}: {type(exc).__name__}: {exc}", param=param,
-                       code="invalid_value") from None
+        raise invalid(f"could not render the {param}: {type(exc).__name__}: {exc}", param) from None
 
 
 def _token_budget(engine, n_prompt: int, requested: int | None, default: int | None, param: str) -> int:
@@ -247,7 +232,11 @@ def _token_budget(engine, n_prompt: int, requested: int | None, default: int | N
     return requested
 
 
-def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+def _prepared(engine, req: SamplingRequest, ids: list[int], text: str | None, n: int, fmt: OutputFormat | None,
+              max_tokens: int, logprobs: int | None, speculative: Any, tool_parse: str = "none",
+              predicted: bool = False) -> Prepared:
+    """What both endpoints end with: SamplingParams from the request's fields, then its mode and content_reuse (None:
+    the server's / engine's) and whether a stream ends with usage."""
     with _bad_request():
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
@@ -257,8 +246,8 @@ def _sampling(engine, req: SamplingRequest, max_tokens: int, logprobs: int | Non
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=req.logit_bias)
         engine.requests.check_logit_bias(params)
-        return params
-
-
-def _usage_wanted(req: SamplingRequest) -> bool:
-    return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    with _bad_request("mode"):
+        mode = None if req.mode is None else GenerationMode.parse(req.mode)
+    usage = bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
+    return Prepared(ids, params, text, bool(req.stream), usage, n, fmt, tool_parse, speculative, predicted, mode,
+                    req.content_reuse)

@@ -9,10 +9,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..results import GenerationMode, GenerationResult
+from ..results import GenerationResult
 from ..sampling import SamplingParams
 
 log = logging.getLogger("kvboost.server")
@@ -41,11 +41,9 @@ class Job:
     params: SamplingParams
     prompt_text: str | None  # None: decoded from ids in the result, after the first token
     loop: asyncio.AbstractEventLoop
-    cache_salt: str | None = None
-    mode: GenerationMode = GenerationMode.CHUNK_KV_REUSE
-    content_reuse: bool | None = None  # None: the engine's setting (kvboost serve --content-reuse)
-    output_format: Any = None  # decoding.grammar.OutputFormat: the grammar the output must follow
-    speculative: Any = "default"  # SpeculativeParams (a request with a prediction) or the engine's default
+    # engine.make_request's keywords: mode, cache_salt, content_reuse (unset: the engine's), output_format (the
+    # grammar the output must follow), speculative (SpeculativeParams, e.g. from a prediction; unset: the engine's)
+    options: dict[str, Any] = field(default_factory=dict)
     t_start: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     result: GenerationResult | None = None
@@ -84,8 +82,8 @@ class SchedulerStats:
     failed: int = 0
     cancelled: int = 0
     rejected: int = 0
-    batches: int = 0  # steps of the engine's loop that prefilled or decoded something
-    max_rows: int = 0  # the most rows seen in one step
+    batch_steps: int = 0  # steps of the engine's loop that prefilled or decoded something
+    max_rows_in_a_step: int = 0
 
 
 class Scheduler:
@@ -167,12 +165,10 @@ class Scheduler:
         return self._active
 
     def snapshot(self) -> dict[str, Any]:
-        s = self.stats
         return {"mode": "batched" if self.batched else "single", "worker_alive": self.alive,
                 "queued": self.queue_depth(), "active": self.active_count(), "max_queue": self.max_queue,
                 "max_batch_size": self.max_batch_size, "batch_window_ms": self.batch_window_s * 1e3,
-                "completed": s.completed, "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
-                "batch_steps": s.batches, "max_rows_in_a_step": s.max_rows}
+                **asdict(self.stats)}
 
     # ---- the worker thread ---------------------------------------------------------------------------
     def _main(self) -> None:
@@ -232,8 +228,8 @@ class Scheduler:
                     self.engine.step()
             except Exception:  # the loop failed its rows (each handle has the error); the worker goes on
                 log.exception("a step of the engine's loop failed; failing %d request(s)", len(rows))
-            self.stats.batches += 1
-            self.stats.max_rows = max(self.stats.max_rows, len(rows))
+            self.stats.batch_steps += 1
+            self.stats.max_rows_in_a_step = max(self.stats.max_rows_in_a_step, len(rows))
             self._deliver(rows)
             self._active = len(rows)
         for job, handle in rows.items():  # shutting down
@@ -243,10 +239,8 @@ class Scheduler:
 
     def _admit(self, job: Job, rows: dict[Job, Any], new: list[Job]) -> None:
         try:  # validated with the ids the job came with: never tokenized again
-            request = self.engine.make_request(job.ids, job.params, job.prompt_text, mode=job.mode,
-                                               cache_salt=job.cache_salt, content_reuse=job.content_reuse,
-                                               t_start=job.t_start, output_format=job.output_format,
-                                               speculative=job.speculative)
+            request = self.engine.make_request(job.ids, job.params, job.prompt_text, t_start=job.t_start,
+                                               **job.options)
             rows[job] = self.engine.submit(request, max_rows=self.max_batch_size)
             new.append(job)
         except Exception as exc:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding.grammar import OutputFormat, json_schema_format, structural_tag_format
-from .errors import APIError
+from .errors import invalid
 from .schema import ChatMessage, NamedToolChoice, Tool
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -28,26 +28,24 @@ def setup_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | N
                 parallel_tool_calls: bool | None = None) -> ToolSetup:
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice needs tools: the request has none", param="tool_choice",
-                           code="invalid_value")
+            raise invalid("tool_choice needs tools: the request has none", "tool_choice")
         return ToolSetup()
     functions = []
     for i, tool in enumerate(tools):
         params = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
         if params.get("type", "object") != "object":
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of type object",
-                           param=f"tools.{i}.function.parameters", code="invalid_value")
+            raise invalid(f"tools[{i}].function.parameters must be a JSON Schema of type object",
+                          f"tools.{i}.function.parameters")
         functions.append({"name": tool.function.name, "description": tool.function.description or "",
                           "parameters": params})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
-        raise APIError(400, "tools: function names must be unique", param="tools", code="invalid_value")
+        raise invalid("tools: function names must be unique", "tools")
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
-            raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not among the "
-                           f"request's tools ({', '.join(names)})", param="tool_choice.function.name",
-                           code="invalid_value")
+            raise invalid(f"tool_choice names function {choice.function.name!r}, which is not among the request's "
+                          f"tools ({', '.join(names)})", "tool_choice.function.name")
         chosen = [f for f in functions if f["name"] == choice.function.name]
         return ToolSetup(functions, "named", json_schema_format(_call_schema(chosen), "tools"), "call")
     if choice == "none":
@@ -74,20 +72,18 @@ def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSe
     for i, (m, text) in enumerate(zip(messages, texts)):
         role = "system" if m.role == "developer" else m.role
         if role == "function":
-            raise APIError(400, f"messages[{i}]: the deprecated 'function' role is not supported; use 'tool' "
-                           "messages with tool_call_id", param=f"messages.{i}.role", code="invalid_value")
+            raise invalid(f"messages[{i}]: the deprecated 'function' role is not supported; use 'tool' messages "
+                          "with tool_call_id", f"messages.{i}.role")
         if m.tool_calls and role != "assistant":
-            raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls",
-                           param=f"messages.{i}.tool_calls", code="invalid_value")
+            raise invalid(f"messages[{i}]: only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
         if role == "assistant" and m.tool_calls:
             parsed = []
             for j, call in enumerate(m.tool_calls):
                 try:
                     arguments = json.loads(call.function.arguments or "{}")
                 except ValueError as exc:
-                    raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
-                                   f"{exc}", param=f"messages.{i}.tool_calls.{j}.function.arguments",
-                                   code="invalid_value") from None
+                    raise invalid(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {exc}",
+                                  f"messages.{i}.tool_calls.{j}.function.arguments") from None
                 calls[call.id] = call.function.name
                 parsed.append({"name": call.function.name, "arguments": arguments})
             if native:
@@ -99,26 +95,21 @@ def render_messages(messages: list[ChatMessage], texts: list[str], setup: ToolSe
                 out.append({"role": "assistant", "content": "\n".join(lines)})
         elif role == "tool":
             if not m.tool_call_id:
-                raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",
-                               param=f"messages.{i}.tool_call_id", code="invalid_value")
+                raise invalid(f"messages[{i}]: a tool message needs tool_call_id", f"messages.{i}.tool_call_id")
             if m.tool_call_id not in calls:
-                raise APIError(400, f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call made by an "
-                               "earlier assistant message", param=f"messages.{i}.tool_call_id", code="invalid_value")
+                raise invalid(f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call made by an "
+                              "earlier assistant message", f"messages.{i}.tool_call_id")
             name = calls[m.tool_call_id]
             out.append({"role": "tool", "content": text, "name": name, "tool_call_id": m.tool_call_id} if native
                        else {"role": "user", "content": f'<tool_response name="{name}">\n{text}\n</tool_response>'})
         else:
             out.append({"role": role, "content": text})
-    if setup.functions and not native:
-        out = _with_tool_prompt(out, setup)
-    return out
-
-
-def _with_tool_prompt(messages: list[dict[str, Any]], setup: ToolSetup) -> list[dict[str, Any]]:
+    if not setup.functions or native:
+        return out
     listing = json.dumps(setup.functions, ensure_ascii=False)
     prompt = ("You can call these functions (each with a JSON Schema of its parameters):\n" + listing +
               f'\nTo call one, answer with {TOOL_OPEN}{{"name": "<function name>", "arguments": {{<arguments as '
               f"JSON>}}}}{TOOL_CLOSE}. Otherwise answer normally.")
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]
-    return [{"role": "system", "content": prompt}] + messages
+    if out and out[0]["role"] == "system":
+        return [{"role": "system", "content": out[0]["content"] + "\n\n" + prompt}] + out[1:]
+    return [{"role": "system", "content": prompt}] + out

@@ -74,16 +74,13 @@ def _split_kernel(Q, K, V, MidO, MidL, Ends, Valid,
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         if HAS_VALID:  # the padding vector applies to every tile: all of them masked
-            acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                                         qi, offs_d, lo, hi, split_end, diag, qk_scale,
-                                         HEAD_DIM, D_PAD, BLOCK_N, True, True, IEEE, DOT_F32)
-        else:
-            acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                                         qi, offs_d, lo, full, split_end, diag, qk_scale,
-                                         HEAD_DIM, D_PAD, BLOCK_N, False, False, IEEE, DOT_F32)
-            acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                                         qi, offs_d, full, hi, split_end, diag, qk_scale,
-                                         HEAD_DIM, D_PAD, BLOCK_N, True, False, IEEE, DOT_F32)
+            full = lo
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+                                     qi, offs_d, lo, full, split_end, diag, qk_scale,
+                                     HEAD_DIM, D_PAD, BLOCK_N, False, False, IEEE, DOT_F32)
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+                                     qi, offs_d, full, hi, split_end, diag, qk_scale,
+                                     HEAD_DIM, D_PAD, BLOCK_N, True, HAS_VALID, IEEE, DOT_F32)
         # The split's normalized output, and each row's log2-sum-exp (-inf: it saw no key).
         seen = l_i > 0.0
         l_safe = tl.where(seen, l_i, 1.0)

@@ -81,20 +81,13 @@ def _fallback_reason(module: torch.nn.Module, dropout: float, is_causal: bool | 
     return None
 
 
-def _materialized(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """None means bottom-right causal here; other implementations read None as top-left (or no mask)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    return bottom_right_mask(q_len, kv_len, device=query.device) if mask is None and 1 < q_len != kv_len else mask
-
-
 def _eager(module, query, key, value, mask, dropout, scaling, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's own eager attention (it knows softcap/sinks), with the additive float mask it expects."""
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise NotImplementedError(f"{type(module).__name__}: attention needs softcap/sinks and its module defines "
                                   "no eager_attention_forward to run them")
-    mask = _materialized(mask, query, key)
-    if mask is None and query.shape[2] > 1:  # q == kv: eager needs the causal mask spelled out
+    if mask is None and query.shape[2] > 1:  # None is bottom-right causal here; eager needs it spelled out
         mask = bottom_right_mask(query.shape[2], key.shape[2], device=query.device)
     if mask is not None and mask.dtype == torch.bool:
         zero = torch.zeros((), dtype=query.dtype, device=query.device)
@@ -129,7 +122,9 @@ def kvboost_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     if reason is not None:
         counts[f"sdpa:{reason}"] += 1
         causal = reason != "non_causal"  # non-causal: a None mask means every key
-        mask = _materialized(attention_mask, query, key) if causal else attention_mask
+        mask = attention_mask
+        if causal and mask is None and 1 < query.shape[2] != key.shape[2]:  # SDPA reads None as top-left causal
+            mask = bottom_right_mask(query.shape[2], key.shape[2], device=query.device)
         bias = kwargs.get("position_bias")
         if bias is not None:  # additive; a bool mask becomes -inf where it forbids
             if mask is None:

@@ -54,19 +54,16 @@ def _prefill_kernel(Q, K, V, Out, Ends, Valid,
     first_m = start_m * BLOCK_M
     last_m = tl.minimum(first_m + BLOCK_M, q_len) - 1
     hi = tl.maximum(tl.minimum(end, last_m + diag + 1), 0)  # keys past this are hidden from every query here
+    # Tiles below `full` are visible to the block's first query, hence to all of its queries: no mask.
+    full = tl.maximum(tl.minimum(end, first_m + diag + 1), 0) // BLOCK_N * BLOCK_N
     if HAS_VALID:  # the padding vector applies to every tile: all of them masked
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                                      offs_m, offs_d, 0, hi, end, diag, qk_scale,
-                                      HEAD_DIM, D_PAD, BLOCK_N, True, True, IEEE, DOT_F32)
-    else:
-        # Tiles below `full` are visible to the block's first query, hence to all of its queries: no mask.
-        full = tl.maximum(tl.minimum(end, first_m + diag + 1), 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                                      offs_m, offs_d, 0, full, end, diag, qk_scale,
-                                      HEAD_DIM, D_PAD, BLOCK_N, False, False, IEEE, DOT_F32)
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
-                                      offs_m, offs_d, full, hi, end, diag, qk_scale,
-                                      HEAD_DIM, D_PAD, BLOCK_N, True, False, IEEE, DOT_F32)
+        full = 0
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+                                  offs_m, offs_d, 0, full, end, diag, qk_scale,
+                                  HEAD_DIM, D_PAD, BLOCK_N, False, False, IEEE, DOT_F32)
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, k_base, v_base, valid_base, stride_kn, stride_vn,
+                                  offs_m, offs_d, full, hi, end, diag, qk_scale,
+                                  HEAD_DIM, D_PAD, BLOCK_N, True, HAS_VALID, IEEE, DOT_F32)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a query that saw no key: acc is 0, output 0
     out = acc / l_safe[:, None]

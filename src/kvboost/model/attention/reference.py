@@ -25,11 +25,6 @@ def bottom_right_mask(q_len: int, kv_len: int, *, ends: torch.Tensor | None = No
     return mask
 
 
-def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, group, s, d).reshape(b, h * group, s, d)
-
-
 def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, *,
                    scale: float | None, is_causal: bool = False, dropout: float = 0.0) -> torch.Tensor:
     """torch SDPA [B, Hq, q, d] x [B, Hkv, kv, d] with GQA, cuDNN excluded. `mask`: bool (True = attend) or additive
@@ -48,7 +43,7 @@ def sdpa_with_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if mask is None or query.device.type != "cuda":
             gqa = {"enable_gqa": True}
         else:
-            key, value = _repeat_kv(key, group), _repeat_kv(value, group)
+            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     with sdpa_kernel(FALLBACK_BACKENDS):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                               is_causal=is_causal, scale=scale, **gqa)
@@ -78,8 +73,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     q_len, kv_cap = query.shape[2], key.shape[2]
     kv_len = kv_cap if kv_len is None else int(kv_len)
     group = query.shape[1] // key.shape[1]
-    k = _repeat_kv(key[:, :, :kv_len].to(dtype), group)
-    v = _repeat_kv(value[:, :, :kv_len].to(dtype), group)
+    k = key[:, :, :kv_len].to(dtype).repeat_interleave(group, 1)
+    v = value[:, :, :kv_len].to(dtype).repeat_interleave(group, 1)
     scores = torch.matmul(query.to(dtype), k.transpose(-1, -2)) * scale
     mask = bottom_right_mask(q_len, kv_len, ends=ends, key_valid=key_valid, device=query.device)
     scores = scores.masked_fill(~mask, float("-inf"))
