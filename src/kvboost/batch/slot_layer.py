@@ -31,7 +31,12 @@ class SlotLayer(BufferLayer):
             end = self.write_cols + key_states.shape[-2]
             k_rows[:, :, self.write_cols - base:end - base].copy_(key_states)
             v_rows[:, :, self.write_cols - base:end - base].copy_(value_states)
-        else:  # a decode step (q = 1) or a ragged verify: row i's q tokens at [write_cols[i], write_cols[i] + q)
+        elif key_states.shape[-2] == 1:  # a decode step: each row's token at its own column
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            k_rows[rows, :, self.write_cols - base] = key_states[:, :, 0]
+            v_rows[rows, :, self.write_cols - base] = value_states[:, :, 0]
+            end = self.past + 1
+        else:  # a ragged verify: row i's q tokens at columns [write_cols[i], write_cols[i] + q)
             q = key_states.shape[-2]
             rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
             cols = (self.write_cols - base)[:, None] + torch.arange(q, device=key_states.device)  # [rows, q]
