@@ -28,7 +28,7 @@ def test_warm_up_runs_generations_through_the_worker_and_stores_nothing(tiny_eng
         assert seconds > 0 and scheduler.alive  # the worker keeps running for the requests to come
         runs = 2 if batch > 1 else 1
         assert scheduler.stats.completed == runs and scheduler.stats.failed == 0
-        assert scheduler.stats.max_rows == runs  # together, in one batch
+        assert scheduler.stats.max_rows_in_a_step == runs  # together, in one batch
         assert _stored(tiny_engine) == before  # baseline mode: no lookup, no write-back
         after = tiny_engine.cache_stats()["requests_by_mode"]
         assert after.get("baseline", 0) == by_mode.get("baseline", 0) + runs
